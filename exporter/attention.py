@@ -1,0 +1,172 @@
+"""Attention subgraphs for both KV layouts, written with standard ONNX ops.
+
+Both layouts reduce to one core (`_attend`): queries grouped by KV head, keys/values with
+`kv_heads` heads (GQA stays GQA), an additive mask bias. They differ in where keys come
+from: the contiguous layout concatenates past and present; the paged layout gathers the
+sequence's blocks from the pool and appends this step's keys.
+
+Masks and index tensors depend only on the step's metadata, so `*_context()` builds them
+once per graph and every layer reuses them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvexport import io
+
+from .onnx_builder import GraphBuilder, onnx_dtype
+from .spec import ModelSpec
+
+NEG = -1e30  # additive bias for masked keys; finite so a fully masked pad row stays NaN-free
+
+
+@dataclass(frozen=True, slots=True)
+class AttnContext:
+    bias: str  # [N, 1, 1, Q, L] float32: 0 where a query may see a key, NEG elsewhere
+    # paged only
+    gather_idx: str | None = None  # [S, Qmax] int64: packed token index of padded query (s, i)
+    valid: str | None = None  # [S * Qmax] bool: which padded queries are real tokens
+
+
+def _window_ok(b: GraphBuilder, q_pos: str, k_pos: str, window: int | None) -> str | None:
+    """q_pos - k_pos < window (HF's sliding window: the query and window-1 keys before it)."""
+    if window is None:
+        return None
+    return b.op("Less", b.op("Sub", q_pos, k_pos), b.const(window))
+
+
+def _and(b: GraphBuilder, *masks: str | None) -> str:
+    masks = [m for m in masks if m is not None]
+    out = masks[0]
+    for m in masks[1:]:
+        out = b.op("And", out, m)
+    return out
+
+
+def _to_bias(b: GraphBuilder, mask: str) -> str:
+    # mask [N, Q, L] bool -> [N, 1, 1, Q, L] float32
+    bias = b.op("Where", mask, b.const(0.0, "float32"), b.const(NEG, "float32"))
+    return b.op("Unsqueeze", bias, b.const([1, 2]))
+
+
+def contiguous_context(b: GraphBuilder, spec: ModelSpec) -> AttnContext:
+    """Mask for left-padded batches: key j is visible to query i (absolute index P + i,
+    P = past length) if attention_mask[j] = 1, j <= P + i and inside the window."""
+    b.scope = "/attn_mask"
+    total = b.op("Gather", b.op("Shape", io.ATTENTION_MASK), b.const(1), axis=0)  # scalar L
+    seq = b.op("Gather", b.op("Shape", io.INPUT_IDS), b.const(1), axis=0)  # scalar S
+    past = b.op("Sub", total, seq)
+    k_pos = b.op("Range", b.const(0), total, b.const(1))  # [L]
+    q_pos = b.op("Unsqueeze", b.op("Range", past, total, b.const(1)), b.const([1]))  # [S, 1]
+    causal = b.op("LessOrEqual", k_pos, q_pos)  # [S, L]
+    window = _window_ok(b, q_pos, k_pos, spec.sliding_window)
+    keep = b.op("Unsqueeze", b.op("Cast", io.ATTENTION_MASK, to=9), b.const([1]))  # [B, 1, L]
+    mask = _and(b, keep, causal, window)  # [B, S, L]
+    return AttnContext(bias=_to_bias(b, mask))
+
+
+def paged_context(b: GraphBuilder, spec: ModelSpec, block_size: int) -> AttnContext:
+    """Index tensors and mask for a packed ragged batch.
+
+        query_start_loc ──> q_start, q_len ──> gather_idx [S, Qmax] (pads queries per seq)
+        seq_lens - q_len ─> ctx_len (tokens already in the pool, per sequence)
+        keys = [ pool blocks of the seq (Lc = max_blocks * block_size) | this step's Qmax ]
+        cached key j visible  iff  j < ctx_len            (and inside the window)
+        new key j' visible    iff  j' <= i                 (and inside the window)
+    """
+    b.scope = "/attn_mask"
+    q_start = b.op("Slice", io.QUERY_START_LOC, b.const([0]), b.const([-1]))  # [S]
+    q_end = b.op("Slice", io.QUERY_START_LOC, b.const([1]), b.const([np.iinfo(np.int64).max]))
+    q_len = b.op("Sub", q_end, q_start)  # [S]
+    ctx_len = b.op("Sub", io.SEQ_LENS, q_len)  # [S]
+    q_max = b.op("ReduceMax", q_len, keepdims=0)  # scalar
+    i = b.op("Range", b.const(0), q_max, b.const(1))  # [Qmax]
+    tok = b.op("Add", b.op("Unsqueeze", q_start, b.const([1])), i)  # [S, Qmax]
+    n_tok = b.op("Gather", b.op("Shape", io.INPUT_IDS), b.const(0), axis=0)
+    gather_idx = b.op("Min", tok, b.op("Sub", n_tok, b.const(1)))
+    valid = b.op("Less", i, b.op("Unsqueeze", q_len, b.const([1])))  # [S, Qmax]
+    valid = b.op("Reshape", valid, b.const([-1]))
+
+    n_blocks = b.op("Gather", b.op("Shape", io.BLOCK_TABLES), b.const(1), axis=0)
+    lc = b.op("Mul", n_blocks, b.const(block_size))
+    k_cached = b.op("Range", b.const(0), lc, b.const(1))  # [Lc]
+    ctx3 = b.op("Unsqueeze", ctx_len, b.const([1, 2]))  # [S, 1, 1]
+    q_pos = b.op("Add", ctx3, b.op("Unsqueeze", i, b.const([1])))  # [S, Qmax, 1]
+    cached_ok = _and(b, b.op("Less", k_cached, ctx3),
+                     _window_ok(b, q_pos, k_cached, spec.sliding_window))  # [S, Qmax, Lc]
+    i_col = b.op("Unsqueeze", i, b.const([1]))  # [Qmax, 1]
+    new_ok = _and(b, b.op("LessOrEqual", i, i_col),
+                  _window_ok(b, i_col, i, spec.sliding_window))  # [Qmax, Qmax]
+    s = b.op("Gather", b.op("Shape", io.SEQ_LENS), b.const(0), axis=0)
+    new_ok = b.op("Expand", new_ok, b.op("Concat", b.op("Unsqueeze", s, b.const([0])),
+                                         b.op("Shape", new_ok), axis=0))  # [S, Qmax, Qmax]
+    # NOTE: without a window cached_ok is [S, 1, Lc]; expand it so the concat matches.
+    cached_ok = b.op("Expand", cached_ok, b.op("Concat", b.op("Unsqueeze", s, b.const([0])),
+                                               b.op("Unsqueeze", q_max, b.const([0])),
+                                               b.op("Unsqueeze", lc, b.const([0])), axis=0))
+    mask = b.op("Concat", cached_ok, new_ok, axis=2)  # [S, Qmax, Lc + Qmax]
+    return AttnContext(bias=_to_bias(b, mask), gather_idx=gather_idx, valid=valid)
+
+
+def _attend(b: GraphBuilder, spec: ModelSpec, q: str, k: str, v: str, bias: str) -> str:
+    """Core attention, GQA-aware.
+
+        q    [N, Q, H, D] float32 (already scaled)
+        k, v [N, kvH, L, D] float32
+        bias [N, 1, 1, Q, L]
+        ->   [N, Q, H * D]
+    """
+    kvh, g, d = spec.num_kv_heads, spec.group_size, spec.head_dim
+    q = b.op("Reshape", q, b.const([0, 0, kvh, g, d]))  # [N, Q, kvH, G, D]
+    q = b.op("Transpose", q, perm=[0, 2, 3, 1, 4])  # [N, kvH, G, Q, D]
+    kt = b.op("Unsqueeze", b.op("Transpose", k, perm=[0, 1, 3, 2]), b.const([2]))  # [N, kvH, 1, D, L]
+    scores = b.op("Add", b.op("MatMul", q, kt), bias)  # [N, kvH, G, Q, L]
+    probs = b.op("Softmax", scores, axis=-1)
+    out = b.op("MatMul", probs, b.op("Unsqueeze", v, b.const([2])))  # [N, kvH, G, Q, D]
+    out = b.op("Transpose", out, perm=[0, 3, 1, 2, 4])  # [N, Q, kvH, G, D]
+    return b.op("Reshape", out, b.const([0, 0, spec.num_heads * d]))  # [N, Q, H*D]
+
+
+def contiguous_attention(b: GraphBuilder, spec: ModelSpec, layer: int, ctx: AttnContext,
+                         q: str, k: str, v: str, *, has_past: bool, kv_dtype: str) -> tuple[str, str, str]:
+    """q [B, S, H, D], k/v [B, S, kvH, D] (float32, rotated) -> (out [B, S, H*D],
+    present key, present value [B, kvH, total, D] in kv_dtype)."""
+    k = b.op("Transpose", k, perm=[0, 2, 1, 3])  # [B, kvH, S, D]
+    v = b.op("Transpose", v, perm=[0, 2, 1, 3])
+    k, v = _cast(b, k, "float32", kv_dtype), _cast(b, v, "float32", kv_dtype)
+    if has_past:
+        k = b.op("Concat", io.past_key(layer), k, axis=2)  # [B, kvH, P+S, D]
+        v = b.op("Concat", io.past_value(layer), v, axis=2)
+    out = _attend(b, spec, q, _cast(b, k, kv_dtype, "float32"), _cast(b, v, kv_dtype, "float32"),
+                  ctx.bias)
+    return out, k, v
+
+
+def paged_attention(b: GraphBuilder, spec: ModelSpec, layer: int, ctx: AttnContext,
+                    q: str, k: str, v: str, *, kv_dtype: str) -> tuple[str, str, str]:
+    """q [T, H, D], k/v [T, kvH, D] (float32, rotated) -> (out [T, H*D],
+    new key, new value [T, kvH, D] in kv_dtype for the runtime to store at slot_mapping)."""
+    new_k, new_v = _cast(b, k, "float32", kv_dtype), _cast(b, v, "float32", kv_dtype)
+    kvh, d = spec.num_kv_heads, spec.head_dim
+
+    def keys(pool: str, fresh: str) -> str:
+        cached = b.op("Gather", pool, io.BLOCK_TABLES, axis=0)  # [S, B, bs, kvH, D]
+        cached = b.op("Reshape", cached, b.const([0, -1, kvh, d]))  # [S, Lc, kvH, D]
+        padded = b.op("Gather", fresh, ctx.gather_idx, axis=0)  # [S, Qmax, kvH, D]
+        both = b.op("Concat", cached, padded, axis=1)  # [S, Lc+Qmax, kvH, D]
+        both = _cast(b, both, kv_dtype, "float32")
+        return b.op("Transpose", both, perm=[0, 2, 1, 3])  # [S, kvH, Lc+Qmax, D]
+
+    q_pad = b.op("Gather", q, ctx.gather_idx, axis=0)  # [S, Qmax, H, D]
+    out = _attend(b, spec, q_pad, keys(io.key_cache(layer), new_k), keys(io.value_cache(layer), new_v),
+                  ctx.bias)  # [S, Qmax, H*D]
+    out = b.op("Reshape", out, b.const([-1, spec.num_heads * d]))  # [S*Qmax, H*D]
+    out = b.op("Compress", out, ctx.valid, axis=0)  # [T, H*D]
+    return out, new_k, new_v
+
+
+def _cast(b: GraphBuilder, x: str, src: str, dst: str) -> str:
+    return x if src == dst else b.op("Cast", x, to=onnx_dtype(dst))

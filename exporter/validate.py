@@ -1,0 +1,196 @@
+"""Validation of exported graphs against transformers on the same weights.
+
+The reference is transformers' own forward pass (float32, one prompt at a time, full
+recompute each step: no cache code involved). The graphs run in onnxruntime (CPU) with
+all prompts in one batch: prefill (the paged layout in two chunks, so cached-prefix
+attention is exercised) then `steps` decode steps, fed the reference's greedy tokens
+(teacher forcing) so every step's logits are comparable. Greedy tokens are identical
+exactly when our argmax equals the reference's token at every step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kvexport import io
+
+# Max |Δ logits| accepted, per activation dtype (every family shares them).
+# fp32: both sides compute in float32 with different summation orders and fused kernels;
+# errors of ~1e-6 relative per op grow over the depth: on smollm2-135m (30 layers, logits
+# of magnitude ~20) we measure ~1e-4, so 5e-3 leaves 50x headroom yet catches any real bug
+# (a wrong mask or rope shows up as >1e-1).
+# fp16: matmuls round to 11-bit mantissas; logits move by ~1e-2..1e-1, and near-ties may
+# flip a greedy token, so fp16 checks the tolerance but only reports token agreement.
+TOLERANCE = {"fp32": 5e-3, "fp16": 0.5}
+REQUIRE_GREEDY = {"fp32": True, "fp16": False}
+
+DEFAULT_PROMPTS = (
+    "The capital of France is",
+    "Once upon a time, in a small village at the edge of a great forest, there lived",
+    "def fibonacci(n):",
+    "Write a short poem about the sea and the wind, in the style of an old sailor's song:",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ValidationResult:
+    prompts: int
+    prompt_lengths: list[int]
+    steps: int
+    max_abs_diff_per_step: list[float]  # step 0 = prefill
+    max_abs_diff: float
+    tolerance: float
+    greedy_identical: bool
+    token_agreement: float  # fraction of (prompt, step) argmaxes equal to the reference
+    passed: bool
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def reference(model, prompts: list[list[int]], steps: int) -> tuple[list[list[int]], list[np.ndarray]]:
+    """Greedy tokens [prompt][step] and logits [step] -> [num_prompts, vocab] from transformers."""
+    import torch
+
+    tokens, logits = [], [[] for _ in range(steps + 1)]
+    with torch.no_grad():
+        for p in prompts:
+            ids = list(p)
+            out = []
+            for step in range(steps + 1):
+                row = model(torch.tensor([ids]), use_cache=False).logits[0, -1].float().numpy()
+                logits[step].append(row)
+                nxt = int(row.argmax())
+                out.append(nxt)
+                ids.append(nxt)
+            tokens.append(out)
+    return tokens, [np.stack(s) for s in logits]
+
+
+def session(path: Path, threads: int | None = None):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    if threads:
+        so.intra_op_num_threads = threads
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
+class ContiguousDriver:
+    """Static batch, left padding, optimum-style past/present tensors."""
+
+    def __init__(self, build_dir: Path, manifest):
+        self.prefill = session(build_dir / manifest.graphs["prefill"].file)
+        self.decode = session(build_dir / manifest.graphs["decode"].file)
+        self.layers = manifest.kv.num_layers
+
+    def run(self, prompts: list[list[int]], forced: list[list[int]], steps: int) -> list[np.ndarray]:
+        n, longest = len(prompts), max(len(p) for p in prompts)
+        ids = np.zeros((n, longest), np.int64)
+        mask = np.zeros((n, longest), np.int64)
+        for r, p in enumerate(prompts):
+            ids[r, longest - len(p):] = p
+            mask[r, longest - len(p):] = 1
+        pos = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
+        outs = self.prefill.run(None, {io.INPUT_IDS: ids, io.ATTENTION_MASK: mask, io.POSITION_IDS: pos})
+        logits = [outs[0][:, -1]]
+        past = outs[1:]
+        for step in range(steps):
+            tok = np.array([[f[step]] for f in forced], np.int64)
+            mask = np.concatenate([mask, np.ones((n, 1), np.int64)], axis=1)
+            pos = pos[:, -1:] + 1
+            feeds = {io.INPUT_IDS: tok, io.ATTENTION_MASK: mask, io.POSITION_IDS: pos}
+            for i in range(self.layers):
+                feeds[io.past_key(i)], feeds[io.past_value(i)] = past[2 * i], past[2 * i + 1]
+            outs = self.decode.run(None, feeds)
+            logits.append(outs[0][:, -1])
+            past = outs[1:]
+        return logits
+
+
+class PagedDriver:
+    """Packed tokens, a block pool per layer, sequences on consecutive blocks (block 0 is
+    the pad block). Prompts are prefilled in two chunks."""
+
+    def __init__(self, build_dir: Path, manifest):
+        self.prefill = session(build_dir / manifest.graphs["prefill"].file)
+        self.decode = session(build_dir / manifest.graphs["decode"].file)
+        self.kv = manifest.kv
+        self.dtype = np.dtype(io.DType(manifest.kv.dtype).numpy_name)
+        self.all_logits = manifest.all_logits
+
+    def run(self, prompts: list[list[int]], forced: list[list[int]], steps: int) -> list[np.ndarray]:
+        kv, n = self.kv, len(prompts)
+        per_seq = math.ceil((max(len(p) for p in prompts) + steps) / kv.block_size)
+        tables = np.array([[1 + s * per_seq + j for j in range(per_seq)] for s in range(n)], np.int64)
+        shape = (1 + n * per_seq, kv.block_size, kv.num_kv_heads, kv.head_dim)
+        pools = [np.zeros(shape, self.dtype) for _ in range(2 * kv.num_layers)]
+        seqs = [list(p) for p in prompts]
+        done = [0] * n  # tokens already in the pool
+
+        def step(sess, chunks: list[list[int]]) -> np.ndarray:
+            ids, pos, slots, qsl = [], [], [], [0]
+            for s, chunk in enumerate(chunks):
+                for k, t in enumerate(chunk):
+                    p = done[s] + k
+                    ids.append(t)
+                    pos.append(p)
+                    slots.append(tables[s, p // kv.block_size] * kv.block_size + p % kv.block_size)
+                qsl.append(qsl[-1] + len(chunk))
+            lens = [done[s] + len(c) for s, c in enumerate(chunks)]
+            used = math.ceil(max(lens) / kv.block_size)
+            feeds = {io.INPUT_IDS: np.array(ids, np.int64), io.POSITIONS: np.array(pos, np.int64),
+                     io.QUERY_START_LOC: np.array(qsl, np.int64), io.SEQ_LENS: np.array(lens, np.int64),
+                     io.BLOCK_TABLES: np.ascontiguousarray(tables[:, :used]),
+                     io.SLOT_MAPPING: np.array(slots, np.int64)}
+            for i in range(kv.num_layers):
+                feeds[io.key_cache(i)], feeds[io.value_cache(i)] = pools[2 * i], pools[2 * i + 1]
+            outs = sess.run(None, feeds)
+            slot = np.array(slots)
+            for j, pool in enumerate(pools):  # the runtime's job: store this step's K/V
+                pool.reshape(-1, kv.num_kv_heads, kv.head_dim)[slot] = outs[1 + j]
+            for s, c in enumerate(chunks):
+                done[s] += len(c)
+            logits = outs[0]
+            if self.all_logits and sess is self.prefill:
+                logits = logits[np.array(qsl[1:]) - 1]
+            return logits
+
+        if all(len(p) >= 2 for p in seqs):  # two chunks: the second attends to cached blocks
+            step(self.prefill, [p[:len(p) // 2] for p in seqs])
+            logits = [step(self.prefill, [p[len(p) // 2:] for p in seqs])]
+        else:
+            logits = [step(self.prefill, seqs)]
+        for t in range(steps):
+            logits.append(step(self.decode, [[f[t]] for f in forced]))
+        return logits
+
+
+def prompt_ids(tokenizer, vocab_size: int, count: int = 4, seed: int = 0) -> list[list[int]]:
+    """Token ids of the default prompts (different lengths), or seeded random ids when the
+    model has no tokenizer (tiny test models)."""
+    if tokenizer is not None:
+        return [tokenizer(p, add_special_tokens=True)["input_ids"] for p in DEFAULT_PROMPTS[:count]]
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, vocab_size, size=n).tolist() for n in (5, 17, 9, 30)[:count]]
+
+
+def validate(build_dir: Path, manifest, model, prompts: list[list[int]], steps: int = 16) -> ValidationResult:
+    forced, ref_logits = reference(model, prompts, steps)
+    driver = PagedDriver if manifest.kv.layout == io.KVLayout.PAGED.value else ContiguousDriver
+    ours = driver(build_dir, manifest).run(prompts, forced, steps)
+    diffs, agree = [], 0
+    for step, (a, r) in enumerate(zip(ours, ref_logits)):
+        diffs.append(float(np.abs(a.astype(np.float32) - r).max()))
+        agree += sum(int(a[s].argmax() == forced[s][step]) for s in range(len(prompts)))
+    total = len(prompts) * (steps + 1)
+    tol = TOLERANCE[manifest.dtype]
+    identical = agree == total
+    passed = max(diffs) <= tol and (identical or not REQUIRE_GREEDY[manifest.dtype])
+    return ValidationResult(len(prompts), [len(p) for p in prompts], steps, diffs, max(diffs), tol,
+                            identical, agree / total, passed)

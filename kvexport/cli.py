@@ -1,0 +1,115 @@
+"""The `kvexport` command line. Each command parses its arguments and calls one library
+function; options beyond a few flags live in recipes."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import time
+from typing import Iterator
+
+import click
+from rich.console import Console
+
+from . import io
+from .errors import KvExportError
+
+console = Console(stderr=True)
+
+
+def _env_defaults() -> None:
+    os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+class _Cli(click.Group):
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except KvExportError as e:
+            console.print(f"[bold red]error:[/] {e}")
+            sys.exit(2)
+
+
+@click.group(cls=_Cli, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="kvexport")
+@click.option("-v", "--verbose", is_flag=True, help="Log progress details.")
+def main(verbose: bool) -> None:
+    """kvexport: Hugging Face causal LMs -> prefill/decode ONNX graphs with explicit KV cache."""
+    _env_defaults()
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+
+
+def _rich_progress():
+    """A progress callback for build(): one spinner line per step, with its duration."""
+
+    @contextlib.contextmanager
+    def step(name: str) -> Iterator[None]:
+        t = time.perf_counter()
+        with console.status(f"{name}…"):
+            yield
+        console.print(f"[green]✓[/] {name} [dim]({time.perf_counter() - t:.1f}s)[/]")
+
+    return step
+
+
+@main.command()
+@click.argument("model", required=False)
+@click.option("--out", type=click.Path(), help="Build directory (default: build/<model name>).")
+@click.option("--layout", type=click.Choice([l.value for l in io.KVLayout]), help="KV-cache layout [paged].")
+@click.option("--dtype", type=click.Choice(["fp32", "fp16"]), help="Weights/activations dtype [fp32].")
+@click.option("--block-size", type=int, help="Tokens per KV block for the paged layout [16].")
+@click.option("--max-seq-len", type=int, help="Longest context served [model's max positions, capped at 32768].")
+@click.option("--all-logits", is_flag=True, default=None, help="Prefill returns logits for every token (perplexity).")
+@click.option("--recipe", help="A recipe YAML file, or a shipped recipe name (llama, mistral, qwen2, phi3, gpt2).")
+@click.option("--allow-pickle", is_flag=True, help="Accept pickled *.bin weights (loaded with weights_only=True).")
+@click.option("--force", is_flag=True, help="Replace an existing build directory.")
+@click.option("--no-validate", is_flag=True, help="Skip the comparison with transformers.")
+def build(model, out, layout, dtype, block_size, max_seq_len, all_logits, recipe, allow_pickle, force, no_validate):
+    """Export a model (HF folder, .gguf file or alias) into a validated build directory."""
+    from kvexport.exporter.build import BuildOptions, build as run_build
+    from kvexport.exporter.source import DEFAULT_MODEL
+    from kvexport.recipes import Recipe, load_recipe
+
+    r = load_recipe(recipe) if recipe else Recipe()
+    kw = r.options()
+    given = {"layout": layout, "dtype": dtype, "block_size": block_size, "max_seq_len": max_seq_len,
+             "all_logits": all_logits}
+    kw.update({k: v for k, v in given.items() if v is not None})
+    if no_validate:
+        kw["validate"] = False
+    if "layout" in kw:
+        kw["layout"] = io.KVLayout(kw["layout"])
+    if "dtype" in kw:
+        kw["dtype"] = io.DType(kw["dtype"])
+    opts = BuildOptions(force=force, allow_pickle=allow_pickle, **kw)
+    model = model or r.model or DEFAULT_MODEL
+    path, manifest = run_build(model, out, opts, progress=_rich_progress())
+    _print_validation(manifest)
+    console.print(f"[bold green]build ready:[/] {path}")
+
+
+def _print_validation(manifest) -> None:
+    v = manifest.validation
+    if not v:
+        console.print("[yellow]validation skipped[/]")
+        return
+    console.print(f"validation vs transformers: {v['prompts']} prompts (lengths {v['prompt_lengths']}), "
+                  f"{v['steps']} decode steps: max |Δ logits| {v['max_abs_diff']:.2e} "
+                  f"(tolerance {v['tolerance']}), greedy tokens identical: "
+                  f"{'yes' if v['greedy_identical'] else 'no'} ({100 * v['token_agreement']:.1f}% agree)")
+
+
+@main.command()
+@click.argument("build_dir", type=click.Path(exists=True, file_okay=False))
+def inspect(build_dir):
+    """Print a build's manifest: graph I/O, parameters, KV bytes per token, validation."""
+    from kvexport.inspect import render
+
+    render(build_dir, Console())
+
+
+if __name__ == "__main__":
+    main()

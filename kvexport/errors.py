@@ -1,0 +1,31 @@
+"""User-facing errors. Every mistake a user can make raises a subclass of
+`KvExportError` whose message says what to do; `assert` is kept for internal invariants."""
+
+
+class KvExportError(Exception):
+    """Base class of all errors caused by user input or environment."""
+
+
+class UnsupportedModelError(KvExportError):
+    """The architecture or one of its options is not supported (the message names the
+    field and the supported values)."""
+
+
+class ConfigError(KvExportError):
+    """A config.json, recipe or option is malformed or out of range."""
+
+
+class SourceError(KvExportError):
+    """Model weights or tokenizer are missing, unreadable or refused."""
+
+
+class BuildExistsError(KvExportError):
+    """The output directory exists and --force was not given."""
+
+
+class ManifestError(KvExportError):
+    """A build directory has a missing, corrupt or incompatible manifest."""
+
+
+class ValidationError(KvExportError):
+    """Exported graphs disagree with transformers beyond the stated tolerance."""

@@ -1,0 +1,60 @@
+"""`kvexport inspect`: a readable view of a build's manifest."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from . import manifest as mf
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def render(build_dir: str | Path, console: Console) -> mf.Manifest:
+    m = mf.load(build_dir)
+    spec = m.model
+    console.print(f"[bold]{build_dir}[/]  kvexport {m.kvexport_version}, schema {m.schema_version}")
+    console.print(f"source: {m.source['kind']} {m.source['name']}")
+    console.print(f"model: {spec['family']} ({spec['model_type']}), {spec['num_layers']} layers, hidden "
+                  f"{spec['hidden_size']}, {spec['num_heads']} heads / {spec['num_kv_heads']} KV heads × "
+                  f"{spec['head_dim']}, vocab {spec['vocab_size']}, "
+                  f"window {spec['sliding_window'] or 'none'}, tied embeddings {spec['tie_embeddings']}")
+    console.print(f"parameters: {m.weights.get('parameters', 0) / 1e6:.1f} M, weights file "
+                  f"{_human(m.weights['bytes'])}, dtype {m.dtype}")
+    kv = m.kv
+    console.print(f"KV cache: layout {kv.layout}, attention {kv.attention}, dtype {kv.dtype}, block size "
+                  f"{kv.block_size or '-'}, [bold]{kv.bytes_per_token} bytes/token[/] "
+                  f"({_human(kv.bytes_per_token * kv.max_seq_len)} for a full {kv.max_seq_len}-token context)")
+    for name, g in m.graphs.items():
+        t = Table(title=f"{name}: {g.file} ({_human(g.bytes)})", show_lines=False)
+        t.add_column("kind"), t.add_column("name"), t.add_column("dtype"), t.add_column("shape")
+        rows = [("in", x) for x in g.inputs] + [("out", x) for x in g.outputs]
+        shown = rows if len(rows) <= 16 else rows[:8] + [("…", None)] + rows[-4:]
+        for kind, x in shown:
+            if x is None:
+                t.add_row("…", f"({len(rows) - 12} more)", "", "")
+            else:
+                t.add_row(kind, x["name"], x["dtype"], escape("[" + ", ".join(map(str, x["shape"])) + "]"))
+        console.print(t)
+    v = m.validation
+    if v:
+        steps = ", ".join(f"{d:.1e}" for d in v["max_abs_diff_per_step"])
+        console.print(f"validation: {'[green]passed[/]' if v['passed'] else '[red]failed[/]'}; "
+                      f"{v['prompts']} prompts, lengths {v['prompt_lengths']}, {v['steps']} steps; max |Δ logits| "
+                      f"{v['max_abs_diff']:.2e} (tolerance {v['tolerance']}); greedy identical "
+                      f"{'yes' if v['greedy_identical'] else 'no'}")
+        console.print(f"  per step: {steps}")
+    else:
+        console.print("validation: not run")
+    for note in m.notes:
+        console.print(f"note: {note}")
+    return m

@@ -1,0 +1,225 @@
+"""The one contract between exporter, plugins and runtime.
+
+This module owns every graph tensor name, its dtype and its axes, the KV layouts,
+attention variants and KV dtypes. The exporter emits exactly these names, the runtime
+binds exactly these names, the plugins implement the attention they describe.
+Nobody else spells a tensor name.
+
+Layouts
+-------
+``contiguous`` (optimum / onnxruntime-genai compatible)::
+
+    input_ids [batch, seq] int64, attention_mask [batch, total_seq] int64,
+    position_ids [batch, seq] int64, past_key_values.{i}.key/value
+    [batch, kv_heads, past_seq, head_dim]  ->  logits [batch, seq|1, vocab],
+    present.{i}.key/value [batch, kv_heads, total_seq, head_dim]
+
+    Prompts in one batch are left-padded; ``attention_mask`` marks real tokens.
+    The prefill graph has no ``past_key_values`` inputs.
+
+``paged`` (production): tokens of all sequences are packed (no padding)::
+
+    input_ids [num_tokens] int64       this step's tokens, sequence after sequence
+    positions [num_tokens] int64       position of each token in its sequence
+    query_start_loc [num_seqs+1] int64 cumulative token offsets (0, q0, q0+q1, ...)
+    seq_lens [num_seqs] int64          KV length of each sequence after this step
+    block_tables [num_seqs, max_blocks] int64   physical block ids, padded with PAD_BLOCK_ID
+    slot_mapping [num_tokens] int64    block_id * block_size + offset for each new token
+    key_cache.{i}/value_cache.{i} [num_blocks, block_size, kv_heads, head_dim]
+    -> logits [num_seqs|num_tokens, vocab],
+       new_key.{i}/new_value.{i} [num_tokens, kv_heads, head_dim]
+
+    NOTE: with the ``onnx`` attention the graph reads the pool but never writes it
+    (ONNX has no in-place update; copying a whole pool per step would cost O(pool)).
+    It returns this step's K/V and the runtime stores them at ``slot_mapping``.
+    The ``plugin`` attention writes the pool in place (aliased output) instead.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+SCHEMA_VERSION = 1
+MANIFEST_NAME = "kvexport.json"
+WEIGHTS_FILE = "weights.data"
+TOKENIZER_DIR = "tokenizer"
+PREFILL_GRAPH = "prefill.onnx"
+DECODE_GRAPH = "decode.onnx"
+
+# Block 0 of every pool is never handed out; padded block-table entries point to it
+# so a gather stays in bounds. Its contents are always masked out.
+PAD_BLOCK_ID = 0
+
+ONNX_OPSET = 18
+PLUGIN_DOMAIN = "kvexport"
+PLUGIN_OP = "PagedAttention"
+PLUGIN_VERSION = "1"
+
+
+class KVLayout(str, enum.Enum):
+    CONTIGUOUS = "contiguous"
+    PAGED = "paged"
+
+
+class Attention(str, enum.Enum):
+    ONNX = "onnx"  # standard ONNX ops; runs on onnxruntime CPU
+    PLUGIN = "plugin"  # kvexport::PagedAttention nodes (plugins issue; reserved)
+
+
+class DType(str, enum.Enum):
+    FP32 = "fp32"
+    FP16 = "fp16"
+    BF16 = "bf16"  # reserved for GPU engines
+    INT8 = "int8"  # KV only, with scales (plugins issue; reserved)
+
+    @property
+    def numpy_name(self) -> str:
+        return {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int8": "int8"}[self.value]
+
+    @property
+    def itemsize(self) -> int:
+        return {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1}[self.value]
+
+
+class Phase(str, enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+# ---- tensor names -------------------------------------------------------------------
+INPUT_IDS = "input_ids"
+LOGITS = "logits"
+# contiguous
+ATTENTION_MASK = "attention_mask"
+POSITION_IDS = "position_ids"
+# paged
+POSITIONS = "positions"
+QUERY_START_LOC = "query_start_loc"
+SEQ_LENS = "seq_lens"
+BLOCK_TABLES = "block_tables"
+SLOT_MAPPING = "slot_mapping"
+
+
+def past_key(i: int) -> str:
+    return f"past_key_values.{i}.key"
+
+
+def past_value(i: int) -> str:
+    return f"past_key_values.{i}.value"
+
+
+def present_key(i: int) -> str:
+    return f"present.{i}.key"
+
+
+def present_value(i: int) -> str:
+    return f"present.{i}.value"
+
+
+def key_cache(i: int) -> str:
+    return f"key_cache.{i}"
+
+
+def value_cache(i: int) -> str:
+    return f"value_cache.{i}"
+
+
+def new_key(i: int) -> str:
+    return f"new_key.{i}"
+
+
+def new_value(i: int) -> str:
+    return f"new_value.{i}"
+
+
+# ---- dynamic axis names ---------------------------------------------------------------
+BATCH = "batch"
+SEQ = "seq"
+PAST_SEQ = "past_seq"
+TOTAL_SEQ = "total_seq"
+NUM_TOKENS = "num_tokens"
+NUM_SEQS = "num_seqs"
+NUM_SEQS_PLUS_1 = "num_seqs_plus_1"
+MAX_BLOCKS = "max_blocks_per_seq"
+NUM_BLOCKS = "num_blocks"
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """One graph input or output: name, element type ('int64', 'float32', ...), shape
+    with ints for fixed axes and axis names (above) for dynamic ones."""
+
+    name: str
+    dtype: str
+    shape: tuple[int | str, ...]
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+
+
+@dataclass(frozen=True, slots=True)
+class GraphIO:
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+
+
+def graph_io(
+    *,
+    layout: KVLayout,
+    phase: Phase,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    vocab_size: int,
+    block_size: int,
+    act_dtype: str,
+    kv_dtype: str,
+    all_logits: bool,
+) -> GraphIO:
+    """Every input and output of one graph, in order. The exporter declares exactly
+    these; the runtime feeds exactly these."""
+    if layout is KVLayout.CONTIGUOUS:
+        seq = SEQ if phase is Phase.PREFILL else 1
+        inputs = [
+            TensorSpec(INPUT_IDS, "int64", (BATCH, seq)),
+            TensorSpec(ATTENTION_MASK, "int64", (BATCH, TOTAL_SEQ)),
+            TensorSpec(POSITION_IDS, "int64", (BATCH, seq)),
+        ]
+        if phase is Phase.DECODE:
+            for i in range(num_layers):
+                for name in (past_key(i), past_value(i)):
+                    inputs.append(TensorSpec(name, kv_dtype, (BATCH, num_kv_heads, PAST_SEQ, head_dim)))
+        logits_seq = seq if (all_logits or phase is Phase.DECODE) else 1
+        outputs = [TensorSpec(LOGITS, act_dtype, (BATCH, logits_seq, vocab_size))]
+        for i in range(num_layers):
+            for name in (present_key(i), present_value(i)):
+                outputs.append(TensorSpec(name, kv_dtype, (BATCH, num_kv_heads, TOTAL_SEQ, head_dim)))
+        return GraphIO(tuple(inputs), tuple(outputs))
+
+    ntok = NUM_TOKENS if phase is Phase.PREFILL else NUM_SEQS
+    inputs = [
+        TensorSpec(INPUT_IDS, "int64", (ntok,)),
+        TensorSpec(POSITIONS, "int64", (ntok,)),
+        TensorSpec(QUERY_START_LOC, "int64", (NUM_SEQS_PLUS_1,)),
+        TensorSpec(SEQ_LENS, "int64", (NUM_SEQS,)),
+        TensorSpec(BLOCK_TABLES, "int64", (NUM_SEQS, MAX_BLOCKS)),
+        TensorSpec(SLOT_MAPPING, "int64", (ntok,)),
+    ]
+    for i in range(num_layers):
+        for name in (key_cache(i), value_cache(i)):
+            inputs.append(TensorSpec(name, kv_dtype, (NUM_BLOCKS, block_size, num_kv_heads, head_dim)))
+    logits_rows = ntok if all_logits else NUM_SEQS
+    outputs = [TensorSpec(LOGITS, act_dtype, (logits_rows, vocab_size))]
+    for i in range(num_layers):
+        for name in (new_key(i), new_value(i)):
+            outputs.append(TensorSpec(name, kv_dtype, (ntok, num_kv_heads, head_dim)))
+    return GraphIO(tuple(inputs), tuple(outputs))
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: DType) -> int:
+    """Memory one token occupies in the KV cache: 2 (K and V) x layers x kv_heads x
+    head_dim x bytes. The runtime and every planner use exactly this formula."""
+    if kv_dtype is DType.INT8:
+        raise NotImplementedError("int8 KV (with scales) is reserved; it arrives with the plugins work")
+    return 2 * num_layers * num_kv_heads * head_dim * kv_dtype.itemsize

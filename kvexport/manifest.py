@@ -1,0 +1,106 @@
+"""The build manifest (`kvexport.json`): the schema every part reads. The exporter writes
+it last, so a directory with a valid manifest is a complete build; everything downstream
+loads it through `load()` and never guesses."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from . import __version__, io
+from .errors import ManifestError
+
+
+@dataclass(frozen=True, slots=True)
+class KVSpec:
+    layout: str  # io.KVLayout value
+    attention: str  # io.Attention value
+    dtype: str  # io.DType value of the cache
+    block_size: int  # tokens per block (paged); 0 for contiguous
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    bytes_per_token: int  # io.kv_bytes_per_token(...)
+    max_seq_len: int  # longest context (prompt + output) the build serves, tokens
+
+
+@dataclass(frozen=True, slots=True)
+class GraphEntry:
+    file: str
+    inputs: list[dict]
+    outputs: list[dict]
+    bytes: int  # size of the .onnx file (weights live in the shared data file)
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    schema_version: int
+    kvexport_version: str
+    source: dict
+    model: dict  # ModelSpec.to_json()
+    dtype: str  # weights/activations
+    kv: KVSpec
+    graphs: dict[str, GraphEntry]  # "prefill" / "decode"
+    weights: dict  # {"file": ..., "bytes": ...}
+    tokenizer: str | None  # folder inside the build, or None
+    all_logits: bool  # prefill returns logits for every token
+    validation: dict | None
+    tools: dict
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    def save(self, build_dir: Path) -> None:
+        (build_dir / io.MANIFEST_NAME).write_text(json.dumps(self.to_json(), indent=2) + "\n")
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Manifest":
+        version = d.get("schema_version")
+        if version != io.SCHEMA_VERSION:
+            raise ManifestError(f"manifest schema_version is {version!r}; this kvexport reads "
+                                f"{io.SCHEMA_VERSION}: rebuild with `kvexport build`")
+        try:
+            d = dict(d)
+            d["kv"] = KVSpec(**d["kv"])
+            d["graphs"] = {k: GraphEntry(**v) for k, v in d["graphs"].items()}
+            return cls(**d)
+        except (KeyError, TypeError) as e:
+            raise ManifestError(f"manifest is malformed ({e}); rebuild with `kvexport build`") from None
+
+
+def load(build_dir: str | Path) -> Manifest:
+    """Read and check a build directory's manifest; every referenced file must exist."""
+    build_dir = Path(build_dir)
+    path = build_dir / io.MANIFEST_NAME
+    if not path.is_file():
+        raise ManifestError(f"{build_dir} has no {io.MANIFEST_NAME}: it is not a (complete) kvexport "
+                            f"build; run `kvexport build MODEL --out {build_dir}`")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ManifestError(f"{path} is corrupt ({e}); rebuild with `kvexport build --force`") from None
+    if not isinstance(data, dict):
+        raise ManifestError(f"{path} is corrupt (not a JSON object); rebuild with `kvexport build --force`")
+    m = Manifest.from_json(data)
+    for entry in m.graphs.values():
+        if not (build_dir / entry.file).is_file():
+            raise ManifestError(f"{build_dir / entry.file} listed in the manifest is missing")
+    if not (build_dir / m.weights["file"]).is_file():
+        raise ManifestError(f"{build_dir / m.weights['file']} listed in the manifest is missing")
+    if (build_dir / m.weights["file"]).stat().st_size != m.weights["bytes"]:
+        raise ManifestError(f"{build_dir / m.weights['file']} has the wrong size (truncated?); rebuild")
+    return m
+
+
+def versions() -> dict:
+    import importlib.metadata as md
+
+    out = {"kvexport": __version__}
+    for pkg in ("torch", "transformers", "onnx", "onnxruntime", "numpy", "gguf"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            out[pkg] = None
+    return out

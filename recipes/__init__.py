@@ -1,0 +1,62 @@
+"""Build recipes: YAML files that carry any `kvexport build` option, loaded into a typed,
+validated dataclass. One recipe per supported family ships in this folder."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from kvexport.errors import ConfigError
+
+RECIPE_DIR = Path(__file__).resolve().parent
+
+
+@dataclass(frozen=True, slots=True)
+class Recipe:
+    model: str | None = None  # model path or alias; the CLI argument wins when given
+    layout: str | None = None  # "paged" | "contiguous"
+    dtype: str | None = None  # "fp32" | "fp16"
+    block_size: int | None = None  # tokens per KV block
+    max_seq_len: int | None = None  # tokens
+    all_logits: bool | None = None
+    validate: bool | None = None
+    validate_steps: int | None = None
+
+    def options(self) -> dict:
+        """The fields that are set, as BuildOptions-style keyword arguments."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None and k != "model"}
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    """A recipe file, or the name of a shipped one ("llama" -> recipes/llama.yaml)."""
+    p = Path(path)
+    if not p.is_file() and (RECIPE_DIR / f"{path}.yaml").is_file():
+        p = RECIPE_DIR / f"{path}.yaml"
+    try:
+        data = yaml.safe_load(p.read_text())
+    except OSError as e:
+        raise ConfigError(f"cannot read recipe {path}: {e}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"recipe {p} is not valid YAML: {e}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"recipe {p} must be a mapping of option: value")
+    fields = {f.name: f for f in dataclasses.fields(Recipe)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(f"recipe {p}: unknown option(s) {', '.join(unknown)}; known: {', '.join(fields)}")
+    types = {"model": str, "layout": str, "dtype": str, "block_size": int, "max_seq_len": int,
+             "all_logits": bool, "validate": bool, "validate_steps": int}
+    for key, value in data.items():
+        if value is not None and (not isinstance(value, types[key]) or
+                                  (types[key] is int and isinstance(value, bool))):
+            raise ConfigError(f"recipe {p}: {key} must be {types[key].__name__}, got {value!r}")
+    return Recipe(**data)
+
+
+def shipped_recipes() -> list[Path]:
+    return sorted(RECIPE_DIR.glob("*.yaml"))

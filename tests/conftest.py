@@ -1,0 +1,71 @@
+"""Test-wide environment: no hub, no telemetry, every cache in a temp dir; and tiny
+random models of each family, saved as real HF folders (config.json + safetensors)."""
+
+import os
+import tempfile
+
+_TMP = tempfile.mkdtemp(prefix="kvexport-tests-")
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ["ORT_DISABLE_TELEMETRY"] = "1"
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+for var in ("HF_HOME", "TRITON_CACHE_DIR", "CUPY_CACHE_DIR", "XDG_CACHE_HOME"):
+    os.environ[var] = os.path.join(_TMP, var.lower())
+
+import pytest  # noqa: E402
+
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+TINY = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+            intermediate_size=96, max_position_embeddings=256)
+
+
+def tiny_config(family: str, **overrides):
+    from transformers import GPT2Config, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config
+
+    if family == "gpt2":
+        base = dict(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=256, n_inner=96)
+        base.update(overrides)
+        return GPT2Config(**base)
+    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "phi3": Phi3Config}[family]
+    base = dict(TINY, num_key_value_heads=2)
+    if family == "mistral":
+        base["sliding_window"] = None
+    if family == "phi3":
+        base.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    base.update(overrides)
+    return cls(**base)
+
+
+def make_hf_folder(family: str, directory: Path, seed: int = 0, **overrides) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = tiny_config(family, **overrides)
+    model = AutoModelForCausalLM.from_config(config)
+    # NOTE: random init gives tiny logits where greedy argmax ties are likely; scale the
+    # output layer so logits have realistic spreads and token comparisons mean something.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.mul_(4.0)
+    model.save_pretrained(directory, safe_serialization=True)
+    return Path(directory)
+
+
+
+@pytest.fixture(scope="session")
+def hf_folder(tmp_path_factory):
+    """make(family, **config overrides) -> path of a saved tiny random HF model (cached)."""
+    cache = {}
+
+    def make(family: str, **overrides):
+        key = (family, tuple(sorted(overrides.items())))
+        if key not in cache:
+            d = tmp_path_factory.mktemp(f"hf-{family}")
+            cache[key] = make_hf_folder(family, d, **overrides)
+        return cache[key]
+
+    return make
