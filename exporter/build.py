@@ -26,6 +26,7 @@ from . import source
 from .families import FAMILIES, read_spec
 from .graph import DecoderGraph, GraphOptions, rope_tables
 from .onnx_builder import WeightStore, save_model
+from .samples import write_samples
 from .validate import prompt_ids, validate
 
 log = logging.getLogger(__name__)
@@ -159,6 +160,9 @@ def _build_into(d: Path, src: source.ModelSource, opts: BuildOptions, progress: 
                   io.kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, kv_dtype), max_len),
         graphs=entries, weights={"file": io.WEIGHTS_FILE, "bytes": weight_bytes, "parameters": n_params}, tokenizer=tok_dir,
         all_logits=opts.all_logits, validation=None, tools=versions(), notes=notes)
+
+    with progress("writing sample inputs"):
+        manifest = replace(manifest, samples=write_samples(d, manifest))
 
     if opts.validate:
         with progress("validating against transformers"):

@@ -16,7 +16,7 @@ from rich.console import Console
 from . import io
 from .errors import KvExportError
 
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)
 
 
 def _env_defaults() -> None:
@@ -108,7 +108,7 @@ def inspect(build_dir):
     """Print a build's manifest: graph I/O, parameters, KV bytes per token, validation."""
     from kvexport.inspect import render
 
-    render(build_dir, Console())
+    render(build_dir, Console(soft_wrap=True))
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ class Manifest:
     validation: dict | None
     tools: dict
     notes: list[str] = field(default_factory=list)
+    samples: dict[str, str] = field(default_factory=dict)  # phase -> polygraphy input file
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -59,15 +60,19 @@ class Manifest:
     def from_json(cls, d: dict) -> "Manifest":
         version = d.get("schema_version")
         if version != io.SCHEMA_VERSION:
-            raise ManifestError(f"manifest schema_version is {version!r}; this kvexport reads "
-                                f"{io.SCHEMA_VERSION}: rebuild with `kvexport build`")
+            raise ManifestError(f"manifest field 'schema_version' is {version!r}; this kvexport reads "
+                                f"{io.SCHEMA_VERSION}: rebuild with `kvexport build --force`")
         try:
             d = dict(d)
             d["kv"] = KVSpec(**d["kv"])
             d["graphs"] = {k: GraphEntry(**v) for k, v in d["graphs"].items()}
+            w = d["weights"]
+            if not (isinstance(w.get("file"), str) and isinstance(w.get("bytes"), int)):
+                raise TypeError(f"field 'weights' needs 'file' (str) and 'bytes' (int), got {w!r}")
             return cls(**d)
-        except (KeyError, TypeError) as e:
-            raise ManifestError(f"manifest is malformed ({e}); rebuild with `kvexport build`") from None
+        except (KeyError, TypeError, AttributeError) as e:
+            what = f"missing field {e}" if isinstance(e, KeyError) else str(e)
+            raise ManifestError(f"manifest is malformed ({what}); rebuild with `kvexport build --force`") from None
 
 
 def load(build_dir: str | Path) -> Manifest:
@@ -83,14 +88,20 @@ def load(build_dir: str | Path) -> Manifest:
         raise ManifestError(f"{path} is corrupt ({e}); rebuild with `kvexport build --force`") from None
     if not isinstance(data, dict):
         raise ManifestError(f"{path} is corrupt (not a JSON object); rebuild with `kvexport build --force`")
-    m = Manifest.from_json(data)
+    try:
+        m = Manifest.from_json(data)
+    except ManifestError as e:
+        raise ManifestError(f"{path}: {e}") from None
+    rebuild = "rebuild with `kvexport build --force`"
     for entry in m.graphs.values():
         if not (build_dir / entry.file).is_file():
-            raise ManifestError(f"{build_dir / entry.file} listed in the manifest is missing")
-    if not (build_dir / m.weights["file"]).is_file():
-        raise ManifestError(f"{build_dir / m.weights['file']} listed in the manifest is missing")
-    if (build_dir / m.weights["file"]).stat().st_size != m.weights["bytes"]:
-        raise ManifestError(f"{build_dir / m.weights['file']} has the wrong size (truncated?); rebuild")
+            raise ManifestError(f"{build_dir / entry.file} listed in the manifest is missing; {rebuild}")
+    weights = build_dir / m.weights["file"]
+    if not weights.is_file():
+        raise ManifestError(f"{weights} listed in the manifest is missing; {rebuild}")
+    if (size := weights.stat().st_size) != m.weights["bytes"]:
+        raise ManifestError(f"{weights} has {size} bytes, the manifest says {m.weights['bytes']} "
+                            f"(truncated?); {rebuild}")
     return m
 
 

@@ -1,0 +1,60 @@
+"""Small, valid example inputs for each graph, saved in the build so any ONNX tool can run
+the graphs at once (`polygraphy run decode.onnx --onnxrt --load-inputs samples/decode_inputs.json`).
+Random values would not do: block tables, offsets and masks must be consistent."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+
+from kvexport import io
+
+
+def sample_feeds(manifest, phase: io.Phase, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    kv, vocab = manifest.kv, manifest.model["vocab_size"]
+    kv_np = np.dtype(io.DType(kv.dtype).numpy_name)
+    ids = lambda *shape: rng.integers(0, vocab, size=shape, dtype=np.int64)  # noqa: E731
+    if kv.layout == io.KVLayout.CONTIGUOUS.value:
+        batch, seq, past = 2, (5 if phase is io.Phase.PREFILL else 1), (0 if phase is io.Phase.PREFILL else 5)
+        mask = np.ones((batch, past + seq), np.int64)
+        mask[0, :2] = 0  # row 0 is left-padded by two tokens
+        pos = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)[:, past:]
+        feeds = {io.INPUT_IDS: ids(batch, seq), io.ATTENTION_MASK: mask, io.POSITION_IDS: pos}
+        if phase is io.Phase.DECODE:
+            for i in range(kv.num_layers):
+                for name in (io.past_key(i), io.past_value(i)):
+                    feeds[name] = rng.standard_normal((batch, kv.num_kv_heads, past, kv.head_dim)).astype(kv_np)
+        return feeds
+    # paged: two sequences; in prefill the second already has 4 tokens cached (chunked prefill)
+    q_lens, ctx = ([3, 5], [0, 4]) if phase is io.Phase.PREFILL else ([1, 1], [3, 6])
+    seq_lens = [c + q for c, q in zip(ctx, q_lens)]
+    bs = kv.block_size
+    per_seq = max(math.ceil(n / bs) for n in seq_lens)
+    tables = np.array([[1 + s * per_seq + j for j in range(per_seq)] for s in range(2)], np.int64)
+    pos = np.concatenate([np.arange(c, c + q) for c, q in zip(ctx, q_lens)]).astype(np.int64)
+    seq_of = np.repeat(np.arange(2), q_lens)
+    slots = tables[seq_of, pos // bs] * bs + pos % bs
+    feeds = {io.INPUT_IDS: ids(sum(q_lens)), io.POSITIONS: pos,
+             io.QUERY_START_LOC: np.cumsum([0] + q_lens).astype(np.int64),
+             io.SEQ_LENS: np.array(seq_lens, np.int64), io.BLOCK_TABLES: tables, io.SLOT_MAPPING: slots}
+    shape = (1 + 2 * per_seq, bs, kv.num_kv_heads, kv.head_dim)
+    for i in range(kv.num_layers):
+        for name in (io.key_cache(i), io.value_cache(i)):
+            feeds[name] = rng.standard_normal(shape).astype(kv_np)
+    return feeds
+
+
+def write_samples(build_dir: Path, manifest) -> dict[str, str]:
+    """Write samples/<phase>_inputs.json in polygraphy's input format; returns phase -> path."""
+    from polygraphy.json import save_json
+
+    out = {}
+    (build_dir / "samples").mkdir(exist_ok=True)
+    for phase in io.Phase:
+        rel = f"samples/{phase.value}_inputs.json"
+        save_json([sample_feeds(manifest, phase)], str(build_dir / rel))
+        out[phase.value] = rel
+    return out

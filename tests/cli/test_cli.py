@@ -1,0 +1,44 @@
+"""The click CLI: help texts and a tiny build through the command line."""
+
+from click.testing import CliRunner
+
+from kvexport.cli import main
+
+
+def test_help_lists_commands_with_descriptions():
+    r = CliRunner().invoke(main, ["--help"])
+    assert r.exit_code == 0
+    for cmd in ("build", "inspect"):
+        line = [l for l in r.output.splitlines() if l.strip().startswith(cmd)]
+        assert line and len(line[0].split()) > 2, r.output
+
+
+def test_build_and_inspect_tiny(hf_folder, tmp_path):
+    out = tmp_path / "b"
+    r = CliRunner().invoke(main, ["build", str(hf_folder("qwen2")), "--out", str(out), "--block-size", "8",
+                                  "--max-seq-len", "64"])
+    assert r.exit_code == 0, r.output
+    assert "greedy tokens identical: yes" in r.output
+    r = CliRunner().invoke(main, ["inspect", str(out)])
+    assert r.exit_code == 0 and "qwen2" in r.output and "block size 8" in r.output
+
+
+def test_recipe_options_and_flag_override(hf_folder, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("layout: contiguous\nmax_seq_len: 48\nvalidate: false\n")
+    out = tmp_path / "b"
+    r = CliRunner().invoke(main, ["build", str(hf_folder("llama")), "--out", str(out), "--recipe", str(recipe),
+                                  "--max-seq-len", "40"])
+    assert r.exit_code == 0, r.output
+    from kvexport.manifest import load
+
+    m = load(out)
+    assert m.kv.layout == "contiguous" and m.kv.max_seq_len == 40 and m.validation is None
+
+
+def test_existing_output_needs_force(hf_folder, tmp_path):
+    args = ["build", str(hf_folder("llama")), "--out", str(tmp_path / "b"), "--no-validate", "--max-seq-len", "32"]
+    assert CliRunner().invoke(main, args).exit_code == 0
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 2 and "--force" in r.output
+    assert CliRunner().invoke(main, args + ["--force"]).exit_code == 0

@@ -1,0 +1,39 @@
+"""Shipped recipes load into the typed Recipe and build options; bad recipes are refused."""
+
+import pytest
+
+from kvexport import io
+from kvexport.errors import ConfigError
+from kvexport.exporter.build import BuildOptions
+from kvexport.exporter.families import FAMILIES
+from kvexport.recipes import Recipe, load_recipe, shipped_recipes
+
+
+def test_one_shipped_recipe_per_family():
+    names = {p.stem for p in shipped_recipes()}
+    assert {f.recipe.removesuffix(".yaml") for f in FAMILIES.values()} <= names
+    for p in shipped_recipes():
+        r = load_recipe(p)
+        kw = r.options()
+        kw["layout"] = io.KVLayout(kw["layout"])
+        kw["dtype"] = io.DType(kw["dtype"])
+        BuildOptions(**kw)  # valid options
+
+
+def test_recipe_by_name():
+    assert load_recipe("gpt2").layout == "contiguous"
+
+
+@pytest.mark.parametrize("text,word", [("layout: [1, 2\n", "YAML"), ("- a\n", "mapping"),
+                                        ("blocksize: 3\n", "unknown option"), ("block_size: yes\n", "block_size")])
+def test_bad_recipes(tmp_path, text, word):
+    p = tmp_path / "r.yaml"
+    p.write_text(text)
+    with pytest.raises(ConfigError, match=word):
+        load_recipe(p)
+
+
+def test_empty_recipe_is_all_defaults(tmp_path):
+    p = tmp_path / "r.yaml"
+    p.write_text("")
+    assert load_recipe(p) == Recipe()
