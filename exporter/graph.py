@@ -63,14 +63,14 @@ class DecoderGraph:
         if arr is None:
             return None
         if name not in self.b.weights.arrays:
-            self.b.weights.add(name, arr.astype(self.act))
+            self.b.weights.add(name, arr.astype(self.act, copy=False))
         return self.b.weight(name, self.b.weights.arrays[name])
 
     def _f32(self, name: str, arr: np.ndarray | None) -> str | None:
         if arr is None:
             return None
         if name not in self.b.weights.arrays:
-            self.b.weights.add(name, arr.astype(np.float32))
+            self.b.weights.add(name, arr.astype(np.float32, copy=False))
         return self.b.weight(name, self.b.weights.arrays[name])
 
     # ---- building blocks -------------------------------------------------------------

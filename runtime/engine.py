@@ -1,0 +1,186 @@
+"""The engine: requests in, tokens out. One `step()` = schedule -> run the model on the
+packed batch -> sample -> detokenize and check stops -> update the scheduler.
+
+    Scheduler ⇄ KVCacheManager ⇄ BlockPool        (token counts, block ids)
+        │ SchedulerOutput
+        ▼
+    ModelRunner.prepare() -> ModelInput -> Backend.execute() -> logits -> sample()
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from kvexport import io, manifest as mf
+from kvexport.errors import KvExportError
+
+from .block_pool import BlockPool
+from .detokenizer import IncrementalDetokenizer
+from .kv_cache_manager import KVCacheManager
+from .memory import num_blocks_for_budget, parse_size
+from .onnx_backend import Backend, ModelInput, OnnxRuntimeBackend
+from .sampling import SamplerState, SamplingParams, sample
+from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput, Status
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    kv_cache_memory: str | int = "512MiB"  # KV pool budget ("2GiB", bytes)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None  # default: the build's max_seq_len
+    enable_prefix_caching: bool = True
+    threads: int | None = None  # onnxruntime intra-op threads (default: all cores)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    error: str | None = None
+    new_text: str = ""  # text added by the latest step (streaming)
+    new_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_cached_prompt_tokens: int = 0
+
+
+def prepare(out: SchedulerOutput) -> ModelInput:
+    """SchedulerOutput -> the graphs' packed inputs. Block tables become a padded int64
+    tensor only here, padded with io.PAD_BLOCK_ID."""
+    ids, pos, slots, qsl, lens = [], [], [], [0], []
+    width = max(len(s.block_table) for s in out.scheduled)
+    tables = np.full((len(out.scheduled), width), io.PAD_BLOCK_ID, np.int64)
+    for r, s in enumerate(out.scheduled):
+        ids.extend(s.token_ids)
+        pos.extend(range(s.start_pos, s.start_pos + len(s.token_ids)))
+        slots.extend(s.slot_mapping)
+        qsl.append(qsl[-1] + len(s.token_ids))
+        lens.append(s.start_pos + len(s.token_ids))
+        tables[r, :len(s.block_table)] = s.block_table
+    a = lambda x: np.asarray(x, np.int64)  # noqa: E731
+    return ModelInput(a(ids), a(pos), a(qsl), a(lens), tables, a(slots))
+
+
+class LLMEngine:
+    def __init__(self, build_dir: str | Path, config: EngineConfig = EngineConfig(), backend: Backend | None = None):
+        self.build_dir = Path(build_dir)
+        self.manifest = mf.load(self.build_dir)
+        kv = self.manifest.kv
+        self.max_model_len = min(config.max_model_len or kv.max_seq_len, kv.max_seq_len)
+        num_blocks = 1 + num_blocks_for_budget(parse_size(config.kv_cache_memory), kv.bytes_per_token, kv.block_size)
+        self.backend = backend or OnnxRuntimeBackend(self.build_dir, self.manifest, num_blocks, threads=config.threads)
+        self.pool = BlockPool(self.backend.num_blocks, kv.block_size, enable_prefix_caching=config.enable_prefix_caching)
+        self.kv = KVCacheManager(self.pool)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                                                   self.max_model_len, self.manifest.model["sliding_window"]), self.kv)
+        self.tokenizer = None
+        if self.manifest.tokenizer:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(self.build_dir / self.manifest.tokenizer)
+        self.eos_ids = tuple(self.manifest.model["eos_token_ids"])
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._outputs: dict[str, RequestOutput] = {}
+        self._ids = 0
+
+    def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        if not isinstance(params, SamplingParams):
+            raise KvExportError("params must be a SamplingParams")
+        rid = request_id or f"req-{self._ids}"
+        self._ids += 1
+        req = self.scheduler.new_request(rid, prompt, params, SamplerState.create(params, 0))
+        self._detok[rid] = IncrementalDetokenizer(self.tokenizer, params.stop)
+        self._outputs[rid] = RequestOutput(rid, list(prompt), [], "", False, None, arrival_time=time.perf_counter(),
+                                           logprobs=[] if params.logprobs is not None else None,
+                                           top_logprobs=[] if params.logprobs else None)
+        if req.status is Status.FINISHED:  # refused at admission (too long, empty)
+            o = self._outputs[rid]
+            o.finished, o.finish_reason, o.error, o.finish_time = True, req.finish_reason, req.error, time.perf_counter()
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        self.scheduler.abort(request_id)
+        o = self._outputs.get(request_id)
+        if o and not o.finished:
+            o.finished, o.finish_reason, o.finish_time = True, "abort", time.perf_counter()
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step; returns the outputs that changed (new tokens or finished)."""
+        for o in self._outputs.values():
+            o.new_text, o.new_token_ids = "", []
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return []
+        logits = self.backend.execute(prepare(out))
+        sampled: dict[str, int] = {}
+        changed = []
+        for row, s in enumerate(out.scheduled):
+            if not s.samples:
+                continue
+            req = self.scheduler.requests[s.request_id]
+            tok, lp, top = sample(logits[row], req.sampler, set(req.prompt_token_ids), len(req.output_token_ids),
+                                  self.eos_ids)
+            sampled[s.request_id] = tok
+            o = self._outputs[s.request_id]
+            if lp is not None:
+                o.logprobs.append(lp)
+                if o.top_logprobs is not None:
+                    o.top_logprobs.append(top)
+        self.scheduler.update(out, sampled)
+        now = time.perf_counter()
+        for rid, tok in sampled.items():
+            req, o = self.scheduler.requests[rid], self._outputs[rid]
+            o.first_token_time = o.first_token_time or now
+            o.num_cached_prompt_tokens = req.num_cached_prompt_tokens
+            p = req.params
+            new_text, stop_hit = self._detok[rid].add(tok)
+            o.token_ids.append(tok)
+            o.new_token_ids.append(tok)
+            o.text += new_text
+            o.new_text += new_text
+            n = len(req.output_token_ids)
+            reason = None
+            if stop_hit:
+                reason = "stop"
+            elif n >= p.min_tokens and ((tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids):
+                reason = "stop"
+            elif n >= p.max_tokens or req.num_tokens >= self.max_model_len:
+                reason = "length"
+            if reason:
+                if reason == "length" or stop_hit:
+                    tail = self._detok[rid].flush()
+                    o.text += tail
+                    o.new_text += tail
+                self.scheduler.finish(rid, reason)
+                o.finished, o.finish_reason, o.finish_time = True, reason, now
+            changed.append(o)
+        return changed
+
+    def output(self, request_id: str) -> RequestOutput:
+        return self._outputs[request_id]
+
+    def pop_output(self, request_id: str) -> RequestOutput:
+        self._detok.pop(request_id, None)
+        self.scheduler.requests.pop(request_id, None)
+        return self._outputs.pop(request_id)
+
+    def kv_stats(self) -> dict:
+        st = self.pool.stats
+        return {"blocks_total": self.pool.num_usable_blocks, "blocks_used": self.pool.num_used_blocks,
+                "usage": self.pool.usage, "prefix_queries": st.queries, "prefix_hits": st.hits,
+                "preemptions": self.scheduler.num_preemptions}

@@ -1,0 +1,128 @@
+"""The onnxruntime backend: runs a `paged` build's prefill/decode graphs on one step's
+model input and keeps the KV block pool.
+
+NOTE: the `onnx` attention graphs read the pool but never write it (see kvexport/io.py);
+after each run this backend stores the step's new K/V at `slot_mapping`. Both sessions get
+the weights as shared, memory-mapped initializers, so the weights are in memory once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from kvexport import io
+from kvexport.errors import KvExportError
+from kvexport.manifest import Manifest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInput:
+    """One step of the packed batch, as the graphs' paged inputs want it."""
+
+    token_ids: np.ndarray  # [T] int64, sequence after sequence
+    positions: np.ndarray  # [T] int64
+    query_start_loc: np.ndarray  # [S+1] int64
+    seq_lens: np.ndarray  # [S] int64, KV length after this step
+    block_tables: np.ndarray  # [S, max_blocks] int64, padded with io.PAD_BLOCK_ID
+    slot_mapping: np.ndarray  # [T] int64
+
+    @property
+    def is_decode(self) -> bool:
+        return len(self.token_ids) == len(self.seq_lens)
+
+
+class Backend(Protocol):
+    """What the model runner needs from an execution backend (onnxruntime, TensorRT)."""
+
+    num_blocks: int
+
+    def execute(self, inp: ModelInput) -> np.ndarray:
+        """Run one step; store its K/V in the pool; return logits [S, vocab] (float32)."""
+        ...
+
+
+def _providers() -> list[str]:
+    import onnxruntime as ort
+
+    available = ort.get_available_providers()
+    return [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
+
+
+def _shared_initializers(build_dir: Path, graph_file: str, weights: np.memmap) -> dict:
+    """name -> OrtValue viewing the memory-mapped weights file, for every external weight."""
+    import onnx
+    import onnxruntime as ort
+
+    model = onnx.load(str(build_dir / graph_file), load_external_data=False)
+    out = {}
+    for t in model.graph.initializer:
+        if t.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        meta = {e.key: e.value for e in t.external_data}
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(t.data_type)
+        start, length = int(meta["offset"]), int(meta["length"])
+        arr = weights[start:start + length].view(dtype).reshape(tuple(t.dims))
+        out[t.name] = ort.OrtValue.ortvalue_from_numpy(arr)
+    return out
+
+
+class OnnxRuntimeBackend:
+    def __init__(self, build_dir: str | Path, manifest: Manifest, num_blocks: int,
+                 threads: int | None = None, providers: list[str] | None = None):
+        import onnxruntime as ort
+
+        if manifest.kv.layout != io.KVLayout.PAGED.value:
+            raise KvExportError(f"the runtime serves paged builds; {build_dir} has layout "
+                                f"{manifest.kv.layout!r}: rebuild with `--layout paged`")
+        if num_blocks < 2:
+            raise KvExportError(f"the KV pool needs at least 2 blocks (one is the pad block), got {num_blocks}")
+        self.build_dir, self.manifest, self.num_blocks = Path(build_dir), manifest, num_blocks
+        kv = manifest.kv
+        self.kv = kv
+        self._weights = np.memmap(self.build_dir / manifest.weights["file"], dtype=np.uint8, mode="r")
+        init = _shared_initializers(self.build_dir, manifest.graphs["prefill"].file, self._weights)
+        self._init = init  # NOTE: the OrtValues view the memmap; keep both alive with the sessions
+        providers = providers or _providers()
+        self.sessions = {}
+        for phase, entry in manifest.graphs.items():
+            so = ort.SessionOptions()
+            so.log_severity_level = 3
+            so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+            so.intra_op_num_threads = threads or (os.cpu_count() or 1)
+            so.inter_op_num_threads = 1
+            for name, value in init.items():
+                so.add_initializer(name, value)
+            self.sessions[phase] = ort.InferenceSession(str(self.build_dir / entry.file), so, providers=providers)
+        dtype = np.dtype(io.DType(kv.dtype).numpy_name)
+        shape = (num_blocks, kv.block_size, kv.num_kv_heads, kv.head_dim)
+        # [K_0, V_0, K_1, V_1, ...], each [num_blocks, block_size, kv_heads, head_dim]
+        self.pools = [np.zeros(shape, dtype) for _ in range(2 * kv.num_layers)]
+        self._flat = [p.reshape(-1, kv.num_kv_heads, kv.head_dim) for p in self.pools]
+        self._pool_names = [n for i in range(kv.num_layers) for n in (io.key_cache(i), io.value_cache(i))]
+        self._out_names = [io.LOGITS] + [n for i in range(kv.num_layers) for n in (io.new_key(i), io.new_value(i))]
+
+    @property
+    def pool_bytes(self) -> int:
+        return sum(p.nbytes for p in self.pools)
+
+    def execute(self, inp: ModelInput) -> np.ndarray:
+        feeds = {io.INPUT_IDS: inp.token_ids, io.POSITIONS: inp.positions,
+                 io.QUERY_START_LOC: inp.query_start_loc, io.SEQ_LENS: inp.seq_lens,
+                 io.BLOCK_TABLES: inp.block_tables, io.SLOT_MAPPING: inp.slot_mapping}
+        feeds.update(zip(self._pool_names, self.pools))
+        sess = self.sessions[io.Phase.DECODE.value if inp.is_decode else io.Phase.PREFILL.value]
+        outs = sess.run(self._out_names, feeds)
+        for flat, new in zip(self._flat, outs[1:]):
+            flat[inp.slot_mapping] = new
+        logits = outs[0]
+        if self.manifest.all_logits and not inp.is_decode:
+            logits = logits[inp.query_start_loc[1:] - 1]
+        return logits.astype(np.float32, copy=False)

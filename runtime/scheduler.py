@@ -1,0 +1,208 @@
+"""Continuous batching over token counts (vLLM v1 style).
+
+A request has `num_computed_tokens` (KV stored) and `num_tokens` (prompt + output); each
+step gives every running request `num_tokens - num_computed_tokens` tokens (1 when
+decoding; a prompt chunk when prefilling) within the token budget, then admits waiting
+requests FCFS while the budget, `max_num_seqs` and the KV pool allow. When blocks run out
+the newest running request is preempted by recompute: its blocks are freed and it goes
+back to the front of the queue with its generated tokens kept.
+
+The scheduler never touches tensors; the model runner only sees `SchedulerOutput`.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+from .kv_cache_manager import KVCacheManager
+from .sampling import SamplerState, SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64  # sequences per step
+    max_num_batched_tokens: int = 512  # tokens per step (prompt chunks + decodes)
+    max_model_len: int = 2048  # prompt + output tokens per sequence
+    sliding_window: int | None = None  # free blocks that fall entirely outside it
+
+    def __post_init__(self) -> None:
+        from kvexport.errors import ConfigError
+
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_model_len < 2:
+            raise ConfigError(f"invalid scheduler limits: {self}")
+
+
+class Status(str, enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sampler: SamplerState
+    arrival: int  # FCFS order
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: Status = Status.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+    num_preemptions: int = 0
+    num_cached_prompt_tokens: int = 0  # prefix-cache hit on first admission
+    salt: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    request_id: str
+    token_ids: tuple[int, ...]  # this step's tokens
+    start_pos: int  # position of token_ids[0] in the sequence
+    block_table: tuple[int, ...]
+    slot_mapping: tuple[int, ...]
+    samples: bool  # the chunk reaches the end of the sequence: sample a token
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    scheduled: tuple[ScheduledRequest, ...]
+    num_batched_tokens: int
+    preempted: tuple[str, ...]
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+        self.config, self.kv = config, kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        self.num_preemptions = 0
+
+    def new_request(self, request_id: str, prompt: list[int], params: SamplingParams,
+                    sampler: SamplerState, salt: str | None = None) -> Request:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        req = Request(request_id, list(prompt), params, sampler, next(self._arrivals), salt=salt)
+        self.requests[request_id] = req
+        need = len(prompt) + 1
+        capacity = (self.kv.pool.num_usable_blocks) * self.kv.block_size
+        if not prompt:
+            self._finish(req, "error", "empty prompt: give at least one token")
+        elif need > self.config.max_model_len:
+            self._finish(req, "error", f"prompt of {len(prompt)} tokens does not fit the context of "
+                                       f"{self.config.max_model_len} tokens (prompt + at least 1 output)")
+        elif need > capacity:
+            self._finish(req, "error", f"prompt of {len(prompt)} tokens needs more KV blocks than the whole "
+                                       f"pool holds ({capacity} tokens); raise --kv-cache-memory")
+        else:
+            self.waiting.append(req)
+        return req
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is None or req.status is Status.FINISHED:
+            return
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self._finish(req, "abort")
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step --------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        chunks: list[tuple[Request, int]] = []
+        preempted: list[str] = []
+        for req in list(self.running):
+            if req.status is not Status.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n <= 0:
+                continue
+            while True:
+                extra = req.num_computed_tokens + n - self.kv.num_slots(req.request_id)
+                if extra <= 0 or self.kv.allocate_slots(req.request_id, extra) is not None:
+                    break
+                victim = self.running[-1]  # newest
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            if req.status is Status.RUNNING:
+                chunks.append((req, n))
+                budget -= n
+        if not preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                req = self.waiting[0]
+                computed = self.kv.get_computed_blocks(req.all_token_ids, req.salt)
+                n = min(req.num_tokens - computed.num_computed_tokens, budget)
+                if self.kv.allocate_slots(req.request_id, n, computed) is None:
+                    break  # FCFS: nobody overtakes the head of the queue
+                self.waiting.popleft()
+                if req.num_preemptions == 0:
+                    req.num_cached_prompt_tokens = computed.num_computed_tokens
+                req.num_computed_tokens = computed.num_computed_tokens
+                req.status = Status.RUNNING
+                self.running.append(req)
+                chunks.append((req, n))
+                budget -= n
+        out = []
+        for req, n in chunks:
+            start = req.num_computed_tokens
+            out.append(ScheduledRequest(
+                req.request_id, tuple(req.all_token_ids[start:start + n]), start,
+                tuple(self.kv.block_table(req.request_id)),
+                tuple(self.kv.slot_mapping(req.request_id, start, n)),
+                start + n == req.num_tokens))
+        return SchedulerOutput(tuple(out), self.config.max_num_batched_tokens - budget, tuple(preempted))
+
+    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> None:
+        """Record that the step's KV is stored and append sampled tokens. The caller
+        decides stops (it owns the detokenizer) and calls `finish()`."""
+        for s in output.scheduled:
+            req = self.requests[s.request_id]
+            if req.status is not Status.RUNNING:
+                continue
+            req.num_computed_tokens += len(s.token_ids)
+            self.kv.cache_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
+            if s.request_id in sampled:
+                req.output_token_ids.append(sampled[s.request_id])
+            if self.config.sliding_window:
+                self.kv.free_outside_window(req.request_id, req.num_computed_tokens, self.config.sliding_window)
+
+    def finish(self, request_id: str, reason: str) -> None:
+        self._finish(self.requests[request_id], reason)
+
+    # ---- internals -------------------------------------------------------------------
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req.request_id)
+        req.status = Status.WAITING
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        if req.request_id in self.kv:
+            self.kv.free(req.request_id)
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        req.error = error
