@@ -83,7 +83,8 @@ def check_gguf(path: Path) -> None:
         field = reader.fields["general.architecture"]
         arch = bytes(field.parts[field.data[0]]).decode()
     except Exception as e:  # noqa: BLE001 - any parse failure means a corrupt file
-        raise SourceError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
+        raise SourceError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e}); it may be "
+                          f"truncated or corrupt: download it again") from None
     if arch not in supported_gguf_archs():
         raise UnsupportedModelError(
             f"GGUF field 'general.architecture' of {path.name} is {arch!r}, which kvexport does not "
@@ -97,15 +98,17 @@ def _check_hf_dir(d: Path, name: str, allow_pickle: bool) -> ModelSource:
     try:
         cfg = json.loads(cfg_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{cfg_path} is not valid JSON: {e}") from None
+        raise ConfigError(f"{cfg_path} is not valid JSON ({e}); fix it or download the model again") from None
     if not isinstance(cfg, dict):
-        raise ConfigError(f"{cfg_path} must hold a JSON object, got {type(cfg).__name__}")
+        raise ConfigError(f"{cfg_path} must hold a JSON object, got {type(cfg).__name__}; fix it or "
+                          f"download the model again")
     family_for(cfg.get("model_type"))  # unknown model_type fails here, before any loading
     weights = tuple(sorted(d.glob("*.safetensors")))
     if not weights:
         pickled = tuple(sorted(d.glob("*.bin")))
         if not pickled:
-            raise SourceError(f"{d} has no weight files (*.safetensors)")
+            raise SourceError(f"{d} has no weight files (*.safetensors); download the model's "
+                              f"*.safetensors files next to its config.json")
         if not allow_pickle:
             raise SourceError(
                 f"{d} has only pickled *.bin weights, which can run code when loaded; convert them "
@@ -115,12 +118,28 @@ def _check_hf_dir(d: Path, name: str, allow_pickle: bool) -> ModelSource:
     if index.is_file():
         try:
             shards = set(json.loads(index.read_text())["weight_map"].values())
-        except (json.JSONDecodeError, KeyError) as e:
-            raise ConfigError(f"{index} is malformed: {e}") from None
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ConfigError(f"{index} is malformed ({type(e).__name__}: {e}); download it again") from None
         missing = sorted(s for s in shards if not (d / s).is_file())
         if missing:
-            raise SourceError(f"{d} is missing weight shard(s) listed in {index.name}: {', '.join(missing)}")
+            raise SourceError(f"{d} is missing weight shard(s) listed in {index.name}: {', '.join(missing)}; "
+                              f"download them again")
+    for f in weights:
+        if f.suffix == ".safetensors":
+            _check_safetensors(f)
     return ModelSource("hf", name, d, None, weights, allow_pickle)
+
+
+def _check_safetensors(path: Path) -> None:
+    """Parse the header (no tensor data is read): catches truncated or corrupt files by name."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="np"):
+            pass
+    except Exception as e:  # noqa: BLE001 - SafetensorError and OS errors alike
+        raise SourceError(f"{path} is not a readable safetensors file ({e}); it may be truncated "
+                          f"or corrupt: download it again") from None
 
 
 def load_config(src: ModelSource):
@@ -130,8 +149,9 @@ def load_config(src: ModelSource):
         if src.gguf_file:
             return AutoConfig.from_pretrained(src.directory, gguf_file=src.gguf_file)
         return AutoConfig.from_pretrained(src.directory, trust_remote_code=False)
-    except (ValueError, OSError, TypeError, KeyError) as e:
-        raise ConfigError(f"cannot read the config of {src.name}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - transformers/huggingface_hub raise many types (strict dataclasses)
+        raise ConfigError(f"cannot read the config of {src.name} ({type(e).__name__}: {e}); fix "
+                          f"{src.gguf_file or 'config.json'} or download the model again") from None
 
 
 def load_model(src: ModelSource):
@@ -147,9 +167,14 @@ def load_model(src: ModelSource):
     else:
         kwargs["use_safetensors"] = True
     try:
-        model = AutoModelForCausalLM.from_pretrained(src.directory, **kwargs)
+        model, info = AutoModelForCausalLM.from_pretrained(src.directory, output_loading_info=True, **kwargs)
     except Exception as e:  # noqa: BLE001 - transformers raises many types for bad files
         raise SourceError(f"cannot load the weights of {src.name}: {type(e).__name__}: {e}") from None
+    if info.get("missing_keys"):  # transformers would silently fill them with random values
+        missing = sorted(info["missing_keys"])
+        raise SourceError(f"the weights of {src.name} lack {len(missing)} tensor(s) the {model.config.model_type} "
+                          f"config needs ({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}); "
+                          f"the checkpoint is incomplete or does not match its config.json: download it again")
     return model.eval()
 
 

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from kvexport.errors import ConfigError
+from kvexport.errors import ConfigError, KvExportError, UnsupportedModelError
 
 NORMS = ("rmsnorm", "layernorm")
 ACTIVATIONS = ("silu", "gelu_new", "gelu_pytorch_tanh", "gelu")
 POSITIONS = ("rope", "learned")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ACTIVATION_FIELD = {"gpt2": "activation_function"}  # family -> config field; default "hidden_act"
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,9 +50,10 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        def need(cond: bool, field: str, what: str) -> None:
+        # ConfigError: a malformed value; UnsupportedModelError: a valid option kvexport lacks
+        def need(cond: bool, field: str, what: str, error: type[KvExportError] = ConfigError) -> None:
             if not cond:
-                raise ConfigError(f"config field {field!r} of a {self.model_type} model {what}")
+                raise error(f"config field {field!r} of a {self.model_type} model {what}")
 
         for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
                       "intermediate_size", "vocab_size", "max_positions"):
@@ -60,15 +62,16 @@ class ModelSpec:
         need(self.num_heads % self.num_kv_heads == 0, "num_key_value_heads",
              f"must divide num_attention_heads ({self.num_heads}), got {self.num_kv_heads}")
         need(self.norm in NORMS, "norm", f"must be one of {NORMS}, got {self.norm!r}")
-        need(self.activation in ACTIVATIONS, "hidden_act",
-             f"is {self.activation!r}; supported values: {', '.join(ACTIVATIONS)}")
+        need(self.activation in ACTIVATIONS, ACTIVATION_FIELD.get(self.family, "hidden_act"),
+             f"is {self.activation!r}; supported values: {', '.join(ACTIVATIONS)}", UnsupportedModelError)
         need(self.position in POSITIONS, "position", f"must be one of {POSITIONS}")
         need(self.norm_eps > 0, "norm eps", f"must be > 0, got {self.norm_eps}")
         if self.position == "rope":
             need(self.rope is not None, "rope_parameters", "is missing")
             assert self.rope is not None
             need(self.rope.rope_type in ROPE_TYPES, "rope_parameters.rope_type",
-                 f"is {self.rope.rope_type!r}; supported values: {', '.join(ROPE_TYPES)}")
+                 f"is {self.rope.rope_type!r}; supported values: {', '.join(ROPE_TYPES)}",
+                 UnsupportedModelError)
             rot = self.head_dim * self.rope.partial_rotary_factor
             need(0 < rot <= self.head_dim and int(rot) % 2 == 0, "partial_rotary_factor",
                  f"must rotate an even number of dims, got {self.rope.partial_rotary_factor}")
