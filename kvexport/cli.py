@@ -111,5 +111,40 @@ def inspect(build_dir):
     render(build_dir, Console(soft_wrap=True))
 
 
+@main.command()
+@click.argument("build_dir", type=click.Path(exists=True, file_okay=False))
+@click.argument("prompts", nargs=-1, required=True)
+@click.option("--max-tokens", type=int, default=64, show_default=True, help="Tokens to generate per prompt.")
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--top-k", type=int, default=0, show_default=True)
+@click.option("--seed", type=int, default=None)
+@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--chat", is_flag=True, help="Apply the tokenizer's chat template to each prompt.")
+@click.option("--stream", is_flag=True, help="Print tokens as they are generated (first prompt only).")
+@click.option("--kv-cache-memory", default="512MiB", show_default=True, help="KV pool budget, e.g. 2GiB.")
+def generate(build_dir, prompts, max_tokens, temperature, top_p, top_k, seed, stop, chat, stream, kv_cache_memory):
+    """Generate text from a paged build with continuous batching (onnxruntime)."""
+    from kvexport.runtime.llm import LLM
+    from kvexport.runtime.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                            seed=seed, stop=tuple(stop))
+    llm = LLM(build_dir, kv_cache_memory=kv_cache_memory)
+    out = click.get_text_stream("stdout")
+    if stream:
+        for o in llm.stream(prompts[0], params, chat=chat):
+            out.write(o.new_text)
+            out.flush()
+        out.write("\n")
+        return
+    for prompt, o in zip(prompts, llm.generate(list(prompts), params, chat=chat)):
+        if o.error:
+            console.print(f"[red]{prompt!r}: {o.error}[/]")
+            continue
+        out.write(f"{o.text}\n")
+        console.print(f"[dim]({len(o.token_ids)} tokens, finish: {o.finish_reason})[/]")
+
+
 if __name__ == "__main__":
     main()

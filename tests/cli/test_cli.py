@@ -42,3 +42,14 @@ def test_existing_output_needs_force(hf_folder, tmp_path):
     r = CliRunner().invoke(main, args)
     assert r.exit_code == 2 and "--force" in r.output
     assert CliRunner().invoke(main, args + ["--force"]).exit_code == 0
+
+
+def test_generate_command_on_a_tiny_build(hf_folder, tmp_path):
+    """A tiny random model has no tokenizer, so text prompts are refused with a clear error."""
+    out = tmp_path / "b"
+    assert CliRunner().invoke(main, ["build", str(hf_folder("llama")), "--out", str(out), "--no-validate",
+                                     "--max-seq-len", "64", "--block-size", "4"]).exit_code == 0
+    r = CliRunner().invoke(main, ["generate", str(out), "hello", "--max-tokens", "4"])
+    assert r.exit_code == 2 and "no tokenizer" in r.output
+    r = CliRunner().invoke(main, ["generate", str(out), "hello", "--temperature", "-1"])
+    assert r.exit_code == 2 and "temperature" in r.output
