@@ -1,0 +1,294 @@
+"""KV memory per request. `KVCacheManager` owns, for every live request id: its block
+table (``list[int]``), how many token slots it has reserved, its salt and the prefix-cache
+keys of its full blocks. It turns token counts into blocks of a `BlockPool` and back
+into slot ids; it never sees tensors (the runner pads block tables into int64 tensors
+with ``PAD_BLOCK_ID``) and never decides who runs (that is the scheduler).
+
+Protocol, per request, as the scheduler drives it::
+
+    computed = m.get_computed_blocks(tokens, salt)        # prefix-cache hits (no refs yet)
+    new = m.allocate_slots(rid, n, computed_blocks=computed)   # start; None = pool full
+    ... runner stores KV of the step at m.slot_mapping(rid, start, n) ...
+    m.cache_blocks(rid, tokens, num_computed_tokens)      # publish newly full blocks
+    new = m.allocate_slots(rid, 1)                        # append for each decode step
+    m.free(rid)                                           # finish / abort / preempt
+
+Out of blocks returns ``None`` and changes nothing; calls out of protocol raise
+`KVCacheError`.
+
+NOTE: blocks are published to the prefix cache by `cache_blocks`, after the step that
+wrote them, not by `allocate_slots`: with the ``onnx`` attention the runner stores a
+step's K/V only after the graph ran, so a block published at allocation could be hit by
+another request of the same step and read before it is written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvexport.io import PAD_BLOCK_ID
+
+from .block_hash import BlockHash, hash_full_blocks
+from .block_pool import BlockPool
+from .errors import KVCacheError
+
+
+@dataclass(frozen=True, slots=True)
+class ComputedBlocks:
+    """What `KVCacheManager.get_computed_blocks` found for a prompt; pass it, unchanged
+    and in the same step, to `KVCacheManager.allocate_slots`."""
+
+    block_ids: tuple[int, ...]  # cached blocks holding the prompt's first tokens, in order
+    num_computed_tokens: int  # tokens those blocks hold (len(block_ids) * block_size)
+    block_hashes: tuple[BlockHash, ...]  # keys of every full block of the prompt; () if caching is off
+    salt: str | None = None  # the request's salt, used for keys of its later blocks
+
+    @classmethod
+    def empty(cls, salt: str | None = None) -> ComputedBlocks:
+        """No hits and no precomputed keys: start a request from scratch."""
+        return cls(block_ids=(), num_computed_tokens=0, block_hashes=(), salt=salt)
+
+
+@dataclass(slots=True)
+class _RequestBlocks:
+    block_ids: list[int]  # block table; PAD_BLOCK_ID where a sliding window released a block
+    num_slots: int  # tokens with a reserved slot (positions 0..num_slots-1)
+    salt: str | None
+    block_hashes: list[BlockHash] = field(default_factory=list)  # keys of the first full blocks
+    num_cached_blocks: int = 0  # blocks [0, n) have been offered to the prefix cache
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Per-request block tables over one `BlockPool`."""
+
+    def __init__(self, pool: BlockPool) -> None:
+        self.pool = pool
+        self.block_size = pool.block_size  # tokens per block
+        self._reqs: dict[str, _RequestBlocks] = {}
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._reqs
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable blocks held by requests, in [0, 1]."""
+        return self.pool.usage
+
+    def num_slots(self, request_id: str) -> int:
+        """Tokens the request has reserved slots for."""
+        return self._get(request_id, "num_slots").num_slots
+
+    def block_table(self, request_id: str) -> list[int]:
+        """A copy of the request's block table: block ``i`` holds positions
+        ``i*block_size .. (i+1)*block_size-1``; ``PAD_BLOCK_ID`` where released."""
+        return list(self._get(request_id, "block_table").block_ids)
+
+    # ---- prefix cache -------------------------------------------------------------
+    def get_computed_blocks(self, request_tokens: Sequence[int], salt: str | None = None) -> ComputedBlocks:
+        """The longest run of cached full blocks at the start of ``request_tokens``.
+
+        NOTE: never covers the whole prompt: at least one token is left to compute so
+        the model produces logits for the last one. So a prompt of ``L`` tokens can hit
+        at most ``(L - 1) // block_size`` blocks. References nothing; counts queries and
+        hits in ``pool.stats``."""
+        if not self.pool.enable_prefix_caching:
+            return ComputedBlocks.empty(salt)
+        hashes = hash_full_blocks(request_tokens, self.block_size, salt)
+        max_hits = max(len(request_tokens) - 1, 0) // self.block_size
+        hits = self.pool.lookup(hashes[:max_hits])
+        return ComputedBlocks(
+            block_ids=tuple(hits),
+            num_computed_tokens=len(hits) * self.block_size,
+            block_hashes=tuple(hashes),
+            salt=salt,
+        )
+
+    def cache_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+        """Publish the request's blocks that became full once the KV of its first
+        ``num_computed_tokens`` tokens is stored. ``token_ids`` are the request's tokens
+        (prompt then output), at least ``num_computed_tokens`` of them. Call after the
+        runner stored the step's KV."""
+        req = self._get(request_id, "cache_blocks")
+        if not 0 <= num_computed_tokens <= min(req.num_slots, len(token_ids)):
+            raise KVCacheError(
+                f"cache_blocks({request_id!r}): num_computed_tokens={num_computed_tokens} must be in "
+                f"0..min(reserved slots {req.num_slots}, len(token_ids) {len(token_ids)})"
+            )
+        num_full = num_computed_tokens // self.block_size
+        if not self.pool.enable_prefix_caching or num_full <= req.num_cached_blocks:
+            return
+        if len(req.block_hashes) < num_full:
+            full_tokens = token_ids[: num_full * self.block_size]
+            req.block_hashes = hash_full_blocks(
+                full_tokens, self.block_size, req.salt, parent_hashes=req.block_hashes
+            )
+        pairs = [
+            (req.block_ids[i], req.block_hashes[i])
+            for i in range(req.num_cached_blocks, num_full)
+            if req.block_ids[i] != PAD_BLOCK_ID
+        ]
+        self.pool.cache_full_blocks([b for b, _ in pairs], [h for _, h in pairs])
+        req.num_cached_blocks = num_full
+
+    # ---- allocation ---------------------------------------------------------------
+    def allocate_slots(
+        self, request_id: str, num_new_tokens: int, computed_blocks: ComputedBlocks | None = None
+    ) -> list[int] | None:
+        """Reserve slots for ``num_new_tokens`` more tokens of the request; returns the
+        newly allocated block ids (possibly ``[]``), or None when the pool cannot
+        satisfy it (then nothing changed: no refs taken, no block handed out).
+
+        With ``computed_blocks`` the request starts (new, or re-admitted after
+        preemption): it takes a reference on the cached blocks and reserves
+        ``computed_blocks.num_computed_tokens + num_new_tokens`` slots. Without it the
+        request must be live and its reservation grows by ``num_new_tokens``."""
+        if num_new_tokens < 0:
+            raise KVCacheError(
+                f"allocate_slots({request_id!r}): num_new_tokens={num_new_tokens} must be >= 0"
+            )
+        if computed_blocks is None:
+            req = self._get(request_id, "allocate_slots")
+            total = req.num_slots + num_new_tokens
+            new = self.pool.get_new_blocks(_cdiv(total, self.block_size) - len(req.block_ids))
+            if new is None:
+                return None
+            req.block_ids.extend(new)
+            req.num_slots = total
+            return new
+        return self._start(request_id, num_new_tokens, computed_blocks)
+
+    def _start(self, request_id: str, num_new_tokens: int, computed: ComputedBlocks) -> list[int] | None:
+        if request_id in self._reqs:
+            raise KVCacheError(
+                f"allocate_slots({request_id!r}, computed_blocks=...): the request already holds "
+                "blocks; append without computed_blocks, or free() it first"
+            )
+        hits = list(computed.block_ids)
+        if computed.num_computed_tokens != len(hits) * self.block_size:
+            raise KVCacheError(
+                f"allocate_slots({request_id!r}): computed_blocks holds {len(hits)} blocks but "
+                f"claims {computed.num_computed_tokens} tokens; pass get_computed_blocks()'s result unchanged"
+            )
+        for i, block_id in enumerate(hits):
+            if i >= len(computed.block_hashes) or self.pool.block_hash(block_id) != computed.block_hashes[i]:
+                raise KVCacheError(
+                    f"allocate_slots({request_id!r}): cached block {block_id} was evicted after "
+                    "get_computed_blocks(); call both in the same step with no allocation between"
+                )
+        total = computed.num_computed_tokens + num_new_tokens
+        num_needed = _cdiv(total, self.block_size) - len(hits)
+        # Touching an evictable hit takes it out of the free count, so it cannot pay
+        # for the new blocks too.
+        num_evictable_hits = sum(1 for b in hits if self.pool.ref_count(b) == 0)
+        if num_needed > self.pool.num_free_blocks - num_evictable_hits:
+            return None
+        self.pool.touch(hits)
+        new = self.pool.get_new_blocks(num_needed)
+        assert new is not None, "free count was checked above"
+        self._reqs[request_id] = _RequestBlocks(
+            block_ids=hits + new,
+            num_slots=total,
+            salt=computed.salt,
+            block_hashes=list(computed.block_hashes),
+            num_cached_blocks=len(hits),
+        )
+        return new
+
+    def free(self, request_id: str) -> None:
+        """Release every block of the request (finished, aborted or preempted), tail
+        first so its last blocks are evicted before its shared prefix. The id may then
+        start again with ``allocate_slots(..., computed_blocks=...)``."""
+        req = self._get(request_id, "free")
+        del self._reqs[request_id]
+        self.pool.free_blocks(b for b in reversed(req.block_ids) if b != PAD_BLOCK_ID)
+
+    def fork(self, parent_id: str, child_id: str, num_tokens: int | None = None) -> int:
+        """Start ``child_id`` sharing the parent's full blocks within its first
+        ``num_tokens`` tokens (default: all reserved slots); each shared block gains a
+        reference. Returns the tokens the child now holds (a multiple of block_size);
+        the child computes the rest (e.g. the prompt's partial last block) itself.
+
+        NOTE: only full blocks are shared: a partial block would be written by both.
+        Fork only over tokens whose KV is already stored."""
+        parent = self._get(parent_id, "fork")
+        if child_id in self._reqs:
+            raise KVCacheError(f"fork({parent_id!r}, {child_id!r}): the child id already holds blocks")
+        if num_tokens is None:
+            num_tokens = parent.num_slots
+        if not 0 <= num_tokens <= parent.num_slots:
+            raise KVCacheError(
+                f"fork({parent_id!r}, {child_id!r}): num_tokens={num_tokens} must be in 0..{parent.num_slots}"
+            )
+        n = num_tokens // self.block_size
+        shared = parent.block_ids[:n]
+        self.pool.touch([b for b in shared if b != PAD_BLOCK_ID])
+        self._reqs[child_id] = _RequestBlocks(
+            block_ids=list(shared),
+            num_slots=n * self.block_size,
+            salt=parent.salt,
+            block_hashes=parent.block_hashes[:n],
+            num_cached_blocks=min(parent.num_cached_blocks, n),
+        )
+        return n * self.block_size
+
+    def free_outside_window(self, request_id: str, num_computed_tokens: int, window: int) -> list[int]:
+        """Sliding window: release the request's blocks that no future token can attend
+        to, replacing them by ``PAD_BLOCK_ID`` so block ``i`` still means positions
+        ``i*block_size..``. Returns the released block ids.
+
+        The next token, at position ``num_computed_tokens``, attends to positions
+        ``>= num_computed_tokens - window + 1`` (HF Mistral's convention), so blocks
+        ending before that are released."""
+        req = self._get(request_id, "free_outside_window")
+        if window < 1:
+            raise KVCacheError(f"free_outside_window({request_id!r}): window={window} must be >= 1")
+        if not 0 <= num_computed_tokens <= req.num_slots:
+            raise KVCacheError(
+                f"free_outside_window({request_id!r}): num_computed_tokens={num_computed_tokens} "
+                f"must be in 0..{req.num_slots}"
+            )
+        first_needed = max(num_computed_tokens - window + 1, 0)
+        released = []
+        for i in range(first_needed // self.block_size):
+            if req.block_ids[i] != PAD_BLOCK_ID:
+                released.append(req.block_ids[i])
+                req.block_ids[i] = PAD_BLOCK_ID
+        self.pool.free_blocks(reversed(released))
+        return released
+
+    def slot_mapping(self, request_id: str, start_pos: int, num_tokens: int) -> list[int]:
+        """Slot of each position ``start_pos .. start_pos+num_tokens-1`` of the request:
+        ``block_id * block_size + position % block_size``. Raises for a position
+        without a reserved slot or in a block released by the sliding window."""
+        req = self._get(request_id, "slot_mapping")
+        end = start_pos + num_tokens
+        if start_pos < 0 or num_tokens < 0 or end > req.num_slots:
+            raise KVCacheError(
+                f"slot_mapping({request_id!r}, {start_pos}, {num_tokens}): positions must lie in "
+                f"0..{req.num_slots - 1}; allocate_slots() first"
+            )
+        bs = self.block_size
+        out = []
+        for pos in range(start_pos, end):
+            block_id = req.block_ids[pos // bs]
+            if block_id == PAD_BLOCK_ID:
+                raise KVCacheError(
+                    f"slot_mapping({request_id!r}): position {pos} is in a block released by "
+                    "the sliding window"
+                )
+            out.append(block_id * bs + pos % bs)
+        return out
+
+    def _get(self, request_id: str, call: str) -> _RequestBlocks:
+        req = self._reqs.get(request_id)
+        if req is None:
+            raise KVCacheError(
+                f"{call}({request_id!r}): the request holds no blocks (unknown id, or already "
+                "freed); start it with allocate_slots(id, n, computed_blocks=get_computed_blocks(tokens))"
+            )
+        return req

@@ -1,0 +1,72 @@
+"""KV memory budgets. This module owns turning a user's size string ("2GiB") into bytes
+and a byte budget into a number of KV blocks. Bytes per token come from
+`kvexport.io.kv_bytes_per_token`, the one formula every planner uses.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from kvexport.errors import ConfigError
+from kvexport.io import PAD_BLOCK_ID
+
+# Unit (lower case) -> bytes. SI prefixes are powers of 1000, IEC ("i") of 1024.
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*", re.IGNORECASE)
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes in a size such as ``"2GiB"``, ``"512MiB"``, ``"1.5GB"``, ``"4096"`` or an int.
+
+    Units (case-insensitive): B, KB/MB/GB/TB (powers of 1000), KiB/MiB/GiB/TiB (powers of
+    1024); none means bytes. Fractions are allowed and rounded down to whole bytes.
+    Raises `ConfigError` naming the accepted forms for anything else."""
+    if isinstance(text, bool):
+        raise ConfigError(f"size {text!r}: expected a number of bytes or a string like '2GiB'")
+    if isinstance(text, int):
+        if text < 0:
+            raise ConfigError(f"size {text}: must be >= 0 bytes")
+        return text
+    if not isinstance(text, str):
+        raise ConfigError(f"size {text!r}: expected a number of bytes or a string like '2GiB'")
+    m = _SIZE.fullmatch(text)
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise ConfigError(
+            f"size {text!r}: expected a non-negative number with an optional unit, e.g. '2GiB', "
+            "'512MiB', '1.5GB' or '4096' (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
+        )
+    return math.floor(float(m.group(1)) * _UNITS[unit])
+
+
+def num_blocks_for_budget(budget_bytes: int, bytes_per_token: int, block_size: int) -> int:
+    """How many KV blocks of ``block_size`` tokens fit in ``budget_bytes`` at
+    ``bytes_per_token`` (K and V of all layers). The result counts the pad block, so it
+    is the ``num_blocks`` of `BlockPool` and of the KV tensors; ``result - 1`` blocks are
+    usable. Raises `ConfigError` when fewer than 2 blocks fit."""
+    args = {"budget_bytes": budget_bytes, "bytes_per_token": bytes_per_token, "block_size": block_size}
+    for name, value in args.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ConfigError(f"{name}={value!r}: must be a positive integer")
+    bytes_per_block = bytes_per_token * block_size
+    num_blocks = budget_bytes // bytes_per_block
+    if num_blocks < 2:
+        raise ConfigError(
+            f"a KV budget of {budget_bytes} bytes holds {num_blocks} block(s) of {bytes_per_block} bytes "
+            f"({block_size} tokens x {bytes_per_token} bytes); at least 2 are needed (block "
+            f"{PAD_BLOCK_ID} is the pad block): raise the budget to >= {2 * bytes_per_block} bytes "
+            "or lower block_size"
+        )
+    return num_blocks
