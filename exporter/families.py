@@ -198,7 +198,7 @@ def _int(config, name: str) -> int | None:
     return value
 
 
-def read_spec(config, max_seq_len: int | None = None) -> ModelSpec:
+def read_spec(config) -> ModelSpec:
     """transformers PretrainedConfig -> validated ModelSpec, or a clear error."""
     fam = family_for(getattr(config, "model_type", None))
     for name, allowed in fam.required.items():

@@ -58,20 +58,21 @@ class DecoderGraph:
                               act_dtype=self.act, kv_dtype=self.kv, all_logits=opts.all_logits)
 
     # ---- weights -------------------------------------------------------------------
-    def _mat(self, name: str, arr: np.ndarray | None) -> str | None:
-        """A matmul weight or bias, stored in the activation dtype."""
+    def _weight(self, name: str, arr: np.ndarray | None, dtype: str) -> str | None:
+        """A weight converted once to `dtype`, stored once per build and shared by both graphs."""
         if arr is None:
             return None
         if name not in self.b.weights.arrays:
-            self.b.weights.add(name, arr.astype(self.act, copy=False))
+            self.b.weights.add(name, arr.astype(dtype, copy=False))
         return self.b.weight(name, self.b.weights.arrays[name])
 
+    def _mat(self, name: str, arr: np.ndarray | None) -> str | None:
+        """Matmul weights and biases run in the activation dtype."""
+        return self._weight(name, arr, self.act)
+
     def _f32(self, name: str, arr: np.ndarray | None) -> str | None:
-        if arr is None:
-            return None
-        if name not in self.b.weights.arrays:
-            self.b.weights.add(name, arr.astype(np.float32, copy=False))
-        return self.b.weight(name, self.b.weights.arrays[name])
+        """Norm weights and RoPE tables stay float32."""
+        return self._weight(name, arr, "float32")
 
     # ---- building blocks -------------------------------------------------------------
     def linear(self, x: str, w: str, bias: str | None) -> str:

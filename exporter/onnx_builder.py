@@ -3,7 +3,6 @@ as numpy arrays until they are written once as external data shared by several g
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -142,4 +141,3 @@ def save_model(model: onnx.ModelProto, path: str) -> None:
     with open(path, "wb") as f:
         f.write(model.SerializeToString())
     onnx.checker.check_model(path)  # with a path the checker also resolves external data
-    _ = os.path.getsize(path)

@@ -8,7 +8,6 @@ import hashlib
 import importlib.metadata
 import json
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 

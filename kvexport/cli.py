@@ -146,5 +146,37 @@ def generate(build_dir, prompts, max_tokens, temperature, top_p, top_k, seed, st
         console.print(f"[dim]({len(o.token_ids)} tokens, finish: {o.finish_reason})[/]")
 
 
+@main.command()
+@click.argument("build_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--trace", default="mixed-64", show_default=True, help="A shipped trace name or a trace JSON file.")
+@click.option("--limit", type=int, help="Serve only the first N requests of the trace.")
+@click.option("--kv-cache-memory", default="2GiB", show_default=True, help="KV pool budget (size or %% of free memory).")
+@click.option("--max-num-seqs", type=int, default=64, show_default=True)
+@click.option("--max-num-batched-tokens", type=int, default=512, show_default=True)
+@click.option("--threads", type=int, help="onnxruntime intra-op threads [all cores].")
+@click.option("--json", "json_out", type=click.Path(), help="Also write the figures to this JSON file.")
+def bench(build_dir, trace, limit, kv_cache_memory, max_num_seqs, max_num_batched_tokens, threads, json_out):
+    """Serve a fixed-seed request trace; report tokens/s, TTFT, TPOT, KV use, preemptions."""
+    import json as _json
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    from kvexport.runtime.bench import run_bench
+    from kvexport.runtime.engine import EngineConfig
+
+    cfg = EngineConfig(kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
+                       max_num_batched_tokens=max_num_batched_tokens, threads=threads)
+    with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=console) as bar:
+        task = bar.add_task("output tokens", total=None)
+        result = run_bench(build_dir, cfg, trace, limit,
+                           progress=lambda done, total: bar.update(task, completed=done, total=total))
+    text = _json.dumps(result, indent=2)
+    click.echo(text)
+    if json_out:
+        with open(json_out, "w") as f:
+            f.write(text + "\n")
+
+
 if __name__ == "__main__":
     main()

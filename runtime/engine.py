@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
@@ -21,15 +22,15 @@ from kvexport.errors import KvExportError
 from .block_pool import BlockPool
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache_manager import KVCacheManager
-from .memory import num_blocks_for_budget, parse_size
+from .memory import num_blocks_for_budget, parse_budget
 from .onnx_backend import Backend, ModelInput, OnnxRuntimeBackend
 from .sampling import SamplerState, SamplingParams, sample
-from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput, Status
+from .scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput, Status
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    kv_cache_memory: str | int = "512MiB"  # KV pool budget ("2GiB", bytes)
+    kv_cache_memory: str | int = "512MiB"  # KV pool budget: "2GiB", bytes, or "30%" of available memory
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # default: the build's max_seq_len
@@ -56,13 +57,13 @@ class RequestOutput:
     num_cached_prompt_tokens: int = 0
 
 
-def prepare(out: SchedulerOutput) -> ModelInput:
-    """SchedulerOutput -> the graphs' packed inputs. Block tables become a padded int64
+def prepare(scheduled: Sequence[ScheduledRequest]) -> ModelInput:
+    """Scheduled requests -> the graphs' packed inputs. Block tables become a padded int64
     tensor only here, padded with io.PAD_BLOCK_ID."""
     ids, pos, slots, qsl, lens = [], [], [], [0], []
-    width = max(len(s.block_table) for s in out.scheduled)
-    tables = np.full((len(out.scheduled), width), io.PAD_BLOCK_ID, np.int64)
-    for r, s in enumerate(out.scheduled):
+    width = max(len(s.block_table) for s in scheduled)
+    tables = np.full((len(scheduled), width), io.PAD_BLOCK_ID, np.int64)
+    for r, s in enumerate(scheduled):
         ids.extend(s.token_ids)
         pos.extend(range(s.start_pos, s.start_pos + len(s.token_ids)))
         slots.extend(s.slot_mapping)
@@ -73,13 +74,35 @@ def prepare(out: SchedulerOutput) -> ModelInput:
     return ModelInput(a(ids), a(pos), a(qsl), a(lens), tables, a(slots))
 
 
+def execute(backend: Backend, out: SchedulerOutput) -> np.ndarray:
+    """Logits [num_scheduled, vocab], one row per scheduled request, in order.
+
+    NOTE: the `onnx` attention pads every sequence's queries to the longest chunk of the
+    step, so a step mixing decodes (1 query) with a long prompt chunk would compute the
+    decodes hundreds of times over. Such a step runs as two graph calls instead: decodes
+    through the decode graph, prompt chunks through the prefill graph."""
+    rows = out.scheduled
+    single = [i for i, s in enumerate(rows) if len(s.token_ids) == 1]
+    if len(single) in (0, len(rows)):
+        return backend.execute(prepare(rows))
+    multi = [i for i, s in enumerate(rows) if len(s.token_ids) > 1]
+    logits = None
+    for group in (multi, single):
+        part = backend.execute(prepare([rows[i] for i in group]))
+        if logits is None:
+            logits = np.empty((len(rows), part.shape[1]), part.dtype)
+        logits[group] = part
+    return logits
+
+
 class LLMEngine:
     def __init__(self, build_dir: str | Path, config: EngineConfig = EngineConfig(), backend: Backend | None = None):
         self.build_dir = Path(build_dir)
         self.manifest = mf.load(self.build_dir)
         kv = self.manifest.kv
         self.max_model_len = min(config.max_model_len or kv.max_seq_len, kv.max_seq_len)
-        num_blocks = 1 + num_blocks_for_budget(parse_size(config.kv_cache_memory), kv.bytes_per_token, kv.block_size)
+        # the pad block is counted inside the budget
+        num_blocks = num_blocks_for_budget(parse_budget(config.kv_cache_memory), kv.bytes_per_token, kv.block_size)
         self.backend = backend or OnnxRuntimeBackend(self.build_dir, self.manifest, num_blocks, threads=config.threads)
         self.pool = BlockPool(self.backend.num_blocks, kv.block_size, enable_prefix_caching=config.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool)
@@ -126,7 +149,7 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
-        logits = self.backend.execute(prepare(out))
+        logits = execute(self.backend, out)
         sampled: dict[str, int] = {}
         changed = []
         for row, s in enumerate(out.scheduled):
@@ -159,7 +182,7 @@ class LLMEngine:
                 reason = "stop"
             elif n >= p.min_tokens and ((tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids):
                 reason = "stop"
-            elif n >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            elif n >= p.max_tokens or req.num_tokens >= self.scheduler.max_model_len:
                 reason = "length"
             if reason:
                 if reason == "length" or stop_hit:

@@ -70,3 +70,31 @@ def num_blocks_for_budget(budget_bytes: int, bytes_per_token: int, block_size: i
             "or lower block_size"
         )
     return num_blocks
+
+
+def available_memory() -> int:
+    """Bytes of memory available to new allocations (Linux MemAvailable; else physical)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def parse_budget(text: str | int) -> int:
+    """A KV budget: a size (see `parse_size`) or a percentage of the memory available now,
+    e.g. ``"30%"`` (the CPU analogue of a GPU memory-utilisation fraction)."""
+    if isinstance(text, str) and text.strip().endswith("%"):
+        try:
+            pct = float(text.strip()[:-1])
+        except ValueError:
+            pct = -1.0
+        if not 0 < pct <= 90:
+            raise ConfigError(f"KV budget {text!r}: a percentage must be in (0, 90]")
+        return int(available_memory() * pct / 100)
+    return parse_size(text)

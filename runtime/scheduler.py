@@ -91,6 +91,10 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self.num_preemptions = 0
+        # NOTE: a sequence may never need more slots than the whole pool, or a lone request
+        # would preempt itself forever; the usable context is capped by the pool's size.
+        self.pool_tokens = kv.pool.num_usable_blocks * kv.block_size
+        self.max_model_len = min(config.max_model_len, self.pool_tokens)
 
     def new_request(self, request_id: str, prompt: list[int], params: SamplingParams,
                     sampler: SamplerState, salt: str | None = None) -> Request:
@@ -99,15 +103,14 @@ class Scheduler:
         req = Request(request_id, list(prompt), params, sampler, next(self._arrivals), salt=salt)
         self.requests[request_id] = req
         need = len(prompt) + 1
-        capacity = (self.kv.pool.num_usable_blocks) * self.kv.block_size
         if not prompt:
             self._finish(req, "error", "empty prompt: give at least one token")
         elif need > self.config.max_model_len:
             self._finish(req, "error", f"prompt of {len(prompt)} tokens does not fit the context of "
                                        f"{self.config.max_model_len} tokens (prompt + at least 1 output)")
-        elif need > capacity:
+        elif need > self.pool_tokens:
             self._finish(req, "error", f"prompt of {len(prompt)} tokens needs more KV blocks than the whole "
-                                       f"pool holds ({capacity} tokens); raise --kv-cache-memory")
+                                       f"pool holds ({self.pool_tokens} tokens); raise --kv-cache-memory")
         else:
             self.waiting.append(req)
         return req

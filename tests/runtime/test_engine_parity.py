@@ -65,7 +65,7 @@ def test_continuous_batching_matches_transformers(tiny_builds, family, overrides
 def test_preemption_keeps_outputs_exact(tiny_builds):
     out, model = tiny_builds("llama", num_key_value_heads=2)
     prompts = random_prompts(6, 128, 10, 30, seed=1)
-    # 512 bytes/token x 4 tokens/block: 14 usable blocks = 56 tokens for 6 sequences of up to 40
+    # 512 bytes/token x 4 tokens/block: 14 blocks (13 usable) = 52 tokens for 6 sequences of up to 40
     llm = LLM(out, kv_cache_memory=14 * 4 * 512, max_num_batched_tokens=64)
     got = llm.generate(prompts, SamplingParams(max_tokens=STEPS, ignore_eos=True))
     assert llm.engine.scheduler.num_preemptions > 0
