@@ -25,10 +25,11 @@ NEG = -1e30  # additive bias for masked keys; finite so a fully masked pad row s
 
 @dataclass(frozen=True, slots=True)
 class AttnContext:
-    bias: str  # [N, 1, 1, Q, L] float32: 0 where a query may see a key, NEG elsewhere
+    bias: str  # contiguous: [B, 1, 1, Q, L]; paged: new keys [S, 1, 1, Qmax, Qmax] (0 or NEG)
     # paged only
     gather_idx: str | None = None  # [S, Qmax] int64: packed token index of padded query (s, i)
     valid: str | None = None  # [S * Qmax] bool: which padded queries are real tokens
+    cached_bias: str | None = None  # [S, B, 1, 1, Qmax, block_size]: cached keys, block by block
 
 
 def _window_ok(b: GraphBuilder, q_pos: str, k_pos: str, window: int | None) -> str | None:
@@ -103,12 +104,15 @@ def paged_context(b: GraphBuilder, spec: ModelSpec, block_size: int) -> AttnCont
     s = b.op("Gather", b.op("Shape", io.SEQ_LENS), b.const(0), axis=0)
     new_ok = b.op("Expand", new_ok, b.op("Concat", b.op("Unsqueeze", s, b.const([0])),
                                          b.op("Shape", new_ok), axis=0))  # [S, Qmax, Qmax]
-    # NOTE: without a window cached_ok is [S, 1, Lc]; expand it so the concat matches.
+    # NOTE: without a window cached_ok is [S, 1, Lc]; expand it to every query row.
     cached_ok = b.op("Expand", cached_ok, b.op("Concat", b.op("Unsqueeze", s, b.const([0])),
                                                b.op("Unsqueeze", q_max, b.const([0])),
                                                b.op("Unsqueeze", lc, b.const([0])), axis=0))
-    mask = b.op("Concat", cached_ok, new_ok, axis=2)  # [S, Qmax, Lc + Qmax]
-    return AttnContext(bias=_to_bias(b, mask), gather_idx=gather_idx, valid=valid)
+    # [S, Qmax, B*bs] -> [S, Qmax, B, bs] -> [S, B, Qmax, bs] -> [S, B, 1, 1, Qmax, bs]
+    cached = b.op("Where", cached_ok, b.const(0.0, "float32"), b.const(NEG, "float32"))
+    cached = b.op("Reshape", cached, b.const([0, 0, -1, block_size]))
+    cached = b.op("Unsqueeze", b.op("Transpose", cached, perm=[0, 2, 1, 3]), b.const([2, 3]))
+    return AttnContext(bias=_to_bias(b, new_ok), gather_idx=gather_idx, valid=valid, cached_bias=cached)
 
 
 def _attend(b: GraphBuilder, spec: ModelSpec, q: str, k: str, v: str, bias: str) -> str:
@@ -146,23 +150,52 @@ def contiguous_attention(b: GraphBuilder, spec: ModelSpec, layer: int, ctx: Attn
 
 
 def paged_attention(b: GraphBuilder, spec: ModelSpec, layer: int, ctx: AttnContext,
-                    q: str, k: str, v: str, *, kv_dtype: str) -> tuple[str, str, str]:
-    """q [T, H, D], k/v [T, kvH, D] (float32, rotated) -> (out [T, H*D],
-    new key, new value [T, kvH, D] in kv_dtype for the runtime to store at slot_mapping)."""
+                    q: str, k: str, v: str, *, kv_dtype: str, block_size: int) -> tuple[str, str, str]:
+    """q [T, H, D], k/v [T, kvH, D] (float32, rotated) -> (out [T, H*D], new key, new value
+    [T, kvH, D] in kv_dtype for the runtime to store at slot_mapping).
+
+    Keys come in two parts that share one softmax: the sequence's pool blocks, attended
+    block by block in the pool's own layout (no transpose, no concat of the gathered KV),
+    and this step's keys:
+
+        q_pad [S, kvH, G*Qmax, D]
+        pool blocks  K,V [S, B, kvH, bs, D] --QK^T--> [S, B, kvH, G, Qmax, bs] (+cached_bias)
+        new keys     K,V [S, kvH, Qmax, D]  --QK^T--> [S, kvH, G, Qmax, Qmax]  (+bias)
+        m = max over both, e = exp(. - m), out = (sum_B e_c V_c + e_n V_n) / (sum e_c + sum e_n)
+    """
     new_k, new_v = _cast(b, k, "float32", kv_dtype), _cast(b, v, "float32", kv_dtype)
-    kvh, d = spec.num_kv_heads, spec.head_dim
+    kvh, g, d = spec.num_kv_heads, spec.group_size, spec.head_dim
+    idx = ctx.gather_idx
+    q = b.op("Reshape", b.op("Gather", q, idx, axis=0), b.const([0, 0, kvh, g, d]))  # [S, Qmax, kvH, G, D]
+    q5 = b.op("Transpose", q, perm=[0, 2, 3, 1, 4])  # [S, kvH, G, Qmax, D]
+    q = b.op("Reshape", q5, b.const([0, kvh, -1, d]))  # [S, kvH, G*Qmax, D]
 
-    def keys(pool: str, fresh: str) -> str:
-        cached = b.op("Gather", pool, io.BLOCK_TABLES, axis=0)  # [S, B, bs, kvH, D]
-        cached = b.op("Reshape", cached, b.const([0, -1, kvh, d]))  # [S, Lc, kvH, D]
-        padded = b.op("Gather", fresh, ctx.gather_idx, axis=0)  # [S, Qmax, kvH, D]
-        both = b.op("Concat", cached, padded, axis=1)  # [S, Lc+Qmax, kvH, D]
-        both = _cast(b, both, kv_dtype, "float32")
-        return b.op("Transpose", both, perm=[0, 2, 1, 3])  # [S, kvH, Lc+Qmax, D]
-
-    q_pad = b.op("Gather", q, ctx.gather_idx, axis=0)  # [S, Qmax, H, D]
-    out = _attend(b, spec, q_pad, keys(io.key_cache(layer), new_k), keys(io.value_cache(layer), new_v),
-                  ctx.bias)  # [S, Qmax, H*D]
+    # pool blocks of each sequence
+    kc = _cast(b, b.op("Gather", io.key_cache(layer), io.BLOCK_TABLES, axis=0), kv_dtype, "float32")  # [S, B, kvH, bs, D]
+    vc = _cast(b, b.op("Gather", io.value_cache(layer), io.BLOCK_TABLES, axis=0), kv_dtype, "float32")
+    sc = b.op("MatMul", b.op("Unsqueeze", q, b.const([1])), b.op("Transpose", kc, perm=[0, 1, 2, 4, 3]))
+    sc = b.op("Reshape", sc, b.const([0, 0, 0, g, -1, block_size]))  # [S, B, kvH, G, Qmax, bs]
+    sc = b.op("Add", sc, ctx.cached_bias)
+    # this step's keys
+    kn = b.op("Gather", _cast(b, new_k, kv_dtype, "float32"), idx, axis=0)  # [S, Qmax, kvH, D]
+    vn = b.op("Gather", _cast(b, new_v, kv_dtype, "float32"), idx, axis=0)
+    kn = b.op("Unsqueeze", b.op("Transpose", kn, perm=[0, 2, 3, 1]), b.const([2]))  # [S, kvH, 1, D, Qmax]
+    sn = b.op("Add", b.op("MatMul", q5, kn), ctx.bias)  # [S, kvH, G, Qmax, Qmax]
+    # one softmax over both key sets
+    m = b.op("Max", b.op("ReduceMax", sc, b.const([1, 5]), keepdims=0),
+             b.op("ReduceMax", sn, b.const([4]), keepdims=0))  # [S, kvH, G, Qmax]
+    m = b.op("Unsqueeze", m, b.const([4]))  # [S, kvH, G, Qmax, 1]
+    ec = b.op("Exp", b.op("Sub", sc, b.op("Unsqueeze", m, b.const([1]))))  # [S, B, kvH, G, Qmax, bs]
+    en = b.op("Exp", b.op("Sub", sn, m))  # [S, kvH, G, Qmax, Qmax]
+    denom = b.op("Add", b.op("ReduceSum", ec, b.const([1, 5]), keepdims=0),
+                 b.op("ReduceSum", en, b.const([4]), keepdims=0))  # [S, kvH, G, Qmax]
+    oc = b.op("MatMul", b.op("Reshape", ec, b.const([0, 0, 0, -1, block_size])), vc)  # [S, B, kvH, G*Qmax, D]
+    oc = b.op("ReduceSum", oc, b.const([1]), keepdims=0)  # [S, kvH, G*Qmax, D]
+    on = b.op("MatMul", b.op("Reshape", en, b.const([0, 0, -1, 0])),
+              b.op("Transpose", vn, perm=[0, 2, 1, 3]))  # [S, kvH, G*Qmax, D]
+    out = b.op("Div", b.op("Add", oc, on), b.op("Reshape", denom, b.const([0, 0, -1, 1])))
+    out = b.op("Reshape", out, b.const([0, kvh, g, -1, d]))  # [S, kvH, G, Qmax, D]
+    out = b.op("Transpose", out, perm=[0, 3, 1, 2, 4])  # [S, Qmax, kvH, G, D]
     out = b.op("Reshape", out, b.const([-1, spec.num_heads * d]))  # [S*Qmax, H*D]
     out = b.op("Compress", out, ctx.valid, axis=0)  # [T, H*D]
     return out, new_k, new_v

@@ -171,7 +171,8 @@ class DecoderGraph:
             q, k = self.apply_rope(q, cos, sin), self.apply_rope(k, cos, sin)
         q = b.op("Mul", q, b.const(1.0 / np.sqrt(d), "float32"))
         if self.paged:
-            a, k_out, v_out = attn.paged_attention(b, spec, i, ctx, q, k, v, kv_dtype=self.kv)
+            a, k_out, v_out = attn.paged_attention(b, spec, i, ctx, q, k, v, kv_dtype=self.kv,
+                                                   block_size=self.opts.block_size)
         else:
             a, k_out, v_out = attn.contiguous_attention(b, spec, i, ctx, q, k, v,
                                                         has_past=self.opts.phase is io.Phase.DECODE,

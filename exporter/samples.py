@@ -40,7 +40,7 @@ def sample_feeds(manifest, phase: io.Phase, seed: int = 0) -> dict[str, np.ndarr
     feeds = {io.INPUT_IDS: ids(sum(q_lens)), io.POSITIONS: pos,
              io.QUERY_START_LOC: np.cumsum([0] + q_lens).astype(np.int64),
              io.SEQ_LENS: np.array(seq_lens, np.int64), io.BLOCK_TABLES: tables, io.SLOT_MAPPING: slots}
-    shape = (1 + 2 * per_seq, bs, kv.num_kv_heads, kv.head_dim)
+    shape = io.paged_pool_shape(1 + 2 * per_seq, kv.num_kv_heads, bs, kv.head_dim)
     for i in range(kv.num_layers):
         for name in (io.key_cache(i), io.value_cache(i)):
             feeds[name] = rng.standard_normal(shape).astype(kv_np)

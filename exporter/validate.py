@@ -128,7 +128,7 @@ class PagedDriver:
         kv, n = self.kv, len(prompts)
         per_seq = math.ceil((max(len(p) for p in prompts) + steps) / kv.block_size)
         tables = np.array([[1 + s * per_seq + j for j in range(per_seq)] for s in range(n)], np.int64)
-        shape = (1 + n * per_seq, kv.block_size, kv.num_kv_heads, kv.head_dim)
+        shape = io.paged_pool_shape(1 + n * per_seq, kv.num_kv_heads, kv.block_size, kv.head_dim)
         pools = [np.zeros(shape, self.dtype) for _ in range(2 * kv.num_layers)]
         seqs = [list(p) for p in prompts]
         done = [0] * n  # tokens already in the pool
@@ -153,7 +153,7 @@ class PagedDriver:
             outs = sess.run(None, feeds)
             slot = np.array(slots)
             for j, pool in enumerate(pools):  # the runtime's job: store this step's K/V
-                pool.reshape(-1, kv.num_kv_heads, kv.head_dim)[slot] = outs[1 + j]
+                io.store_paged_kv(pool, slot, outs[1 + j])
             for s, c in enumerate(chunks):
                 done[s] += len(c)
             logits = outs[0]

@@ -131,7 +131,7 @@ def generate(build_dir, prompts, max_tokens, temperature, top_p, top_k, seed, st
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             seed=seed, stop=tuple(stop))
     llm = LLM(build_dir, kv_cache_memory=kv_cache_memory)
-    out = click.get_text_stream("stdout")
+    out = sys.stdout
     if stream:
         for o in llm.stream(prompts[0], params, chat=chat):
             out.write(o.new_text)

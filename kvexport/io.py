@@ -25,7 +25,7 @@ Layouts
     seq_lens [num_seqs] int64          KV length of each sequence after this step
     block_tables [num_seqs, max_blocks] int64   physical block ids, padded with PAD_BLOCK_ID
     slot_mapping [num_tokens] int64    block_id * block_size + offset for each new token
-    key_cache.{i}/value_cache.{i} [num_blocks, block_size, kv_heads, head_dim]
+    key_cache.{i}/value_cache.{i} [num_blocks, kv_heads, block_size, head_dim]
     -> logits [num_seqs|num_tokens, vocab],
        new_key.{i}/new_value.{i} [num_tokens, kv_heads, head_dim]
 
@@ -208,13 +208,29 @@ def graph_io(
     ]
     for i in range(num_layers):
         for name in (key_cache(i), value_cache(i)):
-            inputs.append(TensorSpec(name, kv_dtype, (NUM_BLOCKS, block_size, num_kv_heads, head_dim)))
+            inputs.append(TensorSpec(name, kv_dtype, paged_pool_shape(NUM_BLOCKS, num_kv_heads, block_size, head_dim)))
     logits_rows = ntok if all_logits else NUM_SEQS
     outputs = [TensorSpec(LOGITS, act_dtype, (logits_rows, vocab_size))]
     for i in range(num_layers):
         for name in (new_key(i), new_value(i)):
             outputs.append(TensorSpec(name, kv_dtype, (ntok, num_kv_heads, head_dim)))
     return GraphIO(tuple(inputs), tuple(outputs))
+
+
+def paged_pool_shape(num_blocks, num_kv_heads: int, block_size: int, head_dim: int) -> tuple:
+    """One layer's K (or V) pool: [num_blocks, kv_heads, block_size, head_dim].
+
+    NOTE: head-major inside a block (like vLLM's and TensorRT-LLM's paged layouts): a
+    gathered block is already [kv_heads, block_size, head_dim], the shape attention
+    multiplies, so no per-step transpose of the gathered KV is needed."""
+    return (num_blocks, num_kv_heads, block_size, head_dim)
+
+
+def store_paged_kv(pool, slot_mapping, new) -> None:
+    """pool[block, :, offset, :] = new[t] for slot = block * block_size + offset (numpy).
+    What the runtime does with the `onnx` attention's new_key/new_value outputs."""
+    block_size = pool.shape[2]
+    pool[slot_mapping // block_size, :, slot_mapping % block_size, :] = new
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: DType) -> int:

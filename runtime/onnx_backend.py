@@ -102,10 +102,9 @@ class OnnxRuntimeBackend:
                 so.add_initializer(name, value)
             self.sessions[phase] = ort.InferenceSession(str(self.build_dir / entry.file), so, providers=providers)
         dtype = np.dtype(io.DType(kv.dtype).numpy_name)
-        shape = (num_blocks, kv.block_size, kv.num_kv_heads, kv.head_dim)
-        # [K_0, V_0, K_1, V_1, ...], each [num_blocks, block_size, kv_heads, head_dim]
+        shape = io.paged_pool_shape(num_blocks, kv.num_kv_heads, kv.block_size, kv.head_dim)
+        # [K_0, V_0, K_1, V_1, ...], each [num_blocks, kv_heads, block_size, head_dim]
         self.pools = [np.zeros(shape, dtype) for _ in range(2 * kv.num_layers)]
-        self._flat = [p.reshape(-1, kv.num_kv_heads, kv.head_dim) for p in self.pools]
         self._pool_names = [n for i in range(kv.num_layers) for n in (io.key_cache(i), io.value_cache(i))]
         self._out_names = [io.LOGITS] + [n for i in range(kv.num_layers) for n in (io.new_key(i), io.new_value(i))]
 
@@ -120,8 +119,8 @@ class OnnxRuntimeBackend:
         feeds.update(zip(self._pool_names, self.pools))
         sess = self.sessions[io.Phase.DECODE.value if inp.is_decode else io.Phase.PREFILL.value]
         outs = sess.run(self._out_names, feeds)
-        for flat, new in zip(self._flat, outs[1:]):
-            flat[inp.slot_mapping] = new
+        for pool, new in zip(self.pools, outs[1:]):
+            io.store_paged_kv(pool, inp.slot_mapping, new)
         logits = outs[0]
         if self.manifest.all_logits and not inp.is_decode:
             logits = logits[inp.query_start_loc[1:] - 1]
