@@ -100,6 +100,9 @@ class LLMEngine:
         self.build_dir = Path(build_dir)
         self.manifest = mf.load(self.build_dir)
         kv = self.manifest.kv
+        if kv.layout != io.KVLayout.PAGED.value:
+            raise KvExportError(f"the runtime serves paged builds; {self.build_dir} has layout {kv.layout!r}: "
+                                f"rebuild it with `kvexport build MODEL --layout paged`")
         self.max_model_len = min(config.max_model_len or kv.max_seq_len, kv.max_seq_len)
         # the pad block is counted inside the budget
         num_blocks = num_blocks_for_budget(parse_budget(config.kv_cache_memory), kv.bytes_per_token, kv.block_size)

@@ -125,3 +125,46 @@ def test_smollm2_continuous_batching_matches_transformers(tmp_path):
     model = source.load_model(source.resolve("smollm2-135m"))
     assert [o.token_ids for o in got] == hf_greedy(model, prompts, 16)
     assert got[0].text == tok.decode(got[0].token_ids, skip_special_tokens=True)
+
+
+def test_runtime_refuses_bad_build_directories(tiny_builds, hf_folder, tmp_path):
+    from kvexport.errors import KvExportError, ManifestError
+
+    with pytest.raises(ManifestError, match="kvexport.json"):
+        LLM(tmp_path)
+    contiguous, _ = build(str(hf_folder("llama")), tmp_path / "c",
+                          BuildOptions(layout=__import__("kvexport").io.KVLayout.CONTIGUOUS, max_seq_len=64,
+                                       validate=False))
+    with pytest.raises(KvExportError, match="paged"):
+        LLM(contiguous)
+
+
+def test_sliding_window_keeps_kv_memory_bounded(tiny_builds):
+    """Mistral, window 8, blocks of 4: a 100-token generation never holds more than the
+    blocks covering the window (+1 partly filled, +1 being written)."""
+    out, model = tiny_builds("mistral", num_key_value_heads=2, sliding_window=8)
+    llm = LLM(out, kv_cache_memory="1MiB")
+    eng = llm.engine
+    rid = eng.add_request([5, 6, 7, 8, 9], SamplingParams(max_tokens=100, ignore_eos=True))
+    peak = 0
+    while eng.has_unfinished():
+        eng.step()
+        peak = max(peak, eng.pool.num_used_blocks)
+    got = eng.pop_output(rid).token_ids
+    assert len(got) == 100 and peak <= 8 // 4 + 2
+    assert got == hf_greedy(model, [[5, 6, 7, 8, 9]], 100)[0]
+
+
+def test_streaming_yields_tokens_as_they_come(tiny_builds):
+    import asyncio
+
+    out, _ = tiny_builds("llama", num_key_value_heads=2)
+    llm = LLM(out)
+    seen = [(list(c.new_token_ids), c.finished) for c in llm.stream([5, 6, 7], SamplingParams(max_tokens=5, ignore_eos=True))]
+    assert [len(t) for t, _ in seen] == [1] * 5 and [f for _, f in seen] == [False] * 4 + [True]
+    tokens = [t[0] for t, _ in seen]
+
+    async def collect():
+        return [c.new_token_ids[0] async for c in llm.astream([5, 6, 7], SamplingParams(max_tokens=5, ignore_eos=True))]
+
+    assert asyncio.run(collect()) == tokens

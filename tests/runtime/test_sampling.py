@@ -1,0 +1,80 @@
+"""The sampler's filters and penalties on hand-made logits, parameter validation, and
+per-request seeding."""
+
+import numpy as np
+import pytest
+
+from kvexport.runtime.sampling import SamplerState, SamplingError, SamplingParams, sample
+
+LOGITS = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
+
+
+def draws(params, n=400, logits=LOGITS, generated=5):
+    state = SamplerState.create(params)
+    out = []
+    for _ in range(n):
+        tok, _, _ = sample(logits, state, set(), generated, (3,))
+        out.append(tok)
+        state.counts.clear()
+    return np.bincount(out, minlength=len(logits))
+
+
+def test_greedy_takes_the_argmax():
+    assert draws(SamplingParams(), n=5).tolist() == [5, 0, 0, 0]
+
+
+def test_top_k_top_p_min_p_drop_the_tail():
+    assert draws(SamplingParams(temperature=1.0, top_k=2, seed=0))[2:].sum() == 0
+    # top_p 0.7: {0.5, 0.3} reach it; 0.15 and 0.05 never drawn
+    assert draws(SamplingParams(temperature=1.0, top_p=0.7, seed=0))[2:].sum() == 0
+    # min_p 0.2: tokens below 0.2 * 0.5 = 0.1 are dropped -> token 3
+    counts = draws(SamplingParams(temperature=1.0, min_p=0.2, seed=0))
+    assert counts[3] == 0 and counts[2] > 0
+
+
+def test_temperature_sampling_follows_the_distribution():
+    counts = draws(SamplingParams(temperature=1.0, seed=1), n=4000)
+    assert np.allclose(counts / 4000, [0.5, 0.3, 0.15, 0.05], atol=0.03)
+
+
+def test_penalties():
+    logits = np.array([2.0, 1.9, -1.0, 0.0])
+    state = SamplerState.create(SamplingParams(repetition_penalty=2.0))
+    assert sample(logits, state, {0}, 1, ())[0] == 1  # 2.0 / 2 < 1.9
+    state = SamplerState.create(SamplingParams(frequency_penalty=1.0))
+    state.counts[0] = 1
+    assert sample(logits, state, set(), 1, ())[0] == 1
+    state = SamplerState.create(SamplingParams(presence_penalty=0.5))
+    state.counts[0] = 3
+    assert sample(logits, state, set(), 3, ())[0] == 1
+
+
+def test_min_tokens_suppresses_eos_and_stop_tokens():
+    logits = np.array([0.0, 0.0, 5.0, 4.0])
+    state = SamplerState.create(SamplingParams(min_tokens=2, stop_token_ids=(3,)))
+    assert sample(logits, state, set(), 0, (2,))[0] == 0
+    assert sample(logits, state, set(), 2, (2,))[0] == 2
+
+
+def test_logprobs():
+    state = SamplerState.create(SamplingParams(logprobs=2))
+    tok, lp, top = sample(LOGITS, state, set(), 0, ())
+    assert tok == 0 and lp == pytest.approx(np.log(0.5))
+    assert [t for t, _ in top] == [0, 1] and top[1][1] == pytest.approx(np.log(0.3))
+
+
+def test_same_seed_same_tokens_regardless_of_other_draws():
+    a = draws(SamplingParams(temperature=1.0, seed=42), n=50)
+    b = draws(SamplingParams(temperature=1.0, seed=42), n=50)
+    assert a.tolist() == b.tolist()
+
+
+@pytest.mark.parametrize("kw,word", [
+    (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_k=-1), "top_k"),
+    (dict(min_p=1.5), "min_p"), (dict(max_tokens=0), "max_tokens"), (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+    (dict(repetition_penalty=0), "repetition_penalty"), (dict(presence_penalty=3), "presence_penalty"),
+    (dict(n=0), "n must"), (dict(logprobs=99), "logprobs"), (dict(seed=-1), "seed"), (dict(stop=("",)), "stop"),
+])
+def test_invalid_parameters_fail_before_any_work(kw, word):
+    with pytest.raises(SamplingError, match=word):
+        SamplingParams(**kw)
