@@ -11,7 +11,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import subprocess
 import sys
 import tempfile
@@ -19,18 +18,27 @@ import time
 from pathlib import Path
 
 
+_CHILD = """
+import resource, sys
+from kvexport.cli import main
+try:
+    main(sys.argv[1:], standalone_mode=False)
+finally:
+    print("PEAK_RSS_KIB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)
+"""
+
+
 def build_in_child(model: str, out: Path, *extra: str) -> dict:
+    """One `kvexport build` in a fresh process: its wall time and its own peak RSS."""
     t = time.perf_counter()
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    r = subprocess.run([str(Path(sys.executable).with_name("kvexport")), "build", model, "--out", str(out),
-                        "--force", *extra], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-c", _CHILD, "build", model, "--out", str(out), "--force", *extra],
+                       capture_output=True, text=True)
     wall = time.perf_counter() - t
     if r.returncode != 0:
         raise SystemExit(f"build failed:\n{r.stderr[-3000:]}")
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    peak_kib = int([l for l in r.stderr.splitlines() if l.startswith("PEAK_RSS_KIB")][-1].split()[1])
     m = json.loads((out / "kvexport.json").read_text())
-    return {"wall_s": round(wall, 1), "peak_rss_mib": round(max(peak, before) / 1024, 1),
-            "peak_rss_note": "max RSS of any child so far (ru_maxrss of RUSAGE_CHILDREN)",
+    return {"wall_s": round(wall, 1), "peak_rss_mib": round(peak_kib / 1024, 1),
             "graph_bytes": {k: v["bytes"] for k, v in m["graphs"].items()},
             "weights_bytes": m["weights"]["bytes"], "parameters": m["weights"]["parameters"],
             "kv_bytes_per_token": m["kv"]["bytes_per_token"],

@@ -121,12 +121,14 @@ class LLMEngine:
         self._outputs: dict[str, RequestOutput] = {}
         self._ids = 0
 
-    def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+    def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
+                    sample_index: int = 0, share_prompt_with: str | None = None) -> str:
         if not isinstance(params, SamplingParams):
             raise KvExportError("params must be a SamplingParams")
         rid = request_id or f"req-{self._ids}"
         self._ids += 1
-        req = self.scheduler.new_request(rid, prompt, params, SamplerState.create(params, 0))
+        req = self.scheduler.new_request(rid, prompt, params, SamplerState.create(params, sample_index),
+                                         share_prompt_with=share_prompt_with)
         self._detok[rid] = IncrementalDetokenizer(self.tokenizer, params.stop)
         self._outputs[rid] = RequestOutput(rid, list(prompt), [], "", False, None, arrival_time=time.perf_counter(),
                                            logprobs=[] if params.logprobs is not None else None,

@@ -36,15 +36,12 @@ class LLM:
         raise KvExportError(f"a prompt must be a string, a list of token ids or chat messages, got {type(prompt).__name__}")
 
     def _add(self, prompt: Prompt, params: SamplingParams, chat: bool) -> list[str]:
-        from .sampling import SamplerState
-
+        """n > 1: sample i draws from its own seeded stream; samples after the first are
+        admitted once the first has computed the prompt, so they reuse its KV blocks."""
         ids = self._tokens(prompt, chat)
-        rids = []
-        for i in range(params.n):
-            rid = self.engine.add_request(ids, params)
-            if i:  # NOTE: each parallel sample draws from its own seeded stream
-                self.engine.scheduler.requests[rid].sampler = SamplerState.create(params, i)
-            rids.append(rid)
+        rids = [self.engine.add_request(ids, params)]
+        for i in range(1, params.n):
+            rids.append(self.engine.add_request(ids, params, sample_index=i, share_prompt_with=rids[0]))
         return rids
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None,

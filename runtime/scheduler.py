@@ -56,6 +56,7 @@ class Request:
     num_preemptions: int = 0
     num_cached_prompt_tokens: int = 0  # prefix-cache hit on first admission
     salt: str | None = None
+    share_prompt_with: str | None = None  # parallel sample: admitted once that request's prompt is cached
 
     @property
     def num_tokens(self) -> int:
@@ -97,10 +98,11 @@ class Scheduler:
         self.max_model_len = min(config.max_model_len, self.pool_tokens)
 
     def new_request(self, request_id: str, prompt: list[int], params: SamplingParams,
-                    sampler: SamplerState, salt: str | None = None) -> Request:
+                    sampler: SamplerState, salt: str | None = None, share_prompt_with: str | None = None) -> Request:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        req = Request(request_id, list(prompt), params, sampler, next(self._arrivals), salt=salt)
+        req = Request(request_id, list(prompt), params, sampler, next(self._arrivals), salt=salt,
+                      share_prompt_with=share_prompt_with)
         self.requests[request_id] = req
         need = len(prompt) + 1
         if not prompt:
@@ -152,6 +154,8 @@ class Scheduler:
         if not preempted:
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 req = self.waiting[0]
+                if self._prompt_pending(req):
+                    break  # NOTE: wait one step or so; the sample then reuses the prompt's blocks
                 computed = self.kv.get_computed_blocks(req.all_token_ids, req.salt)
                 n = min(req.num_tokens - computed.num_computed_tokens, budget)
                 if self.kv.allocate_slots(req.request_id, n, computed) is None:
@@ -192,6 +196,12 @@ class Scheduler:
         self._finish(self.requests[request_id], reason)
 
     # ---- internals -------------------------------------------------------------------
+    def _prompt_pending(self, req: Request) -> bool:
+        """A parallel sample waits while its leader is still computing the shared prompt."""
+        lead = self.requests.get(req.share_prompt_with) if req.share_prompt_with else None
+        return (lead is not None and lead.status is Status.RUNNING
+                and lead.num_computed_tokens < len(lead.prompt_token_ids))
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.kv.free(req.request_id)

@@ -168,3 +168,16 @@ def test_streaming_yields_tokens_as_they_come(tiny_builds):
         return [c.new_token_ids[0] async for c in llm.astream([5, 6, 7], SamplingParams(max_tokens=5, ignore_eos=True))]
 
     assert asyncio.run(collect()) == tokens
+
+
+def test_parallel_samples_share_the_prompt_blocks(tiny_builds):
+    out, _ = tiny_builds("llama", num_key_value_heads=2)
+    llm = LLM(out, kv_cache_memory="1MiB")
+    prompt = list(range(3, 3 + 21))  # 5 full blocks of 4
+    res = llm.generate([prompt], SamplingParams(n=4, max_tokens=6, temperature=1.0, seed=3, ignore_eos=True))
+    assert len(res) == 4 and all(len(r.token_ids) == 6 for r in res)
+    assert [r.num_cached_prompt_tokens for r in res] == [0, 20, 20, 20]
+    assert len({tuple(r.token_ids) for r in res}) > 1  # different streams
+    again = LLM(out, kv_cache_memory="1MiB").generate([prompt], SamplingParams(n=4, max_tokens=6, temperature=1.0,
+                                                                               seed=3, ignore_eos=True))
+    assert [r.token_ids for r in again] == [r.token_ids for r in res]
