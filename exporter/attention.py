@@ -25,11 +25,16 @@ NEG = -1e30  # additive bias for masked keys; finite so a fully masked pad row s
 
 @dataclass(frozen=True, slots=True)
 class AttnContext:
-    bias: str  # contiguous: [B, 1, 1, Q, L]; paged: new keys [S, 1, 1, Qmax, Qmax] (0 or NEG)
+    bias: str  # contiguous: [B, 1, 1, Q, L]; paged: this step's keys [1, S, 1, Qmax, Qmax] (0 or NEG)
     # paged only
     gather_idx: str | None = None  # [S, Qmax] int64: packed token index of padded query (s, i)
     valid: str | None = None  # [S * Qmax] bool: which padded queries are real tokens
-    cached_bias: str | None = None  # [S, B, 1, 1, Qmax, block_size]: cached keys, block by block
+    cached_bias: str | None = None  # [1, S, 1, Qmax, Lc]: keys read from the pool (Lc = blocks * bs)
+    # NOTE: fully explicit Reshape targets used with allowzero=1: Lc is 0 when no sequence
+    # has KV in the pool yet, and a 0 must then mean an empty axis, not "copy this dim"
+    keys_shape: str | None = None  # [kvH, S, Lc, D]
+    scores_shape: str | None = None  # [kvH, S, G, Qmax, Lc]
+    probs_shape: str | None = None  # [kvH, S, G * Qmax, Lc]
 
 
 def _window_ok(b: GraphBuilder, q_pos: str, k_pos: str, window: int | None) -> str | None:
@@ -108,11 +113,20 @@ def paged_context(b: GraphBuilder, spec: ModelSpec, block_size: int) -> AttnCont
     cached_ok = b.op("Expand", cached_ok, b.op("Concat", b.op("Unsqueeze", s, b.const([0])),
                                                b.op("Unsqueeze", q_max, b.const([0])),
                                                b.op("Unsqueeze", lc, b.const([0])), axis=0))
-    # [S, Qmax, B*bs] -> [S, Qmax, B, bs] -> [S, B, Qmax, bs] -> [S, B, 1, 1, Qmax, bs]
     cached = b.op("Where", cached_ok, b.const(0.0, "float32"), b.const(NEG, "float32"))
-    cached = b.op("Reshape", cached, b.const([0, 0, -1, block_size]))
-    cached = b.op("Unsqueeze", b.op("Transpose", cached, perm=[0, 2, 1, 3]), b.const([2, 3]))
-    return AttnContext(bias=_to_bias(b, new_ok), gather_idx=gather_idx, valid=valid, cached_bias=cached)
+    cached = b.op("Unsqueeze", cached, b.const([0, 2]))  # [1, S, 1, Qmax, Lc]
+    q_max1 = b.op("Unsqueeze", q_max, b.const([0]))  # [1]
+    lc1 = b.op("Unsqueeze", lc, b.const([0]))  # [1]
+    g, d = spec.group_size, spec.head_dim
+    gq = b.op("Mul", q_max1, b.const([g]))
+    s1 = b.op("Unsqueeze", s, b.const([0]))  # [1] = S
+    return AttnContext(
+        bias=b.op("Unsqueeze", b.op("Where", new_ok, b.const(0.0, "float32"), b.const(NEG, "float32")),
+                  b.const([0, 2])),  # [1, S, 1, Qmax, Qmax]
+        gather_idx=gather_idx, valid=valid, cached_bias=cached,
+        keys_shape=b.op("Concat", b.const([spec.num_kv_heads]), s1, lc1, b.const([d]), axis=0),
+        scores_shape=b.op("Concat", b.const([spec.num_kv_heads]), s1, b.const([g]), q_max1, lc1, axis=0),
+        probs_shape=b.op("Concat", b.const([spec.num_kv_heads]), s1, gq, lc1, axis=0))
 
 
 def _attend(b: GraphBuilder, spec: ModelSpec, q: str, k: str, v: str, bias: str) -> str:
@@ -154,48 +168,47 @@ def paged_attention(b: GraphBuilder, spec: ModelSpec, layer: int, ctx: AttnConte
     """q [T, H, D], k/v [T, kvH, D] (float32, rotated) -> (out [T, H*D], new key, new value
     [T, kvH, D] in kv_dtype for the runtime to store at slot_mapping).
 
-    Keys come in two parts that share one softmax: the sequence's pool blocks, attended
-    block by block in the pool's own layout (no transpose, no concat of the gathered KV),
-    and this step's keys:
+    Keys come in two parts that share one softmax: what earlier steps stored in the pool
+    (gathered per head in token order, see io.paged_pool_shape) and this step's keys:
 
-        q_pad [S, kvH, G*Qmax, D]
-        pool blocks  K,V [S, B, kvH, bs, D] --QK^T--> [S, B, kvH, G, Qmax, bs] (+cached_bias)
-        new keys     K,V [S, kvH, Qmax, D]  --QK^T--> [S, kvH, G, Qmax, Qmax]  (+bias)
-        m = max over both, e = exp(. - m), out = (sum_B e_c V_c + e_n V_n) / (sum e_c + sum e_n)
+        q       [kvH, S, G*Qmax, D]
+        pool    K,V [kvH, S, Lc, D]    --QK^T--> [kvH, S, G, Qmax, Lc]   (+cached_bias)
+        step    K,V [kvH, S, Qmax, D]  --QK^T--> [kvH, S, G, Qmax, Qmax] (+bias)
+        m = max over both, e = exp(. - m), out = (e_c V_c + e_n V_n) / (sum e_c + sum e_n)
     """
+    del block_size  # the pool's block size is in its shape
     new_k, new_v = _cast(b, k, "float32", kv_dtype), _cast(b, v, "float32", kv_dtype)
     kvh, g, d = spec.num_kv_heads, spec.group_size, spec.head_dim
     idx = ctx.gather_idx
     q = b.op("Reshape", b.op("Gather", q, idx, axis=0), b.const([0, 0, kvh, g, d]))  # [S, Qmax, kvH, G, D]
-    q5 = b.op("Transpose", q, perm=[0, 2, 3, 1, 4])  # [S, kvH, G, Qmax, D]
-    q = b.op("Reshape", q5, b.const([0, kvh, -1, d]))  # [S, kvH, G*Qmax, D]
+    q5 = b.op("Transpose", q, perm=[2, 0, 3, 1, 4])  # [kvH, S, G, Qmax, D]
+    q = b.op("Reshape", q5, b.const([kvh, 0, -1, d]))  # [kvH, S, G*Qmax, D]
 
-    # pool blocks of each sequence
-    kc = _cast(b, b.op("Gather", io.key_cache(layer), io.BLOCK_TABLES, axis=0), kv_dtype, "float32")  # [S, B, kvH, bs, D]
-    vc = _cast(b, b.op("Gather", io.value_cache(layer), io.BLOCK_TABLES, axis=0), kv_dtype, "float32")
-    sc = b.op("MatMul", b.op("Unsqueeze", q, b.const([1])), b.op("Transpose", kc, perm=[0, 1, 2, 4, 3]))
-    sc = b.op("Reshape", sc, b.const([0, 0, 0, g, -1, block_size]))  # [S, B, kvH, G, Qmax, bs]
-    sc = b.op("Add", sc, ctx.cached_bias)
+    # the pool: each sequence's blocks, per head, in token order
+    kc = b.op("Gather", io.key_cache(layer), io.BLOCK_TABLES, axis=1)  # [kvH, S, B, bs, D]
+    vc = b.op("Gather", io.value_cache(layer), io.BLOCK_TABLES, axis=1)
+    kc = _cast(b, b.op("Reshape", kc, ctx.keys_shape, allowzero=1), kv_dtype, "float32")  # [kvH, S, Lc, D]
+    vc = _cast(b, b.op("Reshape", vc, ctx.keys_shape, allowzero=1), kv_dtype, "float32")
+    sc = b.op("MatMul", q, b.op("Transpose", kc, perm=[0, 1, 3, 2]))  # [kvH, S, G*Qmax, Lc]
+    sc = b.op("Add", b.op("Reshape", sc, ctx.scores_shape, allowzero=1), ctx.cached_bias)  # [kvH, S, G, Qmax, Lc]
     # this step's keys
     kn = b.op("Gather", _cast(b, new_k, kv_dtype, "float32"), idx, axis=0)  # [S, Qmax, kvH, D]
     vn = b.op("Gather", _cast(b, new_v, kv_dtype, "float32"), idx, axis=0)
-    kn = b.op("Unsqueeze", b.op("Transpose", kn, perm=[0, 2, 3, 1]), b.const([2]))  # [S, kvH, 1, D, Qmax]
-    sn = b.op("Add", b.op("MatMul", q5, kn), ctx.bias)  # [S, kvH, G, Qmax, Qmax]
+    kn = b.op("Unsqueeze", b.op("Transpose", kn, perm=[2, 0, 3, 1]), b.const([2]))  # [kvH, S, 1, D, Qmax]
+    sn = b.op("Add", b.op("MatMul", q5, kn), ctx.bias)  # [kvH, S, G, Qmax, Qmax]
     # one softmax over both key sets
-    m = b.op("Max", b.op("ReduceMax", sc, b.const([1, 5]), keepdims=0),
-             b.op("ReduceMax", sn, b.const([4]), keepdims=0))  # [S, kvH, G, Qmax]
-    m = b.op("Unsqueeze", m, b.const([4]))  # [S, kvH, G, Qmax, 1]
-    ec = b.op("Exp", b.op("Sub", sc, b.op("Unsqueeze", m, b.const([1]))))  # [S, B, kvH, G, Qmax, bs]
-    en = b.op("Exp", b.op("Sub", sn, m))  # [S, kvH, G, Qmax, Qmax]
-    denom = b.op("Add", b.op("ReduceSum", ec, b.const([1, 5]), keepdims=0),
-                 b.op("ReduceSum", en, b.const([4]), keepdims=0))  # [S, kvH, G, Qmax]
-    oc = b.op("MatMul", b.op("Reshape", ec, b.const([0, 0, 0, -1, block_size])), vc)  # [S, B, kvH, G*Qmax, D]
-    oc = b.op("ReduceSum", oc, b.const([1]), keepdims=0)  # [S, kvH, G*Qmax, D]
-    on = b.op("MatMul", b.op("Reshape", en, b.const([0, 0, -1, 0])),
-              b.op("Transpose", vn, perm=[0, 2, 1, 3]))  # [S, kvH, G*Qmax, D]
-    out = b.op("Div", b.op("Add", oc, on), b.op("Reshape", denom, b.const([0, 0, -1, 1])))
-    out = b.op("Reshape", out, b.const([0, kvh, g, -1, d]))  # [S, kvH, G, Qmax, D]
-    out = b.op("Transpose", out, perm=[0, 3, 1, 2, 4])  # [S, Qmax, kvH, G, D]
+    m = b.op("Max", b.op("ReduceMax", sc, b.const([4]), keepdims=1),
+             b.op("ReduceMax", sn, b.const([4]), keepdims=1))  # [kvH, S, G, Qmax, 1]
+    ec = b.op("Exp", b.op("Sub", sc, m))  # [kvH, S, G, Qmax, Lc]
+    en = b.op("Exp", b.op("Sub", sn, m))  # [kvH, S, G, Qmax, Qmax]
+    denom = b.op("Add", b.op("ReduceSum", ec, b.const([4]), keepdims=1),
+                 b.op("ReduceSum", en, b.const([4]), keepdims=1))  # [kvH, S, G, Qmax, 1]
+    oc = b.op("MatMul", b.op("Reshape", ec, ctx.probs_shape, allowzero=1), vc)  # [kvH, S, G*Qmax, D]
+    on = b.op("MatMul", b.op("Reshape", en, b.const([kvh, 0, -1, 0])),
+              b.op("Transpose", vn, perm=[2, 0, 1, 3]))  # [kvH, S, G*Qmax, D]
+    out = b.op("Div", b.op("Add", oc, on), b.op("Reshape", denom, b.const([kvh, 0, -1, 1])))
+    out = b.op("Reshape", out, b.const([kvh, 0, g, -1, d]))  # [kvH, S, G, Qmax, D]
+    out = b.op("Transpose", out, perm=[1, 3, 0, 2, 4])  # [S, Qmax, kvH, G, D]
     out = b.op("Reshape", out, b.const([-1, spec.num_heads * d]))  # [S*Qmax, H*D]
     out = b.op("Compress", out, ctx.valid, axis=0)  # [T, H*D]
     return out, new_k, new_v

@@ -143,7 +143,7 @@ class PagedDriver:
                     slots.append(tables[s, p // kv.block_size] * kv.block_size + p % kv.block_size)
                 qsl.append(qsl[-1] + len(chunk))
             lens = [done[s] + len(c) for s, c in enumerate(chunks)]
-            used = math.ceil(max(lens) / kv.block_size)
+            used = math.ceil(max(done) / kv.block_size)  # blocks holding earlier steps' KV (0 at first)
             feeds = {io.INPUT_IDS: np.array(ids, np.int64), io.POSITIONS: np.array(pos, np.int64),
                      io.QUERY_START_LOC: np.array(qsl, np.int64), io.SEQ_LENS: np.array(lens, np.int64),
                      io.BLOCK_TABLES: np.ascontiguousarray(tables[:, :used]),

@@ -57,11 +57,15 @@ class RequestOutput:
     num_cached_prompt_tokens: int = 0
 
 
-def prepare(scheduled: Sequence[ScheduledRequest]) -> ModelInput:
+def prepare(scheduled: Sequence[ScheduledRequest], block_size: int) -> ModelInput:
     """Scheduled requests -> the graphs' packed inputs. Block tables become a padded int64
-    tensor only here, padded with io.PAD_BLOCK_ID."""
+    tensor only here, padded with io.PAD_BLOCK_ID.
+
+    NOTE: the graph reads from the pool only the KV of tokens computed in earlier steps
+    (this step's keys come from the step itself), so the tables are cut to the blocks
+    holding those: a fresh prompt passes a table of width 0 and attends to nothing stale."""
     ids, pos, slots, qsl, lens = [], [], [], [0], []
-    width = max(len(s.block_table) for s in scheduled)
+    width = max(-(-s.start_pos // block_size) for s in scheduled)
     tables = np.full((len(scheduled), width), io.PAD_BLOCK_ID, np.int64)
     for r, s in enumerate(scheduled):
         ids.extend(s.token_ids)
@@ -69,12 +73,13 @@ def prepare(scheduled: Sequence[ScheduledRequest]) -> ModelInput:
         slots.extend(s.slot_mapping)
         qsl.append(qsl[-1] + len(s.token_ids))
         lens.append(s.start_pos + len(s.token_ids))
-        tables[r, :len(s.block_table)] = s.block_table
+        used = -(-s.start_pos // block_size)
+        tables[r, :used] = s.block_table[:used]
     a = lambda x: np.asarray(x, np.int64)  # noqa: E731
     return ModelInput(a(ids), a(pos), a(qsl), a(lens), tables, a(slots))
 
 
-def execute(backend: Backend, out: SchedulerOutput) -> np.ndarray:
+def execute(backend: Backend, out: SchedulerOutput, block_size: int) -> np.ndarray:
     """Logits [num_scheduled, vocab], one row per scheduled request, in order.
 
     NOTE: the `onnx` attention pads every sequence's queries to the longest chunk of the
@@ -84,11 +89,11 @@ def execute(backend: Backend, out: SchedulerOutput) -> np.ndarray:
     rows = out.scheduled
     single = [i for i, s in enumerate(rows) if len(s.token_ids) == 1]
     if len(single) in (0, len(rows)):
-        return backend.execute(prepare(rows))
+        return backend.execute(prepare(rows, block_size))
     multi = [i for i, s in enumerate(rows) if len(s.token_ids) > 1]
     logits = None
     for group in (multi, single):
-        part = backend.execute(prepare([rows[i] for i in group]))
+        part = backend.execute(prepare([rows[i] for i in group], block_size))
         if logits is None:
             logits = np.empty((len(rows), part.shape[1]), part.dtype)
         logits[group] = part
@@ -154,7 +159,7 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
-        logits = execute(self.backend, out)
+        logits = execute(self.backend, out, self.pool.block_size)
         sampled: dict[str, int] = {}
         changed = []
         for row, s in enumerate(out.scheduled):

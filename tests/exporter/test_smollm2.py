@@ -33,7 +33,7 @@ def test_paged_build_matches_transformers(smol_paged):
 def test_graphs_keep_gqa_in_kv_io(smol_paged):
     _, m = smol_paged
     pools = [t for t in m.graphs["decode"].inputs if t["name"].startswith("key_cache.")]
-    assert len(pools) == 30 and all(t["shape"][1] == 3 for t in pools)  # kv_heads, not heads
+    assert len(pools) == 30 and all(t["shape"][0] == 3 for t in pools)  # kv_heads, not heads
 
 
 def test_contiguous_build_matches_transformers(tmp_path):
@@ -48,6 +48,6 @@ def test_inspect_prints_the_manifest(smol_paged):
     r = CliRunner().invoke(main, ["inspect", str(out)])
     assert r.exit_code == 0, r.output
     assert "46080 bytes/token" in r.output and "greedy identical yes" in r.output
-    assert "key_cache.0" in r.output and "[num_blocks, 3, 16, 64]" in r.output
+    assert "key_cache.0" in r.output and "[3, num_blocks, 16, 64]" in r.output
     saved = json.loads((out / io.MANIFEST_NAME).read_text())
     assert saved["validation"]["greedy_identical"] is True
