@@ -31,7 +31,7 @@ finally:
 def build_in_child(model: str, out: Path, *extra: str) -> dict:
     """One `kvexport build` in a fresh process: its wall time and its own peak RSS."""
     t = time.perf_counter()
-    r = subprocess.run([sys.executable, "-c", _CHILD, "build", model, "--out", str(out), "--force", *extra],
+    r = subprocess.run([sys.executable, "-P", "-c", _CHILD, "build", model, "--out", str(out), "--force", *extra],
                        capture_output=True, text=True)
     wall = time.perf_counter() - t
     if r.returncode != 0:
