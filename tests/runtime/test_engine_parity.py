@@ -113,18 +113,38 @@ def test_bad_requests_fail_alone(tiny_builds):
     assert too_long.finish_reason == "error" and "context" in too_long.error
 
 
+@pytest.fixture(scope="module")
+def smol(tmp_path_factory):
+    out, _ = build("smollm2-135m", tmp_path_factory.mktemp("smol") / "b", BuildOptions(max_seq_len=512, validate=False))
+    return out, source.load_model(source.resolve("smollm2-135m"))
+
+
 @pytest.mark.slow
-def test_smollm2_continuous_batching_matches_transformers(tmp_path):
-    out, _ = build("smollm2-135m", tmp_path / "smol", BuildOptions(max_seq_len=512, validate=False))
+def test_smollm2_continuous_batching_matches_transformers(smol):
+    out, model = smol
     llm = LLM(out, kv_cache_memory="256MiB", max_num_batched_tokens=48)
     tok = llm.engine.tokenizer
     texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away, a young",
              "List three colors:", "Water boils at", "The quick brown fox jumps over the lazy dog because it"]
     prompts = [tok(t)["input_ids"] for t in texts]
     got = llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
-    model = source.load_model(source.resolve("smollm2-135m"))
     assert [o.token_ids for o in got] == hf_greedy(model, prompts, 16)
     assert got[0].text == tok.decode(got[0].token_ids, skip_special_tokens=True)
+
+
+@pytest.mark.slow
+def test_smollm2_preemption_and_prefix_hits_keep_outputs_exact(smol):
+    """Chat prompts share the template's system prefix (prefix-cache hits); a pool of 9
+    blocks (8 usable x 16 tokens) cannot hold them all (preemption by recompute)."""
+    out, model = smol
+    llm = LLM(out, kv_cache_memory=9 * 16 * 46080, max_num_batched_tokens=64)
+    questions = ["What is 2+2?", "Name a fruit.", "Say hello.", "Why is the sky blue?"]
+    prompts = [llm._tokens([{"role": "user", "content": q}]) for q in questions]
+    assert len(prompts[0]) > 16 and all(p[:16] == prompts[0][:16] for p in prompts)
+    got = llm.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.pool.stats.hits > 0
+    assert [o.token_ids for o in got] == hf_greedy(model, prompts, 24)
 
 
 def test_runtime_refuses_bad_build_directories(tiny_builds, hf_folder, tmp_path):
