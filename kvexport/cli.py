@@ -21,6 +21,8 @@ console = Console(stderr=True, soft_wrap=True)
 
 def _env_defaults() -> None:
     os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
+    # kvexport only reads local folders, files and packaged aliases: never the model hub
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
@@ -176,6 +178,26 @@ def bench(build_dir, trace, limit, kv_cache_memory, max_num_seqs, max_num_batche
     if json_out:
         with open(json_out, "w") as f:
             f.write(text + "\n")
+
+
+@main.command()
+@click.argument("build_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0 exposes the server).")
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--kv-cache-memory", default="512MiB", show_default=True, help="KV pool budget (size or %% of free memory).")
+@click.option("--max-num-seqs", type=int, default=64, show_default=True)
+@click.option("--max-num-batched-tokens", type=int, default=512, show_default=True)
+@click.option("--threads", type=int, help="onnxruntime intra-op threads [all cores].")
+@click.option("--served-model-name", help="The model name clients must send [the build directory's name].")
+def serve(build_dir, host, port, kv_cache_memory, max_num_seqs, max_num_batched_tokens, threads, served_model_name):
+    """Serve a paged build over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
+    from kvexport.runtime.engine import EngineConfig
+    from kvexport.runtime.server import serve as run_server
+
+    cfg = EngineConfig(kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
+                       max_num_batched_tokens=max_num_batched_tokens, threads=threads)
+    console.print(f"serving {build_dir} on http://{host}:{port}/v1")
+    run_server(build_dir, host, port, cfg, served_model_name)
 
 
 if __name__ == "__main__":
