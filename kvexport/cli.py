@@ -86,8 +86,10 @@ def build(model, out, layout, dtype, block_size, max_seq_len, all_logits, recipe
         kw["layout"] = io.KVLayout(kw["layout"])
     if "dtype" in kw:
         kw["dtype"] = io.DType(kw["dtype"])
-    opts = BuildOptions(force=force, allow_pickle=allow_pickle, **kw)
+    kw["force"] = force or kw.get("force", False)
+    opts = BuildOptions(allow_pickle=allow_pickle, **kw)
     model = model or r.model or DEFAULT_MODEL
+    out = out or r.out
     path, manifest = run_build(model, out, opts, progress=_rich_progress())
     _print_validation(manifest)
     console.print(f"[bold green]build ready:[/] {path}")

@@ -17,6 +17,8 @@ RECIPE_DIR = Path(__file__).resolve().parent
 @dataclass(frozen=True, slots=True)
 class Recipe:
     model: str | None = None  # model path or alias; the CLI argument wins when given
+    out: str | None = None  # build directory; --out wins when given
+    force: bool | None = None  # replace an existing build directory
     layout: str | None = None  # "paged" | "contiguous"
     dtype: str | None = None  # "fp32" | "fp16"
     block_size: int | None = None  # tokens per KV block
@@ -27,7 +29,7 @@ class Recipe:
 
     def options(self) -> dict:
         """The fields that are set, as BuildOptions-style keyword arguments."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None and k != "model"}
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None and k not in ("model", "out")}
 
 
 def load_recipe(path: str | Path) -> Recipe:
@@ -49,7 +51,7 @@ def load_recipe(path: str | Path) -> Recipe:
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise ConfigError(f"recipe {p}: unknown option(s) {', '.join(unknown)}; known: {', '.join(fields)}")
-    types = {"model": str, "layout": str, "dtype": str, "block_size": int, "max_seq_len": int,
+    types = {"model": str, "out": str, "force": bool, "layout": str, "dtype": str, "block_size": int, "max_seq_len": int,
              "all_logits": bool, "validate": bool, "validate_steps": int}
     for key, value in data.items():
         if value is not None and (not isinstance(value, types[key]) or

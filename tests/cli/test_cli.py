@@ -53,3 +53,13 @@ def test_generate_command_on_a_tiny_build(hf_folder, tmp_path):
     assert r.exit_code == 2 and "no tokenizer" in r.output
     r = CliRunner().invoke(main, ["generate", str(out), "hello", "--temperature", "-1"])
     assert r.exit_code == 2 and "temperature" in r.output
+
+
+def test_recipe_carries_model_out_and_force(hf_folder, tmp_path):
+    out = tmp_path / "from-recipe"
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model: {hf_folder('llama')}\nout: {out}\nforce: true\nvalidate: false\nmax_seq_len: 32\n")
+    for _ in range(2):  # the second run replaces the first because the recipe says force
+        r = CliRunner().invoke(main, ["build", "--recipe", str(recipe)])
+        assert r.exit_code == 0, r.output
+    assert (out / "kvexport.json").is_file()
