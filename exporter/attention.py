@@ -164,7 +164,7 @@ def contiguous_attention(b: GraphBuilder, spec: ModelSpec, layer: int, ctx: Attn
 
 
 def paged_attention(b: GraphBuilder, spec: ModelSpec, layer: int, ctx: AttnContext,
-                    q: str, k: str, v: str, *, kv_dtype: str, block_size: int) -> tuple[str, str, str]:
+                    q: str, k: str, v: str, *, kv_dtype: str) -> tuple[str, str, str]:
     """q [T, H, D], k/v [T, kvH, D] (float32, rotated) -> (out [T, H*D], new key, new value
     [T, kvH, D] in kv_dtype for the runtime to store at slot_mapping).
 
@@ -176,7 +176,6 @@ def paged_attention(b: GraphBuilder, spec: ModelSpec, layer: int, ctx: AttnConte
         step    K,V [kvH, S, Qmax, D]  --QK^T--> [kvH, S, G, Qmax, Qmax] (+bias)
         m = max over both, e = exp(. - m), out = (e_c V_c + e_n V_n) / (sum e_c + sum e_n)
     """
-    del block_size  # the pool's block size is in its shape
     new_k, new_v = _cast(b, k, "float32", kv_dtype), _cast(b, v, "float32", kv_dtype)
     kvh, g, d = spec.num_kv_heads, spec.group_size, spec.head_dim
     idx = ctx.gather_idx

@@ -124,7 +124,8 @@ class DecoderGraph:
     # ---- the graph -------------------------------------------------------------------
     def build(self):
         b, spec, o = self.b, self.spec, self.opts
-        names = {t.name: b.input(t) for t in self.io.inputs}
+        for t in self.io.inputs:
+            b.input(t)
         pos = io.POSITIONS if self.paged else io.POSITION_IDS
         b.scope = "/embed"
         h = b.op("Gather", self._mat("model.embed_tokens.weight", self.w.embed), io.INPUT_IDS, axis=0)
@@ -141,7 +142,6 @@ class DecoderGraph:
         for i, lw in enumerate(self.w.layers):
             h, k, v = self.layer(i, lw, h, cos, sin, ctx)
             kv_out.append((k, v))
-        del names
 
         b.scope = "/lm_head"
         h = self.select_logit_rows(h)
@@ -171,8 +171,7 @@ class DecoderGraph:
             q, k = self.apply_rope(q, cos, sin), self.apply_rope(k, cos, sin)
         q = b.op("Mul", q, b.const(1.0 / np.sqrt(d), "float32"))
         if self.paged:
-            a, k_out, v_out = attn.paged_attention(b, spec, i, ctx, q, k, v, kv_dtype=self.kv,
-                                                   block_size=self.opts.block_size)
+            a, k_out, v_out = attn.paged_attention(b, spec, i, ctx, q, k, v, kv_dtype=self.kv)
         else:
             a, k_out, v_out = attn.contiguous_attention(b, spec, i, ctx, q, k, v,
                                                         has_past=self.opts.phase is io.Phase.DECODE,

@@ -5,6 +5,7 @@ KV-pool utilisation and waste, preemptions, prefix-cache hits."""
 from __future__ import annotations
 
 import json
+import os
 import platform
 import time
 from dataclasses import dataclass
@@ -77,7 +78,7 @@ def run_bench(build_dir: str | Path, config: EngineConfig, trace_name: str = "mi
     stats = engine.kv_stats()
     return {
         "trace": trace["name"], "requests": len(reqs), "date": time.strftime("%Y-%m-%d %H:%M"),
-        "machine": f"{platform.machine()}, {__import__('os').cpu_count()} cores",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "build": str(build_dir), "model": engine.manifest.model["family"],
         "dtype": engine.manifest.dtype, "kv_dtype": engine.manifest.kv.dtype,
         "config": {"kv_cache_memory": str(config.kv_cache_memory), "max_num_seqs": config.max_num_seqs,

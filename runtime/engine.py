@@ -79,15 +79,14 @@ def prepare(scheduled: Sequence[ScheduledRequest], block_size: int) -> ModelInpu
     return ModelInput(a(ids), a(pos), a(qsl), a(lens), tables, a(slots))
 
 
-def _pack(rows: list[int], size: dict[int, int], slack: float, max_groups: int) -> list[list[int]]:
+def _pack(rows: list[int], size: dict[int, int], slack: float) -> list[list[int]]:
     """Split rows into groups whose padded size (rows x largest size) stays within `slack`
-    of their real size; at most `max_groups` groups (the last takes the rest)."""
+    of their real size."""
     order = sorted(rows, key=lambda i: -size[i])
     groups: list[list[int]] = []
     for i in order:
         g = groups[-1] if groups else None
-        if g is not None and (len(groups) >= max_groups or
-                              (len(g) + 1) * size[g[0]] <= slack * (sum(size[j] for j in g) + size[i])):
+        if g is not None and (len(g) + 1) * size[g[0]] <= slack * (sum(size[j] for j in g) + size[i]):
             g.append(i)
         else:
             groups.append([i])
@@ -107,7 +106,7 @@ def execute(backend: Backend, out: SchedulerOutput, block_size: int) -> np.ndarr
     q_len = {i: len(s.token_ids) for i, s in enumerate(rows)}
     single = [i for i in q_len if q_len[i] == 1]
     multi = [i for i in q_len if q_len[i] > 1]
-    groups = _pack(multi, q_len, 1.25, len(multi)) + ([single] if single else [])
+    groups = _pack(multi, q_len, 1.25) + ([single] if single else [])
     if len(groups) == 1:
         return backend.execute(prepare(rows, block_size))
     logits = None
@@ -127,14 +126,14 @@ class LLMEngine:
         if kv.layout != io.KVLayout.PAGED.value:
             raise KvExportError(f"the runtime serves paged builds; {self.build_dir} has layout {kv.layout!r}: "
                                 f"rebuild it with `kvexport build MODEL --layout paged`")
-        self.max_model_len = min(config.max_model_len or kv.max_seq_len, kv.max_seq_len)
+        max_model_len = min(config.max_model_len or kv.max_seq_len, kv.max_seq_len)
         # the pad block is counted inside the budget
         num_blocks = num_blocks_for_budget(parse_budget(config.kv_cache_memory), kv.bytes_per_token, kv.block_size)
         self.backend = backend or OnnxRuntimeBackend(self.build_dir, self.manifest, num_blocks, threads=config.threads)
         self.pool = BlockPool(self.backend.num_blocks, kv.block_size, enable_prefix_caching=config.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                   self.max_model_len, self.manifest.model["sliding_window"]), self.kv)
+                                                   max_model_len, self.manifest.model["sliding_window"]), self.kv)
         self.tokenizer = None
         if self.manifest.tokenizer:
             from transformers import AutoTokenizer
@@ -144,6 +143,12 @@ class LLMEngine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._outputs: dict[str, RequestOutput] = {}
         self._ids = 0
+        self._changed: list[RequestOutput] = []  # outputs whose new_* fields the last step set
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest sequence (prompt + output) served: the build's context, capped by the pool."""
+        return self.scheduler.max_model_len
 
     def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
                     sample_index: int = 0, share_prompt_with: str | None = None) -> str:
@@ -151,7 +156,7 @@ class LLMEngine:
             raise KvExportError("params must be a SamplingParams")
         rid = request_id or f"req-{self._ids}"
         self._ids += 1
-        req = self.scheduler.new_request(rid, prompt, params, SamplerState.create(params, sample_index),
+        req = self.scheduler.new_request(rid, prompt, params, SamplerState.create(params, sample_index, prompt),
                                          share_prompt_with=share_prompt_with)
         self._detok[rid] = IncrementalDetokenizer(self.tokenizer, params.stop)
         self._outputs[rid] = RequestOutput(rid, list(prompt), [], "", False, None, arrival_time=time.perf_counter(),
@@ -173,8 +178,9 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns the outputs that changed (new tokens or finished)."""
-        for o in self._outputs.values():
+        for o in self._changed:
             o.new_text, o.new_token_ids = "", []
+        self._changed = []
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
@@ -185,7 +191,7 @@ class LLMEngine:
             if not s.samples:
                 continue
             req = self.scheduler.requests[s.request_id]
-            tok, lp, top = sample(logits[row], req.sampler, set(req.prompt_token_ids), len(req.output_token_ids),
+            tok, lp, top = sample(logits[row], req.sampler, req.sampler.prompt_tokens, req.num_output_tokens,
                                   self.eos_ids)
             sampled[s.request_id] = tok
             o = self._outputs[s.request_id]
@@ -205,7 +211,7 @@ class LLMEngine:
             o.new_token_ids.append(tok)
             o.text += new_text
             o.new_text += new_text
-            n = len(req.output_token_ids)
+            n = req.num_output_tokens
             reason = None
             if stop_hit:
                 reason = "stop"
@@ -221,6 +227,7 @@ class LLMEngine:
                 self.scheduler.finish(rid, reason)
                 o.finished, o.finish_reason, o.finish_time = True, reason, now
             changed.append(o)
+        self._changed = changed
         return changed
 
     def output(self, request_id: str) -> RequestOutput:

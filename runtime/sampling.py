@@ -9,6 +9,7 @@ its batch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
 
@@ -81,11 +82,13 @@ class SamplerState:
     params: SamplingParams
     rng: np.random.Generator
     counts: dict[int, int] = field(default_factory=dict)
+    prompt_tokens: frozenset[int] = frozenset()  # kept only when a repetition penalty needs it
 
     @classmethod
-    def create(cls, params: SamplingParams, sample_index: int = 0) -> "SamplerState":
+    def create(cls, params: SamplingParams, sample_index: int = 0, prompt: Sequence[int] = ()) -> "SamplerState":
         seed = params.seed if params.seed is not None else np.random.SeedSequence().entropy
-        return cls(params, np.random.default_rng([int(seed), sample_index]))
+        prompt_tokens = frozenset(prompt) if params.repetition_penalty != 1.0 else frozenset()
+        return cls(params, np.random.default_rng([int(seed), sample_index]), prompt_tokens=prompt_tokens)
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:

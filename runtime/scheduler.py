@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 import itertools
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .kv_cache_manager import KVCacheManager
 from .sampling import SamplerState, SamplingParams
@@ -44,11 +44,11 @@ class Status(str, enum.Enum):
 @dataclass(slots=True, eq=False)
 class Request:
     request_id: str
-    prompt_token_ids: list[int]
+    token_ids: list[int]  # prompt, then generated tokens appended in place
+    num_prompt_tokens: int
     params: SamplingParams
     sampler: SamplerState
     arrival: int  # FCFS order
-    output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
@@ -60,11 +60,19 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.token_ids)
 
     @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +109,7 @@ class Scheduler:
                     sampler: SamplerState, salt: str | None = None, share_prompt_with: str | None = None) -> Request:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        req = Request(request_id, list(prompt), params, sampler, next(self._arrivals), salt=salt,
+        req = Request(request_id, list(prompt), len(prompt), params, sampler, next(self._arrivals), salt=salt,
                       share_prompt_with=share_prompt_with)
         self.requests[request_id] = req
         need = len(prompt) + 1
@@ -156,7 +164,7 @@ class Scheduler:
                 req = self.waiting[0]
                 if self._prompt_pending(req):
                     break  # NOTE: wait one step or so; the sample then reuses the prompt's blocks
-                computed = self.kv.get_computed_blocks(req.all_token_ids, req.salt)
+                computed = self.kv.get_computed_blocks(req.token_ids, req.salt)
                 n = min(req.num_tokens - computed.num_computed_tokens, budget)
                 if self.kv.allocate_slots(req.request_id, n, computed) is None:
                     break  # FCFS: nobody overtakes the head of the queue
@@ -172,7 +180,7 @@ class Scheduler:
         for req, n in chunks:
             start = req.num_computed_tokens
             out.append(ScheduledRequest(
-                req.request_id, tuple(req.all_token_ids[start:start + n]), start,
+                req.request_id, tuple(req.token_ids[start:start + n]), start,
                 tuple(self.kv.block_table(req.request_id)),
                 tuple(self.kv.slot_mapping(req.request_id, start, n)),
                 start + n == req.num_tokens))
@@ -186,9 +194,9 @@ class Scheduler:
             if req.status is not Status.RUNNING:
                 continue
             req.num_computed_tokens += len(s.token_ids)
-            self.kv.cache_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
+            self.kv.cache_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
             if s.request_id in sampled:
-                req.output_token_ids.append(sampled[s.request_id])
+                req.token_ids.append(sampled[s.request_id])
             if self.config.sliding_window:
                 self.kv.free_outside_window(req.request_id, req.num_computed_tokens, self.config.sliding_window)
 
@@ -200,7 +208,7 @@ class Scheduler:
         """A parallel sample waits while its leader is still computing the shared prompt."""
         lead = self.requests.get(req.share_prompt_with) if req.share_prompt_with else None
         return (lead is not None and lead.status is Status.RUNNING
-                and lead.num_computed_tokens < len(lead.prompt_token_ids))
+                and lead.num_computed_tokens < lead.num_prompt_tokens)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
