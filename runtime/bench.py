@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kvexport.errors import ConfigError
+
 from .engine import EngineConfig, LLMEngine
 from .sampling import SamplingParams
 
@@ -26,11 +28,16 @@ class TraceRequest:
 
 def load_trace(name_or_path: str = "mixed-64") -> tuple[dict, list[TraceRequest]]:
     p = Path(name_or_path)
-    if p.is_file():
+    if not p.is_file():
+        p = resources.files("kvexport.runtime").joinpath(f"traces/{name_or_path}.json")
+    try:
         data = json.loads(p.read_text())
-    else:
-        data = json.loads(resources.files("kvexport.runtime").joinpath(f"traces/{name_or_path}.json").read_text())
-    return data, [TraceRequest(r["prompt_len"], r["output_len"]) for r in data["requests"]]
+        return data, [TraceRequest(int(r["prompt_len"]), int(r["output_len"])) for r in data["requests"]]
+    except OSError:
+        raise ConfigError(f"trace {name_or_path!r} is neither a file nor a shipped trace (mixed-64)") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"trace {name_or_path!r} is malformed ({e}); it needs "
+                          f"{{\"seed\": int, \"requests\": [{{\"prompt_len\", \"output_len\"}}]}}") from None
 
 
 def trace_prompts(trace: dict, reqs: list[TraceRequest], vocab_size: int) -> list[list[int]]:

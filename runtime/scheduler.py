@@ -17,6 +17,8 @@ import itertools
 from collections import deque
 from dataclasses import dataclass
 
+from kvexport.errors import KvExportError
+
 from .kv_cache_manager import KVCacheManager
 from .sampling import SamplerState, SamplingParams
 
@@ -108,7 +110,7 @@ class Scheduler:
     def new_request(self, request_id: str, prompt: list[int], params: SamplingParams,
                     sampler: SamplerState, salt: str | None = None, share_prompt_with: str | None = None) -> Request:
         if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise KvExportError(f"request id {request_id!r} is already in use; pick a unique id")
         req = Request(request_id, list(prompt), len(prompt), params, sampler, next(self._arrivals), salt=salt,
                       share_prompt_with=share_prompt_with)
         self.requests[request_id] = req

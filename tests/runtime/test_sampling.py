@@ -78,3 +78,24 @@ def test_same_seed_same_tokens_regardless_of_other_draws():
 def test_invalid_parameters_fail_before_any_work(kw, word):
     with pytest.raises(SamplingError, match=word):
         SamplingParams(**kw)
+
+
+def test_bad_traces_and_duplicate_ids_raise_clear_errors(tmp_path):
+    from kvexport.errors import ConfigError, KvExportError
+    from kvexport.runtime.bench import load_trace
+    from kvexport.runtime.block_pool import BlockPool
+    from kvexport.runtime.kv_cache_manager import KVCacheManager
+    from kvexport.runtime.scheduler import Scheduler, SchedulerConfig
+
+    with pytest.raises(ConfigError, match="shipped trace"):
+        load_trace("no-such-trace")
+    bad = tmp_path / "t.json"
+    bad.write_text('{"seed": 1, "requests": [{"prompt_len": 3}]}')
+    with pytest.raises(ConfigError, match="malformed"):
+        load_trace(str(bad))
+    assert len(load_trace("mixed-64")[1]) == 64
+    sched = Scheduler(SchedulerConfig(), KVCacheManager(BlockPool(8, 4)))
+    p = SamplingParams()
+    sched.new_request("a", [1, 2], p, SamplerState.create(p))
+    with pytest.raises(KvExportError, match="already in use"):
+        sched.new_request("a", [1, 2], p, SamplerState.create(p))
