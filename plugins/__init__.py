@@ -1,2 +1,2 @@
-"""kvexport.plugins: TensorRT plugins (paged / GQA / INT8-KV attention). Not implemented
-yet; the op name, namespace and version are reserved in kvexport.io (PLUGIN_*)."""
+"""kvexport.plugins: custom ops for TensorRT, one folder per op (spec, reference, kernels,
+registration, README). Today: `paged_attention` (kvexport::PagedAttention)."""

@@ -1,0 +1,145 @@
+"""Readable, slow reference of `kvexport::PagedAttention` (see spec.py): the executable
+definition every other implementation is tested against.
+
+torch, so the same code runs on CPU in CI and on the GPU at real sizes (scripts/gpu_check.sh),
+and so bfloat16 pools exist. Computation is in float64, one sequence at a time.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .spec import PagedAttentionAttrs
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int8": torch.int8}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return _DTYPES[name]
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, head_axis: int) -> torch.Tensor:
+    """x / scale rounded half to even, saturated to int8 (ONNX QuantizeLinear, zero point 0);
+    `scale` [kv_heads] broadcast along `head_axis` of x."""
+    shape = [1] * x.dim()
+    shape[head_axis] = -1
+    q = torch.round(x.double() / scale.double().reshape(shape))
+    return q.clamp(-128, 127).to(torch.int8)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, head_axis: int) -> torch.Tensor:
+    shape = [1] * q.dim()
+    shape[head_axis] = -1
+    return q.double() * scale.double().reshape(shape)
+
+
+def store_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, new: torch.Tensor, attrs: PagedAttentionAttrs,
+             scale: torch.Tensor | None) -> None:
+    """cache [kvH, NB, bs, D] (in place) <- new [T, kvH, D] at slot_mapping (slot < 0: skipped)."""
+    keep = slot_mapping >= 0
+    slots, new = slot_mapping[keep], new[keep]
+    if attrs.quantized:
+        vals = quantize(new, scale, head_axis=1)
+    else:
+        vals = new.to(cache.dtype)
+    cache[:, slots // attrs.block_size, slots % attrs.block_size, :] = vals.transpose(0, 1)
+
+
+def read_kv(cache: torch.Tensor, table: torch.Tensor, n: int, attrs: PagedAttentionAttrs,
+            scale: torch.Tensor | None) -> torch.Tensor:
+    """The first n tokens of one sequence: [kvH, n, D] float64."""
+    pos = torch.arange(n, device=cache.device)
+    x = cache[:, table[pos // attrs.block_size], pos % attrs.block_size, :]  # [kvH, n, D]
+    return dequantize(x, scale, head_axis=0) if attrs.quantized else x.double()
+
+
+def paged_attention(query, key, value, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                    slot_mapping, k_scale=None, v_scale=None, *, attrs: PagedAttentionAttrs) -> torch.Tensor:
+    """Writes this step's K/V into the pools (in place) and returns the attention output
+    [num_tokens, num_heads, head_dim] in the query's dtype. Shapes: spec.py."""
+    if attrs.quantized and (k_scale is None or v_scale is None):
+        raise ValueError("int8 KV needs k_scale and v_scale")
+    store_kv(key_cache, slot_mapping, key, attrs, k_scale)
+    store_kv(value_cache, slot_mapping, value, attrs, v_scale)
+    out = torch.zeros(query.shape, dtype=torch.float64, device=query.device)
+    g = attrs.group_size
+    for s in range(seq_lens.shape[0]):
+        start, end = int(query_start_loc[s]), int(query_start_loc[s + 1])
+        q_len, total = end - start, int(seq_lens[s])
+        if q_len == 0:
+            continue
+        ctx = total - q_len
+        k = read_kv(key_cache, block_tables[s], total, attrs, k_scale)  # [kvH, L, D]
+        v = read_kv(value_cache, block_tables[s], total, attrs, v_scale)
+        k, v = k.repeat_interleave(g, dim=0), v.repeat_interleave(g, dim=0)  # [H, L, D]
+        q = query[start:end].double().transpose(0, 1)  # [H, q_len, D]
+        scores = attrs.scale * (q @ k.transpose(1, 2))  # [H, q_len, L]
+        qpos = ctx + torch.arange(q_len, device=query.device)[:, None]
+        kpos = torch.arange(total, device=query.device)[None, :]
+        visible = kpos <= qpos
+        if attrs.sliding_window:
+            visible &= (qpos - kpos) < attrs.sliding_window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out[start:end] = (torch.softmax(scores, dim=-1) @ v).transpose(0, 1)  # [q_len, H, D]
+    return out.to(query.dtype)
+
+
+def make_case(*, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, q_lens: list[int],
+              ctx_lens: list[int], num_blocks: int | None = None, kv_dtype: str = "float32",
+              act_dtype: str = "float32", sliding_window: int = 0, shared_prefix_blocks: int = 0,
+              seed: int = 0, device: str = "cpu") -> tuple[dict, PagedAttentionAttrs]:
+    """A random ragged batch: sequence s has ctx_lens[s] tokens already in the pool and
+    q_lens[s] new ones. Block ids are shuffled (tables have holes: unused ids in between);
+    the first `shared_prefix_blocks` full blocks of every sequence are the same physical
+    blocks (a shared prompt prefix, as prefix caching produces; their contents must then
+    be equal across sequences, which holds because they are only written once).
+    Returns (inputs by spec.INPUTS name, attrs)."""
+    gen = torch.Generator().manual_seed(seed)
+    attrs = PagedAttentionAttrs(num_heads, num_kv_heads, head_dim, block_size, head_dim ** -0.5,
+                                sliding_window, kv_dtype)
+    totals = [c + q for c, q in zip(ctx_lens, q_lens)]
+    blocks_per = [-(-t // block_size) for t in totals]
+    shared = min([shared_prefix_blocks] + [c // block_size for c in ctx_lens]) if shared_prefix_blocks else 0
+    need = 1 + shared + sum(b - shared for b in blocks_per)
+    num_blocks = num_blocks or 2 * need + 3
+    assert num_blocks >= need
+    ids = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()  # block 0 = pad block
+    shared_ids = [ids.pop() for _ in range(shared)]
+    max_blocks = max(blocks_per) + 1
+    tables = torch.full((len(q_lens), max_blocks), 0, dtype=torch.int64)
+    for s, nb in enumerate(blocks_per):
+        row = shared_ids + [ids.pop() for _ in range(nb - shared)]
+        tables[s, :nb] = torch.tensor(row, dtype=torch.int64)
+    f = torch.float32
+    pool_dtype = torch_dtype(kv_dtype)
+    kvh, d = num_kv_heads, head_dim
+    pool_shape = (kvh, num_blocks, block_size, d)
+    if kv_dtype == "int8":
+        key_cache = torch.randint(-127, 128, pool_shape, generator=gen, dtype=torch.int8)
+        value_cache = torch.randint(-127, 128, pool_shape, generator=gen, dtype=torch.int8)
+        k_scale = (torch.rand(kvh, generator=gen) * 0.02 + 0.01)
+        v_scale = (torch.rand(kvh, generator=gen) * 0.02 + 0.01)
+    else:
+        key_cache = torch.randn(pool_shape, generator=gen, dtype=f).to(pool_dtype)
+        value_cache = torch.randn(pool_shape, generator=gen, dtype=f).to(pool_dtype)
+        k_scale = v_scale = None
+    starts = [0]
+    for q in q_lens:
+        starts.append(starts[-1] + q)
+    slots = []
+    for s, (c, q) in enumerate(zip(ctx_lens, q_lens)):
+        for j in range(c, c + q):
+            slots.append(int(tables[s, j // block_size]) * block_size + j % block_size)
+    t = starts[-1]
+    act = torch_dtype(act_dtype)
+    inputs = dict(
+        query=torch.randn(t, num_heads, d, generator=gen).to(act),
+        key=torch.randn(t, kvh, d, generator=gen).to(act),
+        value=torch.randn(t, kvh, d, generator=gen).to(act),
+        key_cache=key_cache, value_cache=value_cache, block_tables=tables,
+        seq_lens=torch.tensor(totals, dtype=torch.int64),
+        query_start_loc=torch.tensor(starts, dtype=torch.int64),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64), k_scale=k_scale, v_scale=v_scale)
+    if device != "cpu":
+        inputs = {k: (v.to(device) if v is not None else None) for k, v in inputs.items()}
+    return inputs, attrs

@@ -1,0 +1,119 @@
+"""The `kvexport::PagedAttention` op: inputs, outputs, attributes, aliasing, tolerances.
+
+One spec, shared by every implementation (numpy reference, Triton kernels, the TensorRT
+plugin, the onnxruntime custom-op harness) and by the exporter's `--attention plugin`
+graphs. The ONNX node and the TensorRT plugin share the name constants in `kvexport.io`.
+
+Semantics (the reference in `reference.py` is the executable definition):
+
+    for each sequence s with q_len = qsl[s+1] - qsl[s] new tokens and ctx = seq_lens[s] - q_len
+    tokens already in the pool:
+      1. store: token t of this step goes to slot_mapping[t] (= block * block_size + offset) of
+         the pool, quantized when kv_dtype is int8; slot < 0 means "do not store" (padding);
+      2. attend: new token i (position p = ctx + i) of sequence s reads the keys at positions
+         j = 0..p of s (and only p - j < sliding_window when sliding_window > 0), key j at
+         block_tables[s, j // block_size], offset j % block_size — read back from the pool,
+         so this step's keys are seen exactly as stored (rounded to kv_dtype);
+         out = softmax(scale * q · k) · v, query head h reading KV head h // (H / kvH).
+
+Inputs (in order)::
+
+    0 query           [num_tokens, num_heads, head_dim]       float32 | float16 | bfloat16
+    1 key             [num_tokens, num_kv_heads, head_dim]    same as query (already rotated)
+    2 value           [num_tokens, num_kv_heads, head_dim]    same as query
+    3 key_cache       [num_kv_heads, num_blocks, block_size, head_dim]   kv dtype (io.paged_pool_shape)
+    4 value_cache     [num_kv_heads, num_blocks, block_size, head_dim]   kv dtype
+    5 block_tables    [num_seqs, max_blocks] int64   (padded with io.PAD_BLOCK_ID)
+    6 seq_lens        [num_seqs] int64               KV length after this step
+    7 query_start_loc [num_seqs + 1] int64           cumulative new-token offsets
+    8 slot_mapping    [num_tokens] int64
+    9 k_scale         [num_kv_heads] float32         int8 only: x ≈ q * scale (static, per head)
+   10 v_scale         [num_kv_heads] float32         int8 only
+
+Outputs::
+
+    0 output          [num_tokens, num_heads, head_dim]       query dtype
+    1 key_cache       aliased to input 3 (updated in place)
+    2 value_cache     aliased to input 4 (updated in place)
+
+INT8 KV: static symmetric scales per KV head (from `kvexport calibrate`); stored value
+q = saturate_int8(round_half_even(x / scale)) — exactly ONNX QuantizeLinear with a zero
+point of 0 — and read back as q * scale, so the `onnx` attention (QuantizeLinear /
+DequantizeLinear) and the plugin agree bit for bit on what the pool holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from kvexport import io
+from kvexport.errors import ConfigError
+
+OP_TYPE = io.PLUGIN_OP  # "PagedAttention"
+NAMESPACE = io.PLUGIN_DOMAIN  # "kvexport"; also the ONNX domain of the node
+VERSION = io.PLUGIN_VERSION  # "1"
+PLUGIN_ID = f"{NAMESPACE}::{OP_TYPE}"  # tensorrt.plugin id
+
+INPUTS = ("query", "key", "value", "key_cache", "value_cache", "block_tables", "seq_lens",
+          "query_start_loc", "slot_mapping", "k_scale", "v_scale")
+OUTPUTS = ("output", "key_cache_out", "value_cache_out")
+ALIASES = {1: 3, 2: 4}  # output index -> the input index it aliases (in-place pool update)
+NUM_INPUTS = {False: 9, True: 11}  # by "kv dtype is int8"
+
+KV_DTYPES = ("float32", "float16", "bfloat16", "int8")
+ACT_DTYPES = ("float32", "float16", "bfloat16")
+
+# max |implementation - reference| over outputs, by query dtype; the reference computes in
+# float64. Kernels accumulate in float32; fp16/bf16 inputs round the output once more.
+TOLERANCE = {"float32": 2e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
+
+
+@dataclass(frozen=True, slots=True)
+class PagedAttentionAttrs:
+    """Attributes of one PagedAttention node (one layer)."""
+
+    num_heads: int  # query heads
+    num_kv_heads: int  # KV heads; num_heads % num_kv_heads == 0 (MHA: equal, MQA: 1)
+    head_dim: int  # elements per head
+    block_size: int  # tokens per KV block
+    scale: float  # softmax scale applied to q · k (usually head_dim ** -0.5)
+    sliding_window: int = 0  # keys visible to a query, itself included; 0 = unlimited
+    kv_dtype: str = "float32"  # element type of the pool: one of KV_DTYPES
+
+    def __post_init__(self) -> None:
+        for name in ("num_heads", "num_kv_heads", "head_dim", "block_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"PagedAttention: {name} must be >= 1, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"PagedAttention: num_heads {self.num_heads} is not a multiple of "
+                              f"num_kv_heads {self.num_kv_heads}")
+        if self.sliding_window < 0:
+            raise ConfigError(f"PagedAttention: sliding_window must be >= 0, got {self.sliding_window}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ConfigError(f"PagedAttention: kv_dtype {self.kv_dtype!r} is not one of {KV_DTYPES}")
+        if not self.scale > 0:
+            raise ConfigError(f"PagedAttention: scale must be > 0, got {self.scale}")
+
+    @property
+    def group_size(self) -> int:  # query heads per KV head
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def quantized(self) -> bool:
+        return self.kv_dtype == "int8"
+
+    def onnx_attributes(self) -> dict:
+        """Attributes of the ONNX node (TensorRT's ONNX parser passes them to the plugin as
+        fields; plugin_namespace / plugin_version select the registered plugin)."""
+        d = asdict(self)
+        d["plugin_namespace"] = NAMESPACE
+        d["plugin_version"] = VERSION
+        return d
+
+    @classmethod
+    def from_onnx_attributes(cls, attrs: dict) -> "PagedAttentionAttrs":
+        known = {k: v for k, v in attrs.items() if k in cls.__dataclass_fields__}
+        for k in ("kv_dtype",):
+            if isinstance(known.get(k), bytes):
+                known[k] = known[k].decode()
+        return cls(**known)
