@@ -149,22 +149,26 @@ def _attend(b: GraphBuilder, spec: ModelSpec, q: str, k: str, v: str, bias: str)
 
 
 def contiguous_attention(b: GraphBuilder, spec: ModelSpec, layer: int, ctx: AttnContext,
-                         q: str, k: str, v: str, *, has_past: bool, kv_dtype: str) -> tuple[str, str, str]:
+                         q: str, k: str, v: str, *, has_past: bool, kv_dtype: str,
+                         scales: tuple[str, str] | None = None) -> tuple[str, str, str]:
     """q [B, S, H, D], k/v [B, S, kvH, D] (float32, rotated) -> (out [B, S, H*D],
     present key, present value [B, kvH, total, D] in kv_dtype)."""
+    ks, vs = scales or (None, None)
+    kvh = spec.num_kv_heads
     k = b.op("Transpose", k, perm=[0, 2, 1, 3])  # [B, kvH, S, D]
     v = b.op("Transpose", v, perm=[0, 2, 1, 3])
-    k, v = _cast(b, k, "float32", kv_dtype), _cast(b, v, "float32", kv_dtype)
+    k, v = to_kv(b, k, kv_dtype, ks, axis=1, heads=kvh), to_kv(b, v, kv_dtype, vs, axis=1, heads=kvh)
     if has_past:
         k = b.op("Concat", io.past_key(layer), k, axis=2)  # [B, kvH, P+S, D]
         v = b.op("Concat", io.past_value(layer), v, axis=2)
-    out = _attend(b, spec, q, _cast(b, k, kv_dtype, "float32"), _cast(b, v, kv_dtype, "float32"),
-                  ctx.bias)
+    out = _attend(b, spec, q, from_kv(b, k, kv_dtype, ks, axis=1, heads=kvh),
+                  from_kv(b, v, kv_dtype, vs, axis=1, heads=kvh), ctx.bias)
     return out, k, v
 
 
 def paged_attention(b: GraphBuilder, spec: ModelSpec, layer: int, ctx: AttnContext,
-                    q: str, k: str, v: str, *, kv_dtype: str) -> tuple[str, str, str]:
+                    q: str, k: str, v: str, *, kv_dtype: str,
+                    scales: tuple[str, str] | None = None) -> tuple[str, str, str]:
     """q [T, H, D], k/v [T, kvH, D] (float32, rotated) -> (out [T, H*D], new key, new value
     [T, kvH, D] in kv_dtype for the runtime to store at slot_mapping).
 
@@ -176,8 +180,10 @@ def paged_attention(b: GraphBuilder, spec: ModelSpec, layer: int, ctx: AttnConte
         step    K,V [kvH, S, Qmax, D]  --QK^T--> [kvH, S, G, Qmax, Qmax] (+bias)
         m = max over both, e = exp(. - m), out = (e_c V_c + e_n V_n) / (sum e_c + sum e_n)
     """
-    new_k, new_v = _cast(b, k, "float32", kv_dtype), _cast(b, v, "float32", kv_dtype)
+    ks, vs = scales or (None, None)
     kvh, g, d = spec.num_kv_heads, spec.group_size, spec.head_dim
+    new_k = to_kv(b, k, kv_dtype, ks, axis=1, heads=kvh)  # [T, kvH, D]
+    new_v = to_kv(b, v, kv_dtype, vs, axis=1, heads=kvh)
     idx = ctx.gather_idx
     q = b.op("Reshape", b.op("Gather", q, idx, axis=0), b.const([0, 0, kvh, g, d]))  # [S, Qmax, kvH, G, D]
     q5 = b.op("Transpose", q, perm=[2, 0, 3, 1, 4])  # [kvH, S, G, Qmax, D]
@@ -186,16 +192,17 @@ def paged_attention(b: GraphBuilder, spec: ModelSpec, layer: int, ctx: AttnConte
     # the pool: each sequence's blocks, per head, in token order
     kc = b.op("Gather", io.key_cache(layer), io.BLOCK_TABLES, axis=1)  # [kvH, S, B, bs, D]
     vc = b.op("Gather", io.value_cache(layer), io.BLOCK_TABLES, axis=1)
-    kc = _cast(b, b.op("Reshape", kc, ctx.keys_shape, allowzero=1), kv_dtype, "float32")  # [kvH, S, Lc, D]
-    vc = _cast(b, b.op("Reshape", vc, ctx.keys_shape, allowzero=1), kv_dtype, "float32")
+    kc = from_kv(b, b.op("Reshape", kc, ctx.keys_shape, allowzero=1), kv_dtype, ks, axis=0, heads=kvh)  # [kvH, S, Lc, D]
+    vc = from_kv(b, b.op("Reshape", vc, ctx.keys_shape, allowzero=1), kv_dtype, vs, axis=0, heads=kvh)
     # NOTE: K·qᵀ, not q·Kᵀ: the big operand is then the GEMM's A side, which MLAS reads in
     # place, instead of the B side it would pack (copy) on every call (1.46x measured)
     qt = b.op("Transpose", q, perm=[0, 1, 3, 2])  # [kvH, S, D, G*Qmax]
     sc = b.op("MatMul", kc, qt)  # [kvH, S, Lc, G*Qmax]
     sc = b.op("Add", b.op("Reshape", sc, ctx.scores_shape, allowzero=1), ctx.cached_bias)  # [kvH, S, Lc, G, Qmax]
     # this step's keys
-    kn = b.op("Gather", _cast(b, new_k, kv_dtype, "float32"), idx, axis=0)  # [S, Qmax, kvH, D]
-    vn = b.op("Gather", _cast(b, new_v, kv_dtype, "float32"), idx, axis=0)
+    # NOTE: this step's keys are read as stored (rounded to kv_dtype), as the plugin reads them
+    kn = b.op("Gather", from_kv(b, new_k, kv_dtype, ks, axis=1, heads=kvh), idx, axis=0)  # [S, Qmax, kvH, D]
+    vn = b.op("Gather", from_kv(b, new_v, kv_dtype, vs, axis=1, heads=kvh), idx, axis=0)
     kn = b.op("Unsqueeze", b.op("Transpose", kn, perm=[2, 0, 3, 1]), b.const([2]))  # [kvH, S, 1, D, Qmax]
     sn = b.op("Add", b.op("MatMul", q5, kn), ctx.bias)  # [kvH, S, G, Qmax, Qmax]
     # one softmax over both key sets; [kvH, S, 1, G, Qmax] and [kvH, S, G, Qmax, 1] are the
@@ -218,6 +225,43 @@ def paged_attention(b: GraphBuilder, spec: ModelSpec, layer: int, ctx: AttnConte
     out = b.op("Reshape", out, b.const([-1, spec.num_heads * d]))  # [S*Qmax, H*D]
     out = b.op("Compress", out, ctx.valid, axis=0)  # [T, H*D]
     return out, new_k, new_v
+
+
+def plugin_attention(b: GraphBuilder, spec: ModelSpec, layer: int, q: str, k: str, v: str, *,
+                     block_size: int, kv_dtype: str, scales: tuple[str, str] | None = None) -> tuple[str, str, str]:
+    """One kvexport::PagedAttention node (plugins/paged_attention/spec.py):
+
+        q [T, H, D], k/v [T, kvH, D] (activation dtype, rotated, q NOT scaled)
+        key_cache.{i}, value_cache.{i}, block_tables, seq_lens, query_start_loc, slot_mapping
+        (+ kv_scales.{i}.key/value for int8)
+          ──> out [T, H, D], key_cache_out.{i}, value_cache_out.{i} (the pools, updated in place)
+    """
+    from kvexport.plugins.paged_attention.spec import PagedAttentionAttrs
+
+    attrs = PagedAttentionAttrs(spec.num_heads, spec.num_kv_heads, spec.head_dim, block_size,
+                                1.0 / float(np.sqrt(spec.head_dim)), spec.sliding_window or 0, kv_dtype)
+    inputs = [q, k, v, io.key_cache(layer), io.value_cache(layer), io.BLOCK_TABLES, io.SEQ_LENS,
+              io.QUERY_START_LOC, io.SLOT_MAPPING]
+    if scales is not None:
+        inputs += list(scales)
+    out, kc, vc = b.op(io.PLUGIN_OP, *inputs, outputs=3, domain=io.PLUGIN_DOMAIN,
+                       name=f"/layers.{layer}/attn/{io.PLUGIN_OP}", **attrs.onnx_attributes())
+    return out, kc, vc
+
+
+def to_kv(b: GraphBuilder, x: str, kv_dtype: str, scale: str | None, axis: int, heads: int) -> str:
+    """float32 -> what the pool stores: a cast, or for int8 QuantizeLinear with the per-head
+    `scale` along `axis` (round half to even, saturate; zero point 0)."""
+    if kv_dtype != "int8":
+        return _cast(b, x, "float32", kv_dtype)
+    return b.op("QuantizeLinear", x, scale, b.const(np.zeros(heads), "int8"), axis=axis)
+
+
+def from_kv(b: GraphBuilder, x: str, kv_dtype: str, scale: str | None, axis: int, heads: int) -> str:
+    """What the pool stores -> float32 (DequantizeLinear for int8: q * scale)."""
+    if kv_dtype != "int8":
+        return _cast(b, x, kv_dtype, "float32")
+    return b.op("DequantizeLinear", x, scale, b.const(np.zeros(heads), "int8"), axis=axis)
 
 
 def _cast(b: GraphBuilder, x: str, src: str, dst: str) -> str:

@@ -46,16 +46,19 @@ class BuildOptions:
     validate_steps: int = 16  # greedy decode steps compared with transformers
     force: bool = False
     allow_pickle: bool = False  # accept *.bin weights (loaded with weights_only=True)
+    calibration_text: str | None = None  # int8 KV: text file for the scales (None: bundled Hamlet)
+    calibration_tokens: int = 2048  # int8 KV: tokens of that text run through the model
 
     def __post_init__(self) -> None:
-        if self.attention is io.Attention.PLUGIN:
-            raise ConfigError("--attention plugin is reserved for the TensorRT plugin work and not "
-                              "implemented yet; use --attention onnx")
+        if self.attention is io.Attention.PLUGIN and self.layout is not io.KVLayout.PAGED:
+            raise ConfigError("--attention plugin needs --layout paged (PagedAttention reads a block pool)")
         if self.dtype not in (io.DType.FP32, io.DType.FP16):
             raise ConfigError(f"--dtype {self.dtype.value} is not supported; use fp32 or fp16")
-        if self.kv_dtype is not None and self.kv_dtype not in (io.DType.FP32, io.DType.FP16):
-            raise ConfigError(f"KV dtype {self.kv_dtype.value} is reserved (int8 arrives with the "
-                              f"plugins work); use fp32 or fp16")
+        if self.kv_dtype is not None and self.kv_dtype not in (io.DType.FP32, io.DType.FP16, io.DType.INT8):
+            raise ConfigError(f"--kv-dtype {self.kv_dtype.value} is not supported on the ONNX path; "
+                              f"use fp32, fp16 or int8")
+        if self.calibration_tokens < 16:
+            raise ConfigError(f"--calibration-tokens must be >= 16, got {self.calibration_tokens}")
         if not (1 <= self.block_size <= 1024):
             raise ConfigError(f"--block-size must be in 1..1024, got {self.block_size}")
         if self.max_seq_len is not None and self.max_seq_len < 2:
@@ -125,12 +128,24 @@ def _build_into(d: Path, src: source.ModelSource, opts: BuildOptions, progress: 
             rot = model.model.rotary_emb
             rope = rope_tables(spec, rot.inv_freq, float(rot.attention_scaling), max_len)
         tokenizer = source.load_tokenizer(src)
+    scales = quantization = None
+    if kv_dtype is io.DType.INT8:
+        from . import calibrate
+
+        with progress("calibrating int8 KV scales"):
+            text = Path(opts.calibration_text) if opts.calibration_text else None
+            if tokenizer is not None and text is None:
+                text = calibrate.default_text()
+            ids = calibrate.calibration_ids(tokenizer, spec.vocab_size, text, opts.calibration_tokens)
+            scales = calibrate.compute_scales(model, ids)
+            quantization = calibrate.quantization_entry(scales, text.name if text else "random-ids", ids)
 
     store = WeightStore()
     graphs = {}
     for phase in (io.Phase.PREFILL, io.Phase.DECODE):
         with progress(f"exporting {phase.value} graph"):
-            g = GraphOptions(opts.layout, phase, opts.dtype, kv_dtype, opts.block_size, max_len, opts.all_logits)
+            g = GraphOptions(opts.layout, phase, opts.dtype, kv_dtype, opts.block_size, max_len, opts.all_logits,
+                             opts.attention, scales)
             dg = DecoderGraph(spec, weights, rope, g, store)
             graphs[phase] = (dg.build(), dg.io)
     with progress("writing graphs and weights"):
@@ -151,13 +166,20 @@ def _build_into(d: Path, src: source.ModelSource, opts: BuildOptions, progress: 
     notes = []
     if opts.dtype is io.DType.FP16:
         notes.append("fp16: matmul weights/activations in float16; norms, RoPE and attention in float32")
+    if kv_dtype is io.DType.INT8:
+        notes.append("int8 KV: static symmetric scales per layer and KV head (kv.quantization); "
+                     "QuantizeLinear on write, DequantizeLinear on read")
+    if opts.attention is io.Attention.PLUGIN:
+        notes.append("plugin attention: kvexport::PagedAttention nodes; onnxruntime runs them only with "
+                     "the reference custom op (kvexport.plugins.paged_attention.ort), TensorRT with the plugin")
     manifest = Manifest(
         schema_version=io.SCHEMA_VERSION, kvexport_version=__version__, source=src.to_json(),
         model=spec.to_json(), dtype=opts.dtype.value,
         kv=KVSpec(opts.layout.value, opts.attention.value, kv_dtype.value,
                   opts.block_size if opts.layout is io.KVLayout.PAGED else 0, spec.num_layers,
                   spec.num_kv_heads, spec.head_dim,
-                  io.kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, kv_dtype), max_len),
+                  io.kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, kv_dtype), max_len,
+                  quantization),
         graphs=entries, weights={"file": io.WEIGHTS_FILE, "bytes": weight_bytes, "parameters": n_params}, tokenizer=tok_dir,
         all_logits=opts.all_logits, validation=None, tools=versions(), notes=notes)
 

@@ -32,6 +32,8 @@ class GraphOptions:
     block_size: int  # tokens per KV block (paged)
     max_seq_len: int  # longest context the build serves; sizes the RoPE tables
     all_logits: bool  # prefill returns logits for every token, not just the last
+    attention: io.Attention = io.Attention.ONNX  # paged only: standard ops or PagedAttention nodes
+    kv_scales: np.ndarray | None = None  # int8 KV: [layers, 2 (key, value), kv_heads] float32
 
 
 def rope_tables(spec: ModelSpec, inv_freq: torch.Tensor, scaling: float, max_len: int) -> tuple[np.ndarray, np.ndarray]:
@@ -55,7 +57,11 @@ class DecoderGraph:
         self.io = io.graph_io(layout=opts.layout, phase=opts.phase, num_layers=spec.num_layers,
                               num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
                               vocab_size=spec.vocab_size, block_size=opts.block_size,
-                              act_dtype=self.act, kv_dtype=self.kv, all_logits=opts.all_logits)
+                              act_dtype=self.act, kv_dtype=self.kv, all_logits=opts.all_logits,
+                              attention=opts.attention)
+        self.plugin = self.paged and opts.attention is io.Attention.PLUGIN
+        if (opts.kv_dtype is io.DType.INT8) != (opts.kv_scales is not None):
+            raise ValueError("int8 KV needs kv_scales, and only int8 KV takes them")
 
     # ---- weights -------------------------------------------------------------------
     def _weight(self, name: str, arr: np.ndarray | None, dtype: str) -> str | None:
@@ -136,7 +142,12 @@ class DecoderGraph:
             cos_t, sin_t = self.rope
             cos = b.op("Unsqueeze", b.op("Gather", self._f32("rope.cos", cos_t), pos, axis=0), b.const([-2]))
             sin = b.op("Unsqueeze", b.op("Gather", self._f32("rope.sin", sin_t), pos, axis=0), b.const([-2]))
-        ctx = attn.paged_context(b, spec, o.block_size) if self.paged else attn.contiguous_context(b, spec)
+        if self.plugin:
+            ctx = None  # the plugin node reads the step's metadata itself
+        elif self.paged:
+            ctx = attn.paged_context(b, spec, o.block_size)
+        else:
+            ctx = attn.contiguous_context(b, spec)
 
         kv_out: list[tuple[str, str]] = []
         for i, lw in enumerate(self.w.layers):
@@ -169,14 +180,24 @@ class DecoderGraph:
         v = b.op("Reshape", v, b.const(lead + [kvh, d]))
         if cos is not None:
             q, k = self.apply_rope(q, cos, sin), self.apply_rope(k, cos, sin)
-        q = b.op("Mul", q, b.const(1.0 / np.sqrt(d), "float32"))
-        if self.paged:
-            a, k_out, v_out = attn.paged_attention(b, spec, i, ctx, q, k, v, kv_dtype=self.kv)
+        scales = None
+        if self.opts.kv_scales is not None:
+            scales = (b.named_const(io.k_scale(i), self.opts.kv_scales[i, 0].astype(np.float32)),
+                      b.named_const(io.v_scale(i), self.opts.kv_scales[i, 1].astype(np.float32)))
+        if self.plugin:  # the node takes activation-dtype q/k/v, q unscaled (scale is an attribute)
+            q, k, v = (self._to(t, "float32", self.act) for t in (q, k, v))
+            a, k_out, v_out = attn.plugin_attention(b, spec, i, q, k, v, block_size=self.opts.block_size,
+                                                    kv_dtype=self.kv, scales=scales)
+            a = b.op("Reshape", a, b.const([0, h * d]))  # [T, H*D]
         else:
-            a, k_out, v_out = attn.contiguous_attention(b, spec, i, ctx, q, k, v,
-                                                        has_past=self.opts.phase is io.Phase.DECODE,
-                                                        kv_dtype=self.kv)
-        a = self._to(a, "float32", self.act)
+            q = b.op("Mul", q, b.const(1.0 / np.sqrt(d), "float32"))
+            if self.paged:
+                a, k_out, v_out = attn.paged_attention(b, spec, i, ctx, q, k, v, kv_dtype=self.kv, scales=scales)
+            else:
+                a, k_out, v_out = attn.contiguous_attention(b, spec, i, ctx, q, k, v,
+                                                            has_past=self.opts.phase is io.Phase.DECODE,
+                                                            kv_dtype=self.kv, scales=scales)
+            a = self._to(a, "float32", self.act)
         a = self.linear(a, self._mat(p + "attn.o.weight", lw.o_w), self._mat(p + "attn.o.bias", lw.o_b))
         x = b.op("Add", x, a)
         hn = self.norm(x, lw.ln2_w, lw.ln2_b, p + "post_attention_layernorm")

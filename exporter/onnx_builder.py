@@ -112,6 +112,12 @@ class GraphBuilder:
             self._const_cache[key] = name
         return self._const_cache[key]
 
+    def named_const(self, name: str, value: np.ndarray) -> str:
+        """A small initializer stored inside the graph under a contract name (e.g. the int8
+        KV scales, which `kvexport calibrate` rewrites in place)."""
+        self.constants.append(numpy_helper.from_array(np.asarray(value), name))
+        return name
+
     def weight(self, name: str, array: np.ndarray) -> str:
         self.weights.add(name, array)
         if name not in self.used_weights:
@@ -130,8 +136,10 @@ class GraphBuilder:
         initializers = list(self.constants)
         initializers += [self.weights.tensor(n, data_file) for n in self.used_weights]
         graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, initializers)
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", io.ONNX_OPSET)],
-                                  producer_name="kvexport", doc_string=doc)
+        opsets = [helper.make_opsetid("", io.ONNX_OPSET)]
+        if any(n.domain == io.PLUGIN_DOMAIN for n in self.nodes):
+            opsets.append(helper.make_opsetid(io.PLUGIN_DOMAIN, int(io.PLUGIN_VERSION)))
+        model = helper.make_model(graph, opset_imports=opsets, producer_name="kvexport", doc_string=doc)
         model.ir_version = 9  # onnxruntime >= 1.17 and TensorRT 10 read IR 9
         return model
 

@@ -62,6 +62,13 @@ def _rich_progress():
 @click.option("--out", type=click.Path(), help="Build directory (default: build/<model name>).")
 @click.option("--layout", type=click.Choice([l.value for l in io.KVLayout]), help="KV-cache layout [paged].")
 @click.option("--dtype", type=click.Choice(["fp32", "fp16"]), help="Weights/activations dtype [fp32].")
+@click.option("--attention", type=click.Choice([a.value for a in io.Attention]),
+              help="Paged attention: standard ONNX ops, or kvexport::PagedAttention plugin nodes [onnx].")
+@click.option("--kv-dtype", type=click.Choice(["fp32", "fp16", "int8"]),
+              help="KV-cache dtype [same as --dtype]; int8 uses calibrated per-head scales.")
+@click.option("--calibration-text", type=click.Path(exists=True, dir_okay=False),
+              help="int8 KV: text to calibrate the scales on [bundled Shakespeare: Hamlet].")
+@click.option("--calibration-tokens", type=int, help="int8 KV: tokens of the text to use [2048].")
 @click.option("--block-size", type=int, help="Tokens per KV block for the paged layout [16].")
 @click.option("--max-seq-len", type=int, help="Longest context served [model's max positions, capped at 32768].")
 @click.option("--all-logits", is_flag=True, default=None, help="Prefill returns logits for every token (perplexity).")
@@ -69,7 +76,8 @@ def _rich_progress():
 @click.option("--allow-pickle", is_flag=True, help="Accept pickled *.bin weights (loaded with weights_only=True).")
 @click.option("--force", is_flag=True, help="Replace an existing build directory.")
 @click.option("--no-validate", is_flag=True, help="Skip the comparison with transformers.")
-def build(model, out, layout, dtype, block_size, max_seq_len, all_logits, recipe, allow_pickle, force, no_validate):
+def build(model, out, layout, dtype, attention, kv_dtype, calibration_text, calibration_tokens, block_size,
+          max_seq_len, all_logits, recipe, allow_pickle, force, no_validate):
     """Export a model (HF folder, .gguf file or alias) into a validated build directory."""
     from kvexport.exporter.build import BuildOptions, build as run_build
     from kvexport.exporter.source import DEFAULT_MODEL
@@ -77,8 +85,9 @@ def build(model, out, layout, dtype, block_size, max_seq_len, all_logits, recipe
 
     r = load_recipe(recipe) if recipe else Recipe()
     kw = r.options()
-    given = {"layout": layout, "dtype": dtype, "block_size": block_size, "max_seq_len": max_seq_len,
-             "all_logits": all_logits}
+    given = {"layout": layout, "dtype": dtype, "attention": attention, "kv_dtype": kv_dtype,
+             "calibration_text": calibration_text, "calibration_tokens": calibration_tokens,
+             "block_size": block_size, "max_seq_len": max_seq_len, "all_logits": all_logits}
     kw.update({k: v for k, v in given.items() if v is not None})
     if no_validate:
         kw["validate"] = False
@@ -86,6 +95,10 @@ def build(model, out, layout, dtype, block_size, max_seq_len, all_logits, recipe
         kw["layout"] = io.KVLayout(kw["layout"])
     if "dtype" in kw:
         kw["dtype"] = io.DType(kw["dtype"])
+    if "kv_dtype" in kw:
+        kw["kv_dtype"] = io.DType(kw["kv_dtype"])
+    if "attention" in kw:
+        kw["attention"] = io.Attention(kw["attention"])
     kw["force"] = force or kw.get("force", False)
     opts = BuildOptions(allow_pickle=allow_pickle, **kw)
     model = model or r.model or DEFAULT_MODEL
@@ -104,6 +117,24 @@ def _print_validation(manifest) -> None:
                   f"{v['steps']} decode steps: max |Δ logits| {v['max_abs_diff']:.2e} "
                   f"(tolerance {v['tolerance']}), greedy tokens identical: "
                   f"{'yes' if v['greedy_identical'] else 'no'} ({100 * v['token_agreement']:.1f}% agree)")
+
+
+@main.command()
+@click.argument("build_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--text", type=click.Path(exists=True, dir_okay=False),
+              help="Calibration text [bundled Shakespeare: Hamlet].")
+@click.option("--tokens", type=int, default=2048, show_default=True, help="Tokens of the text to run.")
+@click.option("--model", "model_source", help="Source model [the one recorded in the manifest].")
+@click.option("--no-validate", is_flag=True, help="Skip re-validating against transformers.")
+def calibrate(build_dir, text, tokens, model_source, no_validate):
+    """Recompute an int8-KV build's per-head scales from a text and rewrite them in place."""
+    from kvexport.exporter.calibrate import calibrate as run
+
+    manifest = run(build_dir, text, tokens, model_source, validate=not no_validate)
+    q = manifest.kv.quantization
+    console.print(f"scales from {q['calibration']['tokens']} tokens of {q['calibration']['text']} "
+                  f"({q['scheme']})")
+    _print_validation(manifest)
 
 
 @main.command()

@@ -32,7 +32,18 @@ Layouts
     NOTE: with the ``onnx`` attention the graph reads the pool but never writes it
     (ONNX has no in-place update; copying a whole pool per step would cost O(pool)).
     It returns this step's K/V and the runtime stores them at ``slot_mapping``.
-    The ``plugin`` attention writes the pool in place (aliased output) instead.
+    ``block_tables`` then only needs the blocks holding earlier steps' KV.
+
+``paged`` + ``plugin`` attention: the same inputs; one ``kvexport::PagedAttention`` node
+per layer stores this step's K/V into the pool itself (TensorRT: in place, the output
+aliases the input) and reads everything back from it, so ``block_tables`` must cover
+``seq_lens`` (this step's blocks too)::
+
+    -> logits, key_cache_out.{i}/value_cache_out.{i} [kv_heads, num_blocks, block_size, head_dim]
+
+int8 KV: static symmetric scales per layer and KV head (``kvexport calibrate``), stored in
+both graphs as float32 initializers ``kv_scales.{i}.key/value`` [kv_heads] and in the
+manifest; pools hold ``saturate(round_half_even(x / scale))`` (ONNX QuantizeLinear).
 """
 
 from __future__ import annotations
@@ -64,14 +75,14 @@ class KVLayout(str, enum.Enum):
 
 class Attention(str, enum.Enum):
     ONNX = "onnx"  # standard ONNX ops; runs on onnxruntime CPU
-    PLUGIN = "plugin"  # kvexport::PagedAttention nodes (plugins issue; reserved)
+    PLUGIN = "plugin"  # one kvexport::PagedAttention node per layer (TensorRT plugin)
 
 
 class DType(str, enum.Enum):
     FP32 = "fp32"
     FP16 = "fp16"
     BF16 = "bf16"  # reserved for GPU engines
-    INT8 = "int8"  # KV only, with scales (plugins issue; reserved)
+    INT8 = "int8"  # KV only, with static per-head scales
 
     @property
     def numpy_name(self) -> str:
@@ -133,6 +144,23 @@ def new_value(i: int) -> str:
     return f"new_value.{i}"
 
 
+def key_cache_out(i: int) -> str:
+    return f"key_cache_out.{i}"
+
+
+def value_cache_out(i: int) -> str:
+    return f"value_cache_out.{i}"
+
+
+def k_scale(i: int) -> str:
+    """int8 KV: graph initializer [kv_heads] float32 with layer i's key scales."""
+    return f"kv_scales.{i}.key"
+
+
+def v_scale(i: int) -> str:
+    return f"kv_scales.{i}.value"
+
+
 # ---- dynamic axis names ---------------------------------------------------------------
 BATCH = "batch"
 SEQ = "seq"
@@ -176,6 +204,7 @@ def graph_io(
     act_dtype: str,
     kv_dtype: str,
     all_logits: bool,
+    attention: Attention = Attention.ONNX,
 ) -> GraphIO:
     """Every input and output of one graph, in order. The exporter declares exactly
     these; the runtime feeds exactly these."""
@@ -212,8 +241,12 @@ def graph_io(
     logits_rows = ntok if all_logits else NUM_SEQS
     outputs = [TensorSpec(LOGITS, act_dtype, (logits_rows, vocab_size))]
     for i in range(num_layers):
-        for name in (new_key(i), new_value(i)):
-            outputs.append(TensorSpec(name, kv_dtype, (ntok, num_kv_heads, head_dim)))
+        if attention is Attention.PLUGIN:
+            pool = paged_pool_shape(NUM_BLOCKS, num_kv_heads, block_size, head_dim)
+            outputs += [TensorSpec(key_cache_out(i), kv_dtype, pool), TensorSpec(value_cache_out(i), kv_dtype, pool)]
+        else:
+            for name in (new_key(i), new_value(i)):
+                outputs.append(TensorSpec(name, kv_dtype, (ntok, num_kv_heads, head_dim)))
     return GraphIO(tuple(inputs), tuple(outputs))
 
 
@@ -239,7 +272,6 @@ def store_paged_kv(pool, slot_mapping, new) -> None:
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: DType) -> int:
     """Memory one token occupies in the KV cache: 2 (K and V) x layers x kv_heads x
-    head_dim x bytes. The runtime and every planner use exactly this formula."""
-    if kv_dtype is DType.INT8:
-        raise NotImplementedError("int8 KV (with scales) is reserved; it arrives with the plugins work")
+    head_dim x bytes. The runtime and every planner use exactly this formula.
+    NOTE: int8 scales are static (per layer and head, not per token), so they add nothing here."""
     return 2 * num_layers * num_kv_heads * head_dim * kv_dtype.itemsize

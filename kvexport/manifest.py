@@ -23,6 +23,7 @@ class KVSpec:
     head_dim: int
     bytes_per_token: int  # io.kv_bytes_per_token(...)
     max_seq_len: int  # longest context (prompt + output) the build serves, tokens
+    quantization: dict | None = None  # int8 KV: scheme, calibration, scales [layers][k, v][kv_heads]
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +50,7 @@ class Manifest:
     tools: dict
     notes: list[str] = field(default_factory=list)
     samples: dict[str, str] = field(default_factory=dict)  # phase -> polygraphy input file
+    engines: dict | None = None  # TensorRT engines (exporter/tensorrt_build.py), when built
 
     def to_json(self) -> dict:
         return asdict(self)

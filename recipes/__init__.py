@@ -21,6 +21,10 @@ class Recipe:
     force: bool | None = None  # replace an existing build directory
     layout: str | None = None  # "paged" | "contiguous"
     dtype: str | None = None  # "fp32" | "fp16"
+    attention: str | None = None  # "onnx" | "plugin" (paged only)
+    kv_dtype: str | None = None  # "fp32" | "fp16" | "int8" (None: same as dtype)
+    calibration_text: str | None = None  # int8 KV: text file for the scales
+    calibration_tokens: int | None = None  # int8 KV: tokens of it used
     block_size: int | None = None  # tokens per KV block
     max_seq_len: int | None = None  # tokens
     all_logits: bool | None = None

