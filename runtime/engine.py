@@ -57,15 +57,18 @@ class RequestOutput:
     num_cached_prompt_tokens: int = 0
 
 
-def prepare(scheduled: Sequence[ScheduledRequest], block_size: int) -> ModelInput:
+def prepare(scheduled: Sequence[ScheduledRequest], block_size: int, full_tables: bool = False) -> ModelInput:
     """Scheduled requests -> the graphs' packed inputs. Block tables become a padded int64
     tensor only here, padded with io.PAD_BLOCK_ID.
 
-    NOTE: the graph reads from the pool only the KV of tokens computed in earlier steps
-    (this step's keys come from the step itself), so the tables are cut to the blocks
-    holding those: a fresh prompt passes a table of width 0 and attends to nothing stale."""
+    NOTE: the `onnx` attention reads from the pool only the KV of tokens computed in earlier
+    steps (this step's keys come from the step itself), so the tables are cut to the blocks
+    holding those: a fresh prompt passes a table of width 0 and attends to nothing stale.
+    The `plugin` attention stores this step's KV first and reads it back (`full_tables`):
+    its tables cover every block up to seq_lens."""
     ids, pos, slots, qsl, lens = [], [], [], [0], []
-    width = max(-(-s.start_pos // block_size) for s in scheduled)
+    end = (lambda s: s.start_pos + len(s.token_ids)) if full_tables else (lambda s: s.start_pos)
+    width = max(-(-end(s) // block_size) for s in scheduled)
     tables = np.full((len(scheduled), width), io.PAD_BLOCK_ID, np.int64)
     for r, s in enumerate(scheduled):
         ids.extend(s.token_ids)
@@ -73,7 +76,7 @@ def prepare(scheduled: Sequence[ScheduledRequest], block_size: int) -> ModelInpu
         slots.extend(s.slot_mapping)
         qsl.append(qsl[-1] + len(s.token_ids))
         lens.append(s.start_pos + len(s.token_ids))
-        used = -(-s.start_pos // block_size)
+        used = -(-end(s) // block_size)
         tables[r, :used] = s.block_table[:used]
     a = lambda x: np.asarray(x, np.int64)  # noqa: E731
     return ModelInput(a(ids), a(pos), a(qsl), a(lens), tables, a(slots))
@@ -107,11 +110,12 @@ def execute(backend: Backend, out: SchedulerOutput, block_size: int) -> np.ndarr
     single = [i for i in q_len if q_len[i] == 1]
     multi = [i for i in q_len if q_len[i] > 1]
     groups = _pack(multi, q_len, 1.25) + ([single] if single else [])
+    full = getattr(backend, "full_block_tables", False)
     if len(groups) == 1:
-        return backend.execute(prepare(rows, block_size))
+        return backend.execute(prepare(rows, block_size, full))
     logits = None
     for group in groups:
-        part = backend.execute(prepare([rows[i] for i in group], block_size))
+        part = backend.execute(prepare([rows[i] for i in group], block_size, full))
         if logits is None:
             logits = np.empty((len(rows), part.shape[1]), part.dtype)
         logits[group] = part

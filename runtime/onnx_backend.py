@@ -43,6 +43,7 @@ class Backend(Protocol):
     """What the model runner needs from an execution backend (onnxruntime, TensorRT)."""
 
     num_blocks: int
+    full_block_tables: bool  # plugin attention: tables cover this step's blocks too (kvexport/io.py)
 
     def execute(self, inp: ModelInput) -> np.ndarray:
         """Run one step; store its K/V in the pool; return logits [S, vocab] (float32)."""
@@ -87,6 +88,11 @@ class OnnxRuntimeBackend:
         self.build_dir, self.manifest, self.num_blocks = Path(build_dir), manifest, num_blocks
         kv = manifest.kv
         self.kv = kv
+        # NOTE: plugin graphs run here with the reference PagedAttention as an onnxruntime
+        # custom op (slow: it copies the pools); it proves the runtime's plugin path on CPU.
+        # Production runs them as TensorRT engines (runtime/trt_backend.py).
+        self.plugin = kv.attention == io.Attention.PLUGIN.value
+        self.full_block_tables = self.plugin
         self._weights = np.memmap(self.build_dir / manifest.weights["file"], dtype=np.uint8, mode="r")
         init = _shared_initializers(self.build_dir, manifest.graphs["prefill"].file, self._weights)
         self._init = init  # NOTE: the OrtValues view the memmap; keep both alive with the sessions
@@ -100,13 +106,19 @@ class OnnxRuntimeBackend:
             so.inter_op_num_threads = 1
             for name, value in init.items():
                 so.add_initializer(name, value)
-            self.sessions[phase] = ort.InferenceSession(str(self.build_dir / entry.file), so, providers=providers)
+            if self.plugin:
+                from kvexport.plugins.paged_attention.ort import plugin_session
+
+                self.sessions[phase] = plugin_session(self.build_dir / entry.file, threads, init)
+            else:
+                self.sessions[phase] = ort.InferenceSession(str(self.build_dir / entry.file), so, providers=providers)
         dtype = np.dtype(io.DType(kv.dtype).numpy_name)
         shape = io.paged_pool_shape(num_blocks, kv.num_kv_heads, kv.block_size, kv.head_dim)
         # [K_0, V_0, K_1, V_1, ...], each [num_blocks, kv_heads, block_size, head_dim]
         self.pools = [np.zeros(shape, dtype) for _ in range(2 * kv.num_layers)]
         self._pool_names = [n for i in range(kv.num_layers) for n in (io.key_cache(i), io.value_cache(i))]
-        self._out_names = [io.LOGITS] + [n for i in range(kv.num_layers) for n in (io.new_key(i), io.new_value(i))]
+        kv_outs = (io.key_cache_out, io.value_cache_out) if self.plugin else (io.new_key, io.new_value)
+        self._out_names = [io.LOGITS] + [f(i) for i in range(kv.num_layers) for f in kv_outs]
 
     @property
     def pool_bytes(self) -> int:
@@ -119,8 +131,11 @@ class OnnxRuntimeBackend:
         feeds.update(zip(self._pool_names, self.pools))
         sess = self.sessions[io.Phase.DECODE.value if inp.is_decode else io.Phase.PREFILL.value]
         outs = sess.run(self._out_names, feeds)
-        for pool, new in zip(self.pools, outs[1:]):
-            io.store_paged_kv(pool, inp.slot_mapping, new)
+        if self.plugin:  # the graph returns the updated pools
+            self.pools = list(outs[1:])
+        else:
+            for pool, new in zip(self.pools, outs[1:]):
+                io.store_paged_kv(pool, inp.slot_mapping, new)
         logits = outs[0]
         if self.manifest.all_logits and not inp.is_decode:
             logits = logits[inp.query_start_loc[1:] - 1]

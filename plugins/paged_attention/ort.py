@@ -108,8 +108,6 @@ def plugin_session(path: str | Path, threads: int | None = None, initializers: d
         so.intra_op_num_threads = threads
     for name, value in (initializers or {}).items():
         so.add_initializer(name, value)
-    # NOTE: external data paths are relative to the graph's folder: keep them valid by
-    # loading the external weights into the model when no shared initializers are given
-    if not initializers:
-        onnx.load_external_data_for_model(model, str(path.parent))
+    # the model is loaded from bytes: external weights resolve against the graph's folder
+    so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(path.parent))
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])

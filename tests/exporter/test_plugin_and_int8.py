@@ -1,0 +1,164 @@
+"""`--attention plugin` graphs and int8 KV, on tiny random models of every family.
+
+Plugin graphs run in onnxruntime CPU with the reference PagedAttention registered as a
+custom op (kvexport.plugins.paged_attention.ort) — the same reference the Triton kernels
+and the TensorRT plugin are tested against. They must match transformers (validation) and
+the `onnx` attention graph on identical inputs. int8 KV must agree between the `onnx`
+attention, the plugin and both layouts (same quantization semantics), and stay close to
+transformers."""
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from click.testing import CliRunner
+
+from kvexport import io
+from kvexport.cli import main
+from kvexport.errors import ConfigError
+from kvexport.exporter import calibrate as cal
+from kvexport.exporter.build import BuildOptions, build
+from kvexport.exporter.families import FAMILIES
+from kvexport.exporter.validate import TOLERANCE, PagedDriver, prompt_ids, reference
+from kvexport.manifest import load
+
+CASES = {"llama": dict(num_key_value_heads=2), "mistral": dict(num_key_value_heads=2, sliding_window=8),
+         "qwen2": dict(num_key_value_heads=4), "phi3": dict(num_key_value_heads=1), "gpt2": {}}
+OPTS = dict(block_size=4, max_seq_len=64)
+
+
+def test_every_family_has_a_plugin_case():
+    assert set(CASES) == set(FAMILIES)
+
+
+@pytest.mark.parametrize("family", list(CASES))
+def test_plugin_graph_matches_transformers_and_onnx_attention(hf_folder, tmp_path, family):
+    src = str(hf_folder(family, **CASES[family]))
+    plug, mp = build(src, tmp_path / "plugin", BuildOptions(attention=io.Attention.PLUGIN, **OPTS))
+    assert mp.validation["passed"] and mp.validation["greedy_identical"], mp.validation
+    assert mp.validation["max_abs_diff"] <= TOLERANCE["fp32"]
+    ref, mr = build(src, tmp_path / "onnx", BuildOptions(validate=False, **OPTS))
+    prompts = prompt_ids(None, mr.model["vocab_size"])
+    forced = [[(7 * s + t) % 100 + 3 for t in range(6)] for s in range(len(prompts))]
+    a = PagedDriver(plug, mp).run(prompts, forced, 6)
+    b = PagedDriver(ref, mr).run(prompts, forced, 6)
+    assert max(float(np.abs(x - y).max()) for x, y in zip(a, b)) < 1e-4
+
+
+def test_plugin_graph_structure(hf_folder, tmp_path):
+    out, m = build(str(hf_folder("llama", num_key_value_heads=2)), tmp_path / "b",
+                   BuildOptions(attention=io.Attention.PLUGIN, validate=False, **OPTS))
+    g = onnx.load(str(out / io.DECODE_GRAPH), load_external_data=False)
+    nodes = [n for n in g.graph.node if n.domain == io.PLUGIN_DOMAIN]
+    assert [n.op_type for n in nodes] == [io.PLUGIN_OP] * m.kv.num_layers
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in nodes[0].attribute}
+    assert attrs["plugin_namespace"] == b"kvexport" and attrs["plugin_version"] == b"1"
+    assert (attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"], attrs["block_size"]) == (4, 2, 16, 4)
+    assert attrs["scale"] == pytest.approx(16 ** -0.5)
+    assert len(nodes[0].input) == 9 and list(nodes[0].input[3:5]) == [io.key_cache(0), io.value_cache(0)]
+    assert {(o.domain, o.version) for o in g.opset_import} >= {(io.PLUGIN_DOMAIN, 1)}
+    outs = [o.name for o in g.graph.output]
+    assert outs[1:3] == [io.key_cache_out(0), io.value_cache_out(0)]
+    assert m.kv.attention == "plugin"
+    onnx.checker.check_model(str(out / io.DECODE_GRAPH))
+
+
+def test_plugin_needs_paged_layout():
+    with pytest.raises(ConfigError, match="--layout paged"):
+        BuildOptions(layout=io.KVLayout.CONTIGUOUS, attention=io.Attention.PLUGIN)
+
+
+@pytest.fixture(scope="module")
+def int8_builds(hf_folder, tmp_path_factory):
+    src = str(hf_folder("llama", num_key_value_heads=2))
+    d = tmp_path_factory.mktemp("int8")
+    builds = {}
+    for name, kw in {"paged": {}, "plugin": dict(attention=io.Attention.PLUGIN),
+                     "contiguous": dict(layout=io.KVLayout.CONTIGUOUS)}.items():
+        builds[name] = build(src, d / name, BuildOptions(kv_dtype=io.DType.INT8, **kw, **OPTS))
+    builds["fp32"] = build(src, d / "fp32", BuildOptions(**OPTS))
+    return src, builds
+
+
+def test_int8_builds_validate_and_record_their_scales(int8_builds):
+    _, builds = int8_builds
+    for name in ("paged", "plugin", "contiguous"):
+        out, m = builds[name]
+        v = m.validation
+        assert v["passed"] and v["tolerance"] == TOLERANCE["int8_kv"], (name, v)
+        assert v["token_agreement"] >= 0.9, (name, v)
+        q = m.kv.quantization
+        assert q["scheme"] == cal.SCHEME and np.array(q["scales"]).shape == (2, 2, 2)
+        g = onnx.load(str(out / io.PREFILL_GRAPH), load_external_data=False)
+        init = {t.name: onnx.numpy_helper.to_array(t) for t in g.graph.initializer if t.name.startswith("kv_scales")}
+        np.testing.assert_array_equal(init[io.k_scale(1)], np.array(q["scales"], np.float32)[1, 0])
+    fp32 = builds["fp32"][1]
+    assert builds["paged"][1].kv.bytes_per_token * 4 == fp32.kv.bytes_per_token
+    # quantization really happens: int8 is further from transformers than fp32
+    assert builds["paged"][1].validation["max_abs_diff"] > 10 * fp32.validation["max_abs_diff"]
+
+
+def test_int8_onnx_attention_plugin_and_contiguous_agree(int8_builds):
+    """One quantization semantics (QuantizeLinear rounding, per-head scales) everywhere:
+    the three int8 builds agree far more closely than int8 agrees with fp32."""
+    _, builds = int8_builds
+    d = {k: builds[k][1].validation["max_abs_diff_per_step"] for k in ("paged", "plugin", "contiguous")}
+    assert np.allclose(d["paged"], d["plugin"], atol=1e-4) and np.allclose(d["paged"], d["contiguous"], atol=1e-4)
+    (p_out, p_m), (g_out, g_m) = builds["paged"], builds["plugin"]
+    prompts = prompt_ids(None, p_m.model["vocab_size"])
+    forced = [[5 + s + t for t in range(5)] for s in range(len(prompts))]
+    a = PagedDriver(p_out, p_m).run(prompts, forced, 5)
+    b = PagedDriver(g_out, g_m).run(prompts, forced, 5)
+    assert max(float(np.abs(x - y).max()) for x, y in zip(a, b)) < 1e-4
+
+
+def test_calibrate_cli_rewrites_scales(int8_builds, tmp_path):
+    src, builds = int8_builds
+    out = builds["paged"][0]
+    before = np.array(load(out).kv.quantization["scales"])
+    r = CliRunner().invoke(main, ["calibrate", str(out), "--tokens", "64", "--model", src])
+    assert r.exit_code == 0, r.output
+    m = load(out)
+    after = np.array(m.kv.quantization["scales"], np.float32)
+    assert m.kv.quantization["calibration"]["tokens"] == 64
+    assert not np.array_equal(before, after)  # 64 tokens see a smaller range than 2048
+    for graph in (io.PREFILL_GRAPH, io.DECODE_GRAPH):
+        g = onnx.load(str(out / graph), load_external_data=False)
+        init = {t.name: onnx.numpy_helper.to_array(t) for t in g.graph.initializer if t.name.startswith("kv_scales")}
+        np.testing.assert_array_equal(init[io.v_scale(0)], after[0, 1])
+    assert m.validation["passed"]
+
+
+def test_calibrate_refuses_a_build_without_int8(int8_builds):
+    out = int8_builds[1]["fp32"][0]
+    r = CliRunner().invoke(main, ["calibrate", str(out)])
+    assert r.exit_code != 0 and "--kv-dtype int8" in r.output
+
+
+def test_missing_calibration_text_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVEXPORT_TEXT_DIR", str(tmp_path))
+    with pytest.raises(ConfigError, match="fetch_texts.sh"):
+        cal.default_text()
+
+
+def test_quantization_matches_quantizelinear():
+    """The reference's rounding (half to even, saturating) is ONNX QuantizeLinear's."""
+    import onnxruntime as ort
+    import torch
+    from onnx import TensorProto, helper
+
+    from kvexport.plugins.paged_attention.reference import quantize
+
+    x = np.array([[[0.5, 1.5, 2.5, -0.5, -1.5, 300.0, -300.0, 0.26]]], np.float32)  # [1, 1, 8]
+    scale = np.array([1.0], np.float32)
+    node = helper.make_node("QuantizeLinear", ["x", "s", "z"], ["y"], axis=1)
+    g = helper.make_graph([node], "q", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, 8])],
+                          [helper.make_tensor_value_info("y", TensorProto.INT8, [1, 1, 8])],
+                          [onnx.numpy_helper.from_array(scale, "s"),
+                           onnx.numpy_helper.from_array(np.zeros(1, np.int8), "z")])
+    sess = ort.InferenceSession(helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)]).SerializeToString())
+    expected = sess.run(None, {"x": x})[0]
+    got = quantize(torch.from_numpy(x), torch.from_numpy(scale), head_axis=1).numpy()
+    np.testing.assert_array_equal(got, expected)
+    assert expected.tolist() == [[[0, 2, 2, 0, -2, 127, -128, 0]]]
