@@ -1,0 +1,164 @@
+"""Kernel configurations of `kvexport::PagedAttention`: the one list of tile configs (the
+TensorRT plugin's tactics), the representative model shapes, and how one configuration
+becomes a `triton.compile` source (signature + constexprs) — shared by the JIT launcher
+(launch.py), the TensorRT ahead-of-time registration (trt.py), the PTX compile tests and
+the GPU check.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .spec import PagedAttentionAttrs
+
+# Triton type names of the activation / pool dtypes (spec.ACT_DTYPES, spec.KV_DTYPES)
+TRITON_TYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "int8": "i8"}
+AOT_TARGETS = (80, 90)  # CUDA compute capabilities CI compiles for (A100, H100/H200)
+
+
+@dataclass(frozen=True, slots=True)
+class TileConfig:
+    """One tiling of a kernel (a TensorRT tactic)."""
+
+    block_m: int  # query rows per program (new tokens × heads of one KV group); power of 2, >= 16
+    block_n: int  # keys per inner iteration; power of 2, >= 16
+    num_warps: int  # warps per program
+    num_stages: int  # software-pipelining stages of the key loop
+
+    @property
+    def tactic(self) -> int:  # TensorRT tactic id: 1-based, stable by list position
+        return (PREFILL_TILES + DECODE_TILES).index(self) + 1
+
+
+# NOTE: the order is part of the engine format (tactic ids are positions); append only.
+PREFILL_TILES = (TileConfig(64, 64, 4, 2), TileConfig(128, 64, 8, 2), TileConfig(64, 32, 4, 3))
+DECODE_TILES = (TileConfig(16, 64, 4, 2), TileConfig(16, 128, 4, 3))
+INTERPRET_TILE = TileConfig(16, 16, 4, 1)  # CPU interpreter tests: small tiles run fastest
+REDUCE_WARPS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """A model's attention shape, for ahead-of-time compilation."""
+
+    name: str
+    num_kv_heads: int
+    group: int  # query heads per KV head
+    head_dim: int
+    block_size: int  # tokens per KV block
+    sliding_window: int = 0
+
+    def attrs(self, kv_dtype: str) -> PagedAttentionAttrs:
+        return PagedAttentionAttrs(self.num_kv_heads * self.group, self.num_kv_heads, self.head_dim,
+                                   self.block_size, self.head_dim ** -0.5, self.sliding_window, kv_dtype)
+
+
+# Representative shapes every configuration is compiled for in CI.
+SHAPES = (Shape("llama3-8b", 8, 4, 128, 16),  # GQA, head_dim 128
+          Shape("smollm2-135m", 3, 3, 64, 16),  # group 3: not a power of 2
+          Shape("mistral-window", 8, 4, 128, 16, 4096))  # sliding window
+
+
+def pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def block_m_for(tile: TileConfig, group: int) -> int:
+    """Rows per program: at least one whole query group."""
+    return max(tile.block_m, pow2(group))
+
+
+def kv_pairs(act_dtypes=("float16", "bfloat16", "float32")) -> list[tuple[str, str]]:
+    """(activation dtype, pool dtype) combinations of the TensorRT plugin: pool = activation
+    dtype, or int8."""
+    return [(a, kv) for a in act_dtypes for kv in (a, "int8")]
+
+
+@dataclass(frozen=True, slots=True)
+class KernelSource:
+    """Everything `triton.compile` needs for one configuration."""
+
+    kernel: str  # "prefill" | "decode" | "decode_split" | "reduce"
+    signature: dict  # parameter name -> Triton type ("*fp16", "i32", "constexpr")
+    constexprs: dict  # parameter name -> value
+    num_warps: int
+    num_stages: int
+
+    def ast_source(self):
+        import triton
+
+        from . import kernels
+
+        fn = {"prefill": kernels.prefill_kernel, "decode": kernels.decode_kernel,
+              "decode_split": kernels.decode_kernel, "reduce": kernels.reduce_kernel}[self.kernel]
+        return triton.compiler.ASTSource(fn=fn, signature=self.signature, constexprs=self.constexprs)
+
+    def compile(self, capability: int):
+        """Compiles for CUDA sm_<capability> (no GPU needed); returns the CompiledKernel
+        (`.asm["ptx"]`, `.metadata.name`, `.metadata.shared`)."""
+        import triton
+        from triton.backends.compiler import GPUTarget
+
+        return triton.compile(self.ast_source(), target=GPUTarget("cuda", capability, 32),
+                              options={"num_warps": self.num_warps, "num_stages": self.num_stages})
+
+
+_IN = ("q_ptr", "k_ptr", "v_ptr", "kc_ptr", "vc_ptr", "bt_ptr", "seq_lens_ptr", "qsl_ptr", "slot_ptr",
+       "ks_ptr", "vs_ptr")
+_OUT = ("out_ptr", "kc_out_ptr", "vc_out_ptr")
+
+
+def _pointer_types(act: str, kv: str) -> dict:
+    a, k = "*" + TRITON_TYPES[act], "*" + TRITON_TYPES[kv]
+    types = (a, a, a, k, k, "*i64", "*i64", "*i64", "*i64", "*fp32", "*fp32")
+    return dict(zip(_IN, types)), dict(zip(_OUT, (a, k, k)))
+
+
+def _attn_constexprs(attrs: PagedAttentionAttrs, block_m: int, tile: TileConfig) -> dict:
+    return dict(NUM_KV_HEADS=attrs.num_kv_heads, GROUP=attrs.group_size, HEAD_DIM=attrs.head_dim,
+                BLOCK_SIZE=attrs.block_size, SCALE=float(attrs.scale), WINDOW=attrs.sliding_window,
+                KV_INT8=attrs.quantized, BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_D=pow2(attrs.head_dim))
+
+
+def prefill_source(attrs: PagedAttentionAttrs, act: str, tile: TileConfig) -> KernelSource:
+    """prefill_kernel(11 inputs, num_seqs, max_blocks, num_blocks, 3 outputs) — the AOT kernel."""
+    ins, outs = _pointer_types(act, attrs.kv_dtype)
+    const = _attn_constexprs(attrs, block_m_for(tile, attrs.group_size), tile)
+    sig = {**ins, "num_seqs": "i32", "max_blocks": "i32", "num_blocks": "i32", **outs,
+           **{k: "constexpr" for k in const}}
+    return KernelSource("prefill", sig, const, tile.num_warps, tile.num_stages)
+
+
+def decode_source(attrs: PagedAttentionAttrs, act: str, tile: TileConfig, split: bool) -> KernelSource:
+    ins, outs = _pointer_types(act, attrs.kv_dtype)
+    const = _attn_constexprs(attrs, block_m_for(tile, attrs.group_size), tile)
+    const["SPLIT"] = split
+    sig = {**ins, "max_blocks": "i32", "num_blocks": "i32", "partition": "i32", **outs,
+           "part_out_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
+           **{k: "constexpr" for k in const}}
+    return KernelSource("decode_split" if split else "decode", sig, const, tile.num_warps, tile.num_stages)
+
+
+def reduce_source(attrs: PagedAttentionAttrs, act: str, max_splits: int) -> KernelSource:
+    const = dict(NUM_HEADS=attrs.num_heads, HEAD_DIM=attrs.head_dim, BLOCK_D=pow2(attrs.head_dim),
+                 MAX_SPLITS=pow2(max_splits))
+    sig = {"part_out_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "qsl_ptr": "*i64",
+           "out_ptr": "*" + TRITON_TYPES[act], "num_splits": "i32", **{k: "constexpr" for k in const}}
+    return KernelSource("reduce", sig, const, REDUCE_WARPS, 1)
+
+
+MAX_SPLITS = 64  # upper bound of decode splits (the reduce kernel's vector width)
+
+
+def all_sources() -> list[KernelSource]:
+    """Every configuration CI compiles to PTX: each representative shape × (activation,
+    pool) pair × tile, for the prefill (AOT) kernel, the decode kernel with and without
+    split-K, and the reduce kernel."""
+    out = []
+    for shape in SHAPES:
+        for act, kv in kv_pairs():
+            attrs = shape.attrs(kv)
+            out += [prefill_source(attrs, act, t) for t in PREFILL_TILES]
+            out += [decode_source(attrs, act, t, split) for t in DECODE_TILES for split in (False, True)]
+            out.append(reduce_source(attrs, act, MAX_SPLITS))
+    return out

@@ -1,0 +1,310 @@
+"""Triton kernels of `kvexport::PagedAttention` (semantics: spec.py, reference.py).
+
+Owns the device code only; configurations live in configs.py, the Python launcher in
+launch.py, the TensorRT ahead-of-time registration in trt.py.
+
+    prefill_kernel  any q_len (decode included): grid (T // BLOCK_Q + S, kv_heads). One
+                    program = one tile of BLOCK_Q new tokens of one sequence × the GROUP query
+                    heads of one KV head (rows r -> token r // GROUP, head r % GROUP), so each
+                    KV tile is loaded once for the whole query group (GQA/MQA). The store of
+                    this tile's K/V is fused in: one launch, so it is also the AOT kernel.
+    decode_kernel   q_len <= 1: grid (S, kv_heads, splits). Split-K / flash-decoding: split
+                    p attends to context positions [p * partition, (p + 1) * partition) and,
+                    when SPLIT, writes its partial (max, sum, normalised out); split 0 stores
+                    the new token's K/V.
+    reduce_kernel   combines the decode partials: grid (S, num_heads).
+
+NOTE (fused store without a grid barrier): positions < ctx are read from the pool through
+the block table; the step's own positions [ctx, seq_len) are read from the key/value
+inputs, rounded exactly as the store rounds them (dtype cast, or int8 quantisation). For
+valid inputs (slot_mapping[t] is the block-table slot of token t) this equals "store, then
+read the pool" bit for bit, with no ordering between programs. Tokens with slot < 0 are not
+stored but still attend to their own K/V (the `onnx` attention does the same).
+
+INT8 KV: attention reads the int8 codes as exact small integers in the compute dtype and
+folds the per-head scales into the softmax scale (k) and the output (v): no rounding in the
+dequantisation. Quantisation is round-half-even in float64, saturated to [-128, 127]
+(ONNX QuantizeLinear), so pools match the reference bit for bit.
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _quantize(x, scale):
+    """x / scale rounded half to even and saturated to [-128, 127], as float64 integers."""
+    y = x.to(tl.float32).to(tl.float64) / scale.to(tl.float64)  # via fp32: exact, and bf16-safe
+    y = tl.minimum(tl.maximum(y, -128.0), 127.0)
+    r = tl.floor(y + 0.5)  # exact: |y| <= 128 leaves float64 bits to spare
+    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
+    return tl.where(((r - y) == 0.5) & odd, r - 1.0, r)
+
+
+@triton.jit
+def _store_rows(k_ptr, v_ptr, slot_ptr, kc_out_ptr, vc_out_ptr, k_scale, v_scale, tok, row_ok, kvh,
+                head_base, d, d_ok, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                KV_INT8: tl.constexpr):
+    """Pools <- this step's K/V of tokens `tok` [BLOCK_M] (rows with row_ok) for KV head kvh."""
+    slot = tl.load(slot_ptr + tok, mask=row_ok, other=-1)  # [BLOCK_M] int64
+    ok = (row_ok & (slot >= 0))[:, None] & d_ok[None, :]
+    src = (tok * NUM_KV_HEADS + kvh)[:, None] * HEAD_DIM + d[None, :]  # [BLOCK_M, BLOCK_D]
+    dst = head_base + slot[:, None] * HEAD_DIM + d[None, :]  # slot = block * bs + offset
+    kx = tl.load(k_ptr + src, mask=ok, other=0.0)
+    vx = tl.load(v_ptr + src, mask=ok, other=0.0)
+    if KV_INT8:
+        kx = _quantize(kx, k_scale)
+        vx = _quantize(vx, v_scale)
+    tl.store(kc_out_ptr + dst, kx.to(tl.float32).to(kc_out_ptr.dtype.element_ty), mask=ok)
+    tl.store(vc_out_ptr + dst, vx.to(tl.float32).to(vc_out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _kv_tile(cache_ptr, new_ptr, bt_row_ptr, scale, pos, lim, ctx, q_start, kvh, head_base, d, d_ok,
+             FROM_POOL: tl.constexpr, KV_INT8: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+             NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, CDT: tl.constexpr):
+    """K or V at positions `pos` [BLOCK_N] (< lim) of one sequence: [BLOCK_N, BLOCK_D] in CDT,
+    int8 codes unscaled. FROM_POOL: through the block table; else this step's input."""
+    ok = (pos < lim)[:, None] & d_ok[None, :]
+    if FROM_POOL:
+        blk = tl.load(bt_row_ptr + pos // BLOCK_SIZE, mask=pos < lim, other=0)  # [BLOCK_N] int64
+        off = head_base + (blk * BLOCK_SIZE + pos % BLOCK_SIZE) * HEAD_DIM
+        x = tl.load(cache_ptr + off[:, None] + d[None, :], mask=ok, other=0).to(CDT)
+    else:
+        tok = q_start + pos - ctx  # [BLOCK_N] token index of this step
+        src = (tok * NUM_KV_HEADS + kvh)[:, None] * HEAD_DIM + d[None, :]
+        x = tl.load(new_ptr + src, mask=ok, other=0.0)
+        if KV_INT8:
+            x = _quantize(x, scale).to(CDT)
+        else:
+            x = x.to(tl.float32).to(cache_ptr.dtype.element_ty).to(CDT)  # rounded as stored
+    return x
+
+
+@triton.jit
+def _attend_step(acc, m_i, l_i, q, j0, kc_ptr, vc_ptr, k_ptr, v_ptr, bt_row_ptr, k_scale, v_scale, hi,
+                 ctx, q_start, qpos, kvh, head_base, d, d_ok, qk_scale,
+                 FROM_POOL: tl.constexpr, KV_INT8: tl.constexpr, WINDOW: tl.constexpr,
+                 BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 BLOCK_N: tl.constexpr, CDT: tl.constexpr, PREC: tl.constexpr):
+    """Online-softmax update of (acc [BLOCK_M, BLOCK_D], m_i, l_i [BLOCK_M]) with the keys at
+    positions [j0, j0 + BLOCK_N) ∩ [.., hi); scores in the log2 domain (qk_scale has log2 e)."""
+    pos = j0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    k = _kv_tile(kc_ptr, k_ptr, bt_row_ptr, k_scale, pos, hi, ctx, q_start, kvh, head_base, d, d_ok,
+                 FROM_POOL, KV_INT8, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, CDT)
+    v = _kv_tile(vc_ptr, v_ptr, bt_row_ptr, v_scale, pos, hi, ctx, q_start, kvh, head_base, d, d_ok,
+                 FROM_POOL, KV_INT8, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, CDT)
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # [BLOCK_M, BLOCK_N]
+    vis = (pos[None, :] <= qpos[:, None]) & (pos < hi)[None, :]
+    if WINDOW > 0:
+        vis = vis & (qpos[:, None] - pos[None, :] < WINDOW)
+    s = tl.where(vis, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])  # [BLOCK_M, BLOCK_N]
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(CDT), v, input_precision=PREC)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _attend(acc, m_i, l_i, q, kc_ptr, vc_ptr, k_ptr, v_ptr, bt_row_ptr, k_scale, v_scale, lo, hi,
+            ctx, q_start, qpos, kvh, head_base, d, d_ok, qk_scale,
+            FROM_POOL: tl.constexpr, KV_INT8: tl.constexpr, WINDOW: tl.constexpr,
+            BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+            BLOCK_N: tl.constexpr, CDT: tl.constexpr, PREC: tl.constexpr, INTERPRET: tl.constexpr):
+    """`_attend_step` over the keys at positions [lo, hi).
+    NOTE: a `for` loop (software-pipelined by the compiler) on the GPU; a `while` loop under
+    TRITON_INTERPRET=1, whose `range()` over device scalars fails with numpy >= 2.3
+    (triton 3.6 interpreter: int() of a 1-element array)."""
+    if INTERPRET:
+        j0 = lo
+        while j0 < hi:
+            acc, m_i, l_i = _attend_step(acc, m_i, l_i, q, j0, kc_ptr, vc_ptr, k_ptr, v_ptr, bt_row_ptr,
+                                         k_scale, v_scale, hi, ctx, q_start, qpos, kvh, head_base, d, d_ok,
+                                         qk_scale, FROM_POOL, KV_INT8, WINDOW, BLOCK_SIZE, NUM_KV_HEADS,
+                                         HEAD_DIM, BLOCK_N, CDT, PREC)
+            j0 += BLOCK_N
+    else:
+        for j0 in range(lo, hi, BLOCK_N):
+            acc, m_i, l_i = _attend_step(acc, m_i, l_i, q, j0, kc_ptr, vc_ptr, k_ptr, v_ptr, bt_row_ptr,
+                                         k_scale, v_scale, hi, ctx, q_start, qpos, kvh, head_base, d, d_ok,
+                                         qk_scale, FROM_POOL, KV_INT8, WINDOW, BLOCK_SIZE, NUM_KV_HEADS,
+                                         HEAD_DIM, BLOCK_N, CDT, PREC)
+    return acc, m_i, l_i
+
+
+@triton.constexpr_function
+def _compute_dtype(act, interpret):
+    """Dot operand dtype: the activation dtype (fp32 dots run in IEEE fp32). NOTE: bf16 runs
+    as fp32 under TRITON_INTERPRET=1: triton 3.6's interpreter multiplies bf16 as raw uint16."""
+    return tl.float32 if (interpret and act == tl.bfloat16) else act
+
+
+@triton.jit
+def _find_seq(qsl_ptr, num_seqs, q_block, BLOCK_Q: tl.constexpr):
+    """The sequence owning q-tile `q_block`: the last s with qsl[s] // BLOCK_Q + s <= q_block
+    (sequence s owns the tiles from qsl[s] // BLOCK_Q + s on; T // BLOCK_Q + S tiles in all)."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        start = tl.load(qsl_ptr + mid).to(tl.int32) // BLOCK_Q + mid
+        if start <= q_block:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, slot_ptr,
+                   ks_ptr, vs_ptr, num_seqs, max_blocks, num_blocks, out_ptr, kc_out_ptr, vc_out_ptr,
+                   NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr, SCALE: tl.constexpr, WINDOW: tl.constexpr,
+                   KV_INT8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr = False):
+    """Argument order = the AOT plugin's: the 11 inputs, the int32 extras, the 3 outputs."""
+    BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
+    CDT: tl.constexpr = _compute_dtype(q_ptr.dtype.element_ty, INTERPRET)
+    PREC: tl.constexpr = "ieee" if CDT == tl.float32 else "tf32"
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    s = _find_seq(qsl_ptr, num_seqs, pid, BLOCK_Q)
+    q_start = tl.load(qsl_ptr + s).to(tl.int32)
+    q_len = tl.load(qsl_ptr + s + 1).to(tl.int32) - q_start
+    tile0 = (pid - (q_start // BLOCK_Q + s)) * BLOCK_Q  # first new token of this tile
+    if tile0 < q_len:
+        ctx = tl.load(seq_lens_ptr + s).to(tl.int32) - q_len  # tokens already in the pool
+        rows = tl.arange(0, BLOCK_M)
+        tok_i = tile0 + rows // GROUP  # [BLOCK_M] token index within the sequence
+        row_ok = (rows < BLOCK_Q * GROUP) & (tok_i < q_len)
+        tok = q_start + tok_i
+        head = kvh * GROUP + rows % GROUP
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < HEAD_DIM
+        head_base = kvh.to(tl.int64) * num_blocks * BLOCK_SIZE * HEAD_DIM
+        k_scale = 1.0
+        v_scale = 1.0
+        if KV_INT8:
+            k_scale = tl.load(ks_ptr + kvh)
+            v_scale = tl.load(vs_ptr + kvh)
+        _store_rows(k_ptr, v_ptr, slot_ptr, kc_out_ptr, vc_out_ptr, k_scale, v_scale, tok,
+                    row_ok & (rows % GROUP == 0), kvh, head_base, d, d_ok, NUM_KV_HEADS, HEAD_DIM, KV_INT8)
+        q_off = (tok * (NUM_KV_HEADS * GROUP) + head)[:, None] * HEAD_DIM + d[None, :]
+        q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(CDT)  # [BLOCK_M, BLOCK_D]
+        qpos = ctx + tok_i  # [BLOCK_M] absolute positions
+        hi = ctx + tl.minimum(q_len, tile0 + BLOCK_Q)  # keys after the tile's last token are invisible
+        lo = 0
+        if WINDOW > 0:
+            lo = tl.maximum(ctx + tile0 - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+        qk_scale = SCALE * LOG2E * k_scale
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        bt_row = bt_ptr + s.to(tl.int64) * max_blocks
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, kc_ptr, vc_ptr, k_ptr, v_ptr, bt_row, k_scale, v_scale,
+                                lo, tl.minimum(hi, ctx), ctx, q_start, qpos, kvh, head_base, d, d_ok,
+                                qk_scale, True, KV_INT8, WINDOW, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM,
+                                BLOCK_N, CDT, PREC, INTERPRET)
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, kc_ptr, vc_ptr, k_ptr, v_ptr, bt_row, k_scale, v_scale,
+                                tl.maximum(lo, ctx), hi, ctx, q_start, qpos, kvh, head_base, d, d_ok,
+                                qk_scale, False, KV_INT8, WINDOW, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM,
+                                BLOCK_N, CDT, PREC, INTERPRET)
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc * (v_scale / l_i)[:, None]  # [BLOCK_M, BLOCK_D]
+        tl.store(out_ptr + q_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def decode_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, slot_ptr,
+                  ks_ptr, vs_ptr, max_blocks, num_blocks, partition, out_ptr, kc_out_ptr, vc_out_ptr,
+                  part_out_ptr, part_m_ptr, part_l_ptr,
+                  NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_SIZE: tl.constexpr, SCALE: tl.constexpr, WINDOW: tl.constexpr,
+                  KV_INT8: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr = False):
+    """One new token per sequence (q_len 0: nothing to do). `partition` (a multiple of
+    BLOCK_N) context positions per split; part_* [S, H, splits(, D)] float32 when SPLIT."""
+    CDT: tl.constexpr = _compute_dtype(q_ptr.dtype.element_ty, INTERPRET)
+    PREC: tl.constexpr = "ieee" if CDT == tl.float32 else "tf32"
+    s = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+    q_start = tl.load(qsl_ptr + s).to(tl.int32)
+    q_len = tl.load(qsl_ptr + s + 1).to(tl.int32) - q_start
+    if q_len > 0:
+        total = tl.load(seq_lens_ptr + s).to(tl.int32)
+        ctx = total - 1
+        rows = tl.arange(0, BLOCK_M)
+        row_ok = rows < GROUP
+        head = kvh * GROUP + rows  # [BLOCK_M]
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < HEAD_DIM
+        head_base = kvh.to(tl.int64) * num_blocks * BLOCK_SIZE * HEAD_DIM
+        k_scale = 1.0
+        v_scale = 1.0
+        if KV_INT8:
+            k_scale = tl.load(ks_ptr + kvh)
+            v_scale = tl.load(vs_ptr + kvh)
+        tok = q_start + rows * 0  # [BLOCK_M] all rows are the same token
+        if split == 0:
+            _store_rows(k_ptr, v_ptr, slot_ptr, kc_out_ptr, vc_out_ptr, k_scale, v_scale, tok, rows == 0,
+                        kvh, head_base, d, d_ok, NUM_KV_HEADS, HEAD_DIM, KV_INT8)
+        q_off = (tok * (NUM_KV_HEADS * GROUP) + head)[:, None] * HEAD_DIM + d[None, :]
+        q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(CDT)  # [BLOCK_M, BLOCK_D]
+        qpos = ctx + rows * 0
+        lo = split * partition
+        hi = tl.minimum(lo + partition, total)
+        if WINDOW > 0:
+            lo = tl.maximum(lo, tl.maximum(total - WINDOW, 0) // BLOCK_N * BLOCK_N)
+        qk_scale = SCALE * LOG2E * k_scale
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        bt_row = bt_ptr + s.to(tl.int64) * max_blocks
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, kc_ptr, vc_ptr, k_ptr, v_ptr, bt_row, k_scale, v_scale,
+                                lo, tl.minimum(hi, ctx), ctx, q_start, qpos, kvh, head_base, d, d_ok,
+                                qk_scale, True, KV_INT8, WINDOW, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM,
+                                BLOCK_N, CDT, PREC, INTERPRET)
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, kc_ptr, vc_ptr, k_ptr, v_ptr, bt_row, k_scale, v_scale,
+                                tl.maximum(lo, ctx), hi, ctx, q_start, qpos, kvh, head_base, d, d_ok,
+                                qk_scale, False, KV_INT8, WINDOW, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM,
+                                BLOCK_N, CDT, PREC, INTERPRET)
+        out = acc * (v_scale / tl.where(l_i == 0.0, 1.0, l_i))[:, None]  # [BLOCK_M, BLOCK_D]
+        if SPLIT:
+            idx = (s * (NUM_KV_HEADS * GROUP) + head) * num_splits + split  # [BLOCK_M]
+            tl.store(part_m_ptr + idx, m_i, mask=row_ok)
+            tl.store(part_l_ptr + idx, l_i, mask=row_ok)
+            tl.store(part_out_ptr + idx[:, None] * HEAD_DIM + d[None, :], out, mask=row_ok[:, None] & d_ok[None, :])
+        else:
+            tl.store(out_ptr + q_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def reduce_kernel(part_out_ptr, part_m_ptr, part_l_ptr, qsl_ptr, out_ptr, num_splits,
+                  NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                  MAX_SPLITS: tl.constexpr):
+    """out[token of s, h] = the decode partials of (s, h) merged: weights 2^(m_p - max) * l_p."""
+    s = tl.program_id(0)
+    h = tl.program_id(1)
+    q_start = tl.load(qsl_ptr + s).to(tl.int32)
+    q_len = tl.load(qsl_ptr + s + 1).to(tl.int32) - q_start
+    if q_len > 0:
+        sp = tl.arange(0, MAX_SPLITS)
+        ok = sp < num_splits
+        idx = (s * NUM_HEADS + h) * num_splits + sp  # [MAX_SPLITS]
+        m = tl.load(part_m_ptr + idx, mask=ok, other=float("-inf"))
+        l_p = tl.load(part_l_ptr + idx, mask=ok, other=0.0)
+        m_max = tl.max(m, 0)
+        w = tl.where(l_p > 0.0, tl.exp2(m - m_max) * l_p, 0.0)  # [MAX_SPLITS]
+        d = tl.arange(0, BLOCK_D)
+        o = tl.load(part_out_ptr + idx[:, None] * HEAD_DIM + d[None, :],
+                    mask=ok[:, None] & (d < HEAD_DIM)[None, :], other=0.0)  # [MAX_SPLITS, BLOCK_D]
+        res = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)  # [BLOCK_D]
+        tl.store(out_ptr + (q_start * NUM_HEADS + h) * HEAD_DIM + d, res.to(out_ptr.dtype.element_ty),
+                 mask=d < HEAD_DIM)
