@@ -1,0 +1,100 @@
+"""runtime/trt_backend.py without TensorRT: refusals of builds without (usable) engines,
+engines built for another TensorRT or GPU, pools the engines cannot take, and the padding of
+decode batches for CUDA graphs (exact arrays).
+
+NOTE: TensorRT cannot be installed here; where a test needs `import tensorrt` to fail it
+makes it fail with monkeypatch (a mock of the environment)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+
+import numpy as np
+import pytest
+
+from kvexport import io
+from kvexport.errors import KvExportError
+from kvexport.exporter.tensorrt_build import TensorRTUnavailableError
+from kvexport.runtime import trt_backend as tbk
+from kvexport.runtime.onnx_backend import ModelInput
+
+GPU = {"name": "NVIDIA H200", "compute_capability": "9.0"}
+
+
+def _with_engines(manifest, build_dir, **limits):
+    (build_dir / "engines").mkdir()
+    files = {}
+    for phase in ("prefill", "decode"):
+        (build_dir / "engines" / f"{phase}.plan").write_bytes(b"plan")
+        files[phase] = {"file": f"engines/{phase}.plan", "bytes": 4, "sha256": "0" * 64, "profile": {}}
+    entry = {"tensorrt_version": "10.13.0.35", "gpu": GPU, "engines": files,
+             "limits": {"max_num_seqs": 8, "max_num_batched_tokens": 64, "max_seq_len": 256,
+                        "max_blocks_per_seq": 16, "max_num_blocks": 100, **limits}}
+    return dataclasses.replace(manifest, engines=entry)
+
+
+def test_refuses_onnx_attention_builds(make_manifest, tmp_path):
+    with pytest.raises(KvExportError, match="runs `--attention plugin` builds"):
+        tbk.engines_entry(make_manifest(io.Attention.ONNX), tmp_path)
+
+
+def test_refuses_builds_without_engines(make_manifest, tmp_path):
+    with pytest.raises(KvExportError, match="has no TensorRT engines; build them with"):
+        tbk.TensorRTBackend(tmp_path, make_manifest(), num_blocks=16)
+
+
+def test_refuses_missing_or_truncated_engine_files(make_manifest, tmp_path):
+    m = _with_engines(make_manifest(), tmp_path)
+    (tmp_path / "engines" / "decode.plan").write_bytes(b"pl")
+    with pytest.raises(KvExportError, match="decode.plan has 2 bytes, the manifest says 4"):
+        tbk.engines_entry(m, tmp_path)
+    (tmp_path / "engines" / "decode.plan").unlink()
+    with pytest.raises(KvExportError, match="decode.plan listed in the manifest is missing"):
+        tbk.engines_entry(m, tmp_path)
+
+
+def test_refuses_a_pool_or_graph_sizes_the_engines_cannot_take(make_manifest, tmp_path):
+    m = _with_engines(make_manifest(), tmp_path)
+    with pytest.raises(KvExportError, match="101 blocks does not fit the engines"):
+        tbk.TensorRTBackend(tmp_path, m, num_blocks=101)
+    with pytest.raises(KvExportError, match=r"CUDA graph batch sizes \[9\]"):
+        tbk.TensorRTBackend(tmp_path, m, num_blocks=16, cuda_graph_batch_sizes=(1, 9))
+
+
+def test_missing_tensorrt_is_a_clear_error(make_manifest, tmp_path, monkeypatch):
+    """Mock: `import tensorrt` fails, as on every machine of this project."""
+    monkeypatch.setitem(sys.modules, "tensorrt", None)
+    m = _with_engines(make_manifest(), tmp_path)
+    with pytest.raises(TensorRTUnavailableError, match='pip install "kvexport\\[tensorrt\\]"'):
+        tbk.TensorRTBackend(tmp_path, m, num_blocks=16)
+
+
+def test_engines_for_another_tensorrt_or_gpu_are_refused(caplog):
+    entry = {"tensorrt_version": "10.13.0.35", "gpu": GPU}
+    tbk.check_engine_target(entry, "10.13.0.35", GPU)
+    with pytest.raises(KvExportError, match="built with TensorRT 10.13.0.35, this is TensorRT 10.14.1"):
+        tbk.check_engine_target(entry, "10.14.1", GPU)
+    a100 = {"name": "NVIDIA A100-SXM4-80GB", "compute_capability": "8.0"}
+    with pytest.raises(KvExportError, match=r"built for NVIDIA H200 \(compute capability 9.0\), this GPU is "
+                                            r"NVIDIA A100-SXM4-80GB \(compute capability 8.0\)"):
+        tbk.check_engine_target(entry, "10.13.0.35", a100)
+    with caplog.at_level(logging.WARNING):
+        tbk.check_engine_target(entry, "10.13.0.35", {"name": "NVIDIA H100 80GB HBM3", "compute_capability": "9.0"})
+    assert "tactics were timed on the other GPU" in caplog.text
+
+
+def test_pad_decode_exact():
+    a = lambda *x: np.array(x, np.int64)  # noqa: E731
+    inp = ModelInput(token_ids=a(11, 12), positions=a(5, 20), query_start_loc=a(0, 1, 2), seq_lens=a(6, 21),
+                     block_tables=np.array([[3, 0], [4, 7]], np.int64), slot_mapping=a(53, 116))
+    p = tbk.pad_decode(inp, batch=4, width=3)
+    assert p.is_decode
+    np.testing.assert_array_equal(p.token_ids, a(11, 12, 0, 0))
+    np.testing.assert_array_equal(p.positions, a(5, 20, 0, 0))
+    np.testing.assert_array_equal(p.query_start_loc, a(0, 1, 2, 3, 4))
+    np.testing.assert_array_equal(p.seq_lens, a(6, 21, 1, 1))
+    np.testing.assert_array_equal(p.slot_mapping, a(53, 116, -1, -1))
+    np.testing.assert_array_equal(p.block_tables, np.array([[3, 0, 0], [4, 7, 0], [0, 0, 0], [0, 0, 0]]))
+    assert p.block_tables.dtype == np.int64
