@@ -401,3 +401,18 @@ def build_engines(build_dir: str | Path, manifest: Manifest, opts: EngineBuildOp
                    "kernel_configs": kernel_configs},
         "options": asdict(opts),
     }
+
+
+def add_engines(build_dir: str | Path, opts: EngineBuildOptions = EngineBuildOptions()) -> Manifest:
+    """Build the engines of an existing plugin build and record them in its manifest (for
+    `kvexport build --backend tensorrt` after the ONNX build is in place, or for a build made
+    elsewhere). The manifest is rewritten only after engines/ is complete."""
+    from dataclasses import replace
+
+    from kvexport import manifest as mf
+
+    build_dir = Path(build_dir)
+    manifest = mf.load(build_dir)
+    manifest = replace(manifest, engines=build_engines(build_dir, manifest, opts))
+    manifest.save(build_dir)
+    return manifest

@@ -5,14 +5,13 @@ on onnxruntime; then the same with decode CUDA graphs."""
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 
 import pytest
 
 from kvexport import io, manifest as mf
 from kvexport.exporter.build import BuildOptions, build
-from kvexport.exporter.tensorrt_build import EngineBuildOptions, build_engines
+from kvexport.exporter.tensorrt_build import EngineBuildOptions, add_engines
 
 
 def _tensorrt_ok() -> bool:
@@ -47,11 +46,9 @@ def builds(hf_folder, tmp_path_factory):
     model = str(hf_folder("llama"))
     root = tmp_path_factory.mktemp("trt")
     ref, _ = build(model, root / "onnx", BuildOptions(validate=False, max_seq_len=128))
-    plug, m = build(model, root / "plugin", BuildOptions(attention=io.Attention.PLUGIN, validate=False,
+    plug, _ = build(model, root / "plugin", BuildOptions(attention=io.Attention.PLUGIN, validate=False,
                                                          max_seq_len=128))
-    entry = build_engines(plug, m, EngineBuildOptions(max_num_seqs=8, max_num_batched_tokens=128,
-                                                      max_num_blocks=NUM_BLOCKS))
-    dataclasses.replace(m, engines=entry).save(plug)
+    add_engines(plug, EngineBuildOptions(max_num_seqs=8, max_num_batched_tokens=128, max_num_blocks=NUM_BLOCKS))
     return ref, plug
 
 
