@@ -2,10 +2,10 @@
 
     HTTP handlers ──(inbox: queue.Queue)──▶ engine thread ──(call_soon_threadsafe)──▶ asyncio.Queue per request
 
-The engine is not thread-safe, so one background thread owns it: it takes new requests
-and aborts from a thread-safe inbox, calls `engine.step()` while work exists, and pushes a
-copy of each changed output to the asyncio queue of the HTTP request that owns it.
-Handlers never touch the engine. A client that disconnects mid-stream aborts its request,
+The engine is not thread-safe, so one background thread owns it (`engine_thread.py`): it
+takes new requests and aborts from a thread-safe inbox, calls `engine.step()` while work
+exists, and pushes a copy of each changed output to the asyncio queue of the HTTP request
+that owns it. Handlers never touch the engine. A client that disconnects mid-stream aborts its request,
 so its KV blocks go back to the pool.
 """
 
@@ -14,11 +14,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import queue
-import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -26,6 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from .engine import EngineConfig, LLMEngine
+from .engine_thread import Deliver, EngineThread, Event
 from .sampling import SamplingError, SamplingParams
 
 MAX_BODY_BYTES = 1 << 20
@@ -41,154 +39,15 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-@dataclass(slots=True)
-class Event:
-    """A copy of one changed RequestOutput (the engine mutates its outputs in place)."""
-    index: int  # choice index within the HTTP request
-    new_text: str
-    new_token_ids: list[int]
-    num_tokens: int
-    finished: bool
-    finish_reason: str | None
-    error: str | None
-    logprobs: list[float] | None = None
-    top_logprobs: list[list[tuple[int, float]]] | None = None
-
-
-@dataclass(slots=True)
-class _Sink:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-    index: int
-
-
-@dataclass(slots=True)
-class _Add:
-    request_ids: list[str]  # one per sample; samples after the first share the first's prompt blocks
-    prompt: list[int]
-    params: SamplingParams
-    sinks: list[_Sink]
-
-
-@dataclass
-class Counters:
-    running: int = 0
-    waiting: int = 0
-    kv: dict = field(default_factory=dict)
-    generation_tokens: int = 0
-    prompt_tokens: int = 0
-    requests: int = 0
-    aborted: int = 0
-
-
-class EngineThread:
-    """Owns the engine; everything else talks to it through `submit` and `abort`."""
-
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
-        self.counters = Counters(kv=engine.kv_stats())
-        self._inbox: queue.Queue = queue.Queue()
-        self._sinks: dict[str, _Sink] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kvexport-engine", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self, timeout: float = 10.0) -> None:
-        self._stop.set()
-        self._inbox.put(None)
-        self._thread.join(timeout)
-
-    def submit(self, prompt: list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop,
-               q: asyncio.Queue, first_index: int = 0) -> list[str]:
-        base = uuid.uuid4().hex
-        rids = [f"{base}-{i}" for i in range(params.n)]
-        self._inbox.put(_Add(rids, prompt, params, [_Sink(loop, q, first_index + i) for i in range(params.n)]))
-        return rids
-
-    def abort(self, request_ids: list[str]) -> None:
-        self._inbox.put(("abort", list(request_ids)))
-
-    # ---- engine thread ----------------------------------------------------------------
-    def _push(self, rid: str, ev: Event) -> None:
-        sink = self._sinks.get(rid)
-        if sink is not None:
-            try:
-                sink.loop.call_soon_threadsafe(sink.queue.put_nowait, ev)
-            except RuntimeError:  # the event loop is closed
-                pass
-
-    def _event(self, rid: str, o) -> Event:
-        k = len(o.new_token_ids)
-        return Event(self._sinks[rid].index, o.new_text, list(o.new_token_ids), len(o.token_ids), o.finished,
-                     o.finish_reason, o.error,
-                     list(o.logprobs[-k:]) if o.logprobs is not None and k else None,
-                     [list(t) for t in o.top_logprobs[-k:]] if o.top_logprobs is not None and k else None)
-
-    def _finish(self, rid: str) -> None:
-        self.engine.pop_output(rid)
-        self._sinks.pop(rid, None)
-
-    def _handle(self, msg) -> None:
-        eng = self.engine
-        if isinstance(msg, _Add):
-            for i, (rid, sink) in enumerate(zip(msg.request_ids, msg.sinks)):
-                self._sinks[rid] = sink
-                try:
-                    eng.add_request(msg.prompt, msg.params, request_id=rid, sample_index=i,
-                                    share_prompt_with=msg.request_ids[0] if i else None)
-                except Exception as e:  # noqa: BLE001 - report it to the request, keep serving
-                    self._push(rid, Event(sink.index, "", [], 0, True, "error", str(e)))
-                    self._sinks.pop(rid, None)
-                    continue
-                self.counters.requests += 1
-                self.counters.prompt_tokens += len(msg.prompt)
-                o = eng.output(rid)
-                if o.finished:  # refused at admission
-                    self._push(rid, self._event(rid, o))
-                    self._finish(rid)
-        elif isinstance(msg, tuple) and msg[0] == "abort":
-            for rid in msg[1]:
-                if rid in self._sinks:
-                    eng.abort(rid)
-                    self.counters.aborted += 1
-                    self._finish(rid)
-
-    def _drain(self, block: bool) -> None:
+def _to_queue(loop: asyncio.AbstractEventLoop, q: asyncio.Queue) -> Deliver:
+    """A sink for the engine thread: hands events to an asyncio queue on its own loop."""
+    def deliver(ev: Event) -> None:
         try:
-            msg = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
-            while True:
-                if msg is not None:
-                    self._handle(msg)
-                msg = self._inbox.get_nowait()
-        except queue.Empty:
+            loop.call_soon_threadsafe(q.put_nowait, ev)
+        except RuntimeError:  # the event loop is closed
             pass
 
-    def _run(self) -> None:
-        eng = self.engine
-        while not self._stop.is_set():
-            self._drain(block=not eng.has_unfinished())
-            if self._stop.is_set():
-                break
-            if eng.has_unfinished():
-                try:
-                    changed = eng.step()
-                except Exception as e:  # noqa: BLE001 - fail the running requests, keep serving
-                    for rid in list(self._sinks):
-                        sink = self._sinks[rid]
-                        self._push(rid, Event(sink.index, "", [], 0, True, "error", f"engine error: {e}"))
-                        eng.abort(rid)
-                        self._finish(rid)
-                    changed = []
-                for o in changed:
-                    self.counters.generation_tokens += len(o.new_token_ids)
-                    if o.request_id in self._sinks:
-                        self._push(o.request_id, self._event(o.request_id, o))
-                        if o.finished:
-                            self._finish(o.request_id)
-            c = self.counters
-            c.running, c.waiting, c.kv = len(eng.scheduler.running), len(eng.scheduler.waiting), eng.kv_stats()
+    return deliver
 
 
 # ---- request parsing ----------------------------------------------------------------------
@@ -342,7 +201,7 @@ def create_app(build_dir: str | Path, config: EngineConfig = EngineConfig(), ser
         loop, q = asyncio.get_running_loop(), asyncio.Queue()
         rids: list[str] = []
         for i, p in enumerate(prompts):
-            rids += worker.submit(p, params, loop, q, first_index=i * params.n)
+            rids += worker.submit(p, params, _to_queue(loop, q), first_index=i * params.n)
         pending = set(range(len(rids)))
         try:
             while pending:
@@ -484,7 +343,7 @@ def create_app(build_dir: str | Path, config: EngineConfig = EngineConfig(), ser
 
     @app.get("/health")
     async def health():
-        alive = worker._thread.is_alive()
+        alive = worker.is_alive()
         return JSONResponse({"status": "ok" if alive else "engine thread stopped"}, status_code=200 if alive else 503)
 
     @app.get("/metrics")

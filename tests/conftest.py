@@ -69,3 +69,13 @@ def hf_folder(tmp_path_factory):
         return cache[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def smollm2_build(tmp_path_factory):
+    """One paged smollm2-135m build (max_seq_len 512, unvalidated) shared by the server tests."""
+    from kvexport.exporter.build import BuildOptions, build
+
+    out, _ = build("smollm2-135m", tmp_path_factory.mktemp("smollm2") / "smollm2-135m",
+                   BuildOptions(max_seq_len=512, validate=False))
+    return out

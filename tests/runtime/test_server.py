@@ -31,9 +31,8 @@ def metrics(base: str) -> dict[str, float]:
 
 
 @pytest.fixture(scope="module")
-def smol_build(tmp_path_factory):
-    out, _ = build("smollm2-135m", tmp_path_factory.mktemp("srv") / "smol", BuildOptions(max_seq_len=512, validate=False))
-    return out
+def smol_build(smollm2_build):
+    return smollm2_build
 
 
 @pytest.fixture(scope="module")
