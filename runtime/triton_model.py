@@ -1,0 +1,333 @@
+"""The Triton Python-backend model that serves a kvexport build with continuous batching.
+This module owns the model's tensor interface (`INPUTS`, `OUTPUTS`, `PARAMETERS`, read by
+`triton_repo.py` to write config.pbtxt) and `TritonPythonModel`, which a generated
+repository's `model.py` re-exports.
+
+    Triton execute() ──parse/validate──▶ EngineThread.submit ──▶ engine thread: step() ...
+                                                                     │ deliver(Event)
+    gRPC stream / SSE ◀── response_sender.send(text_output, token_ids[, FINAL]) ◀─┘
+
+One `LLMEngine` per model instance, owned by one background thread (`engine_thread.py`);
+the model is decoupled, so `execute()` only validates and queues requests and returns at
+once. Every request ends with exactly one response flagged FINAL: streaming requests get
+one response per step that produced tokens (the text added and the new token ids), the
+last one flagged FINAL; non-streaming requests get one response with the whole
+completion. Invalid requests get an error response and never reach the engine. On the
+engine thread, every tick polls `request.is_cancelled()` (a cancelled gRPC stream, a
+disconnected SSE client) and aborts those requests, so their KV blocks go back to the pool.
+KV and scheduler figures are published as Triton custom metrics on Triton's metrics port
+(same names as `kvexport serve`'s /metrics, labelled by model, version and instance).
+
+`triton_python_backend_utils` exists only inside Triton's Python-backend stub, so it is
+imported in `initialize()`, never at module import.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from kvexport.errors import KvExportError
+
+log = logging.getLogger(__name__)
+pb_utils = None  # triton_python_backend_utils, bound by TritonPythonModel.initialize()
+
+# name, Triton data type, dims, optional, what it is (max_batch_size is 0: dims are full shapes)
+INPUTS = (
+    ("text_input", "TYPE_STRING", [1], True, "prompt text (one of text_input / input_ids is required)"),
+    ("input_ids", "TYPE_INT32", [-1], True, "prompt token ids, for builds without a tokenizer"),
+    ("max_tokens", "TYPE_INT32", [1], True, "tokens to generate at most [16]"),
+    ("stream", "TYPE_BOOL", [1], True, "true: one response per step; false: one response [false]"),
+    ("temperature", "TYPE_FP32", [1], True, "0 = greedy [0]"),
+    ("top_p", "TYPE_FP32", [1], True, "nucleus mass kept, (0, 1] [1]"),
+    ("top_k", "TYPE_INT32", [1], True, "0 = off [0]"),
+    ("seed", "TYPE_UINT64", [1], True, "per-request RNG seed"),
+    ("stop", "TYPE_STRING", [-1], True, "stop strings (not included in the output)"),
+    ("ignore_eos", "TYPE_BOOL", [1], True, "keep generating past EOS [false]"),
+)
+OUTPUTS = (
+    ("text_output", "TYPE_STRING", [1], "text added by this response (streaming) or the whole completion"),
+    ("token_ids", "TYPE_INT32", [-1], "token ids added by this response (streaming) or all generated ids"),
+    ("finish_reason", "TYPE_STRING", [1], "'' until the FINAL response: stop | length | abort"),
+)
+# model parameters (config.pbtxt `parameters`), all strings; defaults used when absent
+PARAMETERS = {
+    "build_dir": None,  # path of the kvexport build, relative paths resolve against the model's folder
+    "backend": "onnxruntime",  # "onnxruntime" | "tensorrt" (reserved)
+    "kv_cache_memory": "512MiB",  # KV pool budget per instance
+    "max_num_seqs": "64",
+    "max_num_batched_tokens": "512",
+    "threads": "0",  # onnxruntime intra-op threads, 0 = all cores
+}
+BACKENDS = ("onnxruntime", "tensorrt")
+_NP_KIND = {"TYPE_STRING": "O", "TYPE_INT32": "i", "TYPE_UINT64": "u", "TYPE_FP32": "f", "TYPE_BOOL": "b"}
+POLL_CANCEL_S = 0.05  # how often the engine thread asks Triton whether requests were cancelled
+METRICS_EVERY_S = 0.1  # how often it republishes the metrics (and at least every idle tick)
+
+
+class RequestError(KvExportError):
+    """A Triton request with a missing, mistyped or out-of-range input; its message is the
+    error response the client gets."""
+
+
+def resolve_build_dir(value: str, model_dir: str | Path) -> Path:
+    """The `build_dir` parameter -> an absolute path (relative ones are taken from the model's folder)."""
+    p = Path(os.path.expandvars(value))
+    return p if p.is_absolute() else (Path(model_dir) / p).resolve()
+
+
+def _scalar(arrays: dict[str, np.ndarray], name: str, default):
+    a = arrays.get(name)
+    if a is None:
+        return default
+    if a.size != 1:
+        raise RequestError(f"input {name!r} must hold one value, got shape {list(a.shape)}")
+    v = a.reshape(-1)[0]
+    return v.item() if hasattr(v, "item") else v
+
+
+def parse_request(arrays: dict[str, np.ndarray], tokenizer, max_model_len: int):
+    """Input tensors (name -> numpy array, absent inputs left out) -> (prompt token ids,
+    SamplingParams, stream). Raises RequestError for anything a client got wrong."""
+    from .sampling import SamplingError, SamplingParams
+
+    spec = {name: dtype for name, dtype, *_ in INPUTS}
+    for name, a in arrays.items():
+        if name not in spec:
+            raise RequestError(f"unknown input {name!r}; inputs: {', '.join(spec)}")
+        if a.dtype.kind != _NP_KIND[spec[name]] and not (spec[name] == "TYPE_STRING" and a.dtype.kind == "S"):
+            raise RequestError(f"input {name!r} must be {spec[name][5:]}, got numpy dtype {a.dtype}")
+    if ("text_input" in arrays) == ("input_ids" in arrays):
+        raise RequestError("send exactly one of the inputs 'text_input' (BYTES) or 'input_ids' (INT32)")
+    if "text_input" in arrays:
+        text = _scalar(arrays, "text_input", b"")
+        try:
+            text = text.decode("utf-8") if isinstance(text, bytes) else str(text)
+        except UnicodeDecodeError:
+            raise RequestError("text_input is not valid UTF-8") from None
+        if tokenizer is None:
+            raise RequestError("this build has no tokenizer: send the prompt as 'input_ids' (INT32)")
+        prompt = list(tokenizer(text)["input_ids"])
+    else:
+        prompt = [int(t) for t in arrays["input_ids"].reshape(-1)]
+    if not prompt:
+        raise RequestError("the prompt is empty")
+    max_tokens = _scalar(arrays, "max_tokens", 16)
+    if not 1 <= max_tokens <= max_model_len:
+        raise RequestError(f"max_tokens must be in [1, {max_model_len}] (this deployment's context), got {max_tokens}")
+    room = max_model_len - len(prompt)
+    if room < 1:
+        raise RequestError(f"the prompt has {len(prompt)} tokens but the context holds {max_model_len} "
+                           f"(prompt + at least 1 output token)")
+    stop = arrays.get("stop")
+    stops = tuple(s.decode("utf-8", "replace") if isinstance(s, bytes) else str(s)
+                  for s in (stop.reshape(-1) if stop is not None else ()))
+    kw = {k: _scalar(arrays, k, None) for k in ("temperature", "top_p", "top_k", "seed", "ignore_eos")}
+    try:
+        params = SamplingParams(max_tokens=min(max_tokens, room), stop=stops,
+                                **{k: v for k, v in kw.items() if v is not None})
+    except SamplingError as e:
+        raise RequestError(str(e)) from None
+    return prompt, params, bool(_scalar(arrays, "stream", False))
+
+
+@dataclass(eq=False)
+class _Request:
+    """One Triton request in flight; `deliver` and `cancel` run on the engine thread."""
+    request: object  # pb_utils.InferenceRequest
+    sender: object  # its response sender
+    stream: bool
+    rid: str = field(default_factory=lambda: f"triton-{uuid.uuid4().hex}")
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    done: bool = False
+
+
+class TritonPythonModel:
+    """Triton's Python-backend entry points: initialize, execute, finalize."""
+
+    def initialize(self, args: dict) -> None:
+        global pb_utils
+        import triton_python_backend_utils as pb_utils  # noqa: F811 - exists only in the stub
+
+        from .engine import EngineConfig, LLMEngine
+        from .engine_thread import EngineThread
+
+        for var, value in (("HF_HUB_OFFLINE", "1"), ("ORT_DISABLE_TELEMETRY", "1"), ("TOKENIZERS_PARALLELISM", "false")):
+            os.environ.setdefault(var, value)  # as the CLI does: the model only reads its local build
+        config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(config):
+            raise KvExportError("this model streams tokens: set model_transaction_policy { decoupled: true }")
+        p = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
+        opt = {k: p.get(k) or v for k, v in PARAMETERS.items()}
+        if not opt["build_dir"]:
+            raise KvExportError("config.pbtxt needs the parameter build_dir (regenerate with `kvexport triton`)")
+        if opt["backend"] not in BACKENDS:
+            raise KvExportError(f"parameter backend must be one of {BACKENDS}, got {opt['backend']!r}")
+        if opt["backend"] == "tensorrt":
+            raise KvExportError("the runtime's TensorRT backend is not available in this kvexport version; "
+                                "regenerate the repository with --backend onnxruntime")
+        build_dir = resolve_build_dir(opt["build_dir"], args["model_repository"])
+        threads = int(opt["threads"])
+        cfg = EngineConfig(kv_cache_memory=opt["kv_cache_memory"], max_num_seqs=int(opt["max_num_seqs"]),
+                           max_num_batched_tokens=int(opt["max_num_batched_tokens"]), threads=threads or None)
+        self.engine = LLMEngine(build_dir, cfg)
+        self.labels = {"model": args["model_name"], "version": str(args["model_version"]),
+                       "instance": args["model_instance_name"]}
+        self._lock = threading.Lock()  # guards _active: execute() adds, the engine thread removes
+        self._active: dict[str, _Request] = {}
+        self._last_poll = self._last_metrics = 0.0
+        self._cancelled = 0
+        self._metrics = _Metrics(self.labels)
+        self.worker = EngineThread(self.engine, on_tick=self._tick)
+        self.worker.start()
+        pb_utils.Logger.log_info(f"kvexport: serving {build_dir} ({self.engine.kv_stats()['blocks_total']} KV blocks, "
+                                 f"max_model_len {self.engine.max_model_len})")
+
+    # ---- Triton's execute thread ------------------------------------------------------
+    def execute(self, requests: list) -> None:
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                arrays = {}
+                for name, *_ in INPUTS:
+                    t = pb_utils.get_input_tensor_by_name(request, name)
+                    if t is not None:
+                        arrays[name] = t.as_numpy()
+                prompt, params, stream = parse_request(arrays, self.engine.tokenizer, self.engine.max_model_len)
+            except Exception as e:  # noqa: BLE001 - a bad request gets an error, the model keeps serving
+                msg = str(e) if isinstance(e, KvExportError) else f"invalid request: {e}"
+                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(msg)),
+                            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                continue
+            r = _Request(request, sender, stream)
+            with self._lock:
+                self._active[r.rid] = r
+            self.worker.submit(prompt, params, lambda ev, r=r: self._deliver(r, ev), request_ids=[r.rid])
+        return None
+
+    def finalize(self) -> None:
+        self.worker.stop()
+        with self._lock:
+            left, self._active = list(self._active.values()), {}
+        for r in left:
+            self._send_error(r, "the model was unloaded")
+
+    # ---- engine thread ----------------------------------------------------------------
+    def _response(self, text: str, ids: list[int], reason: str | None):
+        return pb_utils.InferenceResponse(output_tensors=[
+            pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
+            pb_utils.Tensor("token_ids", np.asarray(ids, dtype=np.int32)),
+            pb_utils.Tensor("finish_reason", np.array([(reason or "").encode()], dtype=np.object_)),
+        ])
+
+    def _release(self, r: _Request) -> bool:
+        """Mark r done and forget it; False if it was already done."""
+        with self._lock:
+            if r.done:
+                return False
+            r.done = True
+            self._active.pop(r.rid, None)
+            return True
+
+    def _send_error(self, r: _Request, message: str, code=None) -> None:
+        err = pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
+        try:
+            r.sender.send(pb_utils.InferenceResponse(error=err), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        except Exception:  # noqa: BLE001 - the client may be gone already
+            log.debug("could not send the error response of %s", r.rid, exc_info=True)
+
+    def _deliver(self, r: _Request, ev) -> None:
+        if r.done:
+            return
+        if ev.finish_reason == "error":
+            if self._release(r):
+                self._send_error(r, ev.error or "the request failed")
+            return
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if ev.finished else 0
+        if r.stream:
+            if not (ev.new_text or ev.new_token_ids or ev.finished):
+                return
+            resp = self._response(ev.new_text, ev.new_token_ids, ev.finish_reason if ev.finished else None)
+        else:
+            r.text += ev.new_text
+            r.token_ids += ev.new_token_ids
+            if not ev.finished:
+                return
+            resp = self._response(r.text, r.token_ids, ev.finish_reason)
+        if ev.finished and not self._release(r):
+            return
+        try:
+            r.sender.send(resp, flags=final)
+        except Exception:  # noqa: BLE001 - the client went away; the next tick sees the cancellation
+            log.debug("sending a response of %s failed", r.rid, exc_info=True)
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        if now - self._last_poll >= POLL_CANCEL_S:
+            self._last_poll = now
+            with self._lock:
+                active = list(self._active.values())
+            for r in active:
+                if not r.done and r.request.is_cancelled() and self._release(r):
+                    self.worker.abort([r.rid])
+                    self._cancelled += 1
+                    self._send_error(r, "request cancelled", pb_utils.TritonError.CANCELLED)
+        if now - self._last_metrics >= METRICS_EVERY_S:
+            self._last_metrics = now
+            self._metrics.publish(self.worker.counters, self._cancelled)
+
+
+class _Metrics:
+    """Triton custom metrics (Prometheus, on Triton's metrics port), named as `kvexport serve`'s."""
+
+    GAUGES = (
+        ("requests_running", "Requests being computed", lambda c: c.running),
+        ("requests_waiting", "Requests waiting for KV blocks or a batch slot", lambda c: c.waiting),
+        ("kv_blocks_used", "KV-cache blocks held by requests", lambda c: c.kv["blocks_used"]),
+        ("kv_blocks_total", "Usable KV-cache blocks", lambda c: c.kv["blocks_total"]),
+        ("kv_cache_usage", "Fraction of KV-cache blocks in use", lambda c: c.kv["usage"]),
+    )
+    COUNTERS = (
+        ("prefix_cache_queries_total", "Full blocks looked up in the prefix cache", lambda c: c.kv["prefix_queries"]),
+        ("prefix_cache_hits_total", "Full blocks found in the prefix cache", lambda c: c.kv["prefix_hits"]),
+        ("preemptions_total", "Requests preempted for KV blocks", lambda c: c.kv["preemptions"]),
+        ("generation_tokens_total", "Tokens generated", lambda c: c.generation_tokens),
+        ("prompt_tokens_total", "Prompt tokens received", lambda c: c.prompt_tokens),
+        ("requests_total", "Requests admitted", lambda c: c.requests),
+    )
+
+    def __init__(self, labels: dict[str, str]):
+        # NOTE: a MetricFamily must outlive its Metrics, so the families are kept here
+        self.families = []
+
+        def metric(name, doc, kind):
+            self.families.append(pb_utils.MetricFamily(name=f"kvexport_{name}", description=doc, kind=kind))
+            return self.families[-1].Metric(labels=labels)
+
+        self.gauges = [(metric(n, d, pb_utils.MetricFamily.GAUGE), f) for n, d, f in self.GAUGES]
+        self.counters = [(metric(n, d, pb_utils.MetricFamily.COUNTER), f) for n, d, f in self.COUNTERS]
+        self.cancelled = metric("requests_cancelled_total", "Requests cancelled by the client",
+                                pb_utils.MetricFamily.COUNTER)
+        self._seen: dict[int, float] = {}
+
+    def _add(self, m, value: float) -> None:
+        delta = value - self._seen.get(id(m), 0.0)
+        if delta > 0:
+            m.increment(delta)
+            self._seen[id(m)] = value
+
+    def publish(self, counters, cancelled: int) -> None:
+        for m, f in self.gauges:
+            m.set(float(f(counters)))
+        for m, f in self.counters:
+            self._add(m, float(f(counters)))
+        self._add(self.cancelled, float(cancelled))
