@@ -13,10 +13,11 @@ once. Every request ends with exactly one response flagged FINAL: streaming requ
 one response per step that produced tokens (the text added and the new token ids), the
 last one flagged FINAL; non-streaming requests get one response with the whole
 completion. Invalid requests get an error response and never reach the engine. On the
-engine thread, every tick polls `request.is_cancelled()` (a cancelled gRPC stream, a
-disconnected SSE client) and aborts those requests, so their KV blocks go back to the pool.
-KV and scheduler figures are published as Triton custom metrics on Triton's metrics port
-(same names as `kvexport serve`'s /metrics, labelled by model, version and instance).
+engine thread, ticks poll `request.is_cancelled()` (a cancelled gRPC stream, a
+disconnected SSE client; every 50 ms, at most 32 requests a tick) and abort those
+requests, so their KV blocks go back to the pool. KV and scheduler figures are published
+as Triton custom metrics on Triton's metrics port (same names as `kvexport serve`'s
+/metrics, labelled by model, version and instance).
 
 `triton_python_backend_utils` exists only inside Triton's Python-backend stub, so it is
 imported in `initialize()`, never at module import.
@@ -70,6 +71,9 @@ PARAMETERS = {
 BACKENDS = ("onnxruntime", "tensorrt")
 _NP_KIND = {"TYPE_STRING": "O", "TYPE_INT32": "i", "TYPE_UINT64": "u", "TYPE_FP32": "f", "TYPE_BOOL": "b"}
 POLL_CANCEL_S = 0.05  # how often the engine thread asks Triton whether requests were cancelled
+# NOTE: each is_cancelled() is a round trip to the Triton process; a tick asks at most this
+# many requests (round robin), so a large batch is polled every (active / 32) * 50 ms
+POLL_CANCEL_MAX = 32
 METRICS_EVERY_S = 0.1  # how often it republishes the metrics (and at least every idle tick)
 
 
@@ -185,6 +189,7 @@ class TritonPythonModel:
         self._lock = threading.Lock()  # guards _active: execute() adds, the engine thread removes
         self._active: dict[str, _Request] = {}
         self._last_poll = self._last_metrics = 0.0
+        self._poll_next = 0  # round-robin cursor over the active requests
         self._cancelled = 0
         self._metrics = _Metrics(self.labels)
         self.worker = EngineThread(self.engine, on_tick=self._tick)
@@ -276,7 +281,10 @@ class TritonPythonModel:
             self._last_poll = now
             with self._lock:
                 active = list(self._active.values())
-            for r in active:
+            start = self._poll_next % len(active) if active else 0
+            batch = (active[start:] + active[:start])[:POLL_CANCEL_MAX]
+            self._poll_next = start + len(batch)
+            for r in batch:
                 if not r.done and r.request.is_cancelled() and self._release(r):
                     self.worker.abort([r.rid])
                     self._cancelled += 1
