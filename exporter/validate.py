@@ -25,11 +25,15 @@ from kvexport import io
 # (a wrong mask or rope shows up as >1e-1).
 # fp16: matmuls round to 11-bit mantissas; logits move by ~1e-2..1e-1, and near-ties may
 # flip a greedy token, so fp16 checks the tolerance but only reports token agreement.
-# int8 KV: every cached key/value is rounded to 1/254 of its head's calibrated range; the
-# logits then move by ~0.1 on smollm2-135m (measured, see the int8 note in README), and
-# near-ties may flip a greedy token, so int8 KV checks a tolerance and reports agreement.
-TOLERANCE = {"fp32": 5e-3, "fp16": 0.5, "int8_kv": 1.0}
+# int8 KV: every cached key/value is rounded to 1/254 of its head's calibrated range. On
+# smollm2-135m (logits of magnitude ~20) the largest logit moves by 1.6 at some step while
+# perplexity moves by <0.3% (bench/kv_quality.py); near-ties flip greedy tokens and a flip
+# changes every later step, so int8 checks a loose logit bound plus a minimum share of
+# greedy tokens agreeing. A broken quantization (wrong axis, wrong scale) scrambles the
+# logits (|Δ| >> 3) and the tokens.
+TOLERANCE = {"fp32": 5e-3, "fp16": 0.5, "int8_kv": 3.0}
 REQUIRE_GREEDY = {"fp32": True, "fp16": False, "int8_kv": False}
+MIN_AGREEMENT = {"fp32": 1.0, "fp16": 0.0, "int8_kv": 0.75}
 
 
 def tolerance_key(manifest) -> str:
@@ -208,6 +212,7 @@ def validate(build_dir: Path, manifest, model, prompts: list[list[int]], steps: 
     key = tolerance_key(manifest)
     tol = TOLERANCE[key]
     identical = agree == total
-    passed = max(diffs) <= tol and (identical or not REQUIRE_GREEDY[key])
+    passed = (max(diffs) <= tol and (identical or not REQUIRE_GREEDY[key])
+              and agree / total >= MIN_AGREEMENT[key])
     return ValidationResult(len(prompts), [len(p) for p in prompts], steps, diffs, max(diffs), tol,
                             identical, agree / total, passed)
