@@ -138,13 +138,14 @@ def _replace(tmp: Path, out: Path) -> None:
 
 def write_repository(build_dir: str | Path, out: str | Path, opts: TritonRepoOptions = TritonRepoOptions()) -> Path:
     """Write a Triton model repository serving `build_dir` at `out`; returns the model's folder."""
+    given = Path(os.path.abspath(build_dir))  # its name, as given (not a symlink's target)
     build_dir, out = Path(build_dir).resolve(), Path(out).resolve()
     _check_build(build_dir, opts.backend)
     if out.exists() and not opts.force:
         raise BuildExistsError(f"{out} exists: pass --force to replace it, or choose another --out")
     if build_dir == out or out in build_dir.parents:
         raise ConfigError(f"--out {out} contains the build {build_dir}: choose a folder outside it")
-    name = opts.name or build_dir.name
+    name = opts.name or given.name
     if not _NAME.match(name):
         raise ConfigError(f"the build's folder name {name!r} is not a valid Triton model name: pass --name")
     env = Path(opts.execution_env).resolve() if opts.execution_env else None

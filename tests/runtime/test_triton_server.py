@@ -66,6 +66,12 @@ def test_copy_build_is_self_contained(tiny_build, tmp_path):
     assert model_dir.name == tiny_build.name
 
 
+def test_default_name_is_the_build_folder_as_given(tiny_build, tmp_path):
+    (tmp_path / "my-model").symlink_to(tiny_build)
+    model_dir = write_repository(tmp_path / "my-model", tmp_path / "repo")
+    assert model_dir.name == "my-model" and load_config(model_dir / "config.pbtxt").name == "my-model"
+
+
 def test_refusals(tiny_build, hf_folder, tmp_path):
     write_repository(tiny_build, tmp_path / "repo")
     with pytest.raises(BuildExistsError, match="--force"):
