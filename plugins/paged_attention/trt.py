@@ -1,0 +1,133 @@
+"""TensorRT registration of `kvexport::PagedAttention` with the `tensorrt.plugin` API
+(quickly deployable plugins, TensorRT >= 10.10 for ahead-of-time kernels).
+
+    register()   defines, once, on the caller's request (never at import):
+      @trtp.register   shapes/dtypes: output = query.like(); outputs 1, 2 alias the pools
+      @trtp.autotune   (activation, pool) dtype combinations × tactics (configs.PREFILL_TILES)
+      @trtp.aot_impl   compiles kernels.prefill_kernel for the build GPU and returns
+                       (kernel name, PTX, KernelLaunchParams, int32 extra args): the kernel is
+                       baked into the engine, which then runs in trtexec / Triton Inference
+                       Server without Python.
+
+NOTE (one launch): an AOT plugin is a single kernel launch, so the AOT kernel is the fused
+store + attention `prefill_kernel` (any q_len; decode too) without split-K; split-K decode
+(two launches) is a JIT-only (launch.py) path. NOTE (11 inputs): a QDP signature has no
+optional tensors, so the plugin always takes k_scale / v_scale (ignored unless int8).
+NOTE: no `from __future__ import annotations` here — tensorrt.plugin reads the annotations
+of the decorated functions as classes.
+
+Type-checked against `tensorrt-stubs` (tests/plugins/test_trt_plugin.py); the stubs do not
+cover `tensorrt.plugin`, and TensorRT itself is not installable on the project's machines, so
+the registration has never run (README.md, "What is verified how").
+"""
+
+from typing import Any, Dict, List, Tuple, Union
+
+from kvexport.errors import KvExportError
+
+from . import configs, spec
+from .spec import PagedAttentionAttrs
+
+# TensorRT type names (tensorrt.plugin AutoTuneCombination) of the spec's dtypes
+TRT_TYPES = {"float32": "FP32", "float16": "FP16", "bfloat16": "BF16", "int8": "INT8"}
+_INDEX_TYPES = ("INT64",) * 4  # block_tables, seq_lens, query_start_loc, slot_mapping
+_registered = False
+
+
+class TensorRTUnavailableError(KvExportError):
+    """TensorRT (with the `tensorrt.plugin` ahead-of-time API) is not importable here."""
+
+
+def type_combinations() -> List[str]:
+    """The autotune type strings, one per (activation, pool) pair, over the 11 inputs and 3
+    outputs in spec order: q, k, v, key_cache, value_cache, 4 index tensors, k_scale,
+    v_scale | output, key_cache, value_cache."""
+    out = []
+    for act, kv in configs.kv_pairs():
+        a, p = TRT_TYPES[act], TRT_TYPES[kv]
+        out.append(", ".join((a, a, a, p, p) + _INDEX_TYPES + ("FP32", "FP32", a, p, p)))
+    return out
+
+
+def tactic_tile(tactic: int) -> configs.TileConfig:
+    """The prefill tile of a TensorRT tactic id (configs.TileConfig.tactic)."""
+    for tile in configs.PREFILL_TILES:
+        if tile.tactic == tactic:
+            return tile
+    raise TensorRTUnavailableError(f"unknown PagedAttention tactic {tactic}: the engine was built by "
+                                   "another kvexport version; rebuild it")
+
+
+def aot_kernel(attrs: PagedAttentionAttrs, act: str, tactic: int, capability: Union[int, None] = None):
+    """(KernelSource, CompiledKernel) of the AOT kernel; capability None = the current GPU."""
+    src = configs.prefill_source(attrs, act, tactic_tile(tactic))
+    return src, src.compile(capability)
+
+
+def register() -> None:
+    """Registers the plugin with TensorRT's plugin registry (idempotent). Raises
+    TensorRTUnavailableError when TensorRT (>= 10.10, with tensorrt.plugin.aot_impl) is missing."""
+    global _registered
+    if _registered:
+        return
+    try:
+        import tensorrt as trt
+        import tensorrt.plugin as trtp  # type: ignore[import-not-found, unused-ignore]  # not in the stubs
+    except ImportError as e:
+        raise TensorRTUnavailableError(
+            "TensorRT is not installed: the kvexport::PagedAttention plugin needs TensorRT >= 10.10 "
+            "(`pip install tensorrt` on a machine with an NVIDIA GPU and driver). ONNX builds and the "
+            f"onnxruntime backend do not need it. ({e})") from e
+    if not hasattr(trtp, "aot_impl"):
+        raise TensorRTUnavailableError(f"TensorRT {getattr(trt, '__version__', '?')} has no "
+                                       "tensorrt.plugin.aot_impl; ahead-of-time plugins need TensorRT >= 10.10")
+    dtype_names: Dict[trt.DataType, str] = {trt.float32: "float32", trt.float16: "float16",
+                                            trt.bfloat16: "bfloat16", trt.int8: "int8"}
+    _define(dtype_names)
+    _registered = True
+
+
+def _define(dtype_names: Dict[Any, str]) -> None:
+    import tensorrt.plugin as trtp  # type: ignore[import-not-found, unused-ignore]
+    from tensorrt.plugin import TensorDesc as TD  # type: ignore[import-not-found, unused-ignore]
+
+    @trtp.register(spec.PLUGIN_ID)
+    def paged_attention_desc(query: TD, key: TD, value: TD, key_cache: TD, value_cache: TD, block_tables: TD,
+                             seq_lens: TD, query_start_loc: TD, slot_mapping: TD, k_scale: TD, v_scale: TD,
+                             num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, scale: float,
+                             sliding_window: int, kv_dtype: str) -> Tuple[TD, TD, TD]:
+        # output [T, H, D] like the query; the pools are updated in place (spec.ALIASES)
+        return query.like(), key_cache.aliased(), value_cache.aliased()
+
+    @trtp.autotune(spec.PLUGIN_ID)
+    def paged_attention_autotune(query: TD, key: TD, value: TD, key_cache: TD, value_cache: TD,
+                                 block_tables: TD, seq_lens: TD, query_start_loc: TD, slot_mapping: TD,
+                                 k_scale: TD, v_scale: TD, outputs: Tuple[TD, TD, TD]
+                                 ) -> List[trtp.AutoTuneCombination]:
+        tactics = [t.tactic for t in configs.PREFILL_TILES]
+        return [trtp.AutoTuneCombination(types, "LINEAR", tactics) for types in type_combinations()]
+
+    @trtp.aot_impl(spec.PLUGIN_ID)
+    def paged_attention_aot(query: TD, key: TD, value: TD, key_cache: TD, value_cache: TD, block_tables: TD,
+                            seq_lens: TD, query_start_loc: TD, slot_mapping: TD, k_scale: TD, v_scale: TD,
+                            num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, scale: float,
+                            sliding_window: int, kv_dtype: str, outputs: Tuple[TD, TD, TD], tactic: int
+                            ) -> Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams, trtp.SymExprs]:
+        attrs = PagedAttentionAttrs(num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window,
+                                    kv_dtype.decode() if isinstance(kv_dtype, bytes) else kv_dtype)
+        act, pool = dtype_names[query.dtype], dtype_names[key_cache.dtype]
+        if pool != attrs.kv_dtype:
+            raise KvExportError(f"PagedAttention: pool dtype {pool} != kv_dtype attribute {attrs.kv_dtype}")
+        src, kernel = aot_kernel(attrs, act, tactic)
+        block_q = src.constexprs["BLOCK_M"] // attrs.group_size
+        num_tokens = query.shape_expr[0]  # [T, H, D]
+        num_seqs = seq_lens.shape_expr[0]  # [S]
+        params = trtp.KernelLaunchParams()
+        params.grid_x = num_tokens // block_q + num_seqs  # q-tiles: T // BLOCK_Q + S bounds them all
+        params.grid_y = num_kv_heads
+        params.block_x = kernel.metadata.num_warps * 32
+        params.shared_mem = kernel.metadata.shared
+        # kernel scalars after the 11 inputs: num_seqs, max_blocks, num_blocks
+        extra = trtp.SymIntExprs.from_tuple([trtp.SymInt32(num_seqs), trtp.SymInt32(block_tables.shape_expr[1]),
+                                             trtp.SymInt32(key_cache.shape_expr[1])])
+        return kernel.metadata.name, kernel.asm["ptx"], params, extra
