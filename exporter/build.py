@@ -16,7 +16,7 @@ import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from kvexport import __version__, io
 from kvexport.errors import BuildExistsError, ConfigError, ValidationError
@@ -48,6 +48,8 @@ class BuildOptions:
     allow_pickle: bool = False  # accept *.bin weights (loaded with weights_only=True)
     calibration_text: str | None = None  # int8 KV: text file for the scales (None: bundled Hamlet)
     calibration_tokens: int = 2048  # int8 KV: tokens of that text run through the model
+    backend: str = "onnx"  # "onnx" | "tensorrt": also build TensorRT engines (needs --attention plugin)
+    engines: Any = None  # tensorrt_build.EngineBuildOptions; None: its defaults
 
     def __post_init__(self) -> None:
         if self.attention is io.Attention.PLUGIN and self.layout is not io.KVLayout.PAGED:
@@ -57,6 +59,11 @@ class BuildOptions:
         if self.kv_dtype is not None and self.kv_dtype not in (io.DType.FP32, io.DType.FP16, io.DType.INT8):
             raise ConfigError(f"--kv-dtype {self.kv_dtype.value} is not supported on the ONNX path; "
                               f"use fp32, fp16 or int8")
+        if self.backend not in ("onnx", "tensorrt"):
+            raise ConfigError(f"--backend must be onnx or tensorrt, got {self.backend!r}")
+        if self.backend == "tensorrt" and self.attention is not io.Attention.PLUGIN:
+            raise ConfigError("--backend tensorrt needs --attention plugin (the engines run PagedAttention "
+                              "as a TensorRT plugin)")
         if self.calibration_tokens < 16:
             raise ConfigError(f"--calibration-tokens must be >= 16, got {self.calibration_tokens}")
         if not (1 <= self.block_size <= 1024):
@@ -98,6 +105,13 @@ def build(model: str, out: str | Path | None = None, opts: BuildOptions = BuildO
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if opts.backend == "tensorrt":
+        # NOTE: after the ONNX build is in place: without TensorRT or a GPU this raises
+        # TensorRTUnavailableError, and the ONNX build stays complete and usable
+        from .tensorrt_build import EngineBuildOptions, add_engines
+
+        with progress("building TensorRT engines"):
+            manifest = add_engines(out, opts.engines or EngineBuildOptions())
     return out, manifest
 
 

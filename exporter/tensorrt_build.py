@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from kvexport import io
-from kvexport.errors import ConfigError, KvExportError
+from kvexport.errors import ConfigError, EngineBuildError, KvExportError, TensorRTUnavailableError
 from kvexport.manifest import Manifest
 
 if TYPE_CHECKING:  # typed by tensorrt-stubs; imported for real only inside functions
@@ -55,15 +55,6 @@ _INSTALL_HINT = ('install TensorRT with `pip install "kvexport[tensorrt]"` on a 
                  'and driver, or use the NVIDIA TensorRT container (see docker/)')
 _ONNX_OK = ("The ONNX build is complete and usable with onnxruntime as it is (`kvexport generate`, "
             "`kvexport serve`); build the engines later with TensorRT present.")
-
-
-class TensorRTUnavailableError(KvExportError):
-    """TensorRT (the Python package) or a CUDA GPU is missing. The message names which one
-    and how to get it. TODO(kvexport/errors.py): move this class there."""
-
-
-class EngineBuildError(KvExportError):
-    """TensorRT refused a graph or a build (parser errors, no engine produced)."""
 
 
 def require_tensorrt() -> str:

@@ -69,6 +69,8 @@ def _rich_progress():
 @click.option("--calibration-text", type=click.Path(exists=True, dir_okay=False),
               help="int8 KV: text to calibrate the scales on [bundled Shakespeare: Hamlet].")
 @click.option("--calibration-tokens", type=int, help="int8 KV: tokens of the text to use [2048].")
+@click.option("--backend", type=click.Choice(["onnx", "tensorrt"]),
+              help="tensorrt: also build TensorRT engines (needs --attention plugin, TensorRT and a GPU) [onnx].")
 @click.option("--block-size", type=int, help="Tokens per KV block for the paged layout [16].")
 @click.option("--max-seq-len", type=int, help="Longest context served [model's max positions, capped at 32768].")
 @click.option("--all-logits", is_flag=True, default=None, help="Prefill returns logits for every token (perplexity).")
@@ -76,7 +78,7 @@ def _rich_progress():
 @click.option("--allow-pickle", is_flag=True, help="Accept pickled *.bin weights (loaded with weights_only=True).")
 @click.option("--force", is_flag=True, help="Replace an existing build directory.")
 @click.option("--no-validate", is_flag=True, help="Skip the comparison with transformers.")
-def build(model, out, layout, dtype, attention, kv_dtype, calibration_text, calibration_tokens, block_size,
+def build(model, out, layout, dtype, attention, kv_dtype, calibration_text, calibration_tokens, backend, block_size,
           max_seq_len, all_logits, recipe, allow_pickle, force, no_validate):
     """Export a model (HF folder, .gguf file or alias) into a validated build directory."""
     from kvexport.exporter.build import BuildOptions, build as run_build
@@ -86,7 +88,7 @@ def build(model, out, layout, dtype, attention, kv_dtype, calibration_text, cali
     r = load_recipe(recipe) if recipe else Recipe()
     kw = r.options()
     given = {"layout": layout, "dtype": dtype, "attention": attention, "kv_dtype": kv_dtype,
-             "calibration_text": calibration_text, "calibration_tokens": calibration_tokens,
+             "calibration_text": calibration_text, "calibration_tokens": calibration_tokens, "backend": backend,
              "block_size": block_size, "max_seq_len": max_seq_len, "all_logits": all_logits}
     kw.update({k: v for k, v in given.items() if v is not None})
     if no_validate:
@@ -117,6 +119,21 @@ def _print_validation(manifest) -> None:
                   f"{v['steps']} decode steps: max |Δ logits| {v['max_abs_diff']:.2e} "
                   f"(tolerance {v['tolerance']}), greedy tokens identical: "
                   f"{'yes' if v['greedy_identical'] else 'no'} ({100 * v['token_agreement']:.1f}% agree)")
+
+
+@main.command()
+@click.argument("build_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--max-num-seqs", type=int, default=64, show_default=True, help="Sequences per step, max.")
+@click.option("--max-num-batched-tokens", type=int, default=2048, show_default=True, help="Tokens per prefill step, max.")
+@click.option("--max-num-blocks", type=int, default=16384, show_default=True, help="KV pool blocks, max.")
+@click.option("--max-seq-len", type=int, help="Longest context [the build's].")
+def engines(build_dir, max_num_seqs, max_num_batched_tokens, max_num_blocks, max_seq_len):
+    """Build TensorRT engines for an existing `--attention plugin` build (needs TensorRT and a GPU)."""
+    from kvexport.exporter.tensorrt_build import EngineBuildOptions, add_engines
+
+    m = add_engines(build_dir, EngineBuildOptions(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                                  max_num_blocks=max_num_blocks, max_seq_len=max_seq_len))
+    console.print(f"[bold green]engines ready:[/] {', '.join(e['file'] for e in m.engines['engines'].values())}")
 
 
 @main.command()

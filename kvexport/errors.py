@@ -29,3 +29,12 @@ class ManifestError(KvExportError):
 
 class ValidationError(KvExportError):
     """Exported graphs disagree with transformers beyond the stated tolerance."""
+
+
+class TensorRTUnavailableError(KvExportError):
+    """TensorRT (the Python bindings) or a CUDA GPU is missing; the message names which
+    one and how to get it (the ONNX part of a build is complete regardless)."""
+
+
+class EngineBuildError(KvExportError):
+    """TensorRT refused a graph or produced no engine."""

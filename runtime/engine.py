@@ -36,6 +36,12 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the build's max_seq_len
     enable_prefix_caching: bool = True
     threads: int | None = None  # onnxruntime intra-op threads (default: all cores)
+    backend: str = "onnxruntime"  # or "tensorrt": the build's engines (runtime/trt_backend.py)
+    cuda_graph_batch_sizes: tuple[int, ...] = ()  # tensorrt: decode batch sizes captured as CUDA graphs
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("onnxruntime", "tensorrt"):
+            raise KvExportError(f"backend must be onnxruntime or tensorrt, got {self.backend!r}")
 
 
 @dataclass(slots=True)
@@ -133,6 +139,8 @@ class LLMEngine:
         max_model_len = min(config.max_model_len or kv.max_seq_len, kv.max_seq_len)
         # the pad block is counted inside the budget
         num_blocks = num_blocks_for_budget(parse_budget(config.kv_cache_memory), kv.bytes_per_token, kv.block_size)
+        if backend is None and config.backend == "tensorrt":
+            backend, config, max_model_len = self._tensorrt_backend(config, num_blocks, max_model_len)
         self.backend = backend or OnnxRuntimeBackend(self.build_dir, self.manifest, num_blocks, threads=config.threads)
         self.pool = BlockPool(self.backend.num_blocks, kv.block_size, enable_prefix_caching=config.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool)
@@ -148,6 +156,23 @@ class LLMEngine:
         self._outputs: dict[str, RequestOutput] = {}
         self._ids = 0
         self._changed: list[RequestOutput] = []  # outputs whose new_* fields the last step set
+
+    def _tensorrt_backend(self, config: EngineConfig, num_blocks: int, max_model_len: int):
+        """The TensorRT backend, with the scheduler's limits clamped to what the engines'
+        optimization profiles accept (manifest engines.limits)."""
+        from dataclasses import replace
+
+        from .trt_backend import TensorRTBackend
+
+        if not self.manifest.engines:
+            raise KvExportError(f"{self.build_dir} has no TensorRT engines: build them with "
+                                f"`kvexport engines {self.build_dir}` (needs TensorRT and a GPU)")
+        lim = self.manifest.engines["limits"]
+        config = replace(config, max_num_seqs=min(config.max_num_seqs, lim["max_num_seqs"]),
+                         max_num_batched_tokens=min(config.max_num_batched_tokens, lim["max_num_batched_tokens"]))
+        backend = TensorRTBackend(self.build_dir, self.manifest, min(num_blocks, lim["max_num_blocks"]),
+                                  cuda_graph_batch_sizes=config.cuda_graph_batch_sizes)
+        return backend, config, min(max_model_len, lim["max_seq_len"])
 
     @property
     def max_model_len(self) -> int:
