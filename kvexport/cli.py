@@ -175,14 +175,17 @@ def inspect(build_dir):
 @click.option("--chat", is_flag=True, help="Apply the tokenizer's chat template to each prompt.")
 @click.option("--stream", is_flag=True, help="Print tokens as they are generated (first prompt only).")
 @click.option("--kv-cache-memory", default="512MiB", show_default=True, help="KV pool budget, e.g. 2GiB.")
-def generate(build_dir, prompts, max_tokens, temperature, top_p, top_k, seed, stop, chat, stream, kv_cache_memory):
+@click.option("--backend", "runtime_backend", type=click.Choice(["onnxruntime", "tensorrt"]), default="onnxruntime",
+              show_default=True, help="Execution backend (tensorrt: the build's engines, needs TensorRT and a GPU).")
+def generate(build_dir, prompts, max_tokens, temperature, top_p, top_k, seed, stop, chat, stream, kv_cache_memory,
+             runtime_backend):
     """Generate text from a paged build with continuous batching (onnxruntime)."""
     from kvexport.runtime.llm import LLM
     from kvexport.runtime.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             seed=seed, stop=tuple(stop))
-    llm = LLM(build_dir, kv_cache_memory=kv_cache_memory)
+    llm = LLM(build_dir, kv_cache_memory=kv_cache_memory, backend=runtime_backend)
     out = sys.stdout
     if stream:
         for o in llm.stream(prompts[0], params, chat=chat):
@@ -207,7 +210,10 @@ def generate(build_dir, prompts, max_tokens, temperature, top_p, top_k, seed, st
 @click.option("--max-num-batched-tokens", type=int, default=512, show_default=True)
 @click.option("--threads", type=int, help="onnxruntime intra-op threads [all cores].")
 @click.option("--json", "json_out", type=click.Path(), help="Also write the figures to this JSON file.")
-def bench(build_dir, trace, limit, kv_cache_memory, max_num_seqs, max_num_batched_tokens, threads, json_out):
+@click.option("--backend", "runtime_backend", type=click.Choice(["onnxruntime", "tensorrt"]), default="onnxruntime",
+              show_default=True, help="Execution backend (tensorrt: the build's engines, needs TensorRT and a GPU).")
+def bench(build_dir, trace, limit, kv_cache_memory, max_num_seqs, max_num_batched_tokens, threads, json_out,
+          runtime_backend):
     """Serve a fixed-seed request trace; report tokens/s, TTFT, TPOT, KV use, preemptions."""
     import json as _json
 
@@ -217,7 +223,7 @@ def bench(build_dir, trace, limit, kv_cache_memory, max_num_seqs, max_num_batche
     from kvexport.runtime.engine import EngineConfig
 
     cfg = EngineConfig(kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
-                       max_num_batched_tokens=max_num_batched_tokens, threads=threads)
+                       max_num_batched_tokens=max_num_batched_tokens, threads=threads, backend=runtime_backend)
     with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console) as bar:
         task = bar.add_task("output tokens", total=None)
@@ -239,13 +245,16 @@ def bench(build_dir, trace, limit, kv_cache_memory, max_num_seqs, max_num_batche
 @click.option("--max-num-batched-tokens", type=int, default=512, show_default=True)
 @click.option("--threads", type=int, help="onnxruntime intra-op threads [all cores].")
 @click.option("--served-model-name", help="The model name clients must send [the build directory's name].")
-def serve(build_dir, host, port, kv_cache_memory, max_num_seqs, max_num_batched_tokens, threads, served_model_name):
+@click.option("--backend", "runtime_backend", type=click.Choice(["onnxruntime", "tensorrt"]), default="onnxruntime",
+              show_default=True, help="Execution backend (tensorrt: the build's engines, needs TensorRT and a GPU).")
+def serve(build_dir, host, port, kv_cache_memory, max_num_seqs, max_num_batched_tokens, threads, served_model_name,
+          runtime_backend):
     """Serve a paged build over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
     from kvexport.runtime.engine import EngineConfig
     from kvexport.runtime.server import serve as run_server
 
     cfg = EngineConfig(kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
-                       max_num_batched_tokens=max_num_batched_tokens, threads=threads)
+                       max_num_batched_tokens=max_num_batched_tokens, threads=threads, backend=runtime_backend)
     console.print(f"serving {build_dir} on http://{host}:{port}/v1")
     run_server(build_dir, host, port, cfg, served_model_name)
 
