@@ -1,0 +1,252 @@
+"""GPU check of the PagedAttention Triton kernels (run by scripts/gpu_check.sh on a lent GPU):
+
+  1. correctness at Llama-3-8B shapes (32 query heads, 8 KV heads, head_dim 128, blocks of
+     16) against the float64 torch reference on the GPU: decode batch 1-64, contexts up to
+     8k, split-K on/off, fp16/bf16, int8 KV, sliding window, a ragged prefill; pools bit-exact;
+  2. decode time with CUDA events (median), achieved bandwidth = bytes the call must move
+     (K/V read + q read + out written + block tables) / time, against the device-to-device
+     copy bandwidth measured in the same run: goal >= 70% at batch 64 × context 4096 fp16;
+  3. int8 KV vs fp16 at long context: goal >= 1.6× faster.
+
+Writes <out>/gpu_check.json and prints a summary. `--tiny` runs the same logic at toy sizes
+on CPU under TRITON_INTERPRET=1 (tests/plugins/test_gpu_check_dry_run.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from datetime import datetime, timezone
+
+LLAMA = dict(num_heads=32, num_kv_heads=8, head_dim=128, block_size=16)
+TINY = dict(num_heads=4, num_kv_heads=2, head_dim=16, block_size=4)
+
+
+def _clone(inputs: dict) -> dict:
+    return {k: (v.clone() if v is not None else None) for k, v in inputs.items()}
+
+
+def _case(shape: dict, batch: int, ctx: int, q_len: int, device: str, **kw):
+    from .reference import make_case
+
+    q_lens = [q_len] * batch
+    ctx_lens = [max(0, ctx - q_len - 7 * (i % 3)) for i in range(batch)]  # ragged around ctx
+    bs = shape["block_size"]
+    need = 1 + sum(-(-(c + q) // bs) for c, q in zip(ctx_lens, q_lens))
+    return make_case(**shape, q_lens=q_lens, ctx_lens=ctx_lens, num_blocks=need + 8, device=device, **kw)
+
+
+def check_correctness(shape: dict, device: str, cases: list[dict]) -> list[dict]:
+    import torch
+
+    from .launch import paged_attention_triton
+    from .reference import paged_attention
+    from .spec import TOLERANCE
+
+    results = []
+    for c in cases:
+        c = dict(c)
+        name, splits = c.pop("name"), c.pop("num_splits", None)
+        t0 = time.perf_counter()
+        try:
+            inputs, attrs = _case(shape, device=device, **c)
+            ref_in = _clone(inputs)
+            out = paged_attention_triton(**inputs, attrs=attrs, num_splits=splits)
+            ref = paged_attention(**ref_in, attrs=attrs)
+            err = (out.double() - ref.double()).abs().max().item()
+            tol = TOLERANCE[c.get("act_dtype", "float32")]
+            pools = torch.equal(inputs["key_cache"], ref_in["key_cache"]) and \
+                torch.equal(inputs["value_cache"], ref_in["value_cache"])
+            results.append(dict(name=name, ok=bool(err <= tol and pools), max_err=err, tolerance=tol,
+                                pools_bit_exact=pools, seconds=round(time.perf_counter() - t0, 2)))
+        except Exception as e:  # report and go on: one broken case must not hide the others
+            results.append(dict(name=name, ok=False, error=f"{type(e).__name__}: {e}",
+                                trace=traceback.format_exc()[-2000:]))
+        del c
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return results
+
+
+def _time(fn, device: str, warmup: int, iters: int) -> float:
+    """Median seconds of fn()."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: str, nbytes: int, warmup: int, iters: int) -> float:
+    """Device-to-device copy, bytes/s counting read + write."""
+    import torch
+
+    src = torch.empty(nbytes // 2, dtype=torch.float16, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    t = _time(lambda: dst.copy_(src), device, warmup, iters)
+    return 2 * nbytes / t
+
+
+def decode_bytes(inputs: dict, attrs) -> int:
+    """Bytes one decode call must move: every sequence's K and V (seq_len tokens × kv heads ×
+    head_dim), q read, out written, block tables, the new K/V read and stored."""
+    seq = int(inputs["seq_lens"].sum())
+    kv_elem = inputs["key_cache"].element_size()
+    act = inputs["query"].element_size()
+    t = inputs["query"].shape[0]
+    kv = 2 * seq * attrs.num_kv_heads * attrs.head_dim * kv_elem
+    qo = 2 * t * attrs.num_heads * attrs.head_dim * act
+    new = 2 * t * attrs.num_kv_heads * attrs.head_dim * (act + kv_elem)
+    return kv + qo + new + inputs["block_tables"].numel() * 8
+
+
+def time_decode(shape: dict, device: str, batch: int, ctx: int, kv_dtype: str, act: str, warmup: int, iters: int,
+                splits_options=(None,), tiles=None) -> dict:
+    """Best time over the split / tile options (each one also reported)."""
+    from . import configs
+    from .launch import paged_attention_triton, plan
+
+    inputs, attrs = _case(shape, batch, ctx, 1, device, kv_dtype=kv_dtype, act_dtype=act, seed=1)
+    max_len = int(inputs["seq_lens"].max())
+    nbytes = decode_bytes(inputs, attrs)
+    variants = []
+    for tile in tiles or configs.DECODE_TILES:
+        for splits in splits_options:
+            p = plan(attrs, batch, 1, max_len, inputs["query"].device, num_splits=splits, tile=tile)
+            fn = lambda: paged_attention_triton(**inputs, attrs=attrs, max_q_len=1, max_seq_len=max_len,  # noqa: E731
+                                                num_splits=p.num_splits, tile=tile)
+            try:
+                t = _time(fn, device, warmup, iters)
+                variants.append(dict(tile=str(tile), num_splits=p.num_splits, seconds=t, bytes_per_s=nbytes / t))
+            except Exception as e:
+                variants.append(dict(tile=str(tile), num_splits=p.num_splits, error=f"{type(e).__name__}: {e}"))
+    timed = [v for v in variants if "seconds" in v]
+    best = min(timed, key=lambda v: v["seconds"]) if timed else None
+    return dict(batch=batch, context=ctx, kv_dtype=kv_dtype, act_dtype=act, bytes=nbytes, best=best,
+                variants=variants)
+
+
+def run(tiny: bool, out_dir: str) -> dict:
+    import torch
+
+    device = "cpu" if tiny else "cuda"
+    shape = TINY if tiny else LLAMA
+    report: dict = dict(date=datetime.now(timezone.utc).isoformat(timespec="seconds"), host=platform.node(),
+                        tiny=tiny, torch=torch.__version__, shape=shape)
+    import triton
+
+    report["triton"] = triton.__version__
+    if device == "cuda":
+        report["gpu"] = torch.cuda.get_device_name()
+        report["cuda"] = torch.version.cuda
+    t0 = time.perf_counter()
+    if tiny:
+        ctx_long, big_batch, ctxs, warm, iters, copy_mb = 40, 4, (36, 40), 1, 2, 8
+    else:
+        ctx_long, big_batch, ctxs, warm, iters, copy_mb = 8192, 64, (4096, 8192), 5, 30, 1024
+    cases = [
+        dict(name="decode b1 ctx8k fp16 split-auto", batch=1, ctx=ctxs[1], q_len=1, act_dtype="float16",
+             kv_dtype="float16"),
+        dict(name="decode b1 ctx8k fp16 no-split", batch=1, ctx=ctxs[1], q_len=1, act_dtype="float16",
+             kv_dtype="float16", num_splits=1),
+        dict(name=f"decode b{big_batch} ctx4k fp16", batch=big_batch, ctx=ctxs[0], q_len=1, act_dtype="float16",
+             kv_dtype="float16"),
+        dict(name="decode b8 ctx4k bf16 split-4", batch=8, ctx=ctxs[0], q_len=1, act_dtype="bfloat16",
+             kv_dtype="bfloat16", num_splits=4),
+        dict(name="decode b16 ctx8k int8 (fp16 act)", batch=16, ctx=ctxs[1], q_len=1, act_dtype="float16",
+             kv_dtype="int8"),
+        dict(name="decode b4 ctx8k fp16 window 4096", batch=4, ctx=ctxs[1], q_len=1, act_dtype="float16",
+             kv_dtype="float16", sliding_window=ctxs[0]),
+        dict(name="prefill b4 q512 over ctx1k fp16", batch=4, ctx=ctxs[0] // 4 + 512 if not tiny else 20,
+             q_len=512 if not tiny else 7, act_dtype="float16", kv_dtype="float16"),
+        dict(name="prefill b2 q300 int8 bf16 window 256", batch=2, ctx=800 if not tiny else 20,
+             q_len=300 if not tiny else 7, act_dtype="bfloat16", kv_dtype="int8",
+             sliding_window=256 if not tiny else 5),
+    ]
+    report["correctness"] = check_correctness(shape, device, cases)
+    report["seconds_correctness"] = round(time.perf_counter() - t0, 1)
+    bw = copy_bandwidth(device, copy_mb << 20, warm, iters)
+    report["copy_bytes_per_s"] = bw
+    from . import configs
+
+    splits = (1, None, 2, 4) if not tiny else (1, 2)
+    tiles = (configs.INTERPRET_TILE,) if tiny else None
+    fp16 = time_decode(shape, device, big_batch, ctxs[0], "float16", "float16", warm, iters, splits, tiles)
+    report["decode_b64_ctx4k_fp16"] = fp16
+    frac = fp16["best"]["bytes_per_s"] / bw if fp16["best"] else 0.0
+    report["bandwidth_fraction"] = frac
+    long_fp16 = time_decode(shape, device, 16, ctx_long, "float16", "float16", warm, iters, splits, tiles)
+    long_int8 = time_decode(shape, device, 16, ctx_long, "int8", "float16", warm, iters, splits, tiles)
+    report["decode_b16_long_fp16"], report["decode_b16_long_int8"] = long_fp16, long_int8
+    speedup = (long_fp16["best"]["seconds"] / long_int8["best"]["seconds"]
+               if long_fp16["best"] and long_int8["best"] else 0.0)
+    report["int8_speedup"] = speedup
+    report["goals"] = dict(correctness=all(c["ok"] for c in report["correctness"]),
+                           bandwidth_70pct=frac >= 0.70, int8_1p6x=speedup >= 1.6)
+    report["seconds_total"] = round(time.perf_counter() - t0, 1)
+    return report
+
+
+def summary(r: dict) -> str:
+    lines = [f"PagedAttention GPU check {r['date']} on {r.get('gpu', 'CPU (tiny, interpreter)')} "
+             f"(torch {r['torch']}, triton {r['triton']})"]
+    for c in r["correctness"]:
+        detail = (f"max err {c['max_err']:.2e} (tol {c['tolerance']:.0e}), pools exact {c['pools_bit_exact']}"
+                  if "max_err" in c else c.get("error", ""))
+        lines.append(f"  [{'ok' if c['ok'] else 'FAIL'}] {c['name']}: {detail}")
+    lines.append(f"  copy bandwidth {r['copy_bytes_per_s'] / 1e9:.0f} GB/s")
+    for key in ("decode_b64_ctx4k_fp16", "decode_b16_long_fp16", "decode_b16_long_int8"):
+        d = r[key]
+        b = d["best"]
+        if b:
+            lines.append(f"  {key}: {b['seconds'] * 1e6:.0f} us, {b['bytes_per_s'] / 1e9:.0f} GB/s "
+                         f"(tile {b['tile']}, splits {b['num_splits']})")
+        else:
+            lines.append(f"  {key}: no timing ({[v.get('error') for v in d['variants']][:2]})")
+    lines.append(f"  bandwidth fraction {r['bandwidth_fraction']:.2f} (goal >= 0.70); int8 speedup "
+                 f"{r['int8_speedup']:.2f}x (goal >= 1.6); goals {r['goals']}; {r['seconds_total']} s")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for gpu_check.json")
+    ap.add_argument("--tiny", action="store_true", help="toy sizes on CPU under TRITON_INTERPRET=1")
+    args = ap.parse_args(argv)
+    if args.tiny:
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (kernels are decorated then)
+    os.makedirs(args.out, exist_ok=True)
+    try:
+        report = run(args.tiny, args.out)
+    except Exception as e:
+        report = dict(error=f"{type(e).__name__}: {e}", trace=traceback.format_exc())
+        print(report["trace"], file=sys.stderr)
+    with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    if "error" in report:
+        return 1
+    print(summary(report))
+    return 0 if report["goals"]["correctness"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Every GPU check of the project in one go (see ../shared/GPU.md): today the PagedAttention
+# Triton kernels — correctness at Llama-3-8B shapes against the torch reference, decode
+# bandwidth against the copy bandwidth, int8 vs fp16 KV. Results: $OUT/gpu_check.json, a
+# summary on stdout. Needs torch with CUDA and triton (3.6 on the lent machine); no TensorRT.
+#   OUT=/tmp/out bash scripts/gpu_check.sh            # on the GPU machine
+#   bash scripts/gpu_check.sh --tiny                  # the same logic on CPU, toy sizes
+set -uo pipefail
+cd "$(dirname "$0")/.."
+REPO=$PWD
+OUT=${OUT:-$REPO/gpu_check_out}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+PY=${PYTHON:-python3}
+[ -x "$REPO/.venv/bin/python" ] && [ -z "${PYTHON:-}" ] && "$REPO/.venv/bin/python" -c "import torch, triton" 2>/dev/null \
+    && PY=$REPO/.venv/bin/python
+
+# The package maps top-level folders into `kvexport.*` (pyproject.toml), so a plain PYTHONPATH
+# cannot import it from a checkout; without installing anything, lay out the two parts the
+# kernels need (kvexport/ and plugins/ as kvexport.plugins) in a temporary folder.
+PKG=$(mktemp -d)
+trap 'rm -rf "$PKG"' EXIT
+mkdir -p "$PKG/kvexport"
+cp "$REPO"/kvexport/*.py "$PKG/kvexport/"
+ln -s "$REPO/plugins" "$PKG/kvexport/plugins"
+export PYTHONPATH="$PKG${PYTHONPATH:+:$PYTHONPATH}"
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$OUT/.triton-cache}
+cd "$PKG"  # not the checkout: its kvexport/ (without plugins/) would shadow the layout
+
+"$PY" - <<'PYEOF' || { echo "gpu_check: python environment unusable" >&2; exit 2; }
+import sys, torch, triton
+print(f"python {sys.version.split()[0]} | torch {torch.__version__} (cuda {torch.version.cuda}, "
+      f"available {torch.cuda.is_available()}) | triton {triton.__version__}")
+PYEOF
+
+# the whole check is sized to finish well inside 5 minutes; the timeout is a backstop
+timeout 280 "$PY" -m kvexport.plugins.paged_attention.gpu_check --out "$OUT" "$@"
+rc=$?
+[ -f "$OUT/gpu_check.json" ] || echo '{"error": "gpu_check.py wrote nothing (rc '"$rc"')"}' > "$OUT/gpu_check.json"
+exit $rc

@@ -1,0 +1,26 @@
+"""scripts/gpu_check.sh end to end at toy sizes on CPU (--tiny: TRITON_INTERPRET=1), from a
+checkout layout without installing the package: the argument handling, case factory,
+reference comparison, timing, bandwidth arithmetic and JSON/summary of the GPU check."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_gpu_check_tiny_dry_run(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(OUT=str(tmp_path / "out"), PYTHON=sys.executable, TRITON_CACHE_DIR=str(tmp_path / "cache"))
+    p = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--tiny"], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    r = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert r["tiny"] and len(r["correctness"]) == 8
+    assert all(c["ok"] and c["pools_bit_exact"] for c in r["correctness"]), r["correctness"]
+    assert r["copy_bytes_per_s"] > 0 and r["decode_b64_ctx4k_fp16"]["best"]["bytes_per_s"] > 0
+    assert {v["num_splits"] for v in r["decode_b64_ctx4k_fp16"]["variants"]} == {1, 2}
+    assert set(r["goals"]) == {"correctness", "bandwidth_70pct", "int8_1p6x"}
+    assert "bandwidth fraction" in p.stdout and "[ok] decode b1 ctx8k fp16 split-auto" in p.stdout
