@@ -471,11 +471,14 @@ def test_alias_with_its_file_missing(monkeypatch, tmp_path):
     (dict(block_size=1025), "--block-size must be in 1..1024, got 1025"),
     (dict(dtype=io.DType.INT8), "--dtype int8 is not supported; use fp32 or fp16"),
     (dict(dtype=io.DType.BF16), "--dtype bf16 is not supported; use fp32 or fp16"),
-    (dict(kv_dtype=io.DType.INT8), "KV dtype int8 is reserved"),
-    (dict(attention=io.Attention.PLUGIN), "--attention plugin is reserved"),
+    (dict(kv_dtype=io.DType.BF16), "--kv-dtype bf16 is not supported on the ONNX path"),
+    (dict(attention=io.Attention.PLUGIN, layout=io.KVLayout.CONTIGUOUS), "--attention plugin needs --layout paged"),
     (dict(max_seq_len=1), "--max-seq-len must be >= 2, got 1"),
     (dict(validate_steps=0), "validate_steps must be >= 1"),
-], ids=["block-0", "block-1025", "dtype-int8", "dtype-bf16", "kv-int8", "plugin", "seq-1", "steps-0"])
+    (dict(calibration_tokens=8), "--calibration-tokens must be >= 16, got 8"),
+    (dict(backend="cuda"), "--backend must be onnx or tensorrt"),
+], ids=["block-0", "block-1025", "dtype-int8", "dtype-bf16", "kv-bf16", "plugin-contiguous", "seq-1", "steps-0",
+        "calib-8", "backend-cuda"])
 def test_build_options_out_of_range(kwargs, words_):
     with pytest.raises(ConfigError) as e:
         BuildOptions(**kwargs)
