@@ -74,7 +74,7 @@ POLL_CANCEL_S = 0.05  # how often the engine thread asks Triton whether requests
 # NOTE: each is_cancelled() is a round trip to the Triton process; a tick asks at most this
 # many requests (round robin), so a large batch is polled every (active / 32) * 50 ms
 POLL_CANCEL_MAX = 32
-METRICS_EVERY_S = 0.1  # how often it republishes the metrics (and at least every idle tick)
+METRICS_EVERY_S = 0.1  # how often it republishes the metrics while busy (and once on falling idle)
 
 
 class RequestError(KvExportError):
@@ -190,6 +190,7 @@ class TritonPythonModel:
         self._active: dict[str, _Request] = {}
         self._last_poll = self._last_metrics = 0.0
         self._poll_next = 0  # round-robin cursor over the active requests
+        self._idle_published = False  # the metrics shown were taken while the engine was idle
         self._cancelled = 0
         self._metrics = _Metrics(self.labels)
         self.worker = EngineThread(self.engine, on_tick=self._tick)
@@ -290,8 +291,11 @@ class TritonPythonModel:
                     self.worker.abort([r.rid])
                     self._cancelled += 1
                     self._send_error(r, "request cancelled", pb_utils.TritonError.CANCELLED)
-        if now - self._last_metrics >= METRICS_EVERY_S:
+        idle = not self.engine.has_unfinished()
+        # every METRICS_EVERY_S while busy, and at once when the engine falls idle
+        if now - self._last_metrics >= METRICS_EVERY_S or (idle and not self._idle_published):
             self._last_metrics = now
+            self._idle_published = idle
             self._metrics.publish(self.worker.counters, self._cancelled)
 
 

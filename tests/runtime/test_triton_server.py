@@ -383,4 +383,4 @@ def test_bad_requests_get_errors_and_the_server_stays_healthy(server):
     assert "exactly one of the inputs" in r.text
     for path in ("/v2/health/live", "/v2/health/ready", "/v2/models/smol/ready", "/v2/models/tiny/ready"):
         assert httpx.get(f"http://{HOST}:{server.http}{path}", timeout=10).status_code == 200, path
-    assert metrics(server, "smol")["kvexport_kv_blocks_used"] == 0
+    assert wait_metric(server, "smol", lambda m: m["kvexport_kv_blocks_used"] == 0)["kvexport_kv_blocks_used"] == 0
