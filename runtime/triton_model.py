@@ -195,9 +195,9 @@ class TritonPythonModel:
         self._metrics = _Metrics(self.labels)
         self.worker = EngineThread(self.engine, on_tick=self._tick)
         self._metrics.publish(self.worker.counters, 0)  # before the thread runs: figures from the start
-        self.worker.start()
         pb_utils.Logger.log_info(f"kvexport: serving {build_dir} ({self.engine.kv_stats()['blocks_total']} KV blocks, "
                                  f"max_model_len {self.engine.max_model_len})")
+        self.worker.start()  # from here on only the engine thread touches the engine
 
     # ---- Triton's execute thread ------------------------------------------------------
     def execute(self, requests: list) -> None:
