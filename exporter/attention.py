@@ -233,17 +233,17 @@ def plugin_attention(b: GraphBuilder, spec: ModelSpec, layer: int, q: str, k: st
 
         q [T, H, D], k/v [T, kvH, D] (activation dtype, rotated, q NOT scaled)
         key_cache.{i}, value_cache.{i}, block_tables, seq_lens, query_start_loc, slot_mapping
-        (+ kv_scales.{i}.key/value for int8)
+        kv_scales.{i}.key/value (int8; float pools: unit scales, ignored)
           ──> out [T, H, D], key_cache_out.{i}, value_cache_out.{i} (the pools, updated in place)
     """
     from kvexport.plugins.paged_attention.spec import PagedAttentionAttrs
 
     attrs = PagedAttentionAttrs(spec.num_heads, spec.num_kv_heads, spec.head_dim, block_size,
                                 1.0 / float(np.sqrt(spec.head_dim)), spec.sliding_window or 0, kv_dtype)
+    # NOTE: float pools get ignored unit scales: the plugin has one 11-input signature (spec.py)
+    ones = b.const(np.ones(spec.num_kv_heads), "float32")
     inputs = [q, k, v, io.key_cache(layer), io.value_cache(layer), io.BLOCK_TABLES, io.SEQ_LENS,
-              io.QUERY_START_LOC, io.SLOT_MAPPING]
-    if scales is not None:
-        inputs += list(scales)
+              io.QUERY_START_LOC, io.SLOT_MAPPING, *(scales or (ones, ones))]
     out, kc, vc = b.op(io.PLUGIN_OP, *inputs, outputs=3, domain=io.PLUGIN_DOMAIN,
                        name=f"/layers.{layer}/attn/{io.PLUGIN_OP}", **attrs.onnx_attributes())
     return out, kc, vc

@@ -2,9 +2,13 @@
 
     spec.py       inputs, outputs, attributes, aliasing, tolerances (the contract)
     reference.py  readable torch reference: the executable definition
-    kernels.py    Triton kernels (prefill + decode, split-K) — tested under TRITON_INTERPRET=1
-    ort.py        the reference as an onnxruntime custom op (proves plugin graphs on CPU)
+    kernels.py    Triton kernels (prefill with fused store, decode with split-K, reduce)
+    configs.py    the one list of tile configurations (launcher, TensorRT tactics, CI compiles)
+    launch.py     `paged_attention_triton(...)`: the reference's signature on the kernels
+    ptx.py        ahead-of-time compiles of every configuration to PTX (sm_80 / sm_90)
+    ort.py        the reference as an onnxruntime custom op (runs plugin graphs on CPU)
     trt.py        TensorRT registration (tensorrt.plugin, ahead-of-time kernels)
+    gpu_check.py  correctness and bandwidth at real sizes (scripts/gpu_check.sh)
 """
 
 from .spec import OP_TYPE, PLUGIN_ID, PagedAttentionAttrs  # noqa: F401

@@ -83,8 +83,8 @@ def rewrite_for_reference(model: onnx.ModelProto) -> onnx.ModelProto:
         if node.domain != io.PLUGIN_DOMAIN or node.op_type != io.PLUGIN_OP:
             continue
         found = True
-        if len(node.input) not in NUM_INPUTS.values():
-            raise KvExportError(f"{node.name}: PagedAttention takes 9 or 11 inputs, got {len(node.input)}")
+        if len(node.input) not in (9, NUM_INPUTS):  # 9: float pools without the (ignored) scales
+            raise KvExportError(f"{node.name}: PagedAttention takes {NUM_INPUTS} inputs, got {len(node.input)}")
         act = np_name(types.get(node.input[0], onnx.TensorProto.FLOAT))
         kv = np_name(types[node.input[3]])
         node.op_type = _register(act, kv, len(node.input))

@@ -27,8 +27,11 @@ Inputs (in order)::
     6 seq_lens        [num_seqs] int64               KV length after this step
     7 query_start_loc [num_seqs + 1] int64           cumulative new-token offsets
     8 slot_mapping    [num_tokens] int64
-    9 k_scale         [num_kv_heads] float32         int8 only: x ≈ q * scale (static, per head)
-   10 v_scale         [num_kv_heads] float32         int8 only
+    9 k_scale         [num_kv_heads] float32         int8: x ≈ q * scale (static, per head);
+   10 v_scale         [num_kv_heads] float32         float pools: present but ignored (ones)
+
+    NOTE: always 11 inputs: `tensorrt.plugin` has no optional inputs, so float-pool graphs
+    carry two ignored scale vectors rather than a second plugin signature.
 
 Outputs::
 
@@ -58,7 +61,7 @@ INPUTS = ("query", "key", "value", "key_cache", "value_cache", "block_tables", "
           "query_start_loc", "slot_mapping", "k_scale", "v_scale")
 OUTPUTS = ("output", "key_cache_out", "value_cache_out")
 ALIASES = {1: 3, 2: 4}  # output index -> the input index it aliases (in-place pool update)
-NUM_INPUTS = {False: 9, True: 11}  # by "kv dtype is int8"
+NUM_INPUTS = 11  # scales included for every kv dtype (see the NOTE above)
 
 KV_DTYPES = ("float32", "float16", "bfloat16", "int8")
 ACT_DTYPES = ("float32", "float16", "bfloat16")
