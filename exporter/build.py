@@ -64,6 +64,8 @@ class BuildOptions:
         if self.backend == "tensorrt" and self.attention is not io.Attention.PLUGIN:
             raise ConfigError("--backend tensorrt needs --attention plugin (the engines run PagedAttention "
                               "as a TensorRT plugin)")
+        if self.backend == "tensorrt" and self.dtype is not io.DType.FP16:
+            raise ConfigError("--backend tensorrt needs --dtype fp16 (the plugin kernels take fp16/bf16 activations)")
         if self.calibration_tokens < 16:
             raise ConfigError(f"--calibration-tokens must be >= 16, got {self.calibration_tokens}")
         if not (1 <= self.block_size <= 1024):

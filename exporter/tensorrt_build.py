@@ -217,6 +217,10 @@ def check_buildable(manifest: Manifest, opts: EngineBuildOptions) -> str:
                           f"has layout {manifest.kv.layout!r}, attention {manifest.kv.attention!r}: rebuild with "
                           f"`kvexport build MODEL --attention plugin`")
     precision = opts.precision or manifest.dtype
+    if manifest.dtype == io.DType.FP32.value:
+        raise ConfigError("the PagedAttention plugin kernels take fp16/bf16 activations (plugins/paged_attention/"
+                          "README.md), so TensorRT engines need an fp16 build: rebuild with "
+                          "`kvexport build MODEL --attention plugin --dtype fp16`")
     if precision != manifest.dtype:
         raise ConfigError(f"engine precision {precision} differs from the graphs' dtype {manifest.dtype}: engines are "
                           f"strongly typed, so the precision comes from the ONNX graph; rebuild it with "

@@ -79,16 +79,36 @@ def rewrite_for_reference(model: onnx.ModelProto) -> onnx.ModelProto:
     types.update({v.name: v.type.tensor_type.elem_type for v in inferred.graph.value_info})
     np_name = lambda t: onnx.helper.tensor_dtype_to_np_dtype(t).name  # noqa: E731
     found = False
+    nodes = []
     for node in model.graph.node:
         if node.domain != io.PLUGIN_DOMAIN or node.op_type != io.PLUGIN_OP:
+            nodes.append(node)
             continue
         found = True
         if len(node.input) not in (9, NUM_INPUTS):  # 9: float pools without the (ignored) scales
             raise KvExportError(f"{node.name}: PagedAttention takes {NUM_INPUTS} inputs, got {len(node.input)}")
         act = np_name(types.get(node.input[0], onnx.TensorProto.FLOAT))
         kv = np_name(types[node.input[3]])
+        # NOTE: PyOps have no float16: run fp16 tensors through the reference as float32.
+        # Lossless: fp16 values are exact in float32, and the pools are cast back to fp16,
+        # which is the rounding the reference's store would apply.
+        before, after = [], []
+        if "float16" in (act, kv):
+            f32 = onnx.TensorProto.FLOAT
+            for j in [j for j in (0, 1, 2) if act == "float16"] + [j for j in (3, 4) if kv == "float16"]:
+                name = f"{node.name}/in{j}_f32"
+                before.append(onnx.helper.make_node("Cast", [node.input[j]], [name], to=f32, name=name))
+                node.input[j] = name
+            for j in [0] * (act == "float16") + [1, 2] * (kv == "float16"):
+                orig, name = node.output[j], f"{node.name}/out{j}_f32"
+                after.append(onnx.helper.make_node("Cast", [name], [orig], to=onnx.TensorProto.FLOAT16, name=orig + "/cast"))
+                node.output[j] = name
+            act, kv = ("float32" if act == "float16" else act), ("float32" if kv == "float16" else kv)
         node.op_type = _register(act, kv, len(node.input))
         node.domain = ortx.default_opset_domain()
+        nodes += before + [node] + after
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
     if found:
         model.opset_import.append(onnx.helper.make_opsetid(ortx.default_opset_domain(), 1))
     return model

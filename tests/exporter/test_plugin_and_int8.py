@@ -177,7 +177,7 @@ def test_backend_tensorrt_without_tensorrt_keeps_the_onnx_build(hf_folder, tmp_p
         pass
     out = tmp_path / "b"
     r = CliRunner().invoke(main, ["build", str(hf_folder("llama", num_key_value_heads=2)), "--out", str(out),
-                                  "--attention", "plugin", "--backend", "tensorrt", "--block-size", "4",
+                                  "--attention", "plugin", "--backend", "tensorrt", "--dtype", "fp16", "--block-size", "4",
                                   "--max-seq-len", "64"])
     assert r.exit_code != 0
     assert "TensorRT" in r.output and "onnxruntime" in r.output, r.output
@@ -185,6 +185,22 @@ def test_backend_tensorrt_without_tensorrt_keeps_the_onnx_build(hf_folder, tmp_p
     assert m.validation["passed"] and m.engines is None and not (out / "engines").exists()
 
 
-def test_backend_tensorrt_needs_plugin_attention():
+def test_backend_tensorrt_needs_plugin_attention_and_fp16():
     with pytest.raises(ConfigError, match="--attention plugin"):
-        BuildOptions(backend="tensorrt")
+        BuildOptions(backend="tensorrt", dtype=io.DType.FP16)
+    with pytest.raises(ConfigError, match="--dtype fp16"):
+        BuildOptions(backend="tensorrt", attention=io.Attention.PLUGIN)
+
+
+def test_fp16_plugin_graph_matches_fp16_onnx_attention(hf_folder, tmp_path):
+    """fp16 plugin graphs (what TensorRT engines are built from): q/k/v and pools in fp16."""
+    src = str(hf_folder("llama", num_key_value_heads=2))
+    plug, mp = build(src, tmp_path / "p", BuildOptions(attention=io.Attention.PLUGIN, dtype=io.DType.FP16, **OPTS))
+    assert mp.validation["passed"] and mp.validation["greedy_identical"], mp.validation
+    ref, mr = build(src, tmp_path / "o", BuildOptions(dtype=io.DType.FP16, validate=False, **OPTS))
+    prompts = prompt_ids(None, mr.model["vocab_size"])
+    forced = [[(5 * s + t) % 100 + 3 for t in range(4)] for s in range(len(prompts))]
+    a = PagedDriver(plug, mp).run(prompts, forced, 4)
+    b = PagedDriver(ref, mr).run(prompts, forced, 4)
+    # the plugin graph rounds q to fp16 too (the onnx attention keeps q in fp32): small differences
+    assert max(float(np.abs(x.astype(np.float32) - y.astype(np.float32)).max()) for x, y in zip(a, b)) < 2e-2

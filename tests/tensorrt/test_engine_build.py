@@ -94,8 +94,10 @@ def test_refuses_onnx_attention_builds_before_tensorrt(make_manifest, tmp_path, 
 
 def test_precision_must_match_the_graph_dtype(make_manifest):
     assert tb.check_buildable(make_manifest(dtype="fp16"), EngineBuildOptions()) == "fp16"
-    with pytest.raises(ConfigError, match="strongly typed.*--dtype fp16"):
+    with pytest.raises(ConfigError, match="fp16/bf16 activations.*--dtype fp16"):
         tb.check_buildable(make_manifest(dtype="fp32"), EngineBuildOptions(precision="fp16"))
+    with pytest.raises(ConfigError, match="fp16/bf16 activations"):
+        tb.check_buildable(make_manifest(dtype="fp32"), EngineBuildOptions())
     with pytest.raises(ConfigError, match="--dtype bf16"):
         tb.check_buildable(make_manifest(dtype="fp16"), EngineBuildOptions(precision="bf16"))
 
@@ -108,7 +110,7 @@ def test_missing_tensorrt_says_what_to_install(make_manifest, tmp_path, monkeypa
     """Mock: `import tensorrt` raises ImportError, as on every machine of this project."""
     monkeypatch.setitem(sys.modules, "tensorrt", None)
     with pytest.raises(TensorRTUnavailableError) as e:
-        tb.build_engines(tmp_path, make_manifest())
+        tb.build_engines(tmp_path, make_manifest(dtype="fp16"))
     msg = str(e.value)
     assert "TensorRT is not installed" in msg
     assert 'pip install "kvexport[tensorrt]"' in msg and "NVIDIA GPU" in msg and "docker/" in msg
@@ -124,7 +126,7 @@ def test_stub_only_tensorrt_is_not_mistaken_for_tensorrt(make_manifest, tmp_path
     fake.__path__ = ["/site-packages/tensorrt"]  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "tensorrt", fake)
     with pytest.raises(TensorRTUnavailableError, match="without the TensorRT bindings.*stubs"):
-        tb.build_engines(tmp_path, make_manifest())
+        tb.build_engines(tmp_path, make_manifest(dtype="fp16"))
     _assert_nothing_written(tmp_path)
 
 
@@ -139,7 +141,7 @@ def test_missing_gpu_says_what_is_missing(make_manifest, tmp_path, monkeypatch):
     fake.__version__ = "10.13.0.35"  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "tensorrt", fake)
     with pytest.raises(TensorRTUnavailableError) as e:
-        tb.build_engines(tmp_path, make_manifest())
+        tb.build_engines(tmp_path, make_manifest(dtype="fp16"))
     msg = str(e.value)
     assert "need a CUDA GPU" in msg and "CPU-only build" in msg
     assert "ONNX build is complete and usable with onnxruntime" in msg
