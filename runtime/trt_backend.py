@@ -30,7 +30,7 @@ import numpy as np
 
 from kvexport import io
 from kvexport.errors import KvExportError
-from kvexport.exporter.tensorrt_build import (ENGINES_DIR, cuda_device, plugin_module, require_tensorrt, sha256,
+from kvexport.exporter.tensorrt_build import (cuda_device, plugin_module, require_tensorrt, sha256,
                                               trt_logger)
 from kvexport.manifest import Manifest
 

@@ -23,7 +23,7 @@ the registration has never run (README.md, "What is verified how").
 
 from typing import Any, Dict, List, Tuple, Union
 
-from kvexport.errors import KvExportError
+from kvexport.errors import EngineBuildError, KvExportError, TensorRTUnavailableError
 
 from . import configs, spec
 from .spec import PagedAttentionAttrs
@@ -32,10 +32,6 @@ from .spec import PagedAttentionAttrs
 TRT_TYPES = {"float32": "FP32", "float16": "FP16", "bfloat16": "BF16", "int8": "INT8"}
 _INDEX_TYPES = ("INT64",) * 4  # block_tables, seq_lens, query_start_loc, slot_mapping
 _registered = False
-
-
-class TensorRTUnavailableError(KvExportError):
-    """TensorRT (with the `tensorrt.plugin` ahead-of-time API) is not importable here."""
 
 
 def type_combinations() -> List[str]:
@@ -54,7 +50,7 @@ def tactic_tile(tactic: int) -> configs.TileConfig:
     for tile in configs.PREFILL_TILES:
         if tile.tactic == tactic:
             return tile
-    raise TensorRTUnavailableError(f"unknown PagedAttention tactic {tactic}: the engine was built by "
+    raise EngineBuildError(f"unknown PagedAttention tactic {tactic}: the engine was built by "
                                    "another kvexport version; rebuild it")
 
 
