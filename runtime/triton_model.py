@@ -62,7 +62,7 @@ OUTPUTS = (
 # model parameters (config.pbtxt `parameters`), all strings; defaults used when absent
 PARAMETERS = {
     "build_dir": None,  # path of the kvexport build, relative paths resolve against the model's folder
-    "backend": "onnxruntime",  # "onnxruntime" | "tensorrt" (reserved)
+    "backend": "onnxruntime",  # "onnxruntime" | "tensorrt" (the build's engines, runtime/trt_backend.py)
     "kv_cache_memory": "512MiB",  # KV pool budget per instance
     "max_num_seqs": "64",
     "max_num_batched_tokens": "512",
@@ -176,13 +176,11 @@ class TritonPythonModel:
             raise KvExportError("config.pbtxt needs the parameter build_dir (regenerate with `kvexport triton`)")
         if opt["backend"] not in BACKENDS:
             raise KvExportError(f"parameter backend must be one of {BACKENDS}, got {opt['backend']!r}")
-        if opt["backend"] == "tensorrt":
-            raise KvExportError("the runtime's TensorRT backend is not available in this kvexport version; "
-                                "regenerate the repository with --backend onnxruntime")
         build_dir = resolve_build_dir(opt["build_dir"], args["model_repository"])
         threads = int(opt["threads"])
         cfg = EngineConfig(kv_cache_memory=opt["kv_cache_memory"], max_num_seqs=int(opt["max_num_seqs"]),
-                           max_num_batched_tokens=int(opt["max_num_batched_tokens"]), threads=threads or None)
+                           max_num_batched_tokens=int(opt["max_num_batched_tokens"]), threads=threads or None,
+                           backend=opt["backend"])
         self.engine = LLMEngine(build_dir, cfg)
         self.labels = {"model": args["model_name"], "version": str(args["model_version"]),
                        "instance": args["model_instance_name"]}

@@ -114,8 +114,8 @@ def _check_build(build_dir: Path, backend: str) -> mf.Manifest:
         raise ConfigError(f"{build_dir} has the {manifest.kv.layout!r} KV layout; the Triton model serves paged "
                           f"builds: rebuild with `kvexport build MODEL --layout paged`")
     if backend == "tensorrt" and not manifest.engines:
-        raise ConfigError(f"{build_dir} has no TensorRT engines; build them on a machine with TensorRT, "
-                          f"or serve the ONNX graphs with --backend onnxruntime")
+        raise ConfigError(f"{build_dir} has no TensorRT engines: add them with `kvexport engines {build_dir}` on a "
+                          f"machine with TensorRT and a GPU, or serve the ONNX graphs with --backend onnxruntime")
     return manifest
 
 
