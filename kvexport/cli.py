@@ -210,15 +210,19 @@ def generate(build_dir, prompts, max_tokens, temperature, top_p, top_k, seed, st
 @click.option("--max-num-batched-tokens", type=int, default=512, show_default=True)
 @click.option("--threads", type=int, help="onnxruntime intra-op threads [all cores].")
 @click.option("--json", "json_out", type=click.Path(), help="Also write the figures to this JSON file.")
+@click.option("--arrival-rate", type=float, help="Requests/s of a seeded Poisson arrival process [all at t=0].")
+@click.option("--prefix-ttft", type=int, metavar="TOKENS",
+              help="Also measure TTFT of a request sharing a TOKENS-long prefix, prefix caching on vs off.")
 @click.option("--backend", "runtime_backend", type=click.Choice(["onnxruntime", "tensorrt"]), default="onnxruntime",
               show_default=True, help="Execution backend (tensorrt: the build's engines, needs TensorRT and a GPU).")
 def bench(build_dir, trace, limit, kv_cache_memory, max_num_seqs, max_num_batched_tokens, threads, json_out,
-          runtime_backend):
+          arrival_rate, prefix_ttft, runtime_backend):
     """Serve a fixed-seed request trace; report tokens/s, TTFT, TPOT, KV use, preemptions."""
     import json as _json
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
+    from kvexport.runtime.bench import prefix_ttft as run_prefix_ttft
     from kvexport.runtime.bench import run_bench
     from kvexport.runtime.engine import EngineConfig
 
@@ -228,7 +232,10 @@ def bench(build_dir, trace, limit, kv_cache_memory, max_num_seqs, max_num_batche
                   TimeElapsedColumn(), console=console) as bar:
         task = bar.add_task("output tokens", total=None)
         result = run_bench(build_dir, cfg, trace, limit,
-                           progress=lambda done, total: bar.update(task, completed=done, total=total))
+                           progress=lambda done, total: bar.update(task, completed=done, total=total),
+                           arrival_rate=arrival_rate)
+    if prefix_ttft:
+        result["prefix_ttft"] = run_prefix_ttft(build_dir, cfg, prefix_len=prefix_ttft)
     text = _json.dumps(result, indent=2)
     click.echo(text)
     if json_out:

@@ -1,6 +1,10 @@
 """`kvexport bench`: serve a fixed-seed synthetic request trace through the engine and
 report what was measured: useful output tokens/s, TTFT and time per output token (p50/p99),
-KV-pool utilisation and waste, preemptions, prefix-cache hits."""
+KV-pool utilisation and waste (and what a contiguous per-request reservation would waste),
+preemptions, prefix-cache hits, and the share of step time spent outside the model
+(scheduler + bookkeeping + sampling). Requests arrive all at t=0 (offline) or by a seeded
+Poisson process (`arrival_rate`). `prefix_ttft()` measures the time to first token of a
+request sharing a long prefix with an earlier one, with and without prefix caching."""
 
 from __future__ import annotations
 
@@ -50,27 +54,76 @@ def _pct(xs: list[float], q: float) -> float:
     return float(np.percentile(xs, q)) if xs else float("nan")
 
 
+class _TimedBackend:
+    """Wraps a backend to add up the time spent in the model (graph runs + KV stores)."""
+
+    def __init__(self, inner):
+        self.inner, self.seconds = inner, 0.0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def execute(self, inp):
+        t = time.perf_counter()
+        try:
+            return self.inner.execute(inp)
+        finally:
+            self.seconds += time.perf_counter() - t
+
+
+def arrival_times(n: int, rate: float | None, seed: int) -> list[float]:
+    """Seconds after the start at which each request arrives: all 0, or a Poisson process
+    of `rate` requests/s (exponential gaps, seeded)."""
+    if not rate:
+        return [0.0] * n
+    if rate < 0:
+        raise ConfigError(f"arrival rate must be > 0 requests/s, got {rate}")
+    gaps = np.random.default_rng(seed + 1).exponential(1.0 / rate, size=n)
+    return np.cumsum(gaps).tolist()
+
+
 def run_bench(build_dir: str | Path, config: EngineConfig, trace_name: str = "mixed-64",
-              limit: int | None = None, progress=None) -> dict:
-    """Serve the trace (all requests arrive at t=0) and return the figures as a dict."""
+              limit: int | None = None, progress=None, arrival_rate: float | None = None) -> dict:
+    """Serve the trace and return the figures as a dict. Requests arrive at t=0, or by a
+    seeded Poisson process of `arrival_rate` requests/s (TTFT then counts from arrival)."""
     engine = LLMEngine(build_dir, config)
+    timed = _TimedBackend(engine.backend)
+    engine.backend = timed
     trace, reqs = load_trace(trace_name)
     reqs = reqs[:limit] if limit else reqs
     prompts = trace_prompts(trace, reqs, engine.manifest.model["vocab_size"])
+    arrivals = arrival_times(len(reqs), arrival_rate, trace["seed"])
     total_out = sum(r.output_len for r in reqs)
+    max_len = engine.max_model_len
+    reserve = {}  # request id -> tokens a contiguous cache would reserve for it
+    rids: list[str] = []
+    steps, util, waste, waste_max_len, waste_exact = 0, [], [], [], []
+    done_tokens, step_s = 0, 0.0
     t0 = time.perf_counter()
-    rids = [engine.add_request(p, SamplingParams(max_tokens=r.output_len, ignore_eos=True))
-            for p, r in zip(prompts, reqs)]
-    steps, util, waste = 0, [], []
-    done_tokens = 0
-    while engine.has_unfinished():
+    while len(rids) < len(reqs) or engine.has_unfinished():
+        now = time.perf_counter() - t0
+        while len(rids) < len(reqs) and arrivals[len(rids)] <= now:
+            i = len(rids)
+            rid = engine.add_request(prompts[i], SamplingParams(max_tokens=reqs[i].output_len, ignore_eos=True))
+            reserve[rid] = reqs[i].prompt_len + reqs[i].output_len
+            rids.append(rid)
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, min(arrivals[len(rids)] - now, 0.05)))
+            continue
+        ts = time.perf_counter()
         changed = engine.step()
+        step_s += time.perf_counter() - ts
         steps += 1
         used = engine.pool.num_used_blocks
         util.append(used / engine.pool.num_usable_blocks)
-        stored = sum(r.num_computed_tokens for r in engine.scheduler.running)
+        running = engine.scheduler.running
+        stored = sum(r.num_computed_tokens for r in running)
         if used:
             waste.append(1.0 - stored / (used * engine.pool.block_size))
+            # contiguous caches reserve per request up front: the build's whole context
+            # (HF static cache), or at best exactly prompt + max_tokens
+            waste_max_len.append(1.0 - stored / (len(running) * max_len))
+            waste_exact.append(1.0 - stored / sum(reserve[r.request_id] for r in running))
         new = sum(len(o.new_token_ids) for o in changed)
         done_tokens += new
         if progress:
@@ -89,7 +142,8 @@ def run_bench(build_dir: str | Path, config: EngineConfig, trace_name: str = "mi
         "build": str(build_dir), "model": engine.manifest.model["family"],
         "dtype": engine.manifest.dtype, "kv_dtype": engine.manifest.kv.dtype,
         "config": {"kv_cache_memory": str(config.kv_cache_memory), "max_num_seqs": config.max_num_seqs,
-                   "max_num_batched_tokens": config.max_num_batched_tokens, "threads": config.threads},
+                   "max_num_batched_tokens": config.max_num_batched_tokens, "threads": config.threads,
+                   "arrival_rate": arrival_rate},
         "prompt_tokens": sum(r.prompt_len for r in reqs), "output_tokens": useful, "wall_s": round(wall, 2),
         "output_tokens_per_s": round(useful / wall, 2),
         "total_tokens_per_s": round((useful + sum(r.prompt_len for r in reqs)) / wall, 2),
@@ -99,6 +153,46 @@ def run_bench(build_dir: str | Path, config: EngineConfig, trace_name: str = "mi
         "kv": {"blocks_total": stats["blocks_total"], "block_size": engine.pool.block_size,
                "peak_utilisation": round(max(util, default=0.0), 3), "mean_utilisation": round(float(np.mean(util)) if util else 0.0, 3),
                "mean_waste": round(float(np.mean(waste)) if waste else 0.0, 3),
+               "contiguous_max_len_mean_waste": round(float(np.mean(waste_max_len)) if waste_max_len else 0.0, 3),
+               "contiguous_exact_mean_waste": round(float(np.mean(waste_exact)) if waste_exact else 0.0, 3),
                "prefix_hits": stats["prefix_hits"], "prefix_queries": stats["prefix_queries"]},
         "preemptions": stats["preemptions"], "errors": errors,
+        "time_s": {"steps": round(step_s, 2), "model": round(timed.seconds, 2),
+                   "outside_model_share_of_step": round(1.0 - timed.seconds / step_s, 4) if step_s else 0.0},
     }
+
+
+def prefix_ttft(build_dir: str | Path, config: EngineConfig, prefix_len: int = 1000, suffix_len: int = 32,
+                repeats: int = 3, seed: int = 0) -> dict:
+    """TTFT of requests that share a `prefix_len`-token prefix with an earlier request,
+    with prefix caching on and off (fresh engines; the earlier request has finished)."""
+    from dataclasses import replace
+
+    out = {"prefix_len": prefix_len, "suffix_len": suffix_len, "repeats": repeats}
+    for caching in (True, False):
+        engine = LLMEngine(build_dir, replace(config, enable_prefix_caching=caching))
+        if prefix_len + suffix_len + 1 > engine.max_model_len:
+            raise ConfigError(f"prefix test needs a context of {prefix_len + suffix_len + 1} tokens; "
+                              f"this build/pool serves {engine.max_model_len}")
+        rng = np.random.default_rng(seed)
+        vocab = engine.manifest.model["vocab_size"]
+        prefix = rng.integers(3, vocab, size=prefix_len).tolist()
+        params = SamplingParams(max_tokens=1, ignore_eos=True)
+        _drain(engine, [engine.add_request(prefix + rng.integers(3, vocab, size=suffix_len).tolist(), params)])
+        ttfts, cached = [], []
+        for _ in range(repeats):
+            rid = engine.add_request(prefix + rng.integers(3, vocab, size=suffix_len).tolist(), params)
+            o = _drain(engine, [rid])[0]
+            ttfts.append(o.first_token_time - o.arrival_time)
+            cached.append(o.num_cached_prompt_tokens)
+        out["with_prefix_caching" if caching else "without_prefix_caching"] = {
+            "ttft_s_median": round(float(np.median(ttfts)), 4), "cached_prompt_tokens": cached}
+    on, off = out["with_prefix_caching"]["ttft_s_median"], out["without_prefix_caching"]["ttft_s_median"]
+    out["speedup"] = round(off / on, 2) if on else None
+    return out
+
+
+def _drain(engine: LLMEngine, rids: list[str]):
+    while engine.has_unfinished():
+        engine.step()
+    return [engine.pop_output(r) for r in rids]
