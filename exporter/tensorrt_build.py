@@ -26,7 +26,6 @@ on the project's machines (TensorRT cannot be installed there). See docs/TENSORR
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import logging
 import os
@@ -39,6 +38,8 @@ from typing import TYPE_CHECKING, Any, Callable
 from kvexport import io
 from kvexport.errors import ConfigError, EngineBuildError, KvExportError, TensorRTUnavailableError
 from kvexport.manifest import Manifest
+
+from .source import sha256  # noqa: F401  (re-exported: runtime/trt_backend.py checks engine files with it)
 
 if TYPE_CHECKING:  # typed by tensorrt-stubs; imported for real only inside functions
     import tensorrt as trt
@@ -253,14 +254,6 @@ def write_atomically(build_dir: Path, produce: Callable[[Path], dict]) -> dict:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return result
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 # ---- TensorRT ------------------------------------------------------------------------------------
