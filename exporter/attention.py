@@ -29,7 +29,7 @@ class AttnContext:
     # paged only
     gather_idx: str | None = None  # [S, Qmax] int64: packed token index of padded query (s, i)
     valid: str | None = None  # [S * Qmax] bool: which padded queries are real tokens
-    cached_bias: str | None = None  # [1, S, Lc, 1, Qmax]: keys read from the pool (Lc = blocks * bs)
+    cached_bias: str | None = None  # [1, S, Lc, G, Qmax]: keys read from the pool (Lc = blocks * bs)
     # NOTE: fully explicit Reshape targets used with allowzero=1: Lc is 0 when no sequence
     # has KV in the pool yet, and a 0 must then mean an empty axis, not "copy this dim"
     keys_shape: str | None = None  # [kvH, S, Lc, D]
@@ -120,6 +120,10 @@ def paged_context(b: GraphBuilder, spec: ModelSpec, block_size: int) -> AttnCont
     g, d = spec.group_size, spec.head_dim
     gq = b.op("Mul", q_max1, b.const([g]))
     s1 = b.op("Unsqueeze", s, b.const([0]))  # [1] = S
+    # NOTE: expanded over the query group once per graph, so each layer's bias Add only
+    # broadcasts over the leading (head) axis, onnxruntime's fast path: 0.69 -> 0.13 ms per
+    # layer on a 64 x 600-token decode (a size-1 inner axis takes its slow path)
+    cached = b.op("Expand", cached, b.op("Concat", b.const([1]), s1, lc1, b.const([g]), q_max1, axis=0))
     return AttnContext(
         bias=b.op("Unsqueeze", b.op("Where", new_ok, b.const(0.0, "float32"), b.const(NEG, "float32")),
                   b.const([0, 2])),  # [1, S, 1, Qmax, Qmax]
