@@ -23,8 +23,9 @@ stored but still attend to their own K/V (the `onnx` attention does the same).
 
 INT8 KV: attention reads the int8 codes as exact small integers in the compute dtype and
 folds the per-head scales into the softmax scale (k) and the output (v): no rounding in the
-dequantisation. Quantisation is round-half-even in float64, saturated to [-128, 127]
-(ONNX QuantizeLinear), so pools match the reference bit for bit.
+dequantisation. Quantisation is x / scale divided in float32 with IEEE rounding (div_rn, as
+onnxruntime's QuantizeLinear does), then rounded half to even and saturated to [-128, 127],
+so pools match the reference and the `onnx` attention bit for bit.
 """
 
 import triton
@@ -35,8 +36,10 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 @triton.jit
 def _quantize(x, scale):
-    """x / scale rounded half to even and saturated to [-128, 127], as float64 integers."""
-    y = x.to(tl.float32).to(tl.float64) / scale.to(tl.float64)  # via fp32: exact, and bf16-safe
+    """x / scale (float32, correctly rounded) rounded half to even and saturated to
+    [-128, 127], as float64 integers."""
+    # NOTE: div_rn, not `/`: Triton's fp32 `/` is an approximate division on GPUs
+    y = tl.math.div_rn(x.to(tl.float32), scale.to(tl.float32)).to(tl.float64)
     y = tl.minimum(tl.maximum(y, -128.0), 127.0)
     r = tl.floor(y + 0.5)  # exact: |y| <= 128 leaves float64 bits to spare
     odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0

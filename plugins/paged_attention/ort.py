@@ -61,7 +61,7 @@ def _register(act: str, kv: str, n_inputs: int) -> str:
         attrs_ = PagedAttentionAttrs.from_onnx_attributes(kw)
         t = [torch.from_numpy(np.array(a)) for a in args]
         kc, vc = t[3].clone(), t[4].clone()
-        out = paged_attention(*t[:3], kc, vc, *t[5:9], *(t[9:11] if n_inputs == 11 else ()), attrs=attrs_)
+        out = paged_attention(*t[:3], kc, vc, *t[5:11], attrs=attrs_)
         return out.numpy(), kc.numpy(), vc.numpy()
 
     ortx.onnx_op(op_type=name, inputs=types, outputs=[dt[act], dt[kv], dt[kv]], attrs=attrs)(run)
@@ -85,13 +85,13 @@ def rewrite_for_reference(model: onnx.ModelProto) -> onnx.ModelProto:
             nodes.append(node)
             continue
         found = True
-        if len(node.input) not in (9, NUM_INPUTS):  # 9: float pools without the (ignored) scales
+        if len(node.input) != NUM_INPUTS:
             raise KvExportError(f"{node.name}: PagedAttention takes {NUM_INPUTS} inputs, got {len(node.input)}")
         act = np_name(types.get(node.input[0], onnx.TensorProto.FLOAT))
         kv = np_name(types[node.input[3]])
         # NOTE: PyOps have no float16: run fp16 tensors through the reference as float32.
-        # Lossless: fp16 values are exact in float32, and the pools are cast back to fp16,
-        # which is the rounding the reference's store would apply.
+        # Lossless: fp16 values are exact in float32, the reference rounds what it stores
+        # to the kv_dtype attribute (fp16), and the pools are cast back to fp16.
         before, after = [], []
         if "float16" in (act, kv):
             f32 = onnx.TensorProto.FLOAT

@@ -20,10 +20,12 @@ def torch_dtype(name: str) -> torch.dtype:
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, head_axis: int) -> torch.Tensor:
     """x / scale rounded half to even, saturated to int8 (ONNX QuantizeLinear, zero point 0);
-    `scale` [kv_heads] broadcast along `head_axis` of x."""
+    `scale` [kv_heads] broadcast along `head_axis` of x.
+    NOTE: the division is in float32, as onnxruntime's QuantizeLinear does it (dividing in
+    float64 rounds ~1 value in a million differently, near ties)."""
     shape = [1] * x.dim()
     shape[head_axis] = -1
-    q = torch.round(x.double() / scale.double().reshape(shape))
+    q = torch.round(x.float() / scale.float().reshape(shape))
     return q.clamp(-128, 127).to(torch.int8)
 
 
@@ -40,8 +42,8 @@ def store_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, new: torch.Tensor,
     slots, new = slot_mapping[keep], new[keep]
     if attrs.quantized:
         vals = quantize(new, scale, head_axis=1)
-    else:
-        vals = new.to(cache.dtype)
+    else:  # rounded to the pool's declared dtype even when handed a wider buffer (ort.py)
+        vals = new.to(torch_dtype(attrs.kv_dtype)).to(cache.dtype)
     cache[:, slots // attrs.block_size, slots % attrs.block_size, :] = vals.transpose(0, 1)
 
 

@@ -40,8 +40,8 @@ Outputs::
     2 value_cache     aliased to input 4 (updated in place)
 
 INT8 KV: static symmetric scales per KV head (from `kvexport calibrate`); stored value
-q = saturate_int8(round_half_even(x / scale)) — exactly ONNX QuantizeLinear with a zero
-point of 0 — and read back as q * scale, so the `onnx` attention (QuantizeLinear /
+q = saturate_int8(round_half_even(x / scale)), x / scale computed in float32 with IEEE
+rounding — exactly onnxruntime's QuantizeLinear with a zero point of 0 — and read back as q * scale, so the `onnx` attention (QuantizeLinear /
 DequantizeLinear) and the plugin agree bit for bit on what the pool holds.
 """
 
