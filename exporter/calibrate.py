@@ -16,9 +16,9 @@ King Lear, so the scales are never fitted to the evaluation text.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 from dataclasses import replace
@@ -68,14 +68,16 @@ def calibration_ids(tokenizer, vocab_size: int, text_path: Path | None, tokens: 
 
 def compute_scales(model, ids: list[int], chunk: int = 512) -> np.ndarray:
     """Per-layer, per-KV-head absmax of the keys (after RoPE) and values that transformers
-    caches for `ids`, divided by 127: [layers, 2 (key, value), kv_heads] float32."""
+    caches for `ids`, divided by 127: [layers, 2 (key, value), kv_heads] float32.
+    NOTE: one sequence, fed in chunks that continue the cache, so keys are seen at every
+    position up to len(ids) (RoPE changes a key's per-element range with its position)."""
     import torch
 
-    absmax = None
+    absmax, cache = None, None
     with torch.no_grad():
         for start in range(0, len(ids), chunk):
             piece = torch.tensor([ids[start:start + chunk]])
-            cache = model(piece, use_cache=True).cache
+            cache = model(piece, cache=cache, use_cache=True).cache
             layers = []
             for layer in cache.layers:  # keys/values [1, kv_heads, seq, head_dim]
                 k = layer.keys.float().abs().amax(dim=(0, 2, 3))
@@ -134,6 +136,14 @@ def calibrate(build_dir: str | Path, text: str | Path | None = None, tokens: int
         src = source.resolve(name)
     except KvExportError:
         src = source.resolve(manifest.source["path"])
+    if manifest.engines:
+        # NOTE: the scales are baked into TensorRT engines: drop them (manifest first, so an
+        # interrupted calibrate never leaves a manifest naming missing or stale engines)
+        manifest = replace(manifest, engines=None)
+        manifest.save(build_dir)
+        shutil.rmtree(build_dir / "engines", ignore_errors=True)
+        log.warning("removed the TensorRT engines of %s (they hold the old scales): rebuild them with "
+                    "`kvexport engines %s`", build_dir, build_dir)
     model = source.load_model(src)
     tokenizer = source.load_tokenizer(src)
     text_path = Path(text) if text else default_text()
@@ -149,9 +159,6 @@ def calibrate(build_dir: str | Path, text: str | Path | None = None, tokens: int
         prompts = prompt_ids(tokenizer, manifest.model["vocab_size"])
         steps = min(16, manifest.kv.max_seq_len - max(len(p) for p in prompts))
         manifest = replace(manifest, validation=run_validation(build_dir, manifest, model, prompts, steps).to_json())
-    fd, tmp = tempfile.mkstemp(prefix=".kvexport.json.", dir=build_dir)
-    with os.fdopen(fd, "w") as f:
-        f.write(json.dumps(manifest.to_json(), indent=2) + "\n")
-    os.replace(tmp, build_dir / io.MANIFEST_NAME)
+    manifest.save(build_dir)
     log.info("calibrated %s on %d tokens of %s", build_dir, len(ids), text_path.name)
     return manifest

@@ -5,6 +5,8 @@ loads it through `load()` and never guesses."""
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -56,7 +58,17 @@ class Manifest:
         return asdict(self)
 
     def save(self, build_dir: Path) -> None:
-        (build_dir / io.MANIFEST_NAME).write_text(json.dumps(self.to_json(), indent=2) + "\n")
+        """Write kvexport.json atomically (temp file + rename: never half-written, and a
+        hard-linked copy of a build keeps its own manifest)."""
+        build_dir = Path(build_dir)
+        fd, tmp = tempfile.mkstemp(prefix=f".{io.MANIFEST_NAME}.", dir=build_dir)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(self.to_json(), indent=2) + "\n")
+            os.replace(tmp, build_dir / io.MANIFEST_NAME)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
     @classmethod
     def from_json(cls, d: dict) -> "Manifest":

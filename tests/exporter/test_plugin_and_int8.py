@@ -208,3 +208,21 @@ def test_fp16_plugin_graph_matches_fp16_onnx_attention(hf_folder, tmp_path):
     b = PagedDriver(ref, mr).run(prompts, forced, 4)
     # the plugin graph rounds q to fp16 too (the onnx attention keeps q in fp32): small differences
     assert max(float(np.abs(x.astype(np.float32) - y.astype(np.float32)).max()) for x, y in zip(a, b)) < 2e-2
+
+
+def test_calibrate_drops_engines_that_hold_the_old_scales(int8_builds, tmp_path):
+    """TensorRT engines bake the scales in: recalibrating removes them (and says so).
+    The engines here are placeholder files recorded in the manifest — no TensorRT exists
+    on these machines to build real ones."""
+    import shutil
+    from dataclasses import replace
+
+    src, builds = int8_builds
+    out = tmp_path / "b"
+    shutil.copytree(builds["paged"][0], out)
+    (out / "engines").mkdir()
+    (out / "engines" / "decode.plan").write_bytes(b"stale")
+    replace(load(out), engines={"engines": {"decode": {"file": "engines/decode.plan"}}}).save(out)
+    r = CliRunner().invoke(main, ["calibrate", str(out), "--tokens", "32", "--model", src, "--no-validate"])
+    assert r.exit_code == 0, r.output
+    assert load(out).engines is None and not (out / "engines").exists()
