@@ -158,7 +158,12 @@ def write_repository(build_dir: str | Path, out: str | Path, opts: TritonRepoOpt
         model_dir = tmp / name
         (model_dir / "1").mkdir(parents=True)
         if opts.copy_build:
-            shutil.copytree(build_dir, model_dir / COPIED_BUILD, copy_function=_link_or_copy)
+            # NOTE: skip the repository itself (DESIGN.md puts triton/ inside the build) and
+            # any temp or old repository folders next to it
+            skip = {out.name, tmp.name, f".{out.name}.old-{os.getpid()}"}
+            ignore = (lambda d, names: [n for n in names if Path(d) == out.parent and
+                                        (n in skip or n.startswith(f".{out.name}."))])
+            shutil.copytree(build_dir, model_dir / COPIED_BUILD, copy_function=_link_or_copy, ignore=ignore)
             build_ref = COPIED_BUILD
         else:
             # relative to the model's folder once the repository is in place

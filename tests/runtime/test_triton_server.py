@@ -66,6 +66,20 @@ def test_copy_build_is_self_contained(tiny_build, tmp_path):
     assert model_dir.name == tiny_build.name
 
 
+def test_copy_build_into_a_repository_inside_the_build(tiny_build, tmp_path):
+    """DESIGN.md's layout: build/<name>/triton/. Copying the build must skip the repository."""
+    import shutil
+
+    build = tmp_path / "b"
+    shutil.copytree(tiny_build, build)
+    model_dir = write_repository(build, build / "triton", TritonRepoOptions(copy_build=True, name="m"))
+    copied = model_dir / "build"
+    assert (copied / "kvexport.json").exists() and not (copied / "triton").exists()
+    assert sorted(p.name for p in (build / "triton").iterdir()) == ["m"]
+    write_repository(build, build / "triton", TritonRepoOptions(copy_build=True, name="m", force=True))
+    assert not (build / "triton" / "m" / "build" / "triton").exists()
+
+
 def test_default_name_is_the_build_folder_as_given(tiny_build, tmp_path):
     (tmp_path / "my-model").symlink_to(tiny_build)
     model_dir = write_repository(tmp_path / "my-model", tmp_path / "repo")
