@@ -20,6 +20,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
+from kvexport.errors import KvExportError
+
 from .engine import LLMEngine
 from .sampling import SamplingParams
 
@@ -102,6 +104,8 @@ class EngineThread:
             base = uuid.uuid4().hex
             request_ids = [f"{base}-{i}" for i in range(params.n)]
         assert len(request_ids) == params.n
+        if not self._thread.is_alive() and self._thread.ident is not None:
+            raise KvExportError("the engine thread has stopped (see the log); restart the server")
         self._inbox.put(_Add(list(request_ids), prompt, params,
                              [_Sink(deliver, first_index + i) for i in range(params.n)]))
         return list(request_ids)
@@ -114,10 +118,14 @@ class EngineThread:
     def _push(self, rid: str, ev: Event) -> None:
         sink = self._sinks.get(rid)
         if sink is not None:
-            try:
-                sink.deliver(ev)
-            except Exception:  # noqa: BLE001 - a broken sink must not stop the engine
-                log.exception("delivering an event of request %s failed", rid)
+            self._push_to(sink, rid, ev)
+
+    @staticmethod
+    def _push_to(sink: _Sink, rid: str, ev: Event) -> None:
+        try:
+            sink.deliver(ev)
+        except Exception:  # noqa: BLE001 - a broken sink must not stop the engine
+            log.exception("delivering an event of request %s failed", rid)
 
     def _event(self, rid: str, o) -> Event:
         k = len(o.new_token_ids)
@@ -160,7 +168,10 @@ class EngineThread:
             msg = self._inbox.get(timeout=IDLE_WAIT_S) if block else self._inbox.get_nowait()
             while True:
                 if msg is not None:
-                    self._handle(msg)
+                    try:
+                        self._handle(msg)
+                    except Exception:  # noqa: BLE001 - one bad message must not stop the engine
+                        log.exception("engine thread: handling %r failed", type(msg).__name__)
                 msg = self._inbox.get_nowait()
         except queue.Empty:
             pass
@@ -177,10 +188,13 @@ class EngineThread:
                 except Exception as e:  # noqa: BLE001 - fail the running requests, keep serving
                     log.exception("engine step failed")
                     for rid in list(self._sinks):
-                        sink = self._sinks[rid]
-                        self._push(rid, Event(sink.index, "", [], 0, True, "error", f"engine error: {e}"))
-                        eng.abort(rid)
-                        self._finish(rid)
+                        sink = self._sinks.pop(rid)
+                        self._push_to(sink, rid, Event(sink.index, "", [], 0, True, "error", f"engine error: {e}"))
+                        try:
+                            eng.abort(rid)
+                            eng.pop_output(rid)
+                        except Exception:  # noqa: BLE001 - keep failing the others
+                            log.exception("engine thread: cleaning up request %s failed", rid)
                     changed = []
                 for o in changed:
                     self.counters.generation_tokens += len(o.new_token_ids)

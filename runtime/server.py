@@ -22,6 +22,8 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from kvexport.errors import KvExportError
+
 from .engine import EngineConfig, LLMEngine
 from .engine_thread import Deliver, EngineThread, Event
 from .sampling import SamplingError, SamplingParams
@@ -201,7 +203,11 @@ def create_app(build_dir: str | Path, config: EngineConfig = EngineConfig(), ser
         loop, q = asyncio.get_running_loop(), asyncio.Queue()
         rids: list[str] = []
         for i, p in enumerate(prompts):
-            rids += worker.submit(p, params, _to_queue(loop, q), first_index=i * params.n)
+            try:
+                rids += worker.submit(p, params, _to_queue(loop, q), first_index=i * params.n)
+            except KvExportError as e:  # the engine thread is gone
+                worker.abort(rids)
+                raise ApiError(503, str(e), type="server_error") from None
         pending = set(range(len(rids)))
         try:
             while pending:

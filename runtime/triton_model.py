@@ -216,15 +216,22 @@ class TritonPythonModel:
             r = _Request(request, sender, stream)
             with self._lock:
                 self._active[r.rid] = r
-            self.worker.submit(prompt, params, lambda ev, r=r: self._deliver(r, ev), request_ids=[r.rid])
+            try:
+                self.worker.submit(prompt, params, lambda ev, r=r: self._deliver(r, ev), request_ids=[r.rid])
+            except KvExportError as e:  # the engine thread is gone: fail fast instead of hanging
+                if self._release(r):
+                    self._send_error(r, str(e))
         return None
 
     def finalize(self) -> None:
         self.worker.stop()
+        if self.worker.is_alive():
+            log.warning("the engine thread did not stop within its timeout; failing the open requests anyway")
         with self._lock:
-            left, self._active = list(self._active.values()), {}
+            left = list(self._active.values())
         for r in left:
-            self._send_error(r, "the model was unloaded")
+            if self._release(r):  # marked done first: a late engine event cannot follow the FINAL error
+                self._send_error(r, "the model was unloaded")
 
     # ---- engine thread ----------------------------------------------------------------
     def _response(self, text: str, ids: list[int], reason: str | None):
