@@ -96,6 +96,7 @@ def run_bench(build_dir: str | Path, config: EngineConfig, trace_name: str = "mi
     total_out = sum(r.output_len for r in reqs)
     max_len = engine.max_model_len
     reserve = {}  # request id -> tokens a contiguous cache would reserve for it
+    due = {}  # request id -> when it was due to arrive (perf_counter clock)
     rids: list[str] = []
     steps, util, waste, waste_max_len, waste_exact = 0, [], [], [], []
     done_tokens, step_s = 0, 0.0
@@ -106,6 +107,7 @@ def run_bench(build_dir: str | Path, config: EngineConfig, trace_name: str = "mi
             i = len(rids)
             rid = engine.add_request(prompts[i], SamplingParams(max_tokens=reqs[i].output_len, ignore_eos=True))
             reserve[rid] = reqs[i].prompt_len + reqs[i].output_len
+            due[rid] = t0 + arrivals[i]
             rids.append(rid)
         if not engine.has_unfinished():
             time.sleep(max(0.0, min(arrivals[len(rids)] - now, 0.05)))
@@ -131,7 +133,9 @@ def run_bench(build_dir: str | Path, config: EngineConfig, trace_name: str = "mi
     wall = time.perf_counter() - t0
     outs = [engine.output(r) for r in rids]
     errors = [o.error for o in outs if o.error]
-    ttft = [o.first_token_time - o.arrival_time for o in outs if o.first_token_time]
+    # NOTE: from when each request was due, not when it was added: a request due during a
+    # step is only added after it, and that wait is part of its TTFT
+    ttft = [o.first_token_time - due[r] for r, o in zip(rids, outs) if o.first_token_time]
     tpot = [(o.finish_time - o.first_token_time) / (len(o.token_ids) - 1)
             for o in outs if o.first_token_time and len(o.token_ids) > 1]
     useful = sum(len(o.token_ids) for o in outs)
