@@ -58,7 +58,7 @@ def test_int8_kv_build_stays_close_to_transformers(tmp_path):
     variant of int8 is checked against this one on tiny models: running the reference op on
     30 layers is too slow for CI). Perplexity is measured by bench/kv_quality.py; here the
     validation must pass: |Δ logits| <= 3 and >= 75% of greedy tokens agreeing (measured:
-    1.8 and 98.5%)."""
+    1.9 and 98.5%)."""
     _, m = build("smollm2-135m", tmp_path / "i8", BuildOptions(kv_dtype=io.DType.INT8, max_seq_len=256))
     v = m.validation
     assert v["passed"] and v["token_agreement"] >= 0.9, v
