@@ -15,9 +15,10 @@ NOTE: precision. The networks are created STRONGLY_TYPED: every tensor's type co
 ONNX graph (fp32 or fp16 graphs from `kvexport build --dtype`). The weak-typing builder flags
 (BuilderFlag.FP16/BF16) are deprecated since TensorRT 10.12 and removed in 11, and under weak
 typing TensorRT may put a cast in front of a plugin input; for the aliased KV pools that would
-turn the in-place write into a write to a copy. So `precision` must equal the graphs' dtype:
-an fp32 graph gives an fp32 engine (TF32 matmuls only with `tf32=True`), an fp16 graph an
-fp16 engine; bf16 needs a bf16 graph. A mismatch raises ConfigError saying what to rebuild.
+turn the in-place write into a write to a copy. So `precision` must equal the graphs' dtype,
+and since the plugin kernels take fp16/bf16 activations, that is an fp16 graph today (fp32
+builds are refused; `tf32` is kept for fp32 matmuls should fp32 plugin kernels come); bf16
+needs a bf16 graph. A mismatch raises ConfigError saying what to rebuild.
 
 NOTE: this glue follows the TensorRT Python API documentation and is type-checked against
 `tensorrt-stubs` (tests/tensorrt/test_typecheck.py); it has never run against a real TensorRT

@@ -114,7 +114,7 @@ class OnnxRuntimeBackend:
                 self.sessions[phase] = ort.InferenceSession(str(self.build_dir / entry.file), so, providers=providers)
         dtype = np.dtype(io.DType(kv.dtype).numpy_name)
         shape = io.paged_pool_shape(num_blocks, kv.num_kv_heads, kv.block_size, kv.head_dim)
-        # [K_0, V_0, K_1, V_1, ...], each [num_blocks, kv_heads, block_size, head_dim]
+        # [K_0, V_0, K_1, V_1, ...], each [kv_heads, num_blocks, block_size, head_dim]
         self.pools = [np.zeros(shape, dtype) for _ in range(2 * kv.num_layers)]
         self._pool_names = [n for i in range(kv.num_layers) for n in (io.key_cache(i), io.value_cache(i))]
         kv_outs = (io.key_cache_out, io.value_cache_out) if self.plugin else (io.new_key, io.new_value)

@@ -16,7 +16,7 @@ optional tensors, so the plugin always takes k_scale / v_scale (ignored unless i
 NOTE: no `from __future__ import annotations` here — tensorrt.plugin reads the annotations
 of the decorated functions as classes.
 
-Type-checked against `tensorrt-stubs` (tests/plugins/test_trt_plugin.py); the stubs do not
+Type-checked against `tensorrt-stubs` (tests/tensorrt/test_typecheck.py); the stubs do not
 cover `tensorrt.plugin`, and TensorRT itself is not installable on the project's machines, so
 the registration has never run (README.md, "What is verified how").
 """

@@ -87,8 +87,7 @@ def test_slot_minus_one_padding_is_not_stored():
     pad["query_start_loc"] = torch.cat([inputs["query_start_loc"], torch.tensor([t + 1])])
     pad["slot_mapping"] = torch.cat([inputs["slot_mapping"], torch.tensor([-1])])
     ref_in = {k: (v.clone() if v is not None else None) for k, v in pad.items()}
-    for phase_splits in (None,):
-        out = paged_attention_triton(**pad, attrs=attrs, tile=TILE, num_splits=phase_splits)
+    out = paged_attention_triton(**pad, attrs=attrs, tile=TILE)
     ref = reference.paged_attention(**ref_in, attrs=attrs)
     assert (out[:t] - ref[:t]).abs().max().item() <= TOLERANCE["float32"]
     assert torch.equal(pad["key_cache"], ref_in["key_cache"]) and torch.equal(pad["value_cache"], ref_in["value_cache"])
@@ -114,11 +113,10 @@ def test_int8_store_rounds_half_to_even_and_saturates():
 def test_plan_split_heuristic():
     attrs = reference.make_case(num_heads=32, num_kv_heads=8, head_dim=128, block_size=16, q_lens=[1],
                                 ctx_lens=[1])[1]
-    cuda = torch.device("cuda")
     plan_ = lambda s, L, **kw: plan(attrs, s, 1, L, torch.device("cpu"), **kw)  # noqa: E731  1 SM
     assert plan_(4, 100).num_splits == 1 and plan_(4, 100).kind == "decode"
     assert plan(attrs, 4, 7, 100, torch.device("cpu")).kind == "prefill"
     p = plan_(1, 4096, num_splits=8)
     assert p.num_splits == 8 and p.partition == 512 and p.partition % p.tile.block_n == 0
     assert plan_(1, 4096, num_splits=1000).num_splits <= configs.MAX_SPLITS
-    assert cuda.type == "cuda"  # the SM-count path is exercised by scripts/gpu_check.sh
+    # NOTE: the automatic split count reads the GPU's SM count: only scripts/gpu_check.sh runs it

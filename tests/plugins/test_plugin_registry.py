@@ -8,6 +8,8 @@ from kvexport import io
 from kvexport.plugins import PLUGINS
 
 TESTS = Path(__file__).resolve().parents[1]
+# op_type -> its graph parity test in tests/exporter/test_plugin_and_int8.py (a new op must add one)
+PARITY_TESTS = {"PagedAttention": "test_plugin_graph_matches_transformers_and_onnx_attention"}
 SOURCE = Path(importlib.import_module("kvexport.plugins").__file__).parent
 
 
@@ -25,4 +27,4 @@ def test_every_registered_plugin_has_reference_kernel_tests_and_graph_parity():
         assert spec.OP_TYPE == op_type and spec.NAMESPACE == io.PLUGIN_DOMAIN
         assert callable(getattr(ref, folder))  # the reference is named after the folder
         assert f"kvexport.plugins.{folder}" in kernel_tests and "reference" in kernel_tests
-        assert "test_plugin_graph_matches_transformers_and_onnx_attention" in parity_tests
+        assert f"def {PARITY_TESTS[op_type]}(" in parity_tests
