@@ -53,11 +53,14 @@ def check_correctness(shape: dict, device: str, cases: list[dict]) -> list[dict]
     for c in cases:
         c = dict(c)
         name, splits = c.pop("name"), c.pop("num_splits", None)
+        # aot: run decode inputs through prefill_kernel, the one kernel TensorRT engines launch
+        # (a max_q_len above the real one only selects it; its grid does not depend on it)
+        force = dict(max_q_len=2) if c.pop("aot", False) else {}
         t0 = time.perf_counter()
         try:
             inputs, attrs = _case(shape, device=device, **c)
             ref_in = _clone(inputs)
-            out = paged_attention_triton(**inputs, attrs=attrs, num_splits=splits)
+            out = paged_attention_triton(**inputs, attrs=attrs, num_splits=splits, **force)
             ref = paged_attention(**ref_in, attrs=attrs)
             err = (out.double() - ref.double()).abs().max().item()
             tol = TOLERANCE[c.get("act_dtype", "float32")]
@@ -120,8 +123,9 @@ def decode_bytes(inputs: dict, attrs) -> int:
 
 
 def time_decode(shape: dict, device: str, batch: int, ctx: int, kv_dtype: str, act: str, warmup: int, iters: int,
-                splits_options=(None,), tiles=None) -> dict:
-    """Best time over the split / tile options (each one also reported)."""
+                splits_options=(None,), tiles=None, aot_tiles=None) -> dict:
+    """Best time over the split / tile options (each one also reported), and of the AOT
+    kernel (prefill_kernel, what TensorRT engines run) over its tiles."""
     from . import configs
     from .launch import paged_attention_triton, plan
 
@@ -141,8 +145,20 @@ def time_decode(shape: dict, device: str, batch: int, ctx: int, kv_dtype: str, a
                 variants.append(dict(tile=str(tile), num_splits=p.num_splits, error=f"{type(e).__name__}: {e}"))
     timed = [v for v in variants if "seconds" in v]
     best = min(timed, key=lambda v: v["seconds"]) if timed else None
+    # the AOT path: TensorRT engines run every step (decode too) through prefill_kernel
+    aot = []
+    for tile in aot_tiles if aot_tiles is not None else configs.PREFILL_TILES:
+        fn = lambda: paged_attention_triton(**inputs, attrs=attrs, max_q_len=2, max_seq_len=max_len,  # noqa: E731
+                                            tile=tile)
+        try:
+            t = _time(fn, device, warmup, iters)
+            aot.append(dict(tile=str(tile), seconds=t, bytes_per_s=nbytes / t))
+        except Exception as e:
+            aot.append(dict(tile=str(tile), error=f"{type(e).__name__}: {e}"))
+    aot_timed = [v for v in aot if "seconds" in v]
     return dict(batch=batch, context=ctx, kv_dtype=kv_dtype, act_dtype=act, bytes=nbytes, best=best,
-                variants=variants)
+                variants=variants, aot_best=min(aot_timed, key=lambda v: v["seconds"]) if aot_timed else None,
+                aot_variants=aot)
 
 
 def run(tiny: bool, out_dir: str) -> dict:
@@ -176,6 +192,10 @@ def run(tiny: bool, out_dir: str) -> dict:
              kv_dtype="int8"),
         dict(name="decode b4 ctx8k fp16 window 4096", batch=4, ctx=ctxs[1], q_len=1, act_dtype="float16",
              kv_dtype="float16", sliding_window=ctxs[0]),
+        dict(name=f"decode b{big_batch} ctx4k fp16 via prefill_kernel (AOT path)", batch=big_batch, ctx=ctxs[0],
+             q_len=1, act_dtype="float16", kv_dtype="float16", aot=True),
+        dict(name="decode b16 ctx8k int8 via prefill_kernel (AOT path)", batch=16, ctx=ctxs[1], q_len=1,
+             act_dtype="float16", kv_dtype="int8", aot=True),
         dict(name="prefill b4 q512 over ctx1k fp16", batch=4, ctx=ctxs[0] // 4 + 512 if not tiny else 20,
              q_len=512 if not tiny else 7, act_dtype="float16", kv_dtype="float16"),
         dict(name="prefill b2 q300 int8 bf16 window 256", batch=2, ctx=800 if not tiny else 20,
@@ -190,12 +210,14 @@ def run(tiny: bool, out_dir: str) -> dict:
 
     splits = (1, None, 2, 4) if not tiny else (1, 2)
     tiles = (configs.INTERPRET_TILE,) if tiny else None
-    fp16 = time_decode(shape, device, big_batch, ctxs[0], "float16", "float16", warm, iters, splits, tiles)
+    aot_tiles = (configs.INTERPRET_TILE,) if tiny else None
+    fp16 = time_decode(shape, device, big_batch, ctxs[0], "float16", "float16", warm, iters, splits, tiles, aot_tiles)
     report["decode_b64_ctx4k_fp16"] = fp16
     frac = fp16["best"]["bytes_per_s"] / bw if fp16["best"] else 0.0
     report["bandwidth_fraction"] = frac
-    long_fp16 = time_decode(shape, device, 16, ctx_long, "float16", "float16", warm, iters, splits, tiles)
-    long_int8 = time_decode(shape, device, 16, ctx_long, "int8", "float16", warm, iters, splits, tiles)
+    report["bandwidth_fraction_aot_kernel"] = fp16["aot_best"]["bytes_per_s"] / bw if fp16["aot_best"] else 0.0
+    long_fp16 = time_decode(shape, device, 16, ctx_long, "float16", "float16", warm, iters, splits, tiles, aot_tiles)
+    long_int8 = time_decode(shape, device, 16, ctx_long, "int8", "float16", warm, iters, splits, tiles, aot_tiles)
     report["decode_b16_long_fp16"], report["decode_b16_long_int8"] = long_fp16, long_int8
     speedup = (long_fp16["best"]["seconds"] / long_int8["best"]["seconds"]
                if long_fp16["best"] and long_int8["best"] else 0.0)
@@ -222,7 +244,12 @@ def summary(r: dict) -> str:
                          f"(tile {b['tile']}, splits {b['num_splits']})")
         else:
             lines.append(f"  {key}: no timing ({[v.get('error') for v in d['variants']][:2]})")
-    lines.append(f"  bandwidth fraction {r['bandwidth_fraction']:.2f} (goal >= 0.70); int8 speedup "
+        a = d.get("aot_best")
+        lines.append(f"    AOT prefill_kernel (TensorRT's): {a['seconds'] * 1e6:.0f} us, {a['bytes_per_s'] / 1e9:.0f} GB/s "
+                     f"(tile {a['tile']})" if a else f"    AOT prefill_kernel: no timing "
+                     f"({[v.get('error') for v in d.get('aot_variants', [])][:2]})")
+    lines.append(f"  bandwidth fraction {r['bandwidth_fraction']:.2f} (AOT kernel "
+                 f"{r['bandwidth_fraction_aot_kernel']:.2f}; goal >= 0.70); int8 speedup "
                  f"{r['int8_speedup']:.2f}x (goal >= 1.6); goals {r['goals']}; {r['seconds_total']} s")
     return "\n".join(lines)
 
