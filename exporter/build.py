@@ -16,7 +16,7 @@ import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from kvexport import __version__, io
 from kvexport.errors import BuildExistsError, ConfigError, ValidationError
@@ -28,6 +28,9 @@ from .graph import DecoderGraph, GraphOptions, rope_tables
 from .onnx_builder import WeightStore, save_model
 from .samples import write_samples
 from .validate import prompt_ids, validate
+
+if TYPE_CHECKING:
+    from .tensorrt_build import EngineBuildOptions
 
 log = logging.getLogger(__name__)
 MAX_ROPE_TABLE = 32768  # default cap on max_seq_len when the model allows more, tokens
@@ -49,7 +52,7 @@ class BuildOptions:
     calibration_text: str | None = None  # int8 KV: text file for the scales (None: bundled Hamlet)
     calibration_tokens: int = 2048  # int8 KV: tokens of that text run through the model
     backend: str = "onnx"  # "onnx" | "tensorrt": also build TensorRT engines (needs --attention plugin)
-    engines: Any = None  # tensorrt_build.EngineBuildOptions; None: its defaults
+    engines: EngineBuildOptions | None = None  # TensorRT engine limits / precision; None: the defaults
 
     def __post_init__(self) -> None:
         if self.attention is io.Attention.PLUGIN and self.layout is not io.KVLayout.PAGED:
@@ -66,6 +69,8 @@ class BuildOptions:
                               "as a TensorRT plugin)")
         if self.backend == "tensorrt" and self.dtype is not io.DType.FP16:
             raise ConfigError("--backend tensorrt needs --dtype fp16 (the plugin kernels take fp16/bf16 activations)")
+        if (self.calibration_text is not None or self.calibration_tokens != 2048) and self.kv_dtype is not io.DType.INT8:
+            raise ConfigError("--calibration-text / --calibration-tokens only apply to --kv-dtype int8")
         if self.calibration_tokens < 16:
             raise ConfigError(f"--calibration-tokens must be >= 16, got {self.calibration_tokens}")
         if not (1 <= self.block_size <= 1024):

@@ -25,6 +25,8 @@ class Recipe:
     kv_dtype: str | None = None  # "fp32" | "fp16" | "int8" (None: same as dtype)
     calibration_text: str | None = None  # int8 KV: text file for the scales
     calibration_tokens: int | None = None  # int8 KV: tokens of it used
+    backend: str | None = None  # "onnx" | "tensorrt" (also build TensorRT engines)
+    engines: dict | None = None  # TensorRT engine options (exporter/tensorrt_build.EngineBuildOptions fields)
     block_size: int | None = None  # tokens per KV block
     max_seq_len: int | None = None  # tokens
     all_logits: bool | None = None
@@ -32,8 +34,18 @@ class Recipe:
     validate_steps: int | None = None
 
     def options(self) -> dict:
-        """The fields that are set, as BuildOptions-style keyword arguments."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None and k not in ("model", "out")}
+        """The fields that are set, as BuildOptions-style keyword arguments (the `engines`
+        mapping becomes a typed EngineBuildOptions)."""
+        kw = {k: v for k, v in dataclasses.asdict(self).items() if v is not None and k not in ("model", "out")}
+        if "engines" in kw:
+            from kvexport.exporter.tensorrt_build import EngineBuildOptions
+
+            known = {f.name for f in dataclasses.fields(EngineBuildOptions)}
+            unknown = sorted(set(kw["engines"]) - known)
+            if unknown:
+                raise ConfigError(f"recipe engines: unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+            kw["engines"] = EngineBuildOptions(**kw["engines"])
+        return kw
 
 
 def load_recipe(path: str | Path) -> Recipe:
@@ -55,8 +67,9 @@ def load_recipe(path: str | Path) -> Recipe:
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise ConfigError(f"recipe {p}: unknown option(s) {', '.join(unknown)}; known: {', '.join(fields)}")
-    types = {"model": str, "out": str, "force": bool, "layout": str, "dtype": str, "block_size": int, "max_seq_len": int,
-             "all_logits": bool, "validate": bool, "validate_steps": int}
+    types = {"model": str, "out": str, "force": bool, "layout": str, "dtype": str, "attention": str, "kv_dtype": str,
+             "calibration_text": str, "calibration_tokens": int, "backend": str, "engines": dict, "block_size": int,
+             "max_seq_len": int, "all_logits": bool, "validate": bool, "validate_steps": int}
     for key, value in data.items():
         if value is not None and (not isinstance(value, types[key]) or
                                   (types[key] is int and isinstance(value, bool))):

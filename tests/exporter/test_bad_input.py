@@ -475,10 +475,11 @@ def test_alias_with_its_file_missing(monkeypatch, tmp_path):
     (dict(attention=io.Attention.PLUGIN, layout=io.KVLayout.CONTIGUOUS), "--attention plugin needs --layout paged"),
     (dict(max_seq_len=1), "--max-seq-len must be >= 2, got 1"),
     (dict(validate_steps=0), "validate_steps must be >= 1"),
-    (dict(calibration_tokens=8), "--calibration-tokens must be >= 16, got 8"),
+    (dict(calibration_tokens=8, kv_dtype=io.DType.INT8), "--calibration-tokens must be >= 16, got 8"),
+    (dict(calibration_tokens=64), "only apply to --kv-dtype int8"),
     (dict(backend="cuda"), "--backend must be onnx or tensorrt"),
 ], ids=["block-0", "block-1025", "dtype-int8", "dtype-bf16", "kv-bf16", "plugin-contiguous", "seq-1", "steps-0",
-        "calib-8", "backend-cuda"])
+        "calib-8", "calib-not-int8", "backend-cuda"])
 def test_build_options_out_of_range(kwargs, words_):
     with pytest.raises(ConfigError) as e:
         BuildOptions(**kwargs)

@@ -37,3 +37,19 @@ def test_empty_recipe_is_all_defaults(tmp_path):
     p = tmp_path / "r.yaml"
     p.write_text("")
     assert load_recipe(p) == Recipe()
+
+
+def test_recipe_carries_plugin_int8_and_engine_options(tmp_path):
+    from kvexport.exporter.tensorrt_build import EngineBuildOptions
+
+    p = tmp_path / "r.yaml"
+    p.write_text("attention: plugin\nkv_dtype: int8\ndtype: fp16\ncalibration_tokens: 512\nbackend: tensorrt\n"
+                 "engines:\n  max_num_seqs: 16\n  max_num_blocks: 4096\n")
+    kw = load_recipe(p).options()
+    assert kw["engines"] == EngineBuildOptions(max_num_seqs=16, max_num_blocks=4096)
+    opts = BuildOptions(**{**kw, "attention": io.Attention(kw["attention"]), "kv_dtype": io.DType(kw["kv_dtype"]),
+                           "dtype": io.DType(kw["dtype"])})
+    assert opts.backend == "tensorrt" and opts.engines.max_num_seqs == 16 and opts.calibration_tokens == 512
+    p.write_text("engines:\n  max_seqs: 16\n")
+    with pytest.raises(ConfigError, match="unknown option.*max_seqs"):
+        load_recipe(p).options()
