@@ -164,6 +164,28 @@ def _find_seq(qsl_ptr, num_seqs, q_block, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _attend_pool_then_step(q, kc_ptr, vc_ptr, k_ptr, v_ptr, bt_row, k_scale, v_scale, lo, hi, ctx, q_start, qpos,
+                           kvh, head_base, d, d_ok, qk_scale, KV_INT8: tl.constexpr, WINDOW: tl.constexpr,
+                           BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                           CDT: tl.constexpr, PREC: tl.constexpr, INTERPRET: tl.constexpr):
+    """Online softmax over keys [lo, hi): those before `ctx` from the pool, the rest (this
+    step's) from the step's own K/V. Returns (acc, m_i, l_i) unnormalised."""
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q, kc_ptr, vc_ptr, k_ptr, v_ptr, bt_row, k_scale, v_scale,
+                            lo, tl.minimum(hi, ctx), ctx, q_start, qpos, kvh, head_base, d, d_ok,
+                            qk_scale, True, KV_INT8, WINDOW, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM,
+                            BLOCK_N, CDT, PREC, INTERPRET)
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q, kc_ptr, vc_ptr, k_ptr, v_ptr, bt_row, k_scale, v_scale,
+                            tl.maximum(lo, ctx), hi, ctx, q_start, qpos, kvh, head_base, d, d_ok,
+                            qk_scale, False, KV_INT8, WINDOW, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM,
+                            BLOCK_N, CDT, PREC, INTERPRET)
+    return acc, m_i, l_i
+
+
+@triton.jit
 def prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, slot_ptr,
                    ks_ptr, vs_ptr, num_seqs, max_blocks, num_blocks, out_ptr, kc_out_ptr, vc_out_ptr,
                    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -205,18 +227,11 @@ def prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qs
         if WINDOW > 0:
             lo = tl.maximum(ctx + tile0 - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
         qk_scale = SCALE * LOG2E * k_scale
-        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         bt_row = bt_ptr + s.to(tl.int64) * max_blocks
-        acc, m_i, l_i = _attend(acc, m_i, l_i, q, kc_ptr, vc_ptr, k_ptr, v_ptr, bt_row, k_scale, v_scale,
-                                lo, tl.minimum(hi, ctx), ctx, q_start, qpos, kvh, head_base, d, d_ok,
-                                qk_scale, True, KV_INT8, WINDOW, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM,
-                                BLOCK_N, CDT, PREC, INTERPRET)
-        acc, m_i, l_i = _attend(acc, m_i, l_i, q, kc_ptr, vc_ptr, k_ptr, v_ptr, bt_row, k_scale, v_scale,
-                                tl.maximum(lo, ctx), hi, ctx, q_start, qpos, kvh, head_base, d, d_ok,
-                                qk_scale, False, KV_INT8, WINDOW, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM,
-                                BLOCK_N, CDT, PREC, INTERPRET)
+        acc, m_i, l_i = _attend_pool_then_step(q, kc_ptr, vc_ptr, k_ptr, v_ptr, bt_row, k_scale, v_scale, lo, hi, ctx,
+                                               q_start, qpos, kvh, head_base, d, d_ok, qk_scale, KV_INT8, WINDOW,
+                                               BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, CDT,
+                                               PREC, INTERPRET)
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc * (v_scale / l_i)[:, None]  # [BLOCK_M, BLOCK_D]
         tl.store(out_ptr + q_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -266,18 +281,11 @@ def decode_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl
         if WINDOW > 0:
             lo = tl.maximum(lo, tl.maximum(total - WINDOW, 0) // BLOCK_N * BLOCK_N)
         qk_scale = SCALE * LOG2E * k_scale
-        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         bt_row = bt_ptr + s.to(tl.int64) * max_blocks
-        acc, m_i, l_i = _attend(acc, m_i, l_i, q, kc_ptr, vc_ptr, k_ptr, v_ptr, bt_row, k_scale, v_scale,
-                                lo, tl.minimum(hi, ctx), ctx, q_start, qpos, kvh, head_base, d, d_ok,
-                                qk_scale, True, KV_INT8, WINDOW, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM,
-                                BLOCK_N, CDT, PREC, INTERPRET)
-        acc, m_i, l_i = _attend(acc, m_i, l_i, q, kc_ptr, vc_ptr, k_ptr, v_ptr, bt_row, k_scale, v_scale,
-                                tl.maximum(lo, ctx), hi, ctx, q_start, qpos, kvh, head_base, d, d_ok,
-                                qk_scale, False, KV_INT8, WINDOW, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM,
-                                BLOCK_N, CDT, PREC, INTERPRET)
+        acc, m_i, l_i = _attend_pool_then_step(q, kc_ptr, vc_ptr, k_ptr, v_ptr, bt_row, k_scale, v_scale, lo, hi, ctx,
+                                               q_start, qpos, kvh, head_base, d, d_ok, qk_scale, KV_INT8, WINDOW,
+                                               BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, CDT,
+                                               PREC, INTERPRET)
         out = acc * (v_scale / tl.where(l_i == 0.0, 1.0, l_i))[:, None]  # [BLOCK_M, BLOCK_D]
         if SPLIT:
             idx = (s * (NUM_KV_HEADS * GROUP) + head) * num_splits + split  # [BLOCK_M]
