@@ -33,6 +33,8 @@ from pathlib import Path
 
 import httpx
 
+from kvexport.runtime.triton_local import ServerStartError, wait_http_ready
+
 HOST = "127.0.0.1"
 HERE = Path(__file__).resolve().parent
 
@@ -58,17 +60,11 @@ def served(build_dir: str | Path, kv_cache_memory: str = "512MiB", max_num_seqs:
         # NOTE: cwd outside the repository, so `kvexport` is the installed package
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd="/", start_new_session=True)
     try:
-        deadline = time.monotonic() + startup_timeout
-        while True:
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                tail = log_path.read_text(errors="replace")[-3000:] if log_path.name != os.devnull else ""
-                raise RuntimeError(f"kvexport serve did not start (exit code {proc.poll()}):\n{tail}")
-            time.sleep(0.5)
+        try:
+            wait_http_ready(f"{base}/health", proc, startup_timeout)
+        except ServerStartError as e:
+            tail = log_path.read_text(errors="replace")[-3000:] if log_path.name != os.devnull else ""
+            raise RuntimeError(f"kvexport serve did not start: {e}\n{tail}") from None
         yield base
     finally:
         with contextlib.suppress(ProcessLookupError):

@@ -40,7 +40,7 @@ from kvexport import io
 from kvexport.errors import ConfigError, EngineBuildError, KvExportError, TensorRTUnavailableError
 from kvexport.manifest import Manifest
 
-from .source import sha256  # noqa: F401  (re-exported: runtime/trt_backend.py checks engine files with it)
+from .source import sha256
 
 if TYPE_CHECKING:  # typed by tensorrt-stubs; imported for real only inside functions
     import tensorrt as trt

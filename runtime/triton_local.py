@@ -2,7 +2,9 @@
 (CPU works) for a repository written by `kvexport triton`. This module owns finding that
 binary, laying out a Python-backend folder with the stub for the execution environment's
 Python version, and the server's command line; tests and users on machines without the
-Triton container use it (in the container, run /opt/tritonserver/bin/tritonserver).
+Triton container use it (in the container, run /opt/tritonserver/bin/tritonserver). Also
+`wait_http_ready`, the readiness wait shared by everything that starts a local server
+(tritonserver, `kvexport serve`).
 
     <site-packages>/pytriton/tritonserver/bin/tritonserver
     <site-packages>/pytriton/tritonserver/backends/python/{libtriton_python.so, triton_python_backend_utils.py}
@@ -20,6 +22,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +31,30 @@ from kvexport.errors import KvExportError
 
 class TritonNotFoundError(KvExportError):
     """No usable tritonserver (or Python-backend stub) was found."""
+
+
+class ServerStartError(KvExportError):
+    """A local server process exited, or did not answer its readiness URL in time."""
+
+
+def wait_http_ready(url: str, proc: subprocess.Popen, timeout: float, poll: float = 0.5) -> float:
+    """Poll `url` (a health/readiness endpoint of the server `proc` runs) until it answers
+    200; returns the seconds waited. Raises ServerStartError when `proc` exits first or
+    `timeout` seconds pass (the caller adds the server's log)."""
+    import httpx
+
+    t0 = time.monotonic()
+    while True:
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return time.monotonic() - t0
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            raise ServerStartError(f"the server exited with code {proc.returncode} before {url} was ready")
+        if time.monotonic() - t0 > timeout:
+            raise ServerStartError(f"{url} was not ready after {timeout:.0f} s")
+        time.sleep(poll)
 
 
 @dataclass(frozen=True, slots=True)

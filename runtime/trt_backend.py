@@ -30,8 +30,8 @@ import numpy as np
 
 from kvexport import io
 from kvexport.errors import KvExportError
-from kvexport.exporter.tensorrt_build import (cuda_device, plugin_module, require_tensorrt, sha256,
-                                              trt_logger)
+from kvexport.exporter.source import sha256
+from kvexport.exporter.tensorrt_build import cuda_device, plugin_module, require_tensorrt, trt_logger
 from kvexport.manifest import Manifest
 
 from .onnx_backend import ModelInput

@@ -164,6 +164,22 @@ def _find_seq(qsl_ptr, num_seqs, q_block, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _kv_head(ks_ptr, vs_ptr, kvh, num_blocks, KV_INT8: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """What a program needs of its KV head: the head_dim lanes and their mask, the head's
+    offset in the pool, and its int8 scales (1.0 for float pools)."""
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    head_base = kvh.to(tl.int64) * num_blocks * BLOCK_SIZE * HEAD_DIM
+    k_scale = 1.0
+    v_scale = 1.0
+    if KV_INT8:
+        k_scale = tl.load(ks_ptr + kvh)
+        v_scale = tl.load(vs_ptr + kvh)
+    return d, d_ok, head_base, k_scale, v_scale
+
+
+@triton.jit
 def _attend_pool_then_step(q, kc_ptr, vc_ptr, k_ptr, v_ptr, bt_row, k_scale, v_scale, lo, hi, ctx, q_start, qpos,
                            kvh, head_base, d, d_ok, qk_scale, KV_INT8: tl.constexpr, WINDOW: tl.constexpr,
                            BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -209,14 +225,8 @@ def prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qs
         row_ok = (rows < BLOCK_Q * GROUP) & (tok_i < q_len)
         tok = q_start + tok_i
         head = kvh * GROUP + rows % GROUP
-        d = tl.arange(0, BLOCK_D)
-        d_ok = d < HEAD_DIM
-        head_base = kvh.to(tl.int64) * num_blocks * BLOCK_SIZE * HEAD_DIM
-        k_scale = 1.0
-        v_scale = 1.0
-        if KV_INT8:
-            k_scale = tl.load(ks_ptr + kvh)
-            v_scale = tl.load(vs_ptr + kvh)
+        d, d_ok, head_base, k_scale, v_scale = _kv_head(ks_ptr, vs_ptr, kvh, num_blocks, KV_INT8, BLOCK_SIZE,
+                                                        HEAD_DIM, BLOCK_D)
         _store_rows(k_ptr, v_ptr, slot_ptr, kc_out_ptr, vc_out_ptr, k_scale, v_scale, tok,
                     row_ok & (rows % GROUP == 0), kvh, head_base, d, d_ok, NUM_KV_HEADS, HEAD_DIM, KV_INT8)
         q_off = (tok * (NUM_KV_HEADS * GROUP) + head)[:, None] * HEAD_DIM + d[None, :]
@@ -261,14 +271,8 @@ def decode_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl
         rows = tl.arange(0, BLOCK_M)
         row_ok = rows < GROUP
         head = kvh * GROUP + rows  # [BLOCK_M]
-        d = tl.arange(0, BLOCK_D)
-        d_ok = d < HEAD_DIM
-        head_base = kvh.to(tl.int64) * num_blocks * BLOCK_SIZE * HEAD_DIM
-        k_scale = 1.0
-        v_scale = 1.0
-        if KV_INT8:
-            k_scale = tl.load(ks_ptr + kvh)
-            v_scale = tl.load(vs_ptr + kvh)
+        d, d_ok, head_base, k_scale, v_scale = _kv_head(ks_ptr, vs_ptr, kvh, num_blocks, KV_INT8, BLOCK_SIZE,
+                                                        HEAD_DIM, BLOCK_D)
         tok = q_start + rows * 0  # [BLOCK_M] all rows are the same token
         if split == 0:
             _store_rows(k_ptr, v_ptr, slot_ptr, kc_out_ptr, vc_out_ptr, k_scale, v_scale, tok, rows == 0,

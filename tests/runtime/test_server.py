@@ -14,6 +14,7 @@ import pytest
 
 from kvexport import LLM, SamplingParams
 from kvexport.exporter.build import BuildOptions, build
+from kvexport.runtime.triton_local import ServerStartError, wait_http_ready
 
 HOST = "127.0.0.1"
 PROMPT = "The capital of France is"
@@ -46,16 +47,10 @@ def server(smol_build, tmp_path_factory):
                                 stdout=f, stderr=subprocess.STDOUT, env=dict(os.environ))
     base = f"http://{HOST}:{port}"
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"server did not start:\n{log.read_text()[-3000:]}")
-            time.sleep(0.5)
+        try:
+            wait_http_ready(f"{base}/health", proc, 90)
+        except ServerStartError as e:
+            pytest.fail(f"server did not start ({e}):\n{log.read_text()[-3000:]}")
         yield base
     finally:
         proc.terminate()

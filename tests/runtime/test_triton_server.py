@@ -157,7 +157,8 @@ def _free_ports(n: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def server(tiny_build, smollm2_build, tmp_path_factory):
-    from kvexport.runtime.triton_local import Ports, backend_dir, find_triton, python_version, server_command
+    from kvexport.runtime.triton_local import (Ports, ServerStartError, backend_dir, find_triton, python_version,
+                                               server_command, wait_http_ready)
 
     if not (TRITON_ENV / "bin" / "python3").exists():
         pytest.skip(f"no Triton execution environment at {TRITON_ENV}: run scripts/install.sh")
@@ -178,16 +179,11 @@ def server(tiny_build, smollm2_build, tmp_path_factory):
     with open(log, "w") as f:
         proc = subprocess.Popen(argv, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=d, start_new_session=True)
     try:
-        while True:
-            try:
-                if httpx.get(f"http://{HOST}:{ports.http}/v2/health/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() - t0 > 180:
-                pytest.fail(f"tritonserver did not become ready (exit code {proc.poll()}); its log:\n"
-                            f"{log.read_text(errors='replace')[-6000:]}")
-            time.sleep(0.5)
+        try:
+            wait_http_ready(f"http://{HOST}:{ports.http}/v2/health/ready", proc, 180)
+        except ServerStartError as e:
+            pytest.fail(f"tritonserver did not become ready ({e}); its log:\n"
+                        f"{log.read_text(errors='replace')[-6000:]}")
         print(f"tritonserver ready in {time.monotonic() - t0:.1f}s")
         yield ports
     finally:
