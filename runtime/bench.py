@@ -86,13 +86,13 @@ def run_bench(build_dir: str | Path, config: EngineConfig, trace_name: str = "mi
               limit: int | None = None, progress=None, arrival_rate: float | None = None) -> dict:
     """Serve the trace and return the figures as a dict. Requests arrive at t=0, or by a
     seeded Poisson process of `arrival_rate` requests/s (TTFT then counts from arrival)."""
+    trace, reqs = load_trace(trace_name)  # bad traces and rates fail before the engine loads
+    reqs = reqs[:limit] if limit else reqs
+    arrivals = arrival_times(len(reqs), arrival_rate, trace["seed"])
     engine = LLMEngine(build_dir, config)
     timed = _TimedBackend(engine.backend)
     engine.backend = timed
-    trace, reqs = load_trace(trace_name)
-    reqs = reqs[:limit] if limit else reqs
     prompts = trace_prompts(trace, reqs, engine.manifest.model["vocab_size"])
-    arrivals = arrival_times(len(reqs), arrival_rate, trace["seed"])
     total_out = sum(r.output_len for r in reqs)
     max_len = engine.max_model_len
     reserve = {}  # request id -> tokens a contiguous cache would reserve for it
