@@ -105,7 +105,8 @@ def _pack(rows: list[int], size: dict[int, int], slack: float) -> list[list[int]
 def execute(backend: Backend, out: SchedulerOutput, block_size: int) -> np.ndarray:
     """Logits [num_scheduled, vocab], one row per scheduled request, in order.
 
-    NOTE: the `onnx` attention pads every sequence of a call to the call's longest query
+    A backend whose attention works on the packed tokens (the PagedAttention op) runs the
+    step as one call. NOTE: the `onnx` attention pads every sequence of a call to the call's longest query
     chunk. So a step runs as several graph calls: 1-token decodes apart from prompt
     chunks, and prompt chunks of very different lengths apart (padding <= 25%). Each extra
     call re-reads the weights (~20 ms here) but computes no extra tokens; on the mixed-64
@@ -117,7 +118,7 @@ def execute(backend: Backend, out: SchedulerOutput, block_size: int) -> np.ndarr
     multi = [i for i in q_len if q_len[i] > 1]
     groups = _pack(multi, q_len, 1.25) + ([single] if single else [])
     full = getattr(backend, "full_block_tables", False)
-    if len(groups) == 1:
+    if len(groups) == 1 or not getattr(backend, "pads_queries", True):
         return backend.execute(prepare(rows, block_size, full))
     logits = None
     for group in groups:

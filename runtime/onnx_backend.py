@@ -44,6 +44,7 @@ class Backend(Protocol):
 
     num_blocks: int
     full_block_tables: bool  # plugin attention: tables cover this step's blocks too (kvexport/io.py)
+    pads_queries: bool  # a call costs its longest query chunk times its sequences (`onnx` attention)
 
     def execute(self, inp: ModelInput) -> np.ndarray:
         """Run one step; store its K/V in the pool; return logits [S, vocab] (float32)."""
@@ -88,17 +89,37 @@ class OnnxRuntimeBackend:
         self.build_dir, self.manifest, self.num_blocks = Path(build_dir), manifest, num_blocks
         kv = manifest.kv
         self.kv = kv
-        # NOTE: plugin graphs run here with the reference PagedAttention as an onnxruntime
-        # custom op (slow: it copies the pools); it proves the runtime's plugin path on CPU.
-        # Production runs them as TensorRT engines (runtime/trt_backend.py).
+        # plugin graphs: the native CPU PagedAttention (plugins/paged_attention/native.py) when
+        # it is built and covers the dtypes; otherwise the float64 reference as a PyOp (ort.py:
+        # slow, it copies the pools; it proves the plugin path anywhere). Production GPUs run
+        # plugin graphs as TensorRT engines (runtime/trt_backend.py).
         self.plugin = kv.attention == io.Attention.PLUGIN.value
         self.full_block_tables = self.plugin
+        self.native_op = None
+        self.pads_queries = not self.plugin  # see engine.execute()
+        if self.plugin:
+            from kvexport.plugins.paged_attention import native
+
+            lib = native.library()
+            act, kv_dtype = io.DType(manifest.dtype).numpy_name, io.DType(kv.dtype).numpy_name
+            if lib is not None and native.supports(act, kv_dtype):
+                self.native_op = lib
+            else:
+                log.warning("running the plugin graphs of %s with the reference PagedAttention (slow): %s",
+                            build_dir, "the CPU op is not built (scripts/build_cpu_ops.sh)" if lib is None
+                            else f"the CPU op takes float32 activations with float32/int8 pools, not "
+                                 f"{act}/{kv_dtype}")
         self._weights = np.memmap(self.build_dir / manifest.weights["file"], dtype=np.uint8, mode="r")
         init = _shared_initializers(self.build_dir, manifest.graphs["prefill"].file, self._weights)
         self._init = init  # NOTE: the OrtValues view the memmap; keep both alive with the sessions
         providers = providers or _providers()
         self.sessions = {}
         for phase, entry in manifest.graphs.items():
+            if self.plugin and self.native_op is None:
+                from kvexport.plugins.paged_attention.ort import plugin_session
+
+                self.sessions[phase] = plugin_session(self.build_dir / entry.file, threads, init)
+                continue
             so = ort.SessionOptions()
             so.log_severity_level = 3
             so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -106,12 +127,10 @@ class OnnxRuntimeBackend:
             so.inter_op_num_threads = 1
             for name, value in init.items():
                 so.add_initializer(name, value)
-            if self.plugin:
-                from kvexport.plugins.paged_attention.ort import plugin_session
-
-                self.sessions[phase] = plugin_session(self.build_dir / entry.file, threads, init)
-            else:
-                self.sessions[phase] = ort.InferenceSession(str(self.build_dir / entry.file), so, providers=providers)
+            if self.native_op is not None:
+                so.register_custom_ops_library(str(self.native_op))
+                providers = ["CPUExecutionProvider"]  # the op is a CPU kernel; the pools live here
+            self.sessions[phase] = ort.InferenceSession(str(self.build_dir / entry.file), so, providers=providers)
         dtype = np.dtype(io.DType(kv.dtype).numpy_name)
         shape = io.paged_pool_shape(num_blocks, kv.num_kv_heads, kv.block_size, kv.head_dim)
         # [K_0, V_0, K_1, V_1, ...], each [kv_heads, num_blocks, block_size, head_dim]
@@ -119,6 +138,8 @@ class OnnxRuntimeBackend:
         self._pool_names = [n for i in range(kv.num_layers) for n in (io.key_cache(i), io.value_cache(i))]
         kv_outs = (io.key_cache_out, io.value_cache_out) if self.plugin else (io.new_key, io.new_value)
         self._out_names = [io.LOGITS] + [f(i) for i in range(kv.num_layers) for f in kv_outs]
+        # native op: each pool is bound as both its input and its aliased output (updated in place)
+        self._pool_values = [ort.OrtValue.ortvalue_from_numpy(p) for p in self.pools] if self.native_op else []
 
     @property
     def pool_bytes(self) -> int:
@@ -128,15 +149,29 @@ class OnnxRuntimeBackend:
         feeds = {io.INPUT_IDS: inp.token_ids, io.POSITIONS: inp.positions,
                  io.QUERY_START_LOC: inp.query_start_loc, io.SEQ_LENS: inp.seq_lens,
                  io.BLOCK_TABLES: inp.block_tables, io.SLOT_MAPPING: inp.slot_mapping}
-        feeds.update(zip(self._pool_names, self.pools))
         sess = self.sessions[io.Phase.DECODE.value if inp.is_decode else io.Phase.PREFILL.value]
-        outs = sess.run(self._out_names, feeds)
-        if self.plugin:  # the graph returns the updated pools
-            self.pools = list(outs[1:])
+        if self.native_op is not None:
+            logits = self._run_in_place(sess, feeds)
         else:
-            for pool, new in zip(self.pools, outs[1:]):
-                io.store_paged_kv(pool, inp.slot_mapping, new)
-        logits = outs[0]
+            feeds.update(zip(self._pool_names, self.pools))
+            outs = sess.run(self._out_names, feeds)
+            if self.plugin:  # the graph returns the updated pools
+                self.pools = list(outs[1:])
+            else:
+                for pool, new in zip(self.pools, outs[1:]):
+                    io.store_paged_kv(pool, inp.slot_mapping, new)
+            logits = outs[0]
         if self.manifest.all_logits and not inp.is_decode:
             logits = logits[inp.query_start_loc[1:] - 1]
         return logits.astype(np.float32, copy=False)
+
+    def _run_in_place(self, sess, feeds: dict) -> np.ndarray:
+        binding = sess.io_binding()
+        binding.bind_output(io.LOGITS)
+        for name, arr in feeds.items():
+            binding.bind_cpu_input(name, np.ascontiguousarray(arr, dtype=np.int64))
+        for name, out_name, value in zip(self._pool_names, self._out_names[1:], self._pool_values):
+            binding.bind_ortvalue_input(name, value)
+            binding.bind_ortvalue_output(out_name, value)
+        sess.run_with_iobinding(binding)
+        return binding.get_outputs()[0].numpy()

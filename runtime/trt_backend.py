@@ -180,6 +180,7 @@ class TensorRTBackend:
     a decode step of S sequences replays the smallest captured size >= S."""
 
     full_block_tables = True  # engine.prepare(): tables cover seq_lens (the plugin reads this step's KV back)
+    pads_queries = False  # the plugin works on the packed tokens: one engine call per step
 
     def __init__(self, build_dir: str | Path, manifest: Manifest, num_blocks: int, *, device: int = 0,
                  cuda_graph_batch_sizes: Sequence[int] = (), verify_checksums: bool = False):

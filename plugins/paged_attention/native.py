@@ -1,0 +1,109 @@
+"""The native CPU `kvexport::PagedAttention` (cpu/paged_attention_ort.cc): building the
+onnxruntime custom-op library and finding it at run time.
+
+With it, `--attention plugin` graphs run on onnxruntime's CPU execution provider at full
+speed: attention reads the KV pool through the block tables in place (no gather into a
+padded batch, no mask tensors), and the pools are updated in place through IOBinding.
+It covers float32 activations with float32 or int8 pools; other dtypes run as TensorRT
+engines (or through the reference harness in ort.py, for tests).
+
+The library is compiled on the machine that uses it (`-march=native`), against the
+onnxruntime C/C++ API headers. The onnxruntime wheel ships no headers, so
+scripts/build_cpu_ops.sh takes them from a package registry and calls `build()`:
+
+    python -m kvexport.plugins.paged_attention.native --include DIR [--out LIB]
+
+Lookup order at run time: $KVEXPORT_ORT_OPS, then <sys.prefix>/lib/kvexport/LIB_NAME.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+from kvexport.errors import KvExportError
+
+LIB_NAME = "libkvexport_ort_ops.so"
+SOURCE = Path(__file__).with_name("cpu") / "paged_attention_ort.cc"
+ENV = "KVEXPORT_ORT_OPS"
+CXXFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC",
+            "-fvisibility=hidden", "-Wall", "-Wextra")
+
+
+def default_library() -> Path:
+    return Path(sys.prefix) / "lib" / "kvexport" / LIB_NAME
+
+
+def build(include_dir: str | Path, out: str | Path | None = None, cxx: str | None = None,
+          extra_flags: tuple[str, ...] = ()) -> Path:
+    """Compile the op into `out` (default: default_library()). Written next to its final
+    place and renamed, so an interrupted build never leaves a broken library behind."""
+    include_dir = Path(include_dir)
+    if not (include_dir / "onnxruntime_cxx_api.h").is_file():
+        raise KvExportError(f"{include_dir} has no onnxruntime_cxx_api.h (the onnxruntime C/C++ API headers)")
+    cxx = cxx or os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not cxx:
+        raise KvExportError("building the CPU PagedAttention op needs a C++17 compiler (g++)")
+    out = Path(out) if out else default_library()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=out.parent)
+    os.close(fd)
+    cmd = [cxx, *CXXFLAGS, *extra_flags, f"-I{include_dir}", str(SOURCE), "-o", tmp]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode:
+            raise KvExportError(f"compiling {SOURCE.name} failed:\n{' '.join(cmd)}\n{r.stderr[-4000:]}")
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    library.cache_clear()
+    return out
+
+
+def _ort_api_version() -> int:
+    import onnxruntime as ort
+
+    major, minor = (int(x) for x in ort.__version__.split(".")[:2])
+    return minor if major == 1 else 10_000
+
+
+@lru_cache(maxsize=1)
+def library() -> Path | None:
+    """The compiled op library, if there is one this onnxruntime can load; None otherwise."""
+    env = os.environ.get(ENV)
+    path = Path(env) if env else default_library()
+    if not path.is_file():
+        if env:
+            raise KvExportError(f"${ENV}={env}: no such file")
+        return None
+    compiled_for = ctypes.CDLL(str(path)).kvexport_ort_api_version()
+    if compiled_for > _ort_api_version():
+        raise KvExportError(f"{path} was compiled against onnxruntime API {compiled_for}, newer than the "
+                            f"installed onnxruntime's: rebuild it (scripts/build_cpu_ops.sh) or upgrade onnxruntime")
+    return path
+
+
+def supports(act_dtype: str, kv_dtype: str) -> bool:
+    """Whether the native op runs a plugin graph with these activation / pool dtypes."""
+    return act_dtype == "float32" and kv_dtype in ("float32", "int8")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="build the native CPU PagedAttention op for onnxruntime")
+    p.add_argument("--include", required=True, help="folder with onnxruntime_cxx_api.h and its siblings")
+    p.add_argument("--out", default=None, help=f"library path (default {default_library()})")
+    args = p.parse_args(argv)
+    print(build(args.include, args.out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""The native CPU PagedAttention (plugins/paged_attention/cpu) against the float64 reference,
+in real onnxruntime sessions: outputs within the fp32 tolerance, pools bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+from kvexport import io
+from kvexport.plugins.paged_attention import native
+from kvexport.plugins.paged_attention.reference import make_case, paged_attention
+from kvexport.plugins.paged_attention.spec import INPUTS, OUTPUTS, TOLERANCE
+
+
+@pytest.fixture(scope="module")
+def lib():
+    path = native.library()
+    if path is None:
+        pytest.fail(f"the CPU op library is not built ({native.default_library()}): run scripts/build_cpu_ops.sh")
+    return str(path)
+
+
+def one_node_model(attrs, kv_dtype: str) -> onnx.ModelProto:
+    pool = TensorProto.INT8 if kv_dtype == "int8" else TensorProto.FLOAT
+    types = [TensorProto.FLOAT] * 3 + [pool] * 2 + [TensorProto.INT64] * 4 + [TensorProto.FLOAT] * 2
+    inputs = [helper.make_tensor_value_info(n, t, None) for n, t in zip(INPUTS, types)]
+    outputs = [helper.make_tensor_value_info(n, t, None) for n, t in zip(OUTPUTS, [TensorProto.FLOAT, pool, pool])]
+    node = helper.make_node(io.PLUGIN_OP, list(INPUTS), list(OUTPUTS), domain=io.PLUGIN_DOMAIN,
+                            **attrs.onnx_attributes())
+    graph = helper.make_graph([node], "paged_attention", inputs, outputs)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(io.PLUGIN_DOMAIN, 1)])
+
+
+def session(lib, model, threads=2):
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(lib)
+    so.intra_op_num_threads = threads
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def feeds_of(case):
+    kvh = case["key_cache"].shape[0]
+    out = {k: (v.numpy() if v is not None else np.ones(kvh, np.float32)) for k, v in case.items()}
+    return {k: np.ascontiguousarray(v) for k, v in out.items()}
+
+
+def reference(case, attrs):
+    c = {k: (v.clone() if v is not None else None) for k, v in case.items()}
+    out = paged_attention(*(c[n] for n in INPUTS), attrs=attrs)
+    return out.numpy(), c["key_cache"].numpy(), c["value_cache"].numpy()
+
+
+CASES = {
+    "decode-gqa": dict(num_heads=6, num_kv_heads=2, head_dim=64, block_size=16, q_lens=[1] * 5, ctx_lens=[0, 1, 15, 16, 77]),
+    "prefill-ragged": dict(num_heads=4, num_kv_heads=2, head_dim=32, block_size=16, q_lens=[1, 40, 7, 17], ctx_lens=[33, 0, 9, 16]),
+    "chunk-after-prefix": dict(num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, q_lens=[35, 3], ctx_lens=[64, 64],
+                               shared_prefix_blocks=4),
+    "mha-odd-dim": dict(num_heads=3, num_kv_heads=3, head_dim=24, block_size=8, q_lens=[5, 1, 19], ctx_lens=[3, 30, 0]),
+    "mqa-big-block": dict(num_heads=4, num_kv_heads=1, head_dim=80, block_size=32, q_lens=[2, 33], ctx_lens=[70, 5]),
+    "sliding-window": dict(num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, q_lens=[1, 12, 6], ctx_lens=[29, 0, 21],
+                           sliding_window=7),
+    "int8": dict(num_heads=6, num_kv_heads=2, head_dim=64, block_size=16, q_lens=[1, 21, 1], ctx_lens=[50, 4, 0],
+                 kv_dtype="int8"),
+    "int8-window": dict(num_heads=2, num_kv_heads=1, head_dim=48, block_size=8, q_lens=[9, 1], ctx_lens=[13, 40],
+                        kv_dtype="int8", sliding_window=10),
+    "empty-sequence": dict(num_heads=2, num_kv_heads=2, head_dim=16, block_size=16, q_lens=[0, 3, 0], ctx_lens=[5, 2, 40]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_matches_reference(lib, name):
+    case, attrs = make_case(**CASES[name], seed=hash(name) % 1000)
+    want_out, want_k, want_v = reference(case, attrs)
+    feeds = feeds_of(case)
+    out, k, v = session(lib, one_node_model(attrs, attrs.kv_dtype)).run(None, feeds)
+    assert np.abs(out - want_out).max() <= TOLERANCE["float32"]
+    np.testing.assert_array_equal(k, want_k)
+    np.testing.assert_array_equal(v, want_v)
+    # the inputs were not touched: outputs were separate buffers here
+    np.testing.assert_array_equal(feeds["key_cache"], case["key_cache"].numpy())
+
+
+def test_pools_update_in_place_when_bound_to_the_inputs(lib):
+    """How the runtime runs it: each pool output bound to its input's buffer (IOBinding)."""
+    case, attrs = make_case(**CASES["prefill-ragged"], seed=3)
+    want_out, want_k, want_v = reference(case, attrs)
+    feeds = feeds_of(case)
+    sess = session(lib, one_node_model(attrs, "float32"))
+    binding = sess.io_binding()
+    pools = {n: ort.OrtValue.ortvalue_from_numpy(feeds[n]) for n in ("key_cache", "value_cache")}
+    for n, arr in feeds.items():
+        binding.bind_ortvalue_input(n, pools[n]) if n in pools else binding.bind_cpu_input(n, arr)
+    binding.bind_output("output")
+    binding.bind_ortvalue_output("key_cache_out", pools["key_cache"])
+    binding.bind_ortvalue_output("value_cache_out", pools["value_cache"])
+    sess.run_with_iobinding(binding)
+    out = binding.copy_outputs_to_cpu()[0]
+    assert np.abs(out - want_out).max() <= TOLERANCE["float32"]
+    # the numpy arrays behind the bound OrtValues hold the updated pools
+    np.testing.assert_array_equal(feeds["key_cache"], want_k)
+    np.testing.assert_array_equal(feeds["value_cache"], want_v)
+
+
+@pytest.mark.parametrize("corrupt, message", [
+    (lambda f: f["block_tables"].__setitem__((0, 0), 10_000), "block id out of range"),
+    (lambda f: f["slot_mapping"].__setitem__(0, 10_000_000), "slot_mapping points past the pool"),
+    (lambda f: f["seq_lens"].__setitem__(1, 0), "seq_lens"),
+])
+def test_bad_metadata_is_a_clear_error_and_writes_nothing(lib, corrupt, message):
+    case, attrs = make_case(**CASES["decode-gqa"], seed=1)
+    feeds = feeds_of(case)
+    corrupt(feeds)
+    before = feeds["key_cache"].copy()
+    sess = session(lib, one_node_model(attrs, "float32"))
+    with pytest.raises(Exception, match=message):
+        sess.run(None, feeds)
+    np.testing.assert_array_equal(feeds["key_cache"], before)
+
+
+def test_fp16_pools_are_refused_with_a_reason(lib):
+    case, attrs = make_case(**CASES["decode-gqa"], kv_dtype="float16", seed=1)
+    pool = helper.make_tensor_value_info
+    model = one_node_model(attrs, "float32")
+    with pytest.raises(Exception, match="runs only as a TensorRT plugin"):
+        session(lib, model)
+    assert pool  # (helper used above)
+
+
+def test_one_thread_and_many_agree(lib):
+    case, attrs = make_case(**CASES["chunk-after-prefix"], seed=7)
+    feeds = feeds_of(case)
+    model = one_node_model(attrs, "float32")
+    a = session(lib, model, threads=1).run(None, feeds)[0]
+    b = session(lib, model, threads=2).run(None, feeds)[0]
+    np.testing.assert_array_equal(a, b)
+    assert torch.isfinite(torch.from_numpy(a)).all()
