@@ -50,6 +50,15 @@ def trace_prompts(trace: dict, reqs: list[TraceRequest], vocab_size: int) -> lis
     return [rng.integers(3, vocab_size, size=r.prompt_len).tolist() for r in reqs]
 
 
+def _attention_impl(engine, config: EngineConfig) -> str:
+    """Which attention ran: the graph's standard ops, or which PagedAttention implementation."""
+    if engine.manifest.kv.attention != "plugin":
+        return engine.manifest.kv.attention
+    if config.backend == "tensorrt":
+        return "plugin (TensorRT)"
+    return "plugin (native CPU op)" if getattr(engine.backend, "native_op", None) else "plugin (reference PyOp)"
+
+
 def _pct(xs: list[float], q: float) -> float:
     return float(np.percentile(xs, q)) if xs else float("nan")
 
@@ -145,6 +154,7 @@ def run_bench(build_dir: str | Path, config: EngineConfig, trace_name: str = "mi
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "build": str(build_dir), "model": engine.manifest.model["family"],
         "dtype": engine.manifest.dtype, "kv_dtype": engine.manifest.kv.dtype,
+        "attention": _attention_impl(engine, config),
         "config": {"kv_cache_memory": str(config.kv_cache_memory), "max_num_seqs": config.max_num_seqs,
                    "max_num_batched_tokens": config.max_num_batched_tokens, "threads": config.threads,
                    "arrival_rate": arrival_rate},

@@ -6,7 +6,9 @@
     configs.py    the one list of tile configurations (launcher, TensorRT tactics, CI compiles)
     launch.py     `paged_attention_triton(...)`: the reference's signature on the kernels
     ptx.py        ahead-of-time compiles of every configuration to PTX (sm_80 / sm_90)
-    ort.py        the reference as an onnxruntime custom op (runs plugin graphs on CPU)
+    cpu/          the native CPU op for onnxruntime (C++; serves plugin graphs on CPU)
+    native.py     builds and finds that library (scripts/build_cpu_ops.sh)
+    ort.py        the reference as an onnxruntime custom op (validation; fallback)
     trt.py        TensorRT registration (tensorrt.plugin, ahead-of-time kernels)
     gpu_check.py  correctness and bandwidth at real sizes (scripts/gpu_check.sh)
 """

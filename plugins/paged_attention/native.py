@@ -33,7 +33,7 @@ from kvexport.errors import KvExportError
 LIB_NAME = "libkvexport_ort_ops.so"
 SOURCE = Path(__file__).with_name("cpu") / "paged_attention_ort.cc"
 ENV = "KVEXPORT_ORT_OPS"
-CXXFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC",
+CXXFLAGS = ("-O3", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC",
             "-fvisibility=hidden", "-Wall", "-Wextra")
 
 
@@ -42,8 +42,9 @@ def default_library() -> Path:
 
 
 def build(include_dir: str | Path, out: str | Path | None = None, cxx: str | None = None,
-          extra_flags: tuple[str, ...] = ()) -> Path:
-    """Compile the op into `out` (default: default_library()). Written next to its final
+          march: str = "native", extra_flags: tuple[str, ...] = ()) -> Path:
+    """Compile the op into `out` (default: default_library()) for `march` (native: this CPU;
+    container images use a portable level such as x86-64-v3). Written next to its final
     place and renamed, so an interrupted build never leaves a broken library behind."""
     include_dir = Path(include_dir)
     if not (include_dir / "onnxruntime_cxx_api.h").is_file():
@@ -55,7 +56,7 @@ def build(include_dir: str | Path, out: str | Path | None = None, cxx: str | Non
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=out.parent)
     os.close(fd)
-    cmd = [cxx, *CXXFLAGS, *extra_flags, f"-I{include_dir}", str(SOURCE), "-o", tmp]
+    cmd = [cxx, *CXXFLAGS, f"-march={march}", *extra_flags, f"-I{include_dir}", str(SOURCE), "-o", tmp]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode:
@@ -101,8 +102,10 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="build the native CPU PagedAttention op for onnxruntime")
     p.add_argument("--include", required=True, help="folder with onnxruntime_cxx_api.h and its siblings")
     p.add_argument("--out", default=None, help=f"library path (default {default_library()})")
+    p.add_argument("--march", default=os.environ.get("KVEXPORT_MARCH", "native"),
+                   help="g++ -march (default native; images: a portable level such as x86-64-v3)")
     args = p.parse_args(argv)
-    print(build(args.include, args.out))
+    print(build(args.include, args.out, march=args.march))
 
 
 if __name__ == "__main__":
