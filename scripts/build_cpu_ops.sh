@@ -6,11 +6,12 @@
 # carries onnxruntime's release headers (C API version 29); only the headers are extracted,
 # once, into <venv>/share/kvexport/onnxruntime-include. The library works with any installed
 # onnxruntime whose API version is >= 29 (kvexport.plugins.paged_attention.native checks).
+# PYTHON picks the environment (default .venv); ORT_INCLUDE reuses headers already fetched.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 PREFIX=$("$PY" -c 'import sys; print(sys.prefix)')
-INC="$PREFIX/share/kvexport/onnxruntime-include"
+INC=${ORT_INCLUDE:-"$PREFIX/share/kvexport/onnxruntime-include"}
 PKG=com.github.asus4.onnxruntime@0.4.9
 HDRS='package/Plugins/iOS~/onnxruntime.xcframework/ios-arm64/onnxruntime.framework/Headers'
 if [ ! -f "$INC/onnxruntime_cxx_api.h" ]; then

@@ -38,6 +38,8 @@ if [ -x "$TPY" ]; then
     # the runtime's imports and the server binary are used here)
     .venv-triton/bin/pip install -q --no-deps -e .
     .venv-triton/bin/pip install -q --no-deps nvidia-pytriton==0.7.0
+    # the native CPU PagedAttention op, so plugin builds served by Triton run it too
+    PYTHON=.venv-triton/bin/python ORT_INCLUDE=.venv/share/kvexport/onnxruntime-include bash scripts/build_cpu_ops.sh
 else
     echo "warning: no $TPY: the Triton tests will be skipped (set TRITON_PYTHON to a system Python 3.11)" >&2
 fi

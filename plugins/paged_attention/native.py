@@ -13,7 +13,10 @@ scripts/build_cpu_ops.sh takes them from a package registry and calls `build()`:
 
     python -m kvexport.plugins.paged_attention.native --include DIR [--out LIB]
 
-Lookup order at run time: $KVEXPORT_ORT_OPS, then <sys.prefix>/lib/kvexport/LIB_NAME.
+Lookup order at run time: $KVEXPORT_ORT_OPS, then <prefix>/lib/kvexport/LIB_NAME of this
+Python environment, then of the environment onnxruntime is installed in (they differ in
+Triton's Python backend, whose stub runs on the system Python with EXECUTION_ENV_PATH's
+packages).
 """
 
 from __future__ import annotations
@@ -81,11 +84,19 @@ def _ort_api_version() -> int:
 def library() -> Path | None:
     """The compiled op library, if there is one this onnxruntime can load; None otherwise."""
     env = os.environ.get(ENV)
-    path = Path(env) if env else default_library()
-    if not path.is_file():
-        if env:
+    if env:
+        path = Path(env)
+        if not path.is_file():
             raise KvExportError(f"${ENV}={env}: no such file")
-        return None
+    else:
+        import onnxruntime
+
+        # <prefix>/lib/pythonX.Y/site-packages/onnxruntime/__init__.py -> <prefix>/lib
+        ort_lib = Path(onnxruntime.__file__).resolve().parents[3]
+        found = [p for p in (default_library(), ort_lib / "kvexport" / LIB_NAME) if p.is_file()]
+        if not found:
+            return None
+        path = found[0]
     compiled_for = ctypes.CDLL(str(path)).kvexport_ort_api_version()
     if compiled_for > _ort_api_version():
         raise KvExportError(f"{path} was compiled against onnxruntime API {compiled_for}, newer than the "

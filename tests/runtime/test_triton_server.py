@@ -39,6 +39,13 @@ def tiny_build(hf_folder, tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def tiny_plugin_build(hf_folder, tmp_path_factory):
+    out, _ = build(str(hf_folder("llama")), tmp_path_factory.mktemp("tp") / "tinyp",
+                   BuildOptions(max_seq_len=128, validate=False, attention=io.Attention.PLUGIN))
+    return out
+
+
 # ---- the repository, no server ----------------------------------------------------------------
 def test_config_is_generated_from_data_and_parses_back(tiny_build, tmp_path):
     model_dir = write_repository(tiny_build, tmp_path / "repo", TritonRepoOptions(name="m", max_num_seqs=8,
@@ -156,7 +163,7 @@ def _free_ports(n: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_build, smollm2_build, tmp_path_factory):
+def server(tiny_build, tiny_plugin_build, smollm2_build, tmp_path_factory):
     from kvexport.runtime.triton_local import (Ports, ServerStartError, backend_dir, find_triton, python_version,
                                                server_command, wait_http_ready)
 
@@ -171,6 +178,11 @@ def server(tiny_build, smollm2_build, tmp_path_factory):
     write_repository(smollm2_build, d / "repo2", TritonRepoOptions(name="smol", kv_cache_memory="64MiB", threads=2,
                                                                   execution_env=str(TRITON_ENV)))
     (d / "repo2" / "smol").rename(d / "repo" / "smol")
+    # a plugin build: the Triton environment runs the native CPU PagedAttention op (it has no
+    # onnxruntime-extensions, so without the op this model would fail to load)
+    write_repository(tiny_plugin_build, d / "repo3", TritonRepoOptions(name="tinyp", kv_cache_memory="1MiB", threads=1,
+                                                                      execution_env=str(TRITON_ENV)))
+    (d / "repo3" / "tinyp").rename(d / "repo" / "tinyp")
     ports = Ports(*_free_ports(3))
     argv, env = server_command(triton, d / "repo", backend_dir(triton, python_version(TRITON_ENV), d / "backends"),
                                ports)
@@ -288,8 +300,11 @@ def test_concurrent_streams_equal_the_runtime(server, smollm2_build):
     assert r["text_output"] == want[0].text and r["token_ids"] == want[0].token_ids
 
 
-def test_tiny_build_token_ids_equal_the_runtime(server, tiny_build):
-    eng = LLMEngine(tiny_build, EngineConfig(kv_cache_memory="1MiB"))
+@pytest.mark.parametrize("model", ["tiny", "tinyp"])
+def test_tiny_build_token_ids_equal_the_runtime(server, request, model):
+    build_dir = request.getfixturevalue({"tiny": "tiny_build", "tinyp": "tiny_plugin_build"}[model])
+    eng = LLMEngine(build_dir, EngineConfig(kv_cache_memory="1MiB"))
+    assert (eng.backend.native_op is not None) == (model == "tinyp")
     rids = [eng.add_request(p, SamplingParams(max_tokens=12, ignore_eos=True)) for p in TINY_PROMPTS]
     while eng.has_unfinished():
         eng.step()
@@ -297,7 +312,7 @@ def test_tiny_build_token_ids_equal_the_runtime(server, tiny_build):
     s = Stream(server)
     try:
         for i, p in enumerate(TINY_PROMPTS):
-            s.send("tiny", f"t{i}", input_ids=np.array(p, np.int32), max_tokens=np.array([12], np.int32),
+            s.send(model, f"t{i}", input_ids=np.array(p, np.int32), max_tokens=np.array([12], np.int32),
                    ignore_eos=[True], stream=[i % 2 == 0])
         got = s.collect(len(TINY_PROMPTS))
     finally:
