@@ -22,12 +22,15 @@
 #include "onnxruntime_cxx_api.h"
 #undef ORT_API_MANUAL_INIT
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <stdexcept>
+#include <type_traits>
 #include <string>
 #include <vector>
 
@@ -39,17 +42,33 @@ constexpr int W = 16;                // keys scored at once (one vector of score
 
 typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
-typedef int8_t v16b __attribute__((vector_size(16)));
 
 inline v16f load16(const float* p) {
   v16f v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
+// NOTE: intrinsics here: GCC turns __builtin_convertvector(int8 x16 -> float x16) into 16
+// scalar conversions.
 inline v16f load16(const int8_t* p) {
-  v16b b;
-  std::memcpy(&b, p, sizeof b);
-  return __builtin_convertvector(b, v16f);
+#if defined(__AVX512F__)
+  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  v16f v;
+  std::memcpy(&v, &f, sizeof v);
+  return v;
+#elif defined(__AVX2__)
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+  const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+  v16f v;
+  std::memcpy(&v, &lo, 32);
+  std::memcpy(reinterpret_cast<char*>(&v) + 32, &hi, 32);
+  return v;
+#else
+  v16f v;
+  for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+#endif
 }
 inline void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof v); }
 inline float hsum(v16f v) {  // log-step horizontal sum
@@ -251,12 +270,13 @@ void attend_rows(const Step& st, const Task& t) {
   const int64_t d = NV > 0 ? NV * 16 : tl.d, bs = a.block_size, rows = tl.rows;
   const int64_t groups = (rows + 15) / 16;
   thread_local std::vector<float> scratch;
-  scratch.resize(static_cast<size_t>(groups * 16 * (2 * d + 2) + 16 * W));
+  scratch.resize(static_cast<size_t>(groups * 16 * (2 * d + 2) + 16 * W + 2 * W * d));
   float* qt = scratch.data();         // [groups][d][16]
   float* acc = qt + groups * 16 * d;  // [groups * 16][d]
   float* m = acc + groups * 16 * d;   // [groups * 16]
   float* l = m + groups * 16;
   float* p = l + groups * 16;  // [W][16] probabilities of one chunk
+  float* kv_f = p + 16 * W;    // int8 pools: [2][W][d] the chunk's keys and values as float32
   std::fill(qt, qt + groups * 16 * d, 0.f);
   std::fill(acc, acc + groups * 16 * d, 0.f);
   std::fill(m, m + groups * 16, kNegInf);
@@ -276,8 +296,26 @@ void attend_rows(const Step& st, const Task& t) {
       const int64_t n = std::min<int64_t>(W, end - c0);
       const KV* kb = kpool + base + (c0 - j0) * d;
       const KV* vb = vpool + base + (c0 - j0) * d;
-      const KV* kr[W];
-      for (int j = 0; j < W; ++j) kr[j] = kb + std::min<int64_t>(j, n - 1) * d;  // keys past n: masked
+      const float* kf = nullptr;  // the chunk's keys / values as float32
+      const float* vf = nullptr;
+      if constexpr (std::is_same_v<KV, float>) {
+        kf = kb;
+        vf = vb;
+      } else {  // int8 codes -> float once per chunk, shared by every row group
+        int64_t i = 0;
+        for (; i + 16 <= n * d; i += 16) {
+          store16(kv_f + i, load16(kb + i));
+          store16(kv_f + W * d + i, load16(vb + i));
+        }
+        for (; i < n * d; ++i) {
+          kv_f[i] = static_cast<float>(kb[i]);
+          kv_f[W * d + i] = static_cast<float>(vb[i]);
+        }
+        kf = kv_f;
+        vf = kv_f + W * d;
+      }
+      const float* kr[W];
+      for (int j = 0; j < W; ++j) kr[j] = kf + std::min<int64_t>(j, n - 1) * d;  // keys past n: masked
       for (int64_t gi = 0; gi < groups; ++gi) {
         const int64_t r0 = gi * 16;
         for (int i = 0; i < 16; ++i)  // positions relative to c0 (pad rows: -1, nothing visible)
@@ -291,7 +329,7 @@ void attend_rows(const Step& st, const Task& t) {
         for (int64_t i = 0; i < d; ++i) {
           const v16f qi = load16(qg + i * 16);
 #pragma GCC unroll 16
-          for (int j = 0; j < W; ++j) sc[j] += qi * to_f(kr[j][i]);
+          for (int j = 0; j < W; ++j) sc[j] += qi * kr[j][i];
         }
         v16f mx = splat(kNegInf);
 #pragma GCC unroll 16
@@ -316,7 +354,7 @@ void attend_rows(const Step& st, const Task& t) {
         store16(l + r0, load16(l + r0) * alpha + sum);
         store16(m + r0, m_new);
         for (int64_t i = 0; i < 16 && r0 + i < rows; ++i)
-          accumulate<NV>(acc + (r0 + i) * d, alpha[i], p + i, 16, vb, n, d);
+          accumulate<NV>(acc + (r0 + i) * d, alpha[i], p + i, 16, vf, n, d);
       }
     }
   }
