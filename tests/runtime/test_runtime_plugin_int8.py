@@ -76,3 +76,22 @@ def test_int8_outputs_do_not_depend_on_batching(int8_build):
     ref = hf_greedy(model, prompts, 10)
     agree = np.mean([a == b for o, r in zip(crowd, ref) for a, b in zip(o.token_ids, r)])
     assert agree >= 0.8, agree
+
+
+def test_int8_plugin_build_serves_the_same_tokens_as_the_int8_onnx_build(llama, int8_build, tmp_path):
+    """The native CPU PagedAttention op with int8 pools (quantized stores, dequantized reads
+    folded into the scales) against the `onnx` attention's QuantizeLinear/DequantizeLinear,
+    both served with continuous batching, chunked prefill and preemption."""
+    src, _ = llama
+    onnx_out, m, _ = int8_build
+    out, mp = build(src, tmp_path / "p8", BuildOptions(attention=io.Attention.PLUGIN, kv_dtype=io.DType.INT8,
+                                                       block_size=4, max_seq_len=128, validate=False))
+    assert mp.kv.quantization["scales"] == m.kv.quantization["scales"]  # same calibration
+    prompts = prompts_(6, seed=3, lo=10, hi=30)
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    llm = LLM(out, kv_cache_memory=14 * 4 * mp.kv.bytes_per_token, max_num_batched_tokens=16)
+    assert llm.engine.backend.native_op is not None and llm.engine.backend.pools[0].dtype == np.int8
+    got = llm.generate(prompts, params)
+    assert llm.engine.scheduler.num_preemptions > 0
+    want = LLM(onnx_out).generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
