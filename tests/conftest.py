@@ -79,3 +79,19 @@ def smollm2_build(tmp_path_factory):
     out, _ = build("smollm2-135m", tmp_path_factory.mktemp("smollm2") / "smollm2-135m",
                    BuildOptions(max_seq_len=512, validate=False))
     return out
+
+
+@pytest.fixture(scope="session")
+def cpu_op():
+    """The native CPU PagedAttention library (scripts/build_cpu_ops.sh, run by install.sh).
+    Skipped with the reason when it is not built; in CI (CI set) a missing library fails."""
+    from kvexport.plugins.paged_attention import native
+
+    path = native.library()
+    if path is None:
+        msg = (f"the native CPU PagedAttention op is not built ({native.default_library()}): "
+               f"run scripts/build_cpu_ops.sh (needs g++ and npm)")
+        if os.environ.get("CI"):
+            pytest.fail(msg)
+        pytest.skip(msg)
+    return path

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import logging
 import os
 import shutil
 import subprocess
@@ -32,6 +33,8 @@ from functools import lru_cache
 from pathlib import Path
 
 from kvexport.errors import KvExportError
+
+log = logging.getLogger(__name__)
 
 LIB_NAME = "libkvexport_ort_ops.so"
 SOURCE = Path(__file__).with_name("cpu") / "paged_attention_ort.cc"
@@ -82,7 +85,9 @@ def _ort_api_version() -> int:
 
 @lru_cache(maxsize=1)
 def library() -> Path | None:
-    """The compiled op library, if there is one this onnxruntime can load; None otherwise."""
+    """The compiled op library, if there is one this onnxruntime can load; None otherwise
+    (the caller falls back to the reference op and says so). A library named by
+    $KVEXPORT_ORT_OPS that cannot be used is an error, not a fallback."""
     env = os.environ.get(ENV)
     if env:
         path = Path(env)
@@ -97,11 +102,19 @@ def library() -> Path | None:
         if not found:
             return None
         path = found[0]
-    compiled_for = ctypes.CDLL(str(path)).kvexport_ort_api_version()
-    if compiled_for > _ort_api_version():
-        raise KvExportError(f"{path} was compiled against onnxruntime API {compiled_for}, newer than the "
-                            f"installed onnxruntime's: rebuild it (scripts/build_cpu_ops.sh) or upgrade onnxruntime")
-    return path
+    try:
+        compiled_for = ctypes.CDLL(str(path)).kvexport_ort_api_version()
+    except (OSError, AttributeError) as e:
+        problem = f"{path} is not a loadable kvexport op library ({e}): rebuild it (scripts/build_cpu_ops.sh)"
+    else:
+        if compiled_for <= _ort_api_version():
+            return path
+        problem = (f"{path} needs onnxruntime API {compiled_for} (onnxruntime 1.{compiled_for}+), newer than the "
+                   f"installed onnxruntime's: upgrade onnxruntime or rebuild against older headers")
+    if env:
+        raise KvExportError(f"${ENV}: {problem}")
+    log.warning("%s", problem)
+    return None
 
 
 def supports(act_dtype: str, kv_dtype: str) -> bool:

@@ -11,17 +11,13 @@ import torch
 from onnx import TensorProto, helper
 
 from kvexport import io
-from kvexport.plugins.paged_attention import native
 from kvexport.plugins.paged_attention.reference import make_case, paged_attention
 from kvexport.plugins.paged_attention.spec import INPUTS, OUTPUTS, TOLERANCE
 
 
 @pytest.fixture(scope="module")
-def lib():
-    path = native.library()
-    if path is None:
-        pytest.fail(f"the CPU op library is not built ({native.default_library()}): run scripts/build_cpu_ops.sh")
-    return str(path)
+def lib(cpu_op):
+    return str(cpu_op)
 
 
 def one_node_model(attrs, kv_dtype: str) -> onnx.ModelProto:
@@ -109,6 +105,8 @@ def test_pools_update_in_place_when_bound_to_the_inputs(lib):
     (lambda f: f["block_tables"].__setitem__((0, 0), 10_000), "block id out of range"),
     (lambda f: f["slot_mapping"].__setitem__(0, 10_000_000), "slot_mapping points past the pool"),
     (lambda f: f["seq_lens"].__setitem__(1, 0), "seq_lens"),
+    (lambda f: f["seq_lens"].__setitem__(1, np.iinfo(np.int64).max), "more blocks than block_tables"),
+    (lambda f: f["query_start_loc"].__setitem__(2, 0), "non-decreasing"),
 ])
 def test_bad_metadata_is_a_clear_error_and_writes_nothing(lib, corrupt, message):
     case, attrs = make_case(**CASES["decode-gqa"], seed=1)
@@ -121,13 +119,51 @@ def test_bad_metadata_is_a_clear_error_and_writes_nothing(lib, corrupt, message)
     np.testing.assert_array_equal(feeds["key_cache"], before)
 
 
-def test_fp16_pools_are_refused_with_a_reason(lib):
-    case, attrs = make_case(**CASES["decode-gqa"], kv_dtype="float16", seed=1)
-    pool = helper.make_tensor_value_info
+@pytest.mark.parametrize("attr, value, message", [
+    ("kv_dtype", "float16", "runs only as a TensorRT plugin"),
+    ("sliding_window", -1, "sliding_window"),
+    ("scale", 0.0, "scale"),
+])
+def test_bad_attributes_are_refused_when_the_session_opens(lib, attr, value, message):
+    _, attrs = make_case(**CASES["decode-gqa"], seed=1)
     model = one_node_model(attrs, "float32")
-    with pytest.raises(Exception, match="runs only as a TensorRT plugin"):
+    node = model.graph.node[0]
+    for a in node.attribute:
+        if a.name == attr:
+            node.attribute.remove(a)
+            break
+    node.attribute.append(helper.make_attribute(attr, value))
+    with pytest.raises(Exception, match=message):
         session(lib, model)
-    assert pool  # (helper used above)
+
+
+def test_library_lookup_failures_are_clear(lib, tmp_path, monkeypatch, caplog):
+    """A library named by $KVEXPORT_ORT_OPS that cannot be used is an error; an unusable
+    library found by default is a warning and None (the runtime falls back to the reference)."""
+    from kvexport.errors import KvExportError
+    from kvexport.plugins.paged_attention import native
+
+    not_a_lib = tmp_path / "libfake.so"
+    not_a_lib.write_text("not an ELF file")
+    try:
+        for env, message in [(str(tmp_path / "missing.so"), "no such file"), (str(not_a_lib), "not a loadable")]:
+            monkeypatch.setenv(native.ENV, env)
+            native.library.cache_clear()
+            with pytest.raises(KvExportError, match=message):
+                native.library()
+        # compiled for an API newer than the installed onnxruntime's
+        monkeypatch.setattr(native, "_ort_api_version", lambda: 20)
+        monkeypatch.setenv(native.ENV, lib)
+        native.library.cache_clear()
+        with pytest.raises(KvExportError, match="upgrade onnxruntime"):
+            native.library()
+        monkeypatch.delenv(native.ENV)
+        monkeypatch.setattr(native, "default_library", lambda: type(not_a_lib)(lib))
+        native.library.cache_clear()
+        assert native.library() is None
+        assert "upgrade onnxruntime" in caplog.text
+    finally:
+        native.library.cache_clear()
 
 
 def test_one_thread_and_many_agree(lib):

@@ -55,7 +55,9 @@ FAMILIES = [("llama", dict(num_key_value_heads=2)), ("mistral", dict(num_key_val
 
 @pytest.mark.parametrize("attention", ["onnx", "plugin"])
 @pytest.mark.parametrize("family,overrides", FAMILIES, ids=[f for f, _ in FAMILIES])
-def test_continuous_batching_matches_transformers(tiny_builds, family, overrides, attention):
+def test_continuous_batching_matches_transformers(tiny_builds, family, overrides, attention, request):
+    if attention == "plugin":
+        request.getfixturevalue("cpu_op")
     out, model = tiny_builds(family, attention, **overrides)
     prompts = random_prompts(8, 128, 3, 40)
     llm = LLM(out, kv_cache_memory="1MiB", max_num_batched_tokens=64, max_num_seqs=8)
@@ -67,7 +69,9 @@ def test_continuous_batching_matches_transformers(tiny_builds, family, overrides
 
 
 @pytest.mark.parametrize("attention", ["onnx", "plugin"])
-def test_preemption_keeps_outputs_exact(tiny_builds, attention):
+def test_preemption_keeps_outputs_exact(tiny_builds, attention, request):
+    if attention == "plugin":
+        request.getfixturevalue("cpu_op")
     out, model = tiny_builds("llama", attention, num_key_value_heads=2)
     prompts = random_prompts(6, 128, 10, 30, seed=1)
     # 512 bytes/token x 4 tokens/block: 14 blocks (13 usable) = 52 tokens for 6 sequences of up to 40
@@ -79,7 +83,9 @@ def test_preemption_keeps_outputs_exact(tiny_builds, attention):
 
 
 @pytest.mark.parametrize("attention", ["onnx", "plugin"])
-def test_shared_prefixes_hit_the_cache(tiny_builds, attention):
+def test_shared_prefixes_hit_the_cache(tiny_builds, attention, request):
+    if attention == "plugin":
+        request.getfixturevalue("cpu_op")
     out, model = tiny_builds("llama", attention, num_key_value_heads=2)
     prefix = random_prompts(1, 128, 17, 18, seed=5)[0]
     prompts = random_prompts(5, 128, 2, 9, seed=2, prefix=prefix)
@@ -91,7 +97,9 @@ def test_shared_prefixes_hit_the_cache(tiny_builds, attention):
 
 
 @pytest.mark.parametrize("attention", ["onnx", "plugin"])
-def test_chunked_prefill_with_a_small_token_budget(tiny_builds, attention):
+def test_chunked_prefill_with_a_small_token_budget(tiny_builds, attention, request):
+    if attention == "plugin":
+        request.getfixturevalue("cpu_op")
     out, model = tiny_builds("qwen2", attention, num_key_value_heads=2)
     prompts = random_prompts(4, 128, 30, 60, seed=3)
     llm = LLM(out, kv_cache_memory="1MiB", max_num_batched_tokens=8)
@@ -127,7 +135,7 @@ def smol(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def smol_plugin(tmp_path_factory, smol):
+def smol_plugin(tmp_path_factory, smol, cpu_op):
     out, _ = build("smollm2-135m", tmp_path_factory.mktemp("smolp") / "b",
                    BuildOptions(max_seq_len=512, validate=False, attention=io.Attention.PLUGIN))
     return out, smol[1]

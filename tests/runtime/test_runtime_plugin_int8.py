@@ -78,7 +78,7 @@ def test_int8_outputs_do_not_depend_on_batching(int8_build):
     assert agree >= 0.8, agree
 
 
-def test_int8_plugin_build_serves_the_same_tokens_as_the_int8_onnx_build(llama, int8_build, tmp_path):
+def test_int8_plugin_build_serves_the_same_tokens_as_the_int8_onnx_build(llama, int8_build, tmp_path, cpu_op):
     """The native CPU PagedAttention op with int8 pools (quantized stores, dequantized reads
     folded into the scales) against the `onnx` attention's QuantizeLinear/DequantizeLinear,
     both served with continuous batching, chunked prefill and preemption."""

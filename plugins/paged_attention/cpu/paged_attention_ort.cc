@@ -22,7 +22,9 @@
 #include "onnxruntime_cxx_api.h"
 #undef ORT_API_MANUAL_INIT
 
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -414,6 +416,9 @@ struct Kernel {
     a.int8 = kv == "int8";
     if (a.num_heads < 1 || a.num_kv_heads < 1 || a.head_dim < 1 || a.block_size < 1 || a.num_heads % a.num_kv_heads)
       fail("bad head attributes");
+    if (a.sliding_window < 0 || a.sliding_window > std::numeric_limits<int32_t>::max())
+      fail("sliding_window must be in [0, 2^31)");
+    if (!(a.scale > 0.f)) fail("scale must be > 0");
   }
 
   OrtStatusPtr ComputeV2(OrtKernelContext* context) {
@@ -467,8 +472,8 @@ struct Kernel {
       if (q_len < 0) fail("query_start_loc must be non-decreasing");
       if (st.seq_lens[s] < q_len) fail("seq_lens[s] is smaller than the sequence's new tokens");
       if (q_len == 0) continue;
+      if (st.seq_lens[s] > MB * bs) fail("a sequence needs more blocks than block_tables has columns");
       const int64_t need = (st.seq_lens[s] + bs - 1) / bs;
-      if (need > MB) fail("a sequence needs more blocks than block_tables has columns");
       for (int64_t b = 0; b < need; ++b)
         if (st.tables[s * MB + b] < 0 || st.tables[s * MB + b] >= NB) fail("block id out of range of the pool");
     }
@@ -573,7 +578,9 @@ extern "C" {
 // The onnxruntime entry point for `SessionOptions.register_custom_ops_library(path)`.
 __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
   const OrtApi* api = api_base->GetApi(ORT_API_VERSION);
-  if (api == nullptr) return nullptr;  // older onnxruntime: the loader (native.py) checks the version first
+  if (api == nullptr)  // an onnxruntime older than these headers (native.py checks first)
+    return api_base->GetApi(1)->CreateStatus(ORT_FAIL, "kvexport::PagedAttention was compiled against a newer "
+                                                       "onnxruntime API than the one loading it: rebuild it");
   Ort::InitApi(api);
   static Op op;
   static OrtCustomOpDomain* domain = [] {
