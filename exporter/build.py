@@ -214,8 +214,11 @@ def _build_into(d: Path, src: source.ModelSource, opts: BuildOptions, progress: 
             result = validate(d, manifest, model, prompts, steps)
         manifest = replace(manifest, validation=result.to_json())
         if not result.passed:
+            n = result.native_op
             raise ValidationError(
                 f"exported graphs disagree with transformers: max |Δ logits| {result.max_abs_diff:.3g} "
-                f"(tolerance {result.tolerance}), greedy tokens identical: {result.greedy_identical}")
+                f"(tolerance {result.tolerance}), greedy tokens identical: {result.greedy_identical}"
+                + (f"; with the native CPU PagedAttention op: max |Δ logits| {n['max_abs_diff']:.3g}, "
+                   f"greedy tokens identical: {n['greedy_identical']}" if n else ""))
     manifest.save(d)
     return manifest

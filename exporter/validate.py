@@ -6,12 +6,17 @@ all prompts in one batch: prefill (the paged layout in two chunks, so cached-pre
 attention is exercised) then `steps` decode steps, fed the reference's greedy tokens
 (teacher forcing) so every step's logits are comparable. Greedy tokens are identical
 exactly when our argmax equals the reference's token at every step.
+
+Plugin graphs run with the float64 reference PagedAttention (plugins/paged_attention/ort.py),
+which checks the graph itself; when the native CPU op is built they are checked a second
+time with it (what the runtime serves with), and the build passes only if both do.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -58,6 +63,8 @@ class ValidationResult:
     greedy_identical: bool
     token_agreement: float  # fraction of (prompt, step) argmaxes equal to the reference
     passed: bool
+    # plugin graphs with the native CPU op: {max_abs_diff, greedy_identical, token_agreement, passed}
+    native_op: dict | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -82,13 +89,15 @@ def reference(model, prompts: list[list[int]], steps: int) -> tuple[list[list[in
     return tokens, [np.stack(s) for s in logits]
 
 
-def session(path: Path, threads: int | None = None):
+def session(path: Path, threads: int | None = None, custom_ops: Path | None = None):
     import onnxruntime as ort
 
     so = ort.SessionOptions()
     so.log_severity_level = 3
     if threads:
         so.intra_op_num_threads = threads
+    if custom_ops is not None:
+        so.register_custom_ops_library(str(custom_ops))
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
 
 
@@ -128,10 +137,10 @@ class PagedDriver:
     """Packed tokens, a block pool per layer, sequences on consecutive blocks (block 0 is
     the pad block). Prompts are prefilled in two chunks."""
 
-    def __init__(self, build_dir: Path, manifest):
+    def __init__(self, build_dir: Path, manifest, native_op: Path | None = None):
         self.plugin = manifest.kv.attention == io.Attention.PLUGIN.value
-        open_ = session
-        if self.plugin:  # PagedAttention nodes run as the reference custom op
+        open_ = partial(session, custom_ops=native_op)  # native_op: PagedAttention as the native CPU op
+        if self.plugin and native_op is None:  # PagedAttention nodes run as the reference custom op
             from kvexport.plugins.paged_attention.ort import plugin_session as open_
         self.prefill = open_(build_dir / manifest.graphs["prefill"].file)
         self.decode = open_(build_dir / manifest.graphs["decode"].file)
@@ -200,19 +209,45 @@ def prompt_ids(tokenizer, vocab_size: int, count: int = 4, seed: int = 0) -> lis
     return [rng.integers(3, vocab_size, size=n).tolist() for n in (5, 17, 9, 30)[:count]]
 
 
-def validate(build_dir: Path, manifest, model, prompts: list[list[int]], steps: int = 16) -> ValidationResult:
-    forced, ref_logits = reference(model, prompts, steps)
-    driver = PagedDriver if manifest.kv.layout == io.KVLayout.PAGED.value else ContiguousDriver
-    ours = driver(build_dir, manifest).run(prompts, forced, steps)
+def _native_op(manifest) -> Path | None:
+    """The native CPU PagedAttention library, for plugin graphs it can run; else None."""
+    if manifest.kv.attention != io.Attention.PLUGIN.value or manifest.kv.layout != io.KVLayout.PAGED.value:
+        return None
+    from kvexport.plugins.paged_attention import native
+
+    lib = native.library()
+    act, kv = io.DType(manifest.dtype).numpy_name, io.DType(manifest.kv.dtype).numpy_name
+    return lib if lib is not None and native.supports(act, kv) else None
+
+
+def _compare(ours: list[np.ndarray], ref_logits: list[np.ndarray], forced: list[list[int]],
+             manifest) -> tuple[list[float], float, bool, float, bool]:
+    """(max |Δ| per step, tolerance, greedy identical, token agreement, passed)."""
     diffs, agree = [], 0
     for step, (a, r) in enumerate(zip(ours, ref_logits)):
         diffs.append(float(np.abs(a.astype(np.float32) - r).max()))
-        agree += sum(int(a[s].argmax() == forced[s][step]) for s in range(len(prompts)))
-    total = len(prompts) * (steps + 1)
+        agree += sum(int(a[s].argmax() == forced[s][step]) for s in range(len(forced)))
+    total = len(forced) * len(ours)
     key = tolerance_key(manifest)
     tol = TOLERANCE[key]
     identical = agree == total
     passed = (max(diffs) <= tol and (identical or not REQUIRE_GREEDY[key])
               and agree / total >= MIN_AGREEMENT[key])
+    return diffs, tol, identical, agree / total, passed
+
+
+def validate(build_dir: Path, manifest, model, prompts: list[list[int]], steps: int = 16) -> ValidationResult:
+    forced, ref_logits = reference(model, prompts, steps)
+    driver = PagedDriver if manifest.kv.layout == io.KVLayout.PAGED.value else ContiguousDriver
+    ours = driver(build_dir, manifest).run(prompts, forced, steps)
+    diffs, tol, identical, agreement, passed = _compare(ours, ref_logits, forced, manifest)
+    native = None
+    lib = _native_op(manifest)
+    if lib is not None:
+        n_diffs, _, n_identical, n_agreement, n_passed = _compare(
+            PagedDriver(build_dir, manifest, native_op=lib).run(prompts, forced, steps), ref_logits, forced, manifest)
+        native = {"max_abs_diff": max(n_diffs), "greedy_identical": n_identical, "token_agreement": n_agreement,
+                  "passed": n_passed}
+        passed = passed and n_passed
     return ValidationResult(len(prompts), [len(p) for p in prompts], steps, diffs, max(diffs), tol,
-                            identical, agree / total, passed)
+                            identical, agreement, passed, native)

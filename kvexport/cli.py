@@ -119,6 +119,10 @@ def _print_validation(manifest) -> None:
                   f"{v['steps']} decode steps: max |Δ logits| {v['max_abs_diff']:.2e} "
                   f"(tolerance {v['tolerance']}), greedy tokens identical: "
                   f"{'yes' if v['greedy_identical'] else 'no'} ({100 * v['token_agreement']:.1f}% agree)")
+    if v.get("native_op"):
+        n = v["native_op"]
+        console.print(f"  with the native CPU PagedAttention op: max |Δ logits| {n['max_abs_diff']:.2e}, greedy tokens "
+                      f"identical: {'yes' if n['greedy_identical'] else 'no'} ({100 * n['token_agreement']:.1f}% agree)")
 
 
 @main.command()

@@ -33,11 +33,14 @@ def test_every_family_has_a_plugin_case():
 
 
 @pytest.mark.parametrize("family", list(CASES))
-def test_plugin_graph_matches_transformers_and_onnx_attention(hf_folder, tmp_path, family):
+def test_plugin_graph_matches_transformers_and_onnx_attention(hf_folder, tmp_path, family, cpu_op):
     src = str(hf_folder(family, **CASES[family]))
     plug, mp = build(src, tmp_path / "plugin", BuildOptions(attention=io.Attention.PLUGIN, **OPTS))
     assert mp.validation["passed"] and mp.validation["greedy_identical"], mp.validation
     assert mp.validation["max_abs_diff"] <= TOLERANCE["fp32"]
+    # validated a second time with the native CPU op (what the runtime serves plugin graphs with)
+    native = mp.validation["native_op"]
+    assert native["passed"] and native["greedy_identical"] and native["max_abs_diff"] <= TOLERANCE["fp32"], native
     ref, mr = build(src, tmp_path / "onnx", BuildOptions(validate=False, **OPTS))
     prompts = prompt_ids(None, mr.model["vocab_size"])
     forced = [[(7 * s + t) % 100 + 3 for t in range(6)] for s in range(len(prompts))]
@@ -83,6 +86,8 @@ def int8_builds(hf_folder, tmp_path_factory):
 
 def test_int8_builds_validate_and_record_their_scales(int8_builds):
     _, builds = int8_builds
+    native = builds["plugin"][1].validation["native_op"]  # None when the CPU op is not built
+    assert native is None or (native["passed"] and native["token_agreement"] >= 0.9), native
     for name in ("paged", "plugin", "contiguous"):
         out, m = builds[name]
         v = m.validation
