@@ -53,6 +53,10 @@ def render(build_dir: str | Path, console: Console) -> mf.Manifest:
                       f"{v['max_abs_diff']:.2e} (tolerance {v['tolerance']}); greedy identical "
                       f"{'yes' if v['greedy_identical'] else 'no'}")
         console.print(f"  per step: {steps}")
+        if v.get("native_op"):
+            n = v["native_op"]
+            console.print(f"  with the native CPU PagedAttention op: max |Δ logits| {n['max_abs_diff']:.2e}; "
+                          f"greedy identical {'yes' if n['greedy_identical'] else 'no'}")
     else:
         console.print("validation: not run")
     for note in m.notes:
