@@ -191,7 +191,8 @@ def _build_into(d: Path, src: source.ModelSource, opts: BuildOptions, progress: 
         notes.append("int8 KV: static symmetric scales per layer and KV head (kv.quantization); "
                      "QuantizeLinear on write, DequantizeLinear on read")
     if opts.attention is io.Attention.PLUGIN:
-        notes.append("plugin attention: kvexport::PagedAttention nodes; onnxruntime runs them only with "
+        notes.append("plugin attention: kvexport::PagedAttention nodes; onnxruntime (CPU) runs them with the "
+                     "native op library (kvexport.plugins.paged_attention.native; scripts/build_cpu_ops.sh) or "
                      "the reference custom op (kvexport.plugins.paged_attention.ort), TensorRT with the plugin")
     manifest = Manifest(
         schema_version=io.SCHEMA_VERSION, kvexport_version=__version__, source=src.to_json(),
