@@ -106,8 +106,8 @@ def execute(backend: Backend, out: SchedulerOutput, block_size: int) -> np.ndarr
     """Logits [num_scheduled, vocab], one row per scheduled request, in order.
 
     A backend whose attention works on the packed tokens (the PagedAttention op) runs the
-    step as one call. NOTE: the `onnx` attention pads every sequence of a call to the call's longest query
-    chunk. So a step runs as several graph calls: 1-token decodes apart from prompt
+    step as one call. NOTE: the `onnx` attention pads every sequence of a call to the
+    call's longest query chunk. So there a step runs as several graph calls: 1-token decodes apart from prompt
     chunks, and prompt chunks of very different lengths apart (padding <= 25%). Each extra
     call re-reads the weights (~20 ms here) but computes no extra tokens; on the mixed-64
     trace this cut prefill time from 32.6 s to ~25-29 s. Splitting decodes by context

@@ -2,8 +2,10 @@
 model input and keeps the KV block pool.
 
 NOTE: the `onnx` attention graphs read the pool but never write it (see kvexport/io.py);
-after each run this backend stores the step's new K/V at `slot_mapping`. Both sessions get
-the weights as shared, memory-mapped initializers, so the weights are in memory once.
+after each run this backend stores the step's new K/V at `slot_mapping`. `plugin` graphs
+store it themselves: with the native CPU op the pools are updated in place (each bound as
+input and aliased output). Both sessions get the weights as shared, memory-mapped
+initializers, so the weights are in memory once.
 """
 
 from __future__ import annotations
