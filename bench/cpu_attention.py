@@ -27,13 +27,11 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
-from onnx import TensorProto, helper
 
 from kvexport import io
 from kvexport import manifest as mf
 from kvexport.plugins.paged_attention import native
 from kvexport.plugins.paged_attention.reference import make_case
-from kvexport.plugins.paged_attention.spec import INPUTS, OUTPUTS
 from kvexport.runtime.onnx_backend import ModelInput, OnnxRuntimeBackend
 
 RNG_SEED = 0
@@ -44,16 +42,6 @@ def step_shapes(kind: str) -> tuple[list[int], list[int]]:
     if kind == "decode":
         return [1] * 64, rng.integers(16, 600, 64).tolist()
     return [480] + [1] * 32, [0] + rng.integers(16, 600, 32).tolist()
-
-
-def one_node_model(attrs, kv_dtype: str):
-    pool = TensorProto.INT8 if kv_dtype == "int8" else TensorProto.FLOAT
-    types = [TensorProto.FLOAT] * 3 + [pool] * 2 + [TensorProto.INT64] * 4 + [TensorProto.FLOAT] * 2
-    ins = [helper.make_tensor_value_info(n, t, None) for n, t in zip(INPUTS, types)]
-    outs = [helper.make_tensor_value_info(n, t, None) for n, t in zip(OUTPUTS, [TensorProto.FLOAT, pool, pool])]
-    node = helper.make_node(io.PLUGIN_OP, list(INPUTS), list(OUTPUTS), domain=io.PLUGIN_DOMAIN, **attrs.onnx_attributes())
-    return helper.make_model(helper.make_graph([node], "pa", ins, outs),
-                             opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(io.PLUGIN_DOMAIN, 1)])
 
 
 def time_calls(fn, n: int = 40, warmup: int = 3) -> float:
@@ -75,15 +63,9 @@ def op_alone(lib: str, kind: str, kv_dtype: str) -> float:
     so = ort.SessionOptions()
     so.log_severity_level = 3
     so.register_custom_ops_library(lib)
-    sess = ort.InferenceSession(one_node_model(attrs, kv_dtype).SerializeToString(), so,
+    sess = ort.InferenceSession(native.one_node_model(attrs, kv_dtype).SerializeToString(), so,
                                 providers=["CPUExecutionProvider"])
-    b = sess.io_binding()
-    pools = {n: ort.OrtValue.ortvalue_from_numpy(feeds[n]) for n in ("key_cache", "value_cache")}
-    for n, arr in feeds.items():
-        b.bind_ortvalue_input(n, pools[n]) if n in pools else b.bind_cpu_input(n, arr)
-    b.bind_output("output")
-    b.bind_ortvalue_output("key_cache_out", pools["key_cache"])
-    b.bind_ortvalue_output("value_cache_out", pools["value_cache"])
+    b = native.in_place_binding(sess, feeds)
     return time_calls(lambda: sess.run_with_iobinding(b))
 
 

@@ -122,6 +122,41 @@ def supports(act_dtype: str, kv_dtype: str) -> bool:
     return act_dtype == "float32" and kv_dtype in ("float32", "int8")
 
 
+def one_node_model(attrs, kv_dtype: str):
+    """An ONNX model of one PagedAttention node (inputs/outputs named as in spec.py), to run
+    or measure the op on its own; float32 activations, `kv_dtype` float32 or int8 pools."""
+    from onnx import TensorProto, helper
+
+    from kvexport import io
+
+    from .spec import INPUTS, OUTPUTS
+
+    pool = TensorProto.INT8 if kv_dtype == "int8" else TensorProto.FLOAT
+    types = [TensorProto.FLOAT] * 3 + [pool] * 2 + [TensorProto.INT64] * 4 + [TensorProto.FLOAT] * 2
+    ins = [helper.make_tensor_value_info(n, t, None) for n, t in zip(INPUTS, types)]
+    outs = [helper.make_tensor_value_info(n, t, None) for n, t in zip(OUTPUTS, [TensorProto.FLOAT, pool, pool])]
+    node = helper.make_node(io.PLUGIN_OP, list(INPUTS), list(OUTPUTS), domain=io.PLUGIN_DOMAIN,
+                            **attrs.onnx_attributes())
+    return helper.make_model(helper.make_graph([node], "paged_attention", ins, outs),
+                             opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(io.PLUGIN_DOMAIN, 1)])
+
+
+def in_place_binding(sess, feeds: dict):
+    """An IOBinding of a one-node session (`one_node_model`) with each pool bound as both
+    its input and its aliased output, as the runtime runs the op: after
+    `sess.run_with_iobinding(b)` the numpy pools in `feeds` hold the updated pools."""
+    import onnxruntime as ort
+
+    b = sess.io_binding()
+    pools = {n: ort.OrtValue.ortvalue_from_numpy(feeds[n]) for n in ("key_cache", "value_cache")}
+    for n, arr in feeds.items():
+        b.bind_ortvalue_input(n, pools[n]) if n in pools else b.bind_cpu_input(n, arr)
+    b.bind_output("output")
+    b.bind_ortvalue_output("key_cache_out", pools["key_cache"])
+    b.bind_ortvalue_output("value_cache_out", pools["value_cache"])
+    return b
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="build the native CPU PagedAttention op for onnxruntime")
     p.add_argument("--include", required=True, help="folder with onnxruntime_cxx_api.h and its siblings")

@@ -4,31 +4,19 @@ in real onnxruntime sessions: outputs within the fp32 tolerance, pools bit for b
 from __future__ import annotations
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 import pytest
 import torch
-from onnx import TensorProto, helper
+from onnx import helper
 
-from kvexport import io
+from kvexport.plugins.paged_attention.native import in_place_binding, one_node_model
 from kvexport.plugins.paged_attention.reference import make_case, paged_attention
-from kvexport.plugins.paged_attention.spec import INPUTS, OUTPUTS, TOLERANCE
+from kvexport.plugins.paged_attention.spec import INPUTS, TOLERANCE
 
 
 @pytest.fixture(scope="module")
 def lib(cpu_op):
     return str(cpu_op)
-
-
-def one_node_model(attrs, kv_dtype: str) -> onnx.ModelProto:
-    pool = TensorProto.INT8 if kv_dtype == "int8" else TensorProto.FLOAT
-    types = [TensorProto.FLOAT] * 3 + [pool] * 2 + [TensorProto.INT64] * 4 + [TensorProto.FLOAT] * 2
-    inputs = [helper.make_tensor_value_info(n, t, None) for n, t in zip(INPUTS, types)]
-    outputs = [helper.make_tensor_value_info(n, t, None) for n, t in zip(OUTPUTS, [TensorProto.FLOAT, pool, pool])]
-    node = helper.make_node(io.PLUGIN_OP, list(INPUTS), list(OUTPUTS), domain=io.PLUGIN_DOMAIN,
-                            **attrs.onnx_attributes())
-    graph = helper.make_graph([node], "paged_attention", inputs, outputs)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(io.PLUGIN_DOMAIN, 1)])
 
 
 def session(lib, model, threads=2):
@@ -86,13 +74,7 @@ def test_pools_update_in_place_when_bound_to_the_inputs(lib):
     want_out, want_k, want_v = reference(case, attrs)
     feeds = feeds_of(case)
     sess = session(lib, one_node_model(attrs, "float32"))
-    binding = sess.io_binding()
-    pools = {n: ort.OrtValue.ortvalue_from_numpy(feeds[n]) for n in ("key_cache", "value_cache")}
-    for n, arr in feeds.items():
-        binding.bind_ortvalue_input(n, pools[n]) if n in pools else binding.bind_cpu_input(n, arr)
-    binding.bind_output("output")
-    binding.bind_ortvalue_output("key_cache_out", pools["key_cache"])
-    binding.bind_ortvalue_output("value_cache_out", pools["value_cache"])
+    binding = in_place_binding(sess, feeds)
     sess.run_with_iobinding(binding)
     out = binding.copy_outputs_to_cpu()[0]
     assert np.abs(out - want_out).max() <= TOLERANCE["float32"]
