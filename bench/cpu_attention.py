@@ -132,9 +132,10 @@ def profile(be: OnnxRuntimeBackend, calls: list[ModelInput], m) -> dict:
         sess = ort.InferenceSession(str(be.build_dir / m.graphs[phase].file), so, providers=["CPUExecutionProvider"])
         feeds = {io.INPUT_IDS: inp.token_ids, io.POSITIONS: inp.positions, io.QUERY_START_LOC: inp.query_start_loc,
                  io.SEQ_LENS: inp.seq_lens, io.BLOCK_TABLES: inp.block_tables, io.SLOT_MAPPING: inp.slot_mapping}
+        binding = be.in_place_binding(sess) if be.native_op is not None else None
         for _ in range(runs):
-            if be.native_op is not None:
-                be._run_in_place(sess, feeds)
+            if binding is not None:
+                be._run_in_place(sess, binding, feeds)
             else:
                 sess.run(None, {**feeds, **dict(zip(be._pool_names, be.pools))})
         path = sess.end_profiling()

@@ -209,17 +209,6 @@ def prompt_ids(tokenizer, vocab_size: int, count: int = 4, seed: int = 0) -> lis
     return [rng.integers(3, vocab_size, size=n).tolist() for n in (5, 17, 9, 30)[:count]]
 
 
-def _native_op(manifest) -> Path | None:
-    """The native CPU PagedAttention library, for plugin graphs it can run; else None."""
-    if manifest.kv.attention != io.Attention.PLUGIN.value or manifest.kv.layout != io.KVLayout.PAGED.value:
-        return None
-    from kvexport.plugins.paged_attention import native
-
-    lib = native.library()
-    act, kv = io.DType(manifest.dtype).numpy_name, io.DType(manifest.kv.dtype).numpy_name
-    return lib if lib is not None and native.supports(act, kv) else None
-
-
 def _compare(ours: list[np.ndarray], ref_logits: list[np.ndarray], forced: list[list[int]],
              manifest) -> tuple[list[float], float, bool, float, bool]:
     """(max |Δ| per step, tolerance, greedy identical, token agreement, passed)."""
@@ -242,7 +231,11 @@ def validate(build_dir: Path, manifest, model, prompts: list[list[int]], steps: 
     ours = driver(build_dir, manifest).run(prompts, forced, steps)
     diffs, tol, identical, agreement, passed = _compare(ours, ref_logits, forced, manifest)
     native = None
-    lib = _native_op(manifest)
+    lib = None
+    if manifest.kv.layout == io.KVLayout.PAGED.value:
+        from kvexport.plugins.paged_attention.native import library_for
+
+        lib, _ = library_for(manifest)
     if lib is not None:
         n_diffs, _, n_identical, n_agreement, n_passed = _compare(
             PagedDriver(build_dir, manifest, native_op=lib).run(prompts, forced, steps), ref_logits, forced, manifest)

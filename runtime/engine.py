@@ -107,18 +107,20 @@ def execute(backend: Backend, out: SchedulerOutput, block_size: int) -> np.ndarr
 
     A backend whose attention works on the packed tokens (the PagedAttention op) runs the
     step as one call. NOTE: the `onnx` attention pads every sequence of a call to the
-    call's longest query chunk. So there a step runs as several graph calls: 1-token decodes apart from prompt
-    chunks, and prompt chunks of very different lengths apart (padding <= 25%). Each extra
-    call re-reads the weights (~20 ms here) but computes no extra tokens; on the mixed-64
-    trace this cut prefill time from 32.6 s to ~25-29 s. Splitting decodes by context
+    call's longest query chunk. So there a step runs as several graph calls: 1-token
+    decodes apart from prompt chunks, and prompt chunks of very different lengths apart
+    (padding <= 25%). Each extra call re-reads the weights (~20 ms here) but computes no
+    extra tokens; on the mixed-64 trace this cut prefill time from 32.6 s to ~25-29 s. Splitting decodes by context
     length the same way (slack 1.5, <= 3 groups) measured no better, so decodes stay one call."""
     rows = out.scheduled
+    full = getattr(backend, "full_block_tables", False)
+    if not getattr(backend, "pads_queries", True):
+        return backend.execute(prepare(rows, block_size, full))
     q_len = {i: len(s.token_ids) for i, s in enumerate(rows)}
     single = [i for i in q_len if q_len[i] == 1]
     multi = [i for i in q_len if q_len[i] > 1]
     groups = _pack(multi, q_len, 1.25) + ([single] if single else [])
-    full = getattr(backend, "full_block_tables", False)
-    if len(groups) == 1 or not getattr(backend, "pads_queries", True):
+    if len(groups) == 1:
         return backend.execute(prepare(rows, block_size, full))
     logits = None
     for group in groups:

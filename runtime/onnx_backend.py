@@ -102,15 +102,10 @@ class OnnxRuntimeBackend:
         if self.plugin:
             from kvexport.plugins.paged_attention import native
 
-            lib = native.library()
-            act, kv_dtype = io.DType(manifest.dtype).numpy_name, io.DType(kv.dtype).numpy_name
-            if lib is not None and native.supports(act, kv_dtype):
-                self.native_op = lib
-            else:
+            self.native_op, why_not = native.library_for(manifest)
+            if self.native_op is None:
                 log.warning("running the plugin graphs of %s with the reference PagedAttention (slow): %s",
-                            build_dir, "the CPU op is not built (scripts/build_cpu_ops.sh)" if lib is None
-                            else f"the CPU op takes float32 activations with float32/int8 pools, not "
-                                 f"{act}/{kv_dtype}")
+                            build_dir, why_not)
         self._weights = np.memmap(self.build_dir / manifest.weights["file"], dtype=np.uint8, mode="r")
         init = _shared_initializers(self.build_dir, manifest.graphs["prefill"].file, self._weights)
         self._init = init  # NOTE: the OrtValues view the memmap; keep both alive with the sessions
@@ -140,8 +135,21 @@ class OnnxRuntimeBackend:
         self._pool_names = [n for i in range(kv.num_layers) for n in (io.key_cache(i), io.value_cache(i))]
         kv_outs = (io.key_cache_out, io.value_cache_out) if self.plugin else (io.new_key, io.new_value)
         self._out_names = [io.LOGITS] + [f(i) for i in range(kv.num_layers) for f in kv_outs]
-        # native op: each pool is bound as both its input and its aliased output (updated in place)
+        # native op: one IOBinding per session, made once, with each pool bound as both its
+        # input and its aliased output (updated in place); a step binds only its metadata
         self._pool_values = [ort.OrtValue.ortvalue_from_numpy(p) for p in self.pools] if self.native_op else []
+        self._bindings = {phase: self.in_place_binding(sess) for phase, sess in self.sessions.items()
+                          if self.native_op is not None}
+
+    def in_place_binding(self, sess):
+        """An IOBinding of `sess` (a plugin graph) with every pool bound as both its input and
+        its aliased output; logits are output 0."""
+        b = sess.io_binding()
+        b.bind_output(io.LOGITS)
+        for name, out_name, value in zip(self._pool_names, self._out_names[1:], self._pool_values):
+            b.bind_ortvalue_input(name, value)
+            b.bind_ortvalue_output(out_name, value)
+        return b
 
     @property
     def pool_bytes(self) -> int:
@@ -151,9 +159,10 @@ class OnnxRuntimeBackend:
         feeds = {io.INPUT_IDS: inp.token_ids, io.POSITIONS: inp.positions,
                  io.QUERY_START_LOC: inp.query_start_loc, io.SEQ_LENS: inp.seq_lens,
                  io.BLOCK_TABLES: inp.block_tables, io.SLOT_MAPPING: inp.slot_mapping}
-        sess = self.sessions[io.Phase.DECODE.value if inp.is_decode else io.Phase.PREFILL.value]
+        phase = io.Phase.DECODE.value if inp.is_decode else io.Phase.PREFILL.value
+        sess = self.sessions[phase]
         if self.native_op is not None:
-            logits = self._run_in_place(sess, feeds)
+            logits = self._run_in_place(sess, self._bindings[phase], feeds)
         else:
             feeds.update(zip(self._pool_names, self.pools))
             outs = sess.run(self._out_names, feeds)
@@ -167,13 +176,10 @@ class OnnxRuntimeBackend:
             logits = logits[inp.query_start_loc[1:] - 1]
         return logits.astype(np.float32, copy=False)
 
-    def _run_in_place(self, sess, feeds: dict) -> np.ndarray:
-        binding = sess.io_binding()
-        binding.bind_output(io.LOGITS)
+    @staticmethod
+    def _run_in_place(sess, binding, feeds: dict) -> np.ndarray:
         for name, arr in feeds.items():
             binding.bind_cpu_input(name, np.ascontiguousarray(arr, dtype=np.int64))
-        for name, out_name, value in zip(self._pool_names, self._out_names[1:], self._pool_values):
-            binding.bind_ortvalue_input(name, value)
-            binding.bind_ortvalue_output(out_name, value)
+        binding.bind_output(io.LOGITS)  # rebound (still output 0): allocated at this step's shape
         sess.run_with_iobinding(binding)
         return binding.get_outputs()[0].numpy()

@@ -122,6 +122,21 @@ def supports(act_dtype: str, kv_dtype: str) -> bool:
     return act_dtype == "float32" and kv_dtype in ("float32", "int8")
 
 
+def library_for(manifest) -> tuple[Path | None, str]:
+    """(the op library for this build's plugin graphs, "") or (None, why not)."""
+    from kvexport import io
+
+    if manifest.kv.attention != io.Attention.PLUGIN.value:
+        return None, f"the build's attention is {manifest.kv.attention!r}, not plugin"
+    lib = library()
+    act, kv = io.DType(manifest.dtype).numpy_name, io.DType(manifest.kv.dtype).numpy_name
+    if lib is None:
+        return None, "the CPU op is not built (scripts/build_cpu_ops.sh)"
+    if not supports(act, kv):
+        return None, f"the CPU op takes float32 activations with float32/int8 pools, not {act}/{kv}"
+    return lib, ""
+
+
 def one_node_model(attrs, kv_dtype: str):
     """An ONNX model of one PagedAttention node (inputs/outputs named as in spec.py), to run
     or measure the op on its own; float32 activations, `kv_dtype` float32 or int8 pools."""
