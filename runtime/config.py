@@ -1,0 +1,109 @@
+"""The runtime settings: one definition, one set of defaults.
+
+`EngineConfig` is what every front end builds an engine from: the Python API
+(`LLM(build, **settings)`), every CLI command that serves (`generate`, `bench`, `serve`),
+the OpenAI server and the Triton model (whose config.pbtxt `parameters` are these fields,
+as strings). Each field carries its CLI flag and help text in `SETTINGS`, so a new
+setting is added here once and appears everywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from kvexport.errors import ConfigError
+
+from .memory import parse_budget
+
+BACKENDS = ("onnxruntime", "tensorrt")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    kv_cache_memory: str | int = "2GiB"  # KV pool budget: "2GiB", bytes, or "30%" of available memory
+    max_num_seqs: int = 64  # sequences per engine step
+    max_num_batched_tokens: int = 512  # tokens per engine step (prompt chunks + decodes)
+    max_model_len: int | None = None  # tokens per sequence (prompt + output); None: the build's max_seq_len
+    enable_prefix_caching: bool = True  # reuse KV blocks of identical prompt prefixes
+    threads: int | None = None  # onnxruntime intra-op threads; None: all cores
+    backend: str = "onnxruntime"  # "onnxruntime" | "tensorrt" (the build's engines)
+    cuda_graph_batch_sizes: tuple[int, ...] = ()  # tensorrt: decode batch sizes captured as CUDA graphs
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {v!r}")
+        if self.max_model_len is not None and (isinstance(self.max_model_len, bool)
+                                               or not isinstance(self.max_model_len, int)
+                                               or self.max_model_len < 2):
+            raise ConfigError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
+                                         or self.threads < 1):
+            raise ConfigError(f"threads must be an integer >= 1 (or unset: all cores), got {self.threads!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ConfigError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
+        sizes = self.cuda_graph_batch_sizes
+        if not isinstance(sizes, tuple) or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in sizes):
+            raise ConfigError(f"cuda_graph_batch_sizes must be a tuple of integers >= 1, got {sizes!r}")
+        parse_budget(self.kv_cache_memory)  # raises ConfigError naming the accepted forms
+
+    # ---- string form (Triton model parameters) ----------------------------------------
+    def to_strings(self) -> dict[str, str]:
+        """Every field as a string (Triton's config.pbtxt parameters); `from_strings` inverts it."""
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name == "cuda_graph_batch_sizes":
+                out[f.name] = ",".join(str(b) for b in v)
+            elif v is None:
+                out[f.name] = ""
+            elif isinstance(v, bool):
+                out[f.name] = "true" if v else "false"
+            else:
+                out[f.name] = str(v)
+        return out
+
+    @classmethod
+    def from_strings(cls, values: dict[str, str]) -> "EngineConfig":
+        """Settings from strings (absent or empty: the default). Unknown names are an error."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"unknown runtime setting(s) {unknown}; settings: {', '.join(sorted(known))}")
+        kw: dict[str, Any] = {}
+        for name, text in values.items():
+            text = text.strip()
+            if not text:
+                continue
+            try:
+                if name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "threads"):
+                    kw[name] = int(text)
+                elif name == "enable_prefix_caching":
+                    if text.lower() not in ("true", "false", "1", "0"):
+                        raise ValueError(text)
+                    kw[name] = text.lower() in ("true", "1")
+                elif name == "cuda_graph_batch_sizes":
+                    kw[name] = tuple(int(b) for b in text.split(",") if b.strip())
+                else:
+                    kw[name] = text
+            except ValueError:
+                raise ConfigError(f"runtime setting {name}={text!r} is not a valid value") from None
+        if kw.get("threads") == 0:  # "0" = all cores, as in Triton's parameters
+            kw.pop("threads")
+        return cls(**kw)
+
+
+# CLI flag and help of each field, in the order commands list them (kvexport/cli.py)
+SETTINGS: dict[str, str] = {
+    "kv_cache_memory": "KV pool budget: a size (2GiB, 512MiB, bytes) or a share of free memory (30%).",
+    "max_num_seqs": "Sequences per engine step, max.",
+    "max_num_batched_tokens": "Tokens per engine step (prompt chunks + decodes), max.",
+    "max_model_len": "Tokens per sequence, prompt + output [the build's max_seq_len].",
+    "enable_prefix_caching": "Reuse the KV blocks of identical prompt prefixes.",
+    "threads": "onnxruntime intra-op threads [all cores].",
+    "backend": "Execution backend: onnxruntime, or tensorrt (the build's engines; needs TensorRT and a GPU).",
+}

@@ -1,0 +1,56 @@
+"""The contract between the model runner and the execution backends.
+
+`ModelInput` is one step's packed batch as the paged graphs take it (kvexport/io.py names
+the tensors); `Backend` is what the runner needs from an execution backend. Backends
+(runtime/backends.py: onnxruntime variants; runtime/trt_backend.py: TensorRT) import this
+module and never each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from kvexport import io
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInput:
+    """One step of the packed batch, as the graphs' paged inputs want it."""
+
+    token_ids: np.ndarray  # [T] int64, sequence after sequence
+    positions: np.ndarray  # [T] int64
+    query_start_loc: np.ndarray  # [S+1] int64
+    seq_lens: np.ndarray  # [S] int64, KV length after this step
+    block_tables: np.ndarray  # [S, max_blocks] int64, padded with io.PAD_BLOCK_ID
+    slot_mapping: np.ndarray  # [T] int64
+
+    @property
+    def is_decode(self) -> bool:
+        return len(self.token_ids) == len(self.seq_lens)
+
+    @property
+    def phase(self) -> io.Phase:
+        """Which graph runs this step: decode when every sequence has one new token."""
+        return io.Phase.DECODE if self.is_decode else io.Phase.PREFILL
+
+    def feeds(self) -> dict[str, np.ndarray]:
+        """The graphs' metadata inputs by name (kvexport/io.py), int64 and contiguous."""
+        return {io.INPUT_IDS: self.token_ids, io.POSITIONS: self.positions,
+                io.QUERY_START_LOC: self.query_start_loc, io.SEQ_LENS: self.seq_lens,
+                io.BLOCK_TABLES: self.block_tables, io.SLOT_MAPPING: self.slot_mapping}
+
+
+class Backend(Protocol):
+    """What the model runner needs from an execution backend (onnxruntime, TensorRT)."""
+
+    num_blocks: int  # blocks in each pool, the pad block included
+    full_block_tables: bool  # plugin attention: tables cover this step's blocks too (kvexport/io.py)
+    pads_queries: bool  # a call costs its longest query chunk times its sequences (`onnx` attention)
+    attention_impl: str  # what runs the attention, for reports ("onnx", "plugin (native CPU op)", ...)
+
+    def execute(self, inp: ModelInput) -> np.ndarray:
+        """Run one step; store its K/V in the pool; return logits [S, vocab] (float32)."""
+        ...
