@@ -50,15 +50,6 @@ def trace_prompts(trace: dict, reqs: list[TraceRequest], vocab_size: int) -> lis
     return [rng.integers(3, vocab_size, size=r.prompt_len).tolist() for r in reqs]
 
 
-def _attention_impl(engine, config: EngineConfig) -> str:
-    """Which attention ran: the graph's standard ops, or which PagedAttention implementation."""
-    if engine.manifest.kv.attention != "plugin":
-        return engine.manifest.kv.attention
-    if config.backend == "tensorrt":
-        return "plugin (TensorRT)"
-    return "plugin (native CPU op)" if getattr(engine.backend, "native_op", None) else "plugin (reference PyOp)"
-
-
 def _pct(xs: list[float], q: float) -> float:
     return float(np.percentile(xs, q)) if xs else float("nan")
 
@@ -101,7 +92,7 @@ def run_bench(build_dir: str | Path, config: EngineConfig, trace_name: str = "mi
     engine = LLMEngine(build_dir, config)
     timed = _TimedBackend(engine.backend)
     engine.backend = timed
-    prompts = trace_prompts(trace, reqs, engine.manifest.model["vocab_size"])
+    prompts = trace_prompts(trace, reqs, engine.manifest.model.vocab_size)
     total_out = sum(r.output_len for r in reqs)
     max_len = engine.max_model_len
     reserve = {}  # request id -> tokens a contiguous cache would reserve for it
@@ -152,9 +143,9 @@ def run_bench(build_dir: str | Path, config: EngineConfig, trace_name: str = "mi
     return {
         "trace": trace["name"], "requests": len(reqs), "date": time.strftime("%Y-%m-%d %H:%M"),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-        "build": str(build_dir), "model": engine.manifest.model["family"],
+        "build": str(build_dir), "model": engine.manifest.model.family,
         "dtype": engine.manifest.dtype, "kv_dtype": engine.manifest.kv.dtype,
-        "attention": _attention_impl(engine, config),
+        "attention": engine.backend.attention_impl,
         "config": {"kv_cache_memory": str(config.kv_cache_memory), "max_num_seqs": config.max_num_seqs,
                    "max_num_batched_tokens": config.max_num_batched_tokens, "threads": config.threads,
                    "arrival_rate": arrival_rate},
@@ -189,7 +180,7 @@ def prefix_ttft(build_dir: str | Path, config: EngineConfig, prefix_len: int = 1
             raise ConfigError(f"prefix test needs a context of {prefix_len + suffix_len + 1} tokens; "
                               f"this build/pool serves {engine.max_model_len}")
         rng = np.random.default_rng(seed)
-        vocab = engine.manifest.model["vocab_size"]
+        vocab = engine.manifest.model.vocab_size
         prefix = rng.integers(3, vocab, size=prefix_len).tolist()
         params = SamplingParams(max_tokens=1, ignore_eos=True)
         _drain(engine, [engine.add_request(prefix + rng.integers(3, vocab, size=suffix_len).tolist(), params)])

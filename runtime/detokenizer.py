@@ -1,36 +1,59 @@
-"""Incremental detokenization with stop strings.
+"""Incremental detokenization with stop strings, O(n) per request.
+
+Each new token decodes only a short window: the tokens from `prefix_offset` (a few tokens
+of context, so a tokenizer that renders a token differently at the start of a text — a
+leading space, a byte-fallback sequence — renders it the same as in the whole text) to
+the end, minus the window's already-read part `[prefix_offset, read_offset)`. So a step
+costs O(window), not a decode of the whole output (vLLM / TGI's prefix/read offsets).
 
 Emits only text that is final: never a partial UTF-8 character (decoders render an
-incomplete byte sequence as U+FFFD, which is held back until the next token completes it),
-and never the beginning of what may become a stop string (held back until it is clearly
-not one). Stop strings may span tokens; the text up to the stop string is returned and
-the stop string itself is not.
+incomplete byte sequence as U+FFFD; the offsets do not advance until the next token
+completes it), and never the beginning of what may become a stop string (held back until
+it is clearly not one). Stop strings may span tokens; the text up to the stop string is
+returned and the stop string itself is not.
 """
 
 from __future__ import annotations
+
+_REPLACEMENT = "\ufffd"
 
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, stop: tuple[str, ...] = ()):
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
+        self._longest_stop = max((len(s) for s in self.stop), default=0)
         self.ids: list[int] = []
-        self.emitted = 0  # characters of the decoded text already returned
+        self.prefix_offset = 0  # first token of the decode window (context only)
+        self.read_offset = 0  # tokens up to here are in `text`
+        self.text = ""  # decoded text of ids[:read_offset]
+        self.emitted = 0  # characters of `text` already returned
         self.stopped = False
 
-    def _text(self) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _read(self) -> None:
+        """Decode the tokens after read_offset into `text`, unless they end mid-character."""
+        window = self.ids[self.prefix_offset:]
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset]) if self.read_offset > self.prefix_offset else ""
+        full = self._decode(window)
+        if full.endswith(_REPLACEMENT):
+            return  # an incomplete UTF-8 sequence: wait for the tokens that complete it
+        self.text += full[len(prefix):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
 
     def add(self, token_id: int) -> tuple[str, bool]:
         """Add one token; returns (new final text, whether a stop string was hit)."""
         if self.stopped:
             return "", True
+        if self.tokenizer is None:
+            return "", False
         self.ids.append(token_id)
-        text = self._text()
+        self._read()
+        text = self.text
         if self.stop:
-            start = max(0, self.emitted - max(len(s) for s in self.stop))
+            start = max(0, self.emitted - self._longest_stop)
             hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
             if hits:
                 end = min(hits)
@@ -39,12 +62,10 @@ class IncrementalDetokenizer:
                 self.stopped = True
                 return new, True
         end = len(text)
-        while end > self.emitted and text[end - 1] == "\ufffd":
-            end -= 1
         hold = 0
         for s in self.stop:  # longest suffix of text that is a proper prefix of a stop string
             for k in range(min(len(s) - 1, end - self.emitted), 0, -1):
-                if text[:end].endswith(s[:k]):
+                if text.endswith(s[:k]):
                     hold = max(hold, k)
                     break
         end -= hold
@@ -54,10 +75,14 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """Text still held back, at the end of the request (a held-back partial stop
-        string that never completed is real text)."""
-        if self.stopped:
+        string that never completed is real text; a trailing incomplete character is dropped)."""
+        if self.stopped or self.tokenizer is None:
             return ""
-        text = self._text().rstrip("\ufffd")
-        new = text[self.emitted:]
-        self.emitted = len(text)
+        if self.read_offset < len(self.ids):
+            prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+            full = self._decode(self.ids[self.prefix_offset:]).rstrip(_REPLACEMENT)
+            self.text += full[len(prefix):]
+            self.read_offset = len(self.ids)
+        new = self.text[self.emitted:]
+        self.emitted = len(self.text)
         return new

@@ -10,6 +10,7 @@ from typing import AsyncIterator, Iterator, Sequence
 from kvexport.errors import KvExportError
 
 from .engine import EngineConfig, LLMEngine, RequestOutput
+from .requests import RequestParser
 from .sampling import SamplingParams
 
 Prompt = str | list[int] | list[dict]  # text, token ids, or chat messages
@@ -20,24 +21,18 @@ class LLM:
         self.engine = LLMEngine(build_dir, EngineConfig(**engine_options))
 
     def _tokens(self, prompt: Prompt, chat: bool = False) -> list[int]:
-        tok = self.engine.tokenizer
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict) or chat:
-            if tok is None or not getattr(tok, "chat_template", None):
-                raise KvExportError("this build's tokenizer has no chat template; pass plain prompts")
-            messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-        if isinstance(prompt, str):
-            if tok is None:
-                raise KvExportError("this build has no tokenizer; pass token ids instead of text")
-            return tok(prompt)["input_ids"]
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return list(prompt)
-        raise KvExportError(f"a prompt must be a string, a list of token ids or chat messages, got {type(prompt).__name__}")
+        """A prompt -> checked token ids (runtime/requests.py); raises RequestError. Chat
+        messages (or any prompt with chat=True) go through the chat template."""
+        parser = RequestParser.for_engine(self.engine)
+        if chat or (isinstance(prompt, list) and prompt and isinstance(prompt[0], dict)):
+            return parser.chat([{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt)
+        return parser.prompt(prompt)
 
     def _add(self, prompt: Prompt, params: SamplingParams, chat: bool) -> list[str]:
         """n > 1: sample i draws from its own seeded stream; samples after the first are
-        admitted once the first has computed the prompt, so they reuse its KV blocks."""
+        admitted once the first has computed the prompt, so they reuse its KV blocks.
+        NOTE: the prompt's length is not checked here: an empty or too long prompt fails
+        alone (its output carries the engine's error), as DESIGN.md asks."""
         ids = self._tokens(prompt, chat)
         rids = [self.engine.add_request(ids, params)]
         for i in range(1, params.n):
@@ -51,10 +46,21 @@ class LLM:
         params = params or SamplingParams()
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, dict))):
             prompts = [prompts]
-        rids = [rid for p in prompts for rid in self._add(p, params, chat)]
-        while self.engine.has_unfinished():
-            self.engine.step()
+        rids: list[str] = []
+        try:
+            for p in prompts:
+                rids += self._add(p, params, chat)
+            while self.engine.has_unfinished():
+                self.engine.step()
+        except BaseException:  # a bad prompt or an interrupt: leave nothing queued for the next call
+            self._drop(rids)
+            raise
         return [self.engine.pop_output(r) for r in rids]
+
+    def _drop(self, rids: list[str]) -> None:
+        for r in rids:
+            self.engine.abort(r)
+            self.engine.pop_output(r)
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None, chat: bool = False) -> Iterator[RequestOutput]:
         """Yields the request's output each time it gains text or tokens; the last one is finished."""
@@ -64,16 +70,15 @@ class LLM:
         (rid,) = self._add(prompt, params, chat)
         try:
             out = self.engine.output(rid)
-            while not out.finished:
-                changed = self.engine.step()
-                if any(o.request_id == rid for o in changed):
-                    yield out
-            if not out.token_ids:
+            if out.finished:  # refused at admission
                 yield out
+            while not out.finished:
+                for o in self.engine.step():
+                    if o.request_id == rid:
+                        out = o
+                        yield o
         finally:
-            if not self.engine.output(rid).finished:
-                self.engine.abort(rid)
-            self.engine.pop_output(rid)
+            self._drop([rid])
 
     async def astream(self, prompt: Prompt, params: SamplingParams | None = None,
                       chat: bool = False) -> AsyncIterator[RequestOutput]:

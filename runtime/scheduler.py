@@ -7,7 +7,11 @@ requests FCFS while the budget, `max_num_seqs` and the KV pool allow. When block
 the newest running request is preempted by recompute: its blocks are freed and it goes
 back to the front of the queue with its generated tokens kept.
 
-The scheduler never touches tensors; the model runner only sees `SchedulerOutput`.
+The scheduler never touches tensors; the model runner only sees `SchedulerOutput`. After
+the step, `update_from_output()` records the stored KV and the sampled tokens and owns the
+stop rules (EOS, stop token ids, max_tokens, the context) and finishing; stop *strings*
+need the text, so the output processor reports those and the engine finishes them here
+with `finish_requests()`.
 """
 
 from __future__ import annotations
@@ -16,11 +20,15 @@ import enum
 import itertools
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvexport.errors import KvExportError
 
 from .kv_cache_manager import KVCacheManager
 from .sampling import SamplerState, SamplingParams
+
+if TYPE_CHECKING:
+    from .model_runner import ModelRunnerOutput
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +37,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512  # tokens per step (prompt chunks + decodes)
     max_model_len: int = 2048  # prompt + output tokens per sequence
     sliding_window: int | None = None  # free blocks that fall entirely outside it
+    eos_token_ids: tuple[int, ...] = ()  # a sampled one finishes the request ("stop") unless ignore_eos
 
     def __post_init__(self) -> None:
         from kvexport.errors import ConfigError
@@ -85,6 +94,21 @@ class ScheduledRequest:
     block_table: tuple[int, ...]
     slot_mapping: tuple[int, ...]
     samples: bool  # the chunk reaches the end of the sequence: sample a token
+    sampler: SamplerState | None = None  # the request's sampling state (when samples)
+    num_output_tokens: int = 0  # tokens generated before this step (min_tokens, penalties)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCoreOutput:
+    """What one step did to one request: the scheduler's side (tokens, finishing)."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]  # sampled this step (empty for a prompt chunk that does not sample)
+    finish_reason: str | None  # "stop" | "length" | "error" when the request finished this step
+    error: str | None = None
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] | None = None
+    num_cached_prompt_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,12 +152,13 @@ class Scheduler:
         return req
 
     def abort(self, request_id: str) -> None:
+        self.finish_requests([request_id], "abort")
+
+    def remove(self, request_id: str) -> None:
+        """Forget a finished request (its blocks are already free)."""
         req = self.requests.get(request_id)
-        if req is None or req.status is Status.FINISHED:
-            return
-        if req in self.waiting:
-            self.waiting.remove(req)
-        self._finish(req, "abort")
+        if req is not None and req.status is Status.FINISHED:
+            del self.requests[request_id]
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -181,29 +206,60 @@ class Scheduler:
         out = []
         for req, n in chunks:
             start = req.num_computed_tokens
+            samples = start + n == req.num_tokens
             out.append(ScheduledRequest(
                 req.request_id, tuple(req.token_ids[start:start + n]), start,
                 tuple(self.kv.block_table(req.request_id)),
                 tuple(self.kv.slot_mapping(req.request_id, start, n)),
-                start + n == req.num_tokens))
+                samples, req.sampler if samples else None, req.num_output_tokens))
         return SchedulerOutput(tuple(out), self.config.max_num_batched_tokens - budget, tuple(preempted))
 
-    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> None:
-        """Record that the step's KV is stored and append sampled tokens. The caller
-        decides stops (it owns the detokenizer) and calls `finish()`."""
+    def update_from_output(self, output: SchedulerOutput, result: "ModelRunnerOutput") -> list[EngineCoreOutput]:
+        """Record that the step's KV is stored, append sampled tokens, apply the stop rules
+        and finish requests (freeing their blocks). Requests whose part of the step failed
+        finish with "error". Returns one EngineCoreOutput per request the step changed."""
+        outs = []
         for s in output.scheduled:
-            req = self.requests[s.request_id]
-            if req.status is not Status.RUNNING:
+            req = self.requests.get(s.request_id)
+            if req is None or req.status is not Status.RUNNING:
+                continue  # aborted while the step ran
+            if s.request_id in result.failed:
+                self._finish(req, "error", result.failed[s.request_id])
+                outs.append(EngineCoreOutput(req.request_id, (), "error", req.error))
                 continue
             req.num_computed_tokens += len(s.token_ids)
             self.kv.cache_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
-            if s.request_id in sampled:
-                req.token_ids.append(sampled[s.request_id])
-            if self.config.sliding_window:
+            tok = result.sampled.get(s.request_id)
+            if tok is None:
+                if self.config.sliding_window:
+                    self.kv.free_outside_window(req.request_id, req.num_computed_tokens, self.config.sliding_window)
+                continue
+            req.token_ids.append(tok.token_id)
+            reason = self._stop_reason(req, tok.token_id)
+            if reason:
+                self._finish(req, reason)
+            elif self.config.sliding_window:
                 self.kv.free_outside_window(req.request_id, req.num_computed_tokens, self.config.sliding_window)
+            outs.append(EngineCoreOutput(req.request_id, (tok.token_id,), reason, None, tok.logprob, tok.top_logprobs,
+                                         req.num_cached_prompt_tokens))
+        return outs
 
-    def finish(self, request_id: str, reason: str) -> None:
-        self._finish(self.requests[request_id], reason)
+    def finish_requests(self, request_ids, reason: str) -> None:
+        """Finish running or waiting requests (e.g. a stop string the output processor found)."""
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is not None and req.status is not Status.FINISHED:
+                if req in self.waiting:
+                    self.waiting.remove(req)
+                self._finish(req, reason)
+
+    def _stop_reason(self, req: Request, token: int) -> str | None:
+        p, n = req.params, req.num_output_tokens
+        if n >= p.min_tokens and ((token in self.config.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids):
+            return "stop"
+        if n >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
 
     # ---- internals -------------------------------------------------------------------
     def _prompt_pending(self, req: Request) -> bool:

@@ -8,7 +8,7 @@ by `kvexport.exporter.tensorrt_build`) on one step's model input; owns the KV po
 NOTE: the PagedAttention plugin writes this step's K/V into the pool in place: its outputs
 key_cache_out.{i}/value_cache_out.{i} alias the inputs key_cache.{i}/value_cache.{i}, so both
 names are bound to the same device address and the pools never cross the PCIe bus. Block
-tables must cover seq_lens (this step's blocks too); the engine's `prepare()` does that for
+tables must cover seq_lens (this step's blocks too); `model_runner.pack()` does that for
 plugin builds.
 
 NOTE: every input gets one device buffer sized for the profile's maximum, bound once; a step
@@ -30,11 +30,10 @@ import numpy as np
 
 from kvexport import io
 from kvexport.errors import KvExportError
-from kvexport.exporter.source import sha256
-from kvexport.exporter.tensorrt_build import cuda_device, plugin_module, require_tensorrt, trt_logger
-from kvexport.manifest import Manifest
+from kvexport.manifest import EngineLimits, EnginesEntry, GpuInfo, Manifest, ShapeRange, sha256
+from kvexport.tensorrt_env import cuda_device, plugin_module, require_tensorrt, trt_logger
 
-from .onnx_backend import ModelInput
+from .model_input import ModelInput
 
 if TYPE_CHECKING:  # typed by tensorrt-stubs; imported for real only inside functions
     import tensorrt as trt
@@ -44,7 +43,7 @@ log = logging.getLogger(__name__)
 _REBUILD = "rebuild them with `kvexport build BUILD_DIR --backend tensorrt --force`"
 
 
-def engines_entry(manifest: Manifest, build_dir: Path) -> dict:
+def engines_entry(manifest: Manifest, build_dir: Path) -> EnginesEntry:
     """The manifest's `engines` entry, checked: a plugin build whose engine files exist."""
     kv = manifest.kv
     if kv.layout != io.KVLayout.PAGED.value or kv.attention != io.Attention.PLUGIN.value:
@@ -56,28 +55,28 @@ def engines_entry(manifest: Manifest, build_dir: Path) -> dict:
                             f"`kvexport build MODEL --attention plugin --backend tensorrt` on a machine with "
                             f"TensorRT and an NVIDIA GPU, or use the onnxruntime backend")
     for phase in (io.Phase.PREFILL, io.Phase.DECODE):
-        e = entry["engines"][phase.value]
-        path = build_dir / e["file"]
+        e = entry.engines[phase.value]
+        path = build_dir / e.file
         if not path.is_file():
             raise KvExportError(f"{path} listed in the manifest is missing; {_REBUILD}")
-        if path.stat().st_size != e["bytes"]:
-            raise KvExportError(f"{path} has {path.stat().st_size} bytes, the manifest says {e['bytes']}; {_REBUILD}")
+        if path.stat().st_size != e.bytes:
+            raise KvExportError(f"{path} has {path.stat().st_size} bytes, the manifest says {e.bytes}; {_REBUILD}")
     return entry
 
 
-def check_engine_target(entry: dict, trt_version: str, gpu: dict) -> None:
+def check_engine_target(entry: EnginesEntry, trt_version: str, gpu: GpuInfo) -> None:
     """Engines run only on the TensorRT version and GPU architecture they were built with."""
-    if entry["tensorrt_version"] != trt_version:
-        raise KvExportError(f"the engines were built with TensorRT {entry['tensorrt_version']}, this is TensorRT "
+    if entry.tensorrt_version != trt_version:
+        raise KvExportError(f"the engines were built with TensorRT {entry.tensorrt_version}, this is TensorRT "
                             f"{trt_version}; {_REBUILD}")
-    built = entry["gpu"]
-    if built["compute_capability"] != gpu["compute_capability"]:
-        raise KvExportError(f"the engines were built for {built['name']} (compute capability "
-                            f"{built['compute_capability']}), this GPU is {gpu['name']} (compute capability "
-                            f"{gpu['compute_capability']}); {_REBUILD} on this machine")
-    if built["name"] != gpu["name"]:
+    built = entry.gpu
+    if built.compute_capability != gpu.compute_capability:
+        raise KvExportError(f"the engines were built for {built.name} (compute capability "
+                            f"{built.compute_capability}), this GPU is {gpu.name} (compute capability "
+                            f"{gpu.compute_capability}); {_REBUILD} on this machine")
+    if built.name != gpu.name:
         log.warning("engines were built on %s and run on %s (same compute capability): they work, but their "
-                    "tactics were timed on the other GPU", built["name"], gpu["name"])
+                    "tactics were timed on the other GPU", built.name, gpu.name)
 
 
 def pad_decode(inp: ModelInput, batch: int, width: int) -> ModelInput:
@@ -117,7 +116,8 @@ class _Phase:
     state under the graph. All contexts share one scratch allocation (USER_MANAGED): they
     run one after another on one stream, never at the same time."""
 
-    def __init__(self, runtime: trt.Runtime, path: Path, profile: dict, pool_names: list[str], pools: list, stream: Any):
+    def __init__(self, runtime: trt.Runtime, path: Path, profile: dict[str, ShapeRange], pool_names: list[str],
+                 pools: list, stream: Any):
         import tensorrt as trt
         import torch
 
@@ -132,9 +132,9 @@ class _Phase:
         self.buffers: dict[str, Any] = {}
         for name, r in profile.items():
             if name not in pool_names:  # flat, sized for the profile's max; a step uses a prefix
-                self.buffers[name] = torch.zeros(max(int(np.prod(r["max"])), 1), dtype=torch.int64, device="cuda")
+                self.buffers[name] = torch.zeros(max(int(np.prod(r.max)), 1), dtype=torch.int64, device="cuda")
         self.vocab = engine.get_tensor_shape(io.LOGITS)[1]
-        rows = max(profile[io.INPUT_IDS]["max"][0], profile[io.SEQ_LENS]["max"][0])
+        rows = max(profile[io.INPUT_IDS].max[0], profile[io.SEQ_LENS].max[0])
         self.logits = torch.empty(rows * self.vocab, dtype=_torch_dtype(engine.get_tensor_dtype(io.LOGITS)),
                                   device="cuda")
         self.stream = stream
@@ -174,34 +174,35 @@ class _Phase:
 
 
 class TensorRTBackend:
-    """Backend protocol (runtime/onnx_backend.py) over TensorRT engines.
+    """Backend protocol (runtime/model_input.py) over TensorRT engines.
 
     `cuda_graph_batch_sizes`: decode batch sizes to capture as CUDA graphs (empty: off);
     a decode step of S sequences replays the smallest captured size >= S."""
 
-    full_block_tables = True  # engine.prepare(): tables cover seq_lens (the plugin reads this step's KV back)
+    full_block_tables = True  # model_runner.pack(): tables cover seq_lens (the plugin reads this step's KV back)
     pads_queries = False  # the plugin works on the packed tokens: one engine call per step
+    attention_impl = "plugin (TensorRT)"
 
     def __init__(self, build_dir: str | Path, manifest: Manifest, num_blocks: int, *, device: int = 0,
                  cuda_graph_batch_sizes: Sequence[int] = (), verify_checksums: bool = False):
         self.build_dir, self.manifest, self.num_blocks = Path(build_dir), manifest, num_blocks
         entry = engines_entry(manifest, self.build_dir)
-        limits = entry["limits"]
-        if not 2 <= num_blocks <= limits["max_num_blocks"]:
-            raise KvExportError(f"a KV pool of {num_blocks} blocks does not fit the engines (2..{limits['max_num_blocks']} "
+        limits = entry.limits
+        if not 2 <= num_blocks <= limits.max_num_blocks:
+            raise KvExportError(f"a KV pool of {num_blocks} blocks does not fit the engines (2..{limits.max_num_blocks} "
                                 f"blocks); lower the KV memory budget, or rebuild the engines with a larger "
                                 f"max_num_blocks")
-        bad = [b for b in cuda_graph_batch_sizes if not 1 <= b <= limits["max_num_seqs"]]
+        bad = [b for b in cuda_graph_batch_sizes if not 1 <= b <= limits.max_num_seqs]
         if bad:
-            raise KvExportError(f"CUDA graph batch sizes {bad} are outside the decode engine's 1..{limits['max_num_seqs']}")
-        self.limits = limits
+            raise KvExportError(f"CUDA graph batch sizes {bad} are outside the decode engine's 1..{limits.max_num_seqs}")
+        self.limits: EngineLimits = limits
         trt_version = require_tensorrt()
         gpu = cuda_device(device)
         check_engine_target(entry, trt_version, gpu)
         if verify_checksums:
-            for e in entry["engines"].values():
-                if sha256(self.build_dir / e["file"]) != e["sha256"]:
-                    raise KvExportError(f"{self.build_dir / e['file']} does not match its sha256 in the manifest; {_REBUILD}")
+            for e in entry.engines.values():
+                if sha256(self.build_dir / e.file) != e.sha256:
+                    raise KvExportError(f"{self.build_dir / e.file} does not match its sha256 in the manifest; {_REBUILD}")
         import tensorrt as trt
         import torch
 
@@ -217,9 +218,9 @@ class TensorRTBackend:
         self.pools = [torch.zeros(shape, dtype=pool_dtype, device="cuda") for _ in range(2 * kv.num_layers)]
         pool_names = [n for i in range(kv.num_layers) for n in (io.key_cache(i), io.value_cache(i))]
         self.stream = torch.cuda.Stream()
-        self.phases = {p: _Phase(self._runtime, self.build_dir / e["file"], e["profile"], pool_names, self.pools,
+        self.phases = {p: _Phase(self._runtime, self.build_dir / e.file, e.profile, pool_names, self.pools,
                                  self.stream)
-                       for p, e in entry["engines"].items()}
+                       for p, e in entry.engines.items()}
         # one scratch allocation for every context of both engines (they never run concurrently)
         size = max(ph.engine.device_memory_size_v2 for ph in self.phases.values())
         self._scratch = torch.empty(max(size, 1), dtype=torch.uint8, device="cuda")
@@ -240,7 +241,7 @@ class TensorRTBackend:
         import torch
 
         dec = self.phases[io.Phase.DECODE.value]
-        width = self.limits["max_blocks_per_seq"]
+        width = self.limits.max_blocks_per_seq
         none: np.ndarray = np.zeros(0, np.int64)
         empty = ModelInput(none, none, np.zeros(1, np.int64), none, np.zeros((0, 1), np.int64), none)
         with torch.cuda.stream(self.stream):
@@ -259,14 +260,15 @@ class TensorRTBackend:
     def _check_limits(self, inp: ModelInput) -> None:
         s, t, w = len(inp.seq_lens), len(inp.token_ids), inp.block_tables.shape[1]
         lim = self.limits
-        max_t = lim["max_num_seqs"] if inp.is_decode else lim["max_num_batched_tokens"]
-        if s > lim["max_num_seqs"] or t > max_t or w > lim["max_blocks_per_seq"]:
+        max_t = lim.max_num_seqs if inp.is_decode else lim.max_num_batched_tokens
+        if s > lim.max_num_seqs or t > max_t or w > lim.max_blocks_per_seq:
             raise KvExportError(f"a step of {s} sequences, {t} tokens, {w} blocks per sequence exceeds the engines' "
                                 f"limits {lim}; configure the engine's max_num_seqs / max_num_batched_tokens / "
                                 f"max_model_len within them, or rebuild the engines with larger ones")
 
-    def execute(self, inp: ModelInput) -> np.ndarray:
-        """Run one step (the plugin stores its K/V in the pools); logits [S, vocab] float32."""
+    def execute(self, inp: ModelInput, all_tokens: bool = False) -> np.ndarray:
+        """Run one step (the plugin stores its K/V in the pools); logits [S, vocab] float32,
+        or [T, vocab] with `all_tokens` (an --all-logits build's prefill)."""
         import torch
 
         self._check_limits(inp)
@@ -276,7 +278,7 @@ class TensorRTBackend:
         with torch.cuda.stream(self.stream):
             if graph_b is not None:
                 ctx, graph = phase.graphs[graph_b]
-                phase.load(pad_decode(inp, graph_b, self.limits["max_blocks_per_seq"]), ctx)
+                phase.load(pad_decode(inp, graph_b, self.limits.max_blocks_per_seq), ctx)
                 graph.replay()
             else:
                 assert phase.context is not None  # created in __init__
@@ -284,6 +286,6 @@ class TensorRTBackend:
                 phase.run(phase.context)
             rows = len(inp.token_ids) if (self.manifest.all_logits and not inp.is_decode) else s
             logits = phase.logits[:rows * phase.vocab].view(rows, phase.vocab).float().cpu().numpy()
-        if self.manifest.all_logits and not inp.is_decode:
+        if self.manifest.all_logits and not inp.is_decode and not all_tokens:
             logits = logits[inp.query_start_loc[1:] - 1]
         return logits

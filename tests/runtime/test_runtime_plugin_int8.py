@@ -90,7 +90,7 @@ def test_int8_plugin_build_serves_the_same_tokens_as_the_int8_onnx_build(llama, 
     prompts = prompts_(6, seed=3, lo=10, hi=30)
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     llm = LLM(out, kv_cache_memory=14 * 4 * mp.kv.bytes_per_token, max_num_batched_tokens=16)
-    assert llm.engine.backend.native_op is not None and llm.engine.backend.pools[0].dtype == np.int8
+    assert llm.engine.backend.attention_impl == "plugin (native CPU op)" and llm.engine.backend.pools[0].dtype == np.int8
     got = llm.generate(prompts, params)
     assert llm.engine.scheduler.num_preemptions > 0
     want = LLM(onnx_out).generate(prompts, params)

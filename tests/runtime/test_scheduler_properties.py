@@ -1,6 +1,7 @@
 """Properties of the scheduler over the real KV manager under random add / step / abort
 traffic (hypothesis). No model is needed: a step "computes" what was scheduled and samples
-a deterministic token, which is all the scheduler sees of a model.
+a deterministic token (or fails one request's part of the step), which is all the
+scheduler sees of a model; `update_from_output` applies the stop rules.
 
 After every step: no block is held twice by one request; a block held by several requests
 has a ref count equal to its holders and is a shared cached prefix block; the step's
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 
 from kvexport.runtime.block_pool import BlockPool
 from kvexport.runtime.kv_cache_manager import KVCacheManager
+from kvexport.runtime.model_runner import ModelRunnerOutput, SampledToken
 from kvexport.runtime.sampling import SamplerState, SamplingParams
 from kvexport.runtime.scheduler import Scheduler, SchedulerConfig, Status
 
@@ -24,6 +26,7 @@ ops = st.lists(st.one_of(
     st.tuples(st.just("add"), st.sampled_from([(), (1, 2, 3, 4, 5, 6, 7, 8)]),
               st.lists(st.integers(0, 9), min_size=0, max_size=14), st.integers(1, 6)),
     st.tuples(st.just("step")),
+    st.tuples(st.just("fail"), st.integers(0, 30)),
     st.tuples(st.just("abort"), st.integers(0, 30)),
 ), min_size=1, max_size=60)
 
@@ -39,24 +42,28 @@ def test_scheduler_invariants(ops, num_blocks, budget, max_seqs, caching, window
     ids = []
 
     def finish_done():
-        for req in list(sched.running):
-            if len(req.output_token_ids) >= req.params.max_tokens or req.num_tokens >= sched.max_model_len:
-                sched.finish(req.request_id, "length")
+        for req in sched.running:
+            assert len(req.output_token_ids) < req.params.max_tokens and req.num_tokens < sched.max_model_len
         for rid in ids:
             r = sched.requests[rid]
             if r.status is Status.FINISHED and rid not in seen_finished:
                 seen_finished.add(rid)
                 finished[rid] += 1
 
-    def step():
+    def step(fail: int | None = None):
         out = sched.schedule()
         assert out.num_batched_tokens <= budget
         assert len(out.scheduled) <= max_seqs
         assert len({s.request_id for s in out.scheduled}) == len(out.scheduled)
         for s in out.scheduled:
             assert len(s.slot_mapping) == len(s.token_ids)
-        sampled = {s.request_id: (s.start_pos * 7 + 3) % 10 for s in out.scheduled if s.samples}
-        sched.update(out, sampled)
+        failed = {out.scheduled[fail % len(out.scheduled)].request_id: "injected"} if fail is not None and out.scheduled else {}
+        sampled = {s.request_id: SampledToken((s.start_pos * 7 + 3) % 10, None, None)
+                   for s in out.scheduled if s.samples and s.request_id not in failed}
+        changed = sched.update_from_output(out, ModelRunnerOutput(sampled, failed))
+        for c in changed:
+            if c.request_id in failed:
+                assert c.finish_reason == "error" and sched.requests[c.request_id].status is Status.FINISHED
         finish_done()
         check()
         return out
@@ -86,6 +93,8 @@ def test_scheduler_invariants(ops, num_blocks, budget, max_seqs, caching, window
             finish_done()
         elif op[0] == "step":
             step()
+        elif op[0] == "fail":
+            step(fail=op[1])
         elif ids:
             sched.abort(ids[op[1] % len(ids)])
             finish_done()
@@ -111,9 +120,9 @@ def test_a_lone_request_longer_than_the_pool_stops_at_the_pool_size():
     req = sched.new_request("a", list(range(10)), params, SamplerState.create(params))
     for _ in range(20):
         out = sched.schedule()
-        sched.update(out, {s.request_id: 1 for s in out.scheduled if s.samples})
-        if req.num_tokens >= sched.max_model_len:
-            sched.finish("a", "length")
+        sampled = {s.request_id: SampledToken(1, None, None) for s in out.scheduled if s.samples}
+        sched.update_from_output(out, ModelRunnerOutput(sampled, {}))
+        if req.status is Status.FINISHED:
             break
-    assert req.status is Status.FINISHED and req.num_tokens == 12 and sched.num_preemptions == 0
+    assert req.finish_reason == "length" and req.num_tokens == 12 and sched.num_preemptions == 0
     assert pool.num_used_blocks == 0

@@ -69,18 +69,20 @@ def _greedy(build_dir, backend_factory) -> list[list[int]]:
 def test_engine_entry_and_files(builds):
     _, plug = builds
     m = mf.load(plug)
-    assert m.engines["plugin"]["id"] == "kvexport::PagedAttention" and m.engines["plugin"]["version"] == "1"
+    assert m.engines is not None
+    assert m.engines.plugin.id == "kvexport::PagedAttention" and m.engines.plugin.version == "1"
     for phase in ("prefill", "decode"):
-        assert (plug / m.engines["engines"][phase]["file"]).is_file()
-    assert (plug / m.engines["timing_cache"]).is_file()
+        assert (plug / m.engines.engines[phase].file).is_file()
+    assert (plug / m.engines.timing_cache).is_file()
+    assert m.engines.limits.max_num_blocks == NUM_BLOCKS and m.engines.limits.max_num_seqs == 8
 
 
 @pytest.mark.parametrize("graph_sizes", [(), (1, 2, 4, 8)], ids=["eager", "cuda-graphs"])
 def test_greedy_tokens_match_onnxruntime(builds, graph_sizes):
-    from kvexport.runtime.onnx_backend import OnnxRuntimeBackend
+    from kvexport.runtime.ort_backends import ort_backend
     from kvexport.runtime.trt_backend import TensorRTBackend
 
     ref, plug = builds
-    expected = _greedy(ref, lambda d, m: OnnxRuntimeBackend(d, m, NUM_BLOCKS))
+    expected = _greedy(ref, lambda d, m: ort_backend(d, m, NUM_BLOCKS))
     got = _greedy(plug, lambda d, m: TensorRTBackend(d, m, NUM_BLOCKS, cuda_graph_batch_sizes=graph_sizes))
     assert got == expected

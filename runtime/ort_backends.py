@@ -1,0 +1,238 @@
+"""The onnxruntime backends: run a `paged` build's prefill/decode graphs on one step's
+`ModelInput` and keep the KV block pools (numpy, host memory). One small class per way the
+attention runs:
+
+    OnnxAttentionBackend   `--attention onnx`: standard ops; the graph reads the pools and
+                           returns this step's K/V, which the backend stores at slot_mapping
+    NativeOpBackend        `--attention plugin` with the native CPU PagedAttention op: each
+                           pool is bound as the op's input and its aliased output (in place)
+    ReferenceOpBackend     `--attention plugin` with the float64 torch reference as an
+                           onnxruntime-extensions PyOp (slow: copies the pools; proves the
+                           plugin graphs anywhere)
+
+`ort_backend()` picks one for a build. Every backend memory-maps the weights file once and
+hands each external weight to both sessions as a shared initializer, so the weights are in
+memory once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+
+from kvexport import io
+from kvexport.errors import KvExportError
+from kvexport.manifest import Manifest
+
+from .model_input import ModelInput
+
+log = logging.getLogger(__name__)
+
+ORT_KINDS = ("auto", "onnx", "native", "reference")
+
+
+def _providers() -> list[str]:
+    import onnxruntime as ort
+
+    available = ort.get_available_providers()
+    return [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
+
+
+def _shared_initializers(build_dir: Path, graph_file: str, weights: np.memmap) -> dict:
+    """name -> OrtValue viewing the memory-mapped weights file, for every external weight."""
+    import onnx
+    import onnxruntime as ort
+
+    model = onnx.load(str(build_dir / graph_file), load_external_data=False)
+    out = {}
+    for t in model.graph.initializer:
+        if t.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        meta = {e.key: e.value for e in t.external_data}
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(t.data_type)
+        start, length = int(meta["offset"]), int(meta["length"])
+        arr = weights[start:start + length].view(dtype).reshape(tuple(t.dims))
+        out[t.name] = ort.OrtValue.ortvalue_from_numpy(arr)
+    return out
+
+
+class _OrtBackend:
+    """What every onnxruntime backend shares: weights, sessions, pools, the logits rows."""
+
+    full_block_tables = False  # plugin attention: block tables cover this step's blocks too
+    pads_queries = False  # a call costs its longest query chunk times its sequences
+    attention_impl = ""
+
+    def __init__(self, build_dir: str | Path, manifest: Manifest, num_blocks: int, threads: int | None = None,
+                 providers: list[str] | None = None):
+        if manifest.kv.layout != io.KVLayout.PAGED.value:
+            raise KvExportError(f"the runtime serves paged builds; {build_dir} has layout "
+                                f"{manifest.kv.layout!r}: rebuild with `--layout paged`")
+        if num_blocks < 2:
+            raise KvExportError(f"the KV pool needs at least 2 blocks (one is the pad block), got {num_blocks}")
+        self.build_dir, self.manifest, self.num_blocks = Path(build_dir), manifest, num_blocks
+        self.kv = kv = manifest.kv
+        self.threads = threads
+        self.providers = providers or _providers()
+        self._weights = np.memmap(self.build_dir / manifest.weights["file"], dtype=np.uint8, mode="r")
+        # NOTE: the OrtValues view the memmap; keep both alive as long as the sessions
+        self._init = _shared_initializers(self.build_dir, manifest.graphs["prefill"].file, self._weights)
+        dtype = np.dtype(io.DType(kv.dtype).numpy_name)
+        shape = io.paged_pool_shape(num_blocks, kv.num_kv_heads, kv.block_size, kv.head_dim)
+        # [K_0, V_0, K_1, V_1, ...], each [kv_heads, num_blocks, block_size, head_dim]
+        self.pools = [np.zeros(shape, dtype) for _ in range(2 * kv.num_layers)]
+        self._pool_names = [n for i in range(kv.num_layers) for n in (io.key_cache(i), io.value_cache(i))]
+        self.sessions = {phase: self._open(self.build_dir / entry.file) for phase, entry in manifest.graphs.items()}
+
+    def session_options(self):
+        import onnxruntime as ort
+
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        so.intra_op_num_threads = self.threads or (os.cpu_count() or 1)
+        so.inter_op_num_threads = 1
+        for name, value in self._init.items():
+            so.add_initializer(name, value)
+        return so
+
+    def _open(self, path: Path):
+        import onnxruntime as ort
+
+        return ort.InferenceSession(str(path), self.session_options(), providers=self.providers)
+
+    @property
+    def pool_bytes(self) -> int:
+        return sum(p.nbytes for p in self.pools)
+
+    def execute(self, inp: ModelInput, all_tokens: bool = False) -> np.ndarray:
+        """Run one step (storing its K/V in the pools); logits [S, vocab] float32, or
+        [T, vocab] with `all_tokens` (an --all-logits build's prefill)."""
+        logits = self._run(self.sessions[inp.phase.value], inp)
+        if self.manifest.all_logits and not inp.is_decode and not all_tokens:
+            logits = logits[inp.query_start_loc[1:] - 1]
+        return logits.astype(np.float32, copy=False)
+
+    def _run(self, sess, inp: ModelInput) -> np.ndarray:
+        raise NotImplementedError
+
+
+class OnnxAttentionBackend(_OrtBackend):
+    """`--attention onnx`. NOTE: the graphs read the pool but never write it (ONNX has no
+    in-place update; kvexport/io.py): after each run the backend stores the step's new K/V
+    at slot_mapping."""
+
+    pads_queries = True  # the model runner groups a step's chunks by length
+    attention_impl = "onnx"
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self._out_names = [io.LOGITS] + [f(i) for i in range(self.kv.num_layers) for f in (io.new_key, io.new_value)]
+
+    def _run(self, sess, inp: ModelInput) -> np.ndarray:
+        feeds = inp.feeds()
+        feeds.update(zip(self._pool_names, self.pools))
+        outs = sess.run(self._out_names, feeds)
+        for pool, new in zip(self.pools, outs[1:]):
+            io.store_paged_kv(pool, inp.slot_mapping, new)
+        return outs[0]
+
+
+class _PluginBackend(_OrtBackend):
+    full_block_tables = True  # the op stores this step's K/V first and reads it back
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self._out_names = [io.LOGITS] + [f(i) for i in range(self.kv.num_layers)
+                                         for f in (io.key_cache_out, io.value_cache_out)]
+
+
+class NativeOpBackend(_PluginBackend):
+    """`--attention plugin` on the native CPU PagedAttention op (plugins/paged_attention/cpu/).
+    One IOBinding per session, made once, with each pool bound as both its input and its
+    aliased output (updated in place); a step binds only its metadata and the logits."""
+
+    attention_impl = "plugin (native CPU op)"
+
+    def __init__(self, build_dir, manifest, num_blocks, threads=None, providers=None, *, library: Path):
+        self.library = Path(library)
+        # the op is a CPU kernel and the pools live in host memory
+        super().__init__(build_dir, manifest, num_blocks, threads, ["CPUExecutionProvider"])
+        import onnxruntime as ort
+
+        self._pool_values = [ort.OrtValue.ortvalue_from_numpy(p) for p in self.pools]
+        self._bindings = {phase: self.in_place_binding(sess) for phase, sess in self.sessions.items()}
+
+    def session_options(self):
+        so = super().session_options()
+        so.register_custom_ops_library(str(self.library))
+        return so
+
+    def in_place_binding(self, sess):
+        """An IOBinding of `sess` with every pool bound as both its input and its aliased
+        output; logits are output 0."""
+        b = sess.io_binding()
+        b.bind_output(io.LOGITS)
+        for name, out_name, value in zip(self._pool_names, self._out_names[1:], self._pool_values):
+            b.bind_ortvalue_input(name, value)
+            b.bind_ortvalue_output(out_name, value)
+        return b
+
+    def _run(self, sess, inp: ModelInput) -> np.ndarray:
+        binding = self._bindings[inp.phase.value]
+        for name, arr in inp.feeds().items():
+            binding.bind_cpu_input(name, np.ascontiguousarray(arr, dtype=np.int64))
+        binding.bind_output(io.LOGITS)  # rebound (still output 0): allocated at this step's shape
+        sess.run_with_iobinding(binding)
+        return binding.get_outputs()[0].numpy()
+
+
+class ReferenceOpBackend(_PluginBackend):
+    """`--attention plugin` with the float64 torch reference PagedAttention as a PyOp
+    (plugins/paged_attention/ort.py). The graph returns the updated pools."""
+
+    attention_impl = "plugin (reference PyOp)"
+
+    def _open(self, path: Path):
+        from kvexport.plugins.paged_attention.ort import plugin_session
+
+        return plugin_session(path, self.threads, self._init)
+
+    def _run(self, sess, inp: ModelInput) -> np.ndarray:
+        feeds = inp.feeds()
+        feeds.update(zip(self._pool_names, self.pools))
+        outs = sess.run(self._out_names, feeds)
+        self.pools = list(outs[1:])
+        return outs[0]
+
+
+def ort_backend(build_dir: str | Path, manifest: Manifest, num_blocks: int, threads: int | None = None,
+                kind: str = "auto", providers: list[str] | None = None) -> _OrtBackend:
+    """The onnxruntime backend for a build. kind "auto": the `onnx` attention's backend, or
+    for plugin builds the native CPU op when it is built and covers the build's dtypes,
+    else the reference op (with a warning). "onnx" / "native" / "reference" force one
+    (an error when it cannot run this build)."""
+    if kind not in ORT_KINDS:
+        raise KvExportError(f"onnxruntime backend kind must be one of {ORT_KINDS}, got {kind!r}")
+    plugin = manifest.kv.attention == io.Attention.PLUGIN.value
+    if not plugin:
+        if kind not in ("auto", "onnx"):
+            raise KvExportError(f"{build_dir} uses the `onnx` attention; the {kind!r} PagedAttention op needs a "
+                                f"`--attention plugin` build")
+        return OnnxAttentionBackend(build_dir, manifest, num_blocks, threads, providers)
+    if kind == "onnx":
+        raise KvExportError(f"{build_dir} is a `--attention plugin` build: it runs with the native or the reference op")
+    if kind == "reference":
+        return ReferenceOpBackend(build_dir, manifest, num_blocks, threads, providers)
+    from kvexport.plugins.paged_attention import native
+
+    lib, why_not = native.library_for(manifest)
+    if lib is None:
+        if kind == "native":
+            raise KvExportError(f"the native CPU PagedAttention op cannot run {build_dir}: {why_not}")
+        log.warning("running the plugin graphs of %s with the reference PagedAttention (slow): %s", build_dir, why_not)
+        return ReferenceOpBackend(build_dir, manifest, num_blocks, threads, providers)
+    return NativeOpBackend(build_dir, manifest, num_blocks, threads, library=lib)
