@@ -28,11 +28,11 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from kvexport import io
 from kvexport import manifest as mf
 from kvexport.plugins.paged_attention import native
 from kvexport.plugins.paged_attention.reference import make_case
-from kvexport.runtime.onnx_backend import ModelInput, OnnxRuntimeBackend
+from kvexport.runtime.model_input import ModelInput
+from kvexport.runtime.ort_backends import ort_backend
 
 RNG_SEED = 0
 
@@ -100,45 +100,30 @@ def model_steps(build: Path) -> dict:
     out = {"build": str(build), "attention": m.kv.attention, "kv_dtype": m.kv.dtype}
     for kind in ("decode", "prefill"):
         inp, num_blocks, ctx = model_input(kind, m.kv.block_size)
-        be = OnnxRuntimeBackend(build, m, num_blocks)
+        be = ort_backend(build, m, num_blocks)
         if not be.full_block_tables:  # `onnx` attention: tables cover the pool part only
             inp = ModelInput(inp.token_ids, inp.positions, inp.query_start_loc, inp.seq_lens,
                              inp.block_tables[:, :max(1, int(-(-ctx.max() // m.kv.block_size)))], inp.slot_mapping)
         calls = [inp]
-        if be.pads_queries and not inp.is_decode:  # as engine.execute() runs it: prompt chunk and decodes apart
+        if be.pads_queries and not inp.is_decode:  # as the model runner runs it: prompt chunk and decodes apart
             q_len = np.diff(inp.query_start_loc)
             calls = [subset(inp, np.flatnonzero(q_len > 1).tolist()), subset(inp, np.flatnonzero(q_len == 1).tolist())]
         ms = time_calls(lambda: [be.execute(c) for c in calls], n=5, warmup=2)
         out[kind] = {"tokens": int(len(inp.token_ids)), "sequences": int(len(inp.seq_lens)), "graph_calls": len(calls),
-                     "mean_context": float(ctx.mean()), "step_ms": round(ms, 1), "ops": profile(be, calls, m)}
+                     "mean_context": float(ctx.mean()), "step_ms": round(ms, 1),
+                     "ops": profile(build, m, num_blocks, calls)}
     return out
 
 
-def profile(be: OnnxRuntimeBackend, calls: list[ModelInput], m) -> dict:
+def profile(build: Path, m, num_blocks: int, calls: list[ModelInput]) -> dict:
     """onnxruntime's per-node profile of the step, summed by op type (ms, share)."""
     agg: collections.Counter = collections.Counter()
     runs = 3
-    for inp in calls:
-        so = ort.SessionOptions()
-        so.log_severity_level = 3
-        so.enable_profiling = True
-        so.profile_file_prefix = os.path.join(tempfile.mkdtemp(), "prof")
-        so.intra_op_num_threads = os.cpu_count() or 1
-        for name, value in be._init.items():
-            so.add_initializer(name, value)
-        if be.native_op is not None:
-            so.register_custom_ops_library(str(be.native_op))
-        phase = io.Phase.DECODE.value if inp.is_decode else io.Phase.PREFILL.value
-        sess = ort.InferenceSession(str(be.build_dir / m.graphs[phase].file), so, providers=["CPUExecutionProvider"])
-        feeds = {io.INPUT_IDS: inp.token_ids, io.POSITIONS: inp.positions, io.QUERY_START_LOC: inp.query_start_loc,
-                 io.SEQ_LENS: inp.seq_lens, io.BLOCK_TABLES: inp.block_tables, io.SLOT_MAPPING: inp.slot_mapping}
-        binding = be.in_place_binding(sess) if be.native_op is not None else None
-        for _ in range(runs):
-            if binding is not None:
-                be._run_in_place(sess, binding, feeds)
-            else:
-                sess.run(None, {**feeds, **dict(zip(be._pool_names, be.pools))})
-        path = sess.end_profiling()
+    be = ort_backend(build, m, num_blocks, profile_prefix=os.path.join(tempfile.mkdtemp(), "prof"))
+    for _ in range(runs):
+        for inp in calls:
+            be.execute(inp)
+    for path in be.end_profiling():
         for e in json.load(open(path)):
             if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"):
                 agg[e["args"]["op_name"]] += e["dur"]

@@ -39,37 +39,27 @@ PROMPTS = [
 
 
 def nll_paged(build_dir: Path, ids: list[int], window: int, chunk: int) -> tuple[float, int]:
-    """Sum of next-token negative log-likelihoods over windows of the text, and the count."""
-    from kvexport import io
+    """Sum of next-token negative log-likelihoods over windows of the text, and the count.
+    Runs the runtime's own backend and model runner (all-token logits of each chunk)."""
     from kvexport import manifest as mf
-    from kvexport.runtime.onnx_backend import OnnxRuntimeBackend
+    from kvexport.runtime.model_runner import ModelRunner, chunk as scheduled_chunk
+    from kvexport.runtime.ort_backends import ort_backend
 
     m = mf.load(build_dir)
     bs = m.kv.block_size
-    backend = OnnxRuntimeBackend(build_dir, m, num_blocks=1 + -(-window // bs))
-    sess = backend.sessions["prefill"]
+    table = list(range(1, 1 + -(-window // bs)))
     total, count = 0.0, 0
     for w0 in range(0, len(ids) - 1, window):
         win = ids[w0:w0 + window]
         if len(win) < 2:
             break
-        table = np.arange(1, 1 + -(-len(win) // bs), dtype=np.int64)[None, :]
+        # a fresh pool per window (the window's blocks are reused, as a new sequence would)
+        runner = ModelRunner(ort_backend(build_dir, m, num_blocks=1 + len(table)), bs)
         for c0 in range(0, len(win), chunk):
             part = win[c0:c0 + chunk]
-            pos = np.arange(c0, c0 + len(part), dtype=np.int64)
-            feeds = {io.INPUT_IDS: np.array(part, np.int64), io.POSITIONS: pos,
-                     io.QUERY_START_LOC: np.array([0, len(part)], np.int64),
-                     io.SEQ_LENS: np.array([c0 + len(part)], np.int64),
-                     io.BLOCK_TABLES: np.ascontiguousarray(table[:, :-(-c0 // bs)] if c0 else table[:, :0]),
-                     io.SLOT_MAPPING: table[0, pos // bs] * bs + pos % bs}
-            for i in range(m.kv.num_layers):
-                feeds[io.key_cache(i)], feeds[io.value_cache(i)] = backend.pools[2 * i], backend.pools[2 * i + 1]
-            outs = sess.run(None, feeds)
-            for pool, new in zip(backend.pools, outs[1:]):
-                io.store_paged_kv(pool, feeds[io.SLOT_MAPPING], new)
-            logits = outs[0].astype(np.float64)  # [len(part), vocab]
+            logits = runner.logits([scheduled_chunk("w", part, c0, table, bs)], all_tokens=True).astype(np.float64)
             targets = win[c0 + 1:c0 + len(part) + 1]
-            logits = logits[:len(targets)]
+            logits = logits[:len(targets)]  # [len(targets), vocab]
             lse = np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1)) + logits.max(1)
             total += float((lse - logits[np.arange(len(targets)), targets]).sum())
             count += len(targets)

@@ -24,11 +24,11 @@ def create_backend(build_dir: Path, manifest: Manifest, config: EngineConfig, nu
         if not manifest.engines:
             raise KvExportError(f"{build_dir} has no TensorRT engines: build them with "
                                 f"`kvexport engines {build_dir}` (needs TensorRT and a GPU)")
-        lim = manifest.engines["limits"]
-        config = replace(config, max_num_seqs=min(config.max_num_seqs, lim["max_num_seqs"]),
-                         max_num_batched_tokens=min(config.max_num_batched_tokens, lim["max_num_batched_tokens"]),
-                         max_model_len=min(config.max_model_len or lim["max_seq_len"], lim["max_seq_len"]))
-        backend = TensorRTBackend(build_dir, manifest, min(num_blocks, lim["max_num_blocks"]),
+        lim = manifest.engines.limits
+        config = replace(config, max_num_seqs=min(config.max_num_seqs, lim.max_num_seqs),
+                         max_num_batched_tokens=min(config.max_num_batched_tokens, lim.max_num_batched_tokens),
+                         max_model_len=min(config.max_model_len or lim.max_seq_len, lim.max_seq_len))
+        backend = TensorRTBackend(build_dir, manifest, min(num_blocks, lim.max_num_blocks),
                                   cuda_graph_batch_sizes=config.cuda_graph_batch_sizes)
         return backend, config
     from .ort_backends import ort_backend

@@ -67,7 +67,7 @@ class _OrtBackend:
     attention_impl = ""
 
     def __init__(self, build_dir: str | Path, manifest: Manifest, num_blocks: int, threads: int | None = None,
-                 providers: list[str] | None = None):
+                 providers: list[str] | None = None, profile_prefix: str | None = None):
         if manifest.kv.layout != io.KVLayout.PAGED.value:
             raise KvExportError(f"the runtime serves paged builds; {build_dir} has layout "
                                 f"{manifest.kv.layout!r}: rebuild with `--layout paged`")
@@ -76,8 +76,9 @@ class _OrtBackend:
         self.build_dir, self.manifest, self.num_blocks = Path(build_dir), manifest, num_blocks
         self.kv = kv = manifest.kv
         self.threads = threads
+        self.profile_prefix = profile_prefix  # onnxruntime profiling of every run, to files with this prefix
         self.providers = providers or _providers()
-        self._weights = np.memmap(self.build_dir / manifest.weights["file"], dtype=np.uint8, mode="r")
+        self._weights = np.memmap(self.build_dir / manifest.weights.file, dtype=np.uint8, mode="r")
         # NOTE: the OrtValues view the memmap; keep both alive as long as the sessions
         self._init = _shared_initializers(self.build_dir, manifest.graphs["prefill"].file, self._weights)
         dtype = np.dtype(io.DType(kv.dtype).numpy_name)
@@ -95,6 +96,9 @@ class _OrtBackend:
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         so.intra_op_num_threads = self.threads or (os.cpu_count() or 1)
         so.inter_op_num_threads = 1
+        if self.profile_prefix:
+            so.enable_profiling = True
+            so.profile_file_prefix = self.profile_prefix
         for name, value in self._init.items():
             so.add_initializer(name, value)
         return so
@@ -107,6 +111,10 @@ class _OrtBackend:
     @property
     def pool_bytes(self) -> int:
         return sum(p.nbytes for p in self.pools)
+
+    def end_profiling(self) -> list[str]:
+        """The profile files (onnxruntime JSON) of a backend made with `profile_prefix`."""
+        return [sess.end_profiling() for sess in self.sessions.values()]
 
     def execute(self, inp: ModelInput, all_tokens: bool = False) -> np.ndarray:
         """Run one step (storing its K/V in the pools); logits [S, vocab] float32, or
@@ -157,10 +165,11 @@ class NativeOpBackend(_PluginBackend):
 
     attention_impl = "plugin (native CPU op)"
 
-    def __init__(self, build_dir, manifest, num_blocks, threads=None, providers=None, *, library: Path):
+    def __init__(self, build_dir, manifest, num_blocks, threads=None, providers=None, profile_prefix=None, *,
+                 library: Path):
         self.library = Path(library)
         # the op is a CPU kernel and the pools live in host memory
-        super().__init__(build_dir, manifest, num_blocks, threads, ["CPUExecutionProvider"])
+        super().__init__(build_dir, manifest, num_blocks, threads, ["CPUExecutionProvider"], profile_prefix)
         import onnxruntime as ort
 
         self._pool_values = [ort.OrtValue.ortvalue_from_numpy(p) for p in self.pools]
@@ -210,7 +219,8 @@ class ReferenceOpBackend(_PluginBackend):
 
 
 def ort_backend(build_dir: str | Path, manifest: Manifest, num_blocks: int, threads: int | None = None,
-                kind: str = "auto", providers: list[str] | None = None) -> _OrtBackend:
+                kind: str = "auto", providers: list[str] | None = None,
+                profile_prefix: str | None = None) -> _OrtBackend:
     """The onnxruntime backend for a build. kind "auto": the `onnx` attention's backend, or
     for plugin builds the native CPU op when it is built and covers the build's dtypes,
     else the reference op (with a warning). "onnx" / "native" / "reference" force one
@@ -222,11 +232,11 @@ def ort_backend(build_dir: str | Path, manifest: Manifest, num_blocks: int, thre
         if kind not in ("auto", "onnx"):
             raise KvExportError(f"{build_dir} uses the `onnx` attention; the {kind!r} PagedAttention op needs a "
                                 f"`--attention plugin` build")
-        return OnnxAttentionBackend(build_dir, manifest, num_blocks, threads, providers)
+        return OnnxAttentionBackend(build_dir, manifest, num_blocks, threads, providers, profile_prefix)
     if kind == "onnx":
         raise KvExportError(f"{build_dir} is a `--attention plugin` build: it runs with the native or the reference op")
     if kind == "reference":
-        return ReferenceOpBackend(build_dir, manifest, num_blocks, threads, providers)
+        return ReferenceOpBackend(build_dir, manifest, num_blocks, threads, providers, profile_prefix)
     from kvexport.plugins.paged_attention import native
 
     lib, why_not = native.library_for(manifest)
@@ -234,5 +244,5 @@ def ort_backend(build_dir: str | Path, manifest: Manifest, num_blocks: int, thre
         if kind == "native":
             raise KvExportError(f"the native CPU PagedAttention op cannot run {build_dir}: {why_not}")
         log.warning("running the plugin graphs of %s with the reference PagedAttention (slow): %s", build_dir, why_not)
-        return ReferenceOpBackend(build_dir, manifest, num_blocks, threads, providers)
-    return NativeOpBackend(build_dir, manifest, num_blocks, threads, library=lib)
+        return ReferenceOpBackend(build_dir, manifest, num_blocks, threads, providers, profile_prefix)
+    return NativeOpBackend(build_dir, manifest, num_blocks, threads, None, profile_prefix, library=lib)

@@ -89,8 +89,8 @@ class OutputProcessor:
         changed, stopped = [], []
         for o in outputs:
             st = self._states.get(o.request_id)
-            if st is None:
-                continue
+            if st is None or (st.output is not None and st.output.finished):
+                continue  # unknown, or finished already (a stop string ends it before the scheduler knows)
             reason, new_text = o.finish_reason, ""
             for tok in o.new_token_ids:
                 st.first_token_time = st.first_token_time or now

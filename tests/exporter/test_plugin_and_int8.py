@@ -44,7 +44,7 @@ def test_plugin_graph_matches_transformers_and_onnx_attention(hf_folder, tmp_pat
     ref, mr = build(src, tmp_path / "onnx", BuildOptions(validate=False, **OPTS))
     prompts = prompt_ids(None, mr.model["vocab_size"])
     forced = [[(7 * s + t) % 100 + 3 for t in range(6)] for s in range(len(prompts))]
-    a = PagedDriver(plug, mp).run(prompts, forced, 6)
+    a = PagedDriver(plug, mp, "reference").run(prompts, forced, 6)
     b = PagedDriver(ref, mr).run(prompts, forced, 6)
     assert max(float(np.abs(x - y).max()) for x, y in zip(a, b)) < 1e-4
 
@@ -114,7 +114,7 @@ def test_int8_onnx_attention_plugin_and_contiguous_agree(int8_builds):
     prompts = prompt_ids(None, p_m.model["vocab_size"])
     forced = [[5 + s + t for t in range(5)] for s in range(len(prompts))]
     a = PagedDriver(p_out, p_m).run(prompts, forced, 5)
-    b = PagedDriver(g_out, g_m).run(prompts, forced, 5)
+    b = PagedDriver(g_out, g_m, "reference").run(prompts, forced, 5)
     assert max(float(np.abs(x - y).max()) for x, y in zip(a, b)) < 1e-4
 
 
@@ -209,7 +209,7 @@ def test_fp16_plugin_graph_matches_fp16_onnx_attention(hf_folder, tmp_path):
     ref, mr = build(src, tmp_path / "o", BuildOptions(dtype=io.DType.FP16, validate=False, **OPTS))
     prompts = prompt_ids(None, mr.model["vocab_size"])
     forced = [[(5 * s + t) % 100 + 3 for t in range(4)] for s in range(len(prompts))]
-    a = PagedDriver(plug, mp).run(prompts, forced, 4)
+    a = PagedDriver(plug, mp, "reference").run(prompts, forced, 4)
     b = PagedDriver(ref, mr).run(prompts, forced, 4)
     # the plugin graph rounds q to fp16 too (the onnx attention keeps q in fp32): small differences
     assert max(float(np.abs(x.astype(np.float32) - y.astype(np.float32)).max()) for x, y in zip(a, b)) < 2e-2
