@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 from kvexport import __version__, io
 from kvexport.errors import BuildExistsError, ConfigError, ValidationError
-from kvexport.manifest import GraphEntry, KVSpec, Manifest, versions
+from kvexport.manifest import GraphEntry, KVSpec, Manifest, ModelEntry, WeightsEntry, versions
 
 from . import source
 from .families import FAMILIES, read_spec
@@ -51,7 +51,9 @@ class BuildOptions:
     allow_pickle: bool = False  # accept *.bin weights (loaded with weights_only=True)
     calibration_text: str | None = None  # int8 KV: text file for the scales (None: bundled Hamlet)
     calibration_tokens: int = 2048  # int8 KV: tokens of that text run through the model
-    backend: str = "onnx"  # "onnx" | "tensorrt": also build TensorRT engines (needs --attention plugin)
+    # the backend the build is for, named as the runtime's --backend: "onnxruntime" (ONNX graphs
+    # only) | "tensorrt" (also TensorRT engines; needs --attention plugin). "onnx" = onnxruntime
+    backend: str = "onnxruntime"
     engines: EngineBuildOptions | None = None  # TensorRT engine limits / precision; None: the defaults
 
     def __post_init__(self) -> None:
@@ -62,8 +64,10 @@ class BuildOptions:
         if self.kv_dtype is not None and self.kv_dtype not in (io.DType.FP32, io.DType.FP16, io.DType.INT8):
             raise ConfigError(f"--kv-dtype {self.kv_dtype.value} is not supported on the ONNX path; "
                               f"use fp32, fp16 or int8")
-        if self.backend not in ("onnx", "tensorrt"):
-            raise ConfigError(f"--backend must be onnx or tensorrt, got {self.backend!r}")
+        if self.backend == "onnx":  # the old name, kept for recipes written before
+            object.__setattr__(self, "backend", "onnxruntime")
+        if self.backend not in ("onnxruntime", "tensorrt"):
+            raise ConfigError(f"--backend must be onnxruntime or tensorrt, got {self.backend!r}")
         if self.backend == "tensorrt" and self.attention is not io.Attention.PLUGIN:
             raise ConfigError("--backend tensorrt needs --attention plugin (the engines run PagedAttention "
                               "as a TensorRT plugin)")
@@ -175,8 +179,7 @@ def _build_into(d: Path, src: source.ModelSource, opts: BuildOptions, progress: 
         for phase, (builder, gio) in graphs.items():
             name = io.PREFILL_GRAPH if phase is io.Phase.PREFILL else io.DECODE_GRAPH
             save_model(builder.to_model(io.WEIGHTS_FILE, doc=f"kvexport {phase.value} graph"), str(d / name))
-            entries[phase.value] = GraphEntry(name, [t.to_json() for t in gio.inputs],
-                                              [t.to_json() for t in gio.outputs], (d / name).stat().st_size)
+            entries[phase.value] = GraphEntry(name, gio.inputs, gio.outputs, (d / name).stat().st_size)
         tok_dir = None
         if tokenizer is not None:
             tokenizer.save_pretrained(d / io.TOKENIZER_DIR)
@@ -196,14 +199,14 @@ def _build_into(d: Path, src: source.ModelSource, opts: BuildOptions, progress: 
                      "the reference custom op (kvexport.plugins.paged_attention.ort), TensorRT with the plugin")
     manifest = Manifest(
         schema_version=io.SCHEMA_VERSION, kvexport_version=__version__, source=src.to_json(),
-        model=spec.to_json(), dtype=opts.dtype.value,
+        model=ModelEntry(spec.to_json()), dtype=opts.dtype.value,
         kv=KVSpec(opts.layout.value, opts.attention.value, kv_dtype.value,
                   opts.block_size if opts.layout is io.KVLayout.PAGED else 0, spec.num_layers,
                   spec.num_kv_heads, spec.head_dim,
                   io.kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, kv_dtype), max_len,
                   quantization),
-        graphs=entries, weights={"file": io.WEIGHTS_FILE, "bytes": weight_bytes, "parameters": n_params}, tokenizer=tok_dir,
-        all_logits=opts.all_logits, validation=None, tools=versions(), notes=notes)
+        graphs=entries, weights=WeightsEntry(io.WEIGHTS_FILE, weight_bytes, n_params), tokenizer=tok_dir,
+        all_logits=opts.all_logits, validation=None, tools=versions(), notes=tuple(notes))
 
     with progress("writing sample inputs"):
         manifest = replace(manifest, samples=write_samples(d, manifest))
@@ -213,13 +216,13 @@ def _build_into(d: Path, src: source.ModelSource, opts: BuildOptions, progress: 
             prompts = prompt_ids(tokenizer, spec.vocab_size)
             steps = min(opts.validate_steps, max_len - max(len(p) for p in prompts))
             result = validate(d, manifest, model, prompts, steps)
-        manifest = replace(manifest, validation=result.to_json())
+        manifest = replace(manifest, validation=result)
         if not result.passed:
             n = result.native_op
             raise ValidationError(
                 f"exported graphs disagree with transformers: max |Δ logits| {result.max_abs_diff:.3g} "
                 f"(tolerance {result.tolerance}), greedy tokens identical: {result.greedy_identical}"
-                + (f"; with the native CPU PagedAttention op: max |Δ logits| {n['max_abs_diff']:.3g}, "
-                   f"greedy tokens identical: {n['greedy_identical']}" if n else ""))
+                + (f"; with the native CPU PagedAttention op: max |Δ logits| {n.max_abs_diff:.3g}, "
+                   f"greedy tokens identical: {n.greedy_identical}" if n else ""))
     manifest.save(d)
     return manifest

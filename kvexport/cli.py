@@ -44,6 +44,41 @@ def main(verbose: bool) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
 
+def engine_options(f):
+    """The runtime settings as options: one definition (kvexport/runtime/config.py
+    `EngineConfig`), one set of defaults, for every command that runs an engine."""
+    from kvexport.runtime.config import BACKENDS, SETTINGS, EngineConfig
+
+    d = EngineConfig()
+    opts = [
+        click.option("--kv-cache-memory", default=d.kv_cache_memory, show_default=True, help=SETTINGS["kv_cache_memory"]),
+        click.option("--max-num-seqs", type=click.IntRange(min=1), default=d.max_num_seqs, show_default=True,
+                     help=SETTINGS["max_num_seqs"]),
+        click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=d.max_num_batched_tokens,
+                     show_default=True, help=SETTINGS["max_num_batched_tokens"]),
+        click.option("--max-model-len", type=click.IntRange(min=2), default=d.max_model_len,
+                     help=SETTINGS["max_model_len"]),
+        click.option("--prefix-caching/--no-prefix-caching", "enable_prefix_caching", default=d.enable_prefix_caching,
+                     show_default=True, help=SETTINGS["enable_prefix_caching"]),
+        click.option("--threads", type=click.IntRange(min=1), default=d.threads, help=SETTINGS["threads"]),
+        click.option("--backend", "backend", type=click.Choice(BACKENDS), default=d.backend, show_default=True,
+                     help=SETTINGS["backend"]),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def _engine_config(settings: dict):
+    """Pop the engine_options() values out of a command's keyword arguments."""
+    from dataclasses import fields
+
+    from kvexport.runtime.config import EngineConfig
+
+    names = {f.name for f in fields(EngineConfig)}
+    return EngineConfig(**{k: settings.pop(k) for k in list(settings) if k in names})
+
+
 def _rich_progress():
     """A progress callback for build(): one spinner line per step, with its duration."""
 
@@ -69,8 +104,10 @@ def _rich_progress():
 @click.option("--calibration-text", type=click.Path(exists=True, dir_okay=False),
               help="int8 KV: text to calibrate the scales on [bundled Shakespeare: Hamlet].")
 @click.option("--calibration-tokens", type=int, help="int8 KV: tokens of the text to use [2048].")
-@click.option("--backend", type=click.Choice(["onnx", "tensorrt"]),
-              help="tensorrt: also build TensorRT engines (needs --attention plugin, TensorRT and a GPU) [onnx].")
+@click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt", "onnx"]),
+              help="The backend the build is for, as the runtime's --backend: onnxruntime (ONNX graphs), or tensorrt "
+                   "(also TensorRT engines; needs --attention plugin, TensorRT and a GPU); onnx = onnxruntime "
+                   "[onnxruntime].")
 @click.option("--block-size", type=int, help="Tokens per KV block for the paged layout [16].")
 @click.option("--max-seq-len", type=int, help="Longest context served [model's max positions, capped at 32768].")
 @click.option("--all-logits", is_flag=True, default=None, help="Prefill returns logits for every token (perplexity).")
@@ -112,17 +149,16 @@ def build(model, out, layout, dtype, attention, kv_dtype, calibration_text, cali
 
 def _print_validation(manifest) -> None:
     v = manifest.validation
-    if not v:
+    if v is None:
         console.print("[yellow]validation skipped[/]")
         return
-    console.print(f"validation vs transformers: {v['prompts']} prompts (lengths {v['prompt_lengths']}), "
-                  f"{v['steps']} decode steps: max |Δ logits| {v['max_abs_diff']:.2e} "
-                  f"(tolerance {v['tolerance']}), greedy tokens identical: "
-                  f"{'yes' if v['greedy_identical'] else 'no'} ({100 * v['token_agreement']:.1f}% agree)")
-    if v.get("native_op"):
-        n = v["native_op"]
-        console.print(f"  with the native CPU PagedAttention op: max |Δ logits| {n['max_abs_diff']:.2e}, greedy tokens "
-                      f"identical: {'yes' if n['greedy_identical'] else 'no'} ({100 * n['token_agreement']:.1f}% agree)")
+    console.print(f"validation vs transformers: {v.prompts} prompts (lengths {list(v.prompt_lengths)}), "
+                  f"{v.steps} decode steps: max |Δ logits| {v.max_abs_diff:.2e} "
+                  f"(tolerance {v.tolerance}), greedy tokens identical: "
+                  f"{'yes' if v.greedy_identical else 'no'} ({100 * v.token_agreement:.1f}% agree)")
+    if (n := v.native_op) is not None:
+        console.print(f"  with the native CPU PagedAttention op: max |Δ logits| {n.max_abs_diff:.2e}, greedy tokens "
+                      f"identical: {'yes' if n.greedy_identical else 'no'} ({100 * n.token_agreement:.1f}% agree)")
 
 
 @main.command()
@@ -137,7 +173,8 @@ def engines(build_dir, max_num_seqs, max_num_batched_tokens, max_num_blocks, max
 
     m = add_engines(build_dir, EngineBuildOptions(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                                   max_num_blocks=max_num_blocks, max_seq_len=max_seq_len))
-    console.print(f"[bold green]engines ready:[/] {', '.join(e['file'] for e in m.engines['engines'].values())}")
+    assert m.engines is not None  # add_engines records them
+    console.print(f"[bold green]engines ready:[/] {', '.join(e.file for e in m.engines.engines.values())}")
 
 
 @main.command()
@@ -178,18 +215,15 @@ def inspect(build_dir):
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--chat", is_flag=True, help="Apply the tokenizer's chat template to each prompt.")
 @click.option("--stream", is_flag=True, help="Print tokens as they are generated (first prompt only).")
-@click.option("--kv-cache-memory", default="512MiB", show_default=True, help="KV pool budget, e.g. 2GiB.")
-@click.option("--backend", "runtime_backend", type=click.Choice(["onnxruntime", "tensorrt"]), default="onnxruntime",
-              show_default=True, help="Execution backend (tensorrt: the build's engines, needs TensorRT and a GPU).")
-def generate(build_dir, prompts, max_tokens, temperature, top_p, top_k, seed, stop, chat, stream, kv_cache_memory,
-             runtime_backend):
+@engine_options
+def generate(build_dir, prompts, max_tokens, temperature, top_p, top_k, seed, stop, chat, stream, **settings):
     """Generate text from a paged build with continuous batching (onnxruntime)."""
     from kvexport.runtime.llm import LLM
     from kvexport.runtime.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             seed=seed, stop=tuple(stop))
-    llm = LLM(build_dir, kv_cache_memory=kv_cache_memory, backend=runtime_backend)
+    llm = LLM(build_dir, _engine_config(settings))
     out = sys.stdout
     if stream:
         for o in llm.stream(prompts[0], params, chat=chat):
@@ -209,18 +243,12 @@ def generate(build_dir, prompts, max_tokens, temperature, top_p, top_k, seed, st
 @click.argument("build_dir", type=click.Path(exists=True, file_okay=False))
 @click.option("--trace", default="mixed-64", show_default=True, help="A shipped trace name or a trace JSON file.")
 @click.option("--limit", type=int, help="Serve only the first N requests of the trace.")
-@click.option("--kv-cache-memory", default="2GiB", show_default=True, help="KV pool budget (size or % of free memory).")
-@click.option("--max-num-seqs", type=int, default=64, show_default=True)
-@click.option("--max-num-batched-tokens", type=int, default=512, show_default=True)
-@click.option("--threads", type=int, help="onnxruntime intra-op threads [all cores].")
 @click.option("--json", "json_out", type=click.Path(), help="Also write the figures to this JSON file.")
 @click.option("--arrival-rate", type=float, help="Requests/s of a seeded Poisson arrival process [all at t=0].")
 @click.option("--prefix-ttft", type=int, metavar="TOKENS",
               help="Also measure TTFT of a request sharing a TOKENS-long prefix, prefix caching on vs off.")
-@click.option("--backend", "runtime_backend", type=click.Choice(["onnxruntime", "tensorrt"]), default="onnxruntime",
-              show_default=True, help="Execution backend (tensorrt: the build's engines, needs TensorRT and a GPU).")
-def bench(build_dir, trace, limit, kv_cache_memory, max_num_seqs, max_num_batched_tokens, threads, json_out,
-          arrival_rate, prefix_ttft, runtime_backend):
+@engine_options
+def bench(build_dir, trace, limit, json_out, arrival_rate, prefix_ttft, **settings):
     """Serve a fixed-seed request trace; report tokens/s, TTFT, TPOT, KV use, preemptions."""
     import json as _json
 
@@ -228,10 +256,8 @@ def bench(build_dir, trace, limit, kv_cache_memory, max_num_seqs, max_num_batche
 
     from kvexport.runtime.bench import prefix_ttft as run_prefix_ttft
     from kvexport.runtime.bench import run_bench
-    from kvexport.runtime.engine import EngineConfig
 
-    cfg = EngineConfig(kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
-                       max_num_batched_tokens=max_num_batched_tokens, threads=threads, backend=runtime_backend)
+    cfg = _engine_config(settings)
     with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console) as bar:
         task = bar.add_task("output tokens", total=None)
@@ -251,21 +277,13 @@ def bench(build_dir, trace, limit, kv_cache_memory, max_num_seqs, max_num_batche
 @click.argument("build_dir", type=click.Path(exists=True, file_okay=False))
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0 exposes the server).")
 @click.option("--port", type=int, default=8000, show_default=True)
-@click.option("--kv-cache-memory", default="512MiB", show_default=True, help="KV pool budget (size or % of free memory).")
-@click.option("--max-num-seqs", type=int, default=64, show_default=True)
-@click.option("--max-num-batched-tokens", type=int, default=512, show_default=True)
-@click.option("--threads", type=int, help="onnxruntime intra-op threads [all cores].")
 @click.option("--served-model-name", help="The model name clients must send [the build directory's name].")
-@click.option("--backend", "runtime_backend", type=click.Choice(["onnxruntime", "tensorrt"]), default="onnxruntime",
-              show_default=True, help="Execution backend (tensorrt: the build's engines, needs TensorRT and a GPU).")
-def serve(build_dir, host, port, kv_cache_memory, max_num_seqs, max_num_batched_tokens, threads, served_model_name,
-          runtime_backend):
+@engine_options
+def serve(build_dir, host, port, served_model_name, **settings):
     """Serve a paged build over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
-    from kvexport.runtime.engine import EngineConfig
     from kvexport.runtime.server import serve as run_server
 
-    cfg = EngineConfig(kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
-                       max_num_batched_tokens=max_num_batched_tokens, threads=threads, backend=runtime_backend)
+    cfg = _engine_config(settings)
     console.print(f"serving {build_dir} on http://{host}:{port}/v1")
     run_server(build_dir, host, port, cfg, served_model_name)
 
@@ -276,24 +294,17 @@ def serve(build_dir, host, port, kv_cache_memory, max_num_seqs, max_num_batched_
 @click.option("--name", help="Triton model name [the build directory's name].")
 @click.option("--copy-build/--link-build", default=False, show_default=True,
               help="Copy the build into the repository (self-contained), or point at it by relative path.")
-@click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt"]), default="onnxruntime", show_default=True,
-              help="Runtime backend (tensorrt needs TensorRT engines in the build).")
-@click.option("--kv-cache-memory", default="512MiB", show_default=True, help="KV pool budget per model instance.")
-@click.option("--max-num-seqs", type=int, default=64, show_default=True, help="Sequences batched per instance.")
-@click.option("--max-num-batched-tokens", type=int, default=512, show_default=True)
-@click.option("--threads", type=int, default=0, show_default=True, help="onnxruntime threads per instance (0 = all).")
 @click.option("--instances", type=int, default=1, show_default=True, help="Model instances (one engine each).")
 @click.option("--execution-env", type=click.Path(exists=True),
               help="Python environment that runs the model (EXECUTION_ENV_PATH) [python3 on tritonserver's PATH].")
 @click.option("--force", is_flag=True, help="Replace an existing repository.")
-def triton(build_dir, out, name, copy_build, backend, kv_cache_memory, max_num_seqs, max_num_batched_tokens, threads,
-           instances, execution_env, force):
+@engine_options
+def triton(build_dir, out, name, copy_build, instances, execution_env, force, **settings):
     """Write a Triton Inference Server model repository serving a paged build (decoupled, streaming)."""
     from kvexport.runtime.triton_repo import TritonRepoOptions, write_repository
 
-    opts = TritonRepoOptions(name=name, copy_build=copy_build, backend=backend, kv_cache_memory=kv_cache_memory,
-                             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                             threads=threads, instances=instances, execution_env=execution_env, force=force)
+    opts = TritonRepoOptions(engine=_engine_config(settings), name=name, copy_build=copy_build, instances=instances,
+                             execution_env=execution_env, force=force)
     model_dir = write_repository(build_dir, out, opts)
     console.print(f"[bold green]Triton model repository ready:[/] {model_dir.parent} (model {model_dir.name!r}); "
                   f"start it with `tritonserver --model-repository={model_dir.parent}` (see docs/DEPLOYMENT.md)")

@@ -25,7 +25,7 @@ class Recipe:
     kv_dtype: str | None = None  # "fp32" | "fp16" | "int8" (None: same as dtype)
     calibration_text: str | None = None  # int8 KV: text file for the scales
     calibration_tokens: int | None = None  # int8 KV: tokens of it used
-    backend: str | None = None  # "onnx" | "tensorrt" (also build TensorRT engines)
+    backend: str | None = None  # "onnxruntime" | "tensorrt" (also build TensorRT engines)
     engines: dict | None = None  # TensorRT engine options (exporter/tensorrt_build.EngineBuildOptions fields)
     block_size: int | None = None  # tokens per KV block
     max_seq_len: int | None = None  # tokens

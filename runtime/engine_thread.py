@@ -4,8 +4,9 @@
     front end ──submit/abort (inbox: queue.Queue)──▶ engine thread ──deliver(Event)──▶ front end's sink
 
 The engine is not thread-safe, so only this thread touches it: it takes new requests and
-aborts from a thread-safe inbox, calls `engine.step()` while work exists, and hands a copy
-of each changed output to the `deliver` callable of the request that owns it (called on
+aborts from a thread-safe inbox, calls `engine.step()` while work exists, and hands each
+changed output (a new object every step: safe to pass on) as an `Event` to the `deliver`
+callable of the request that owns it (called on
 the engine thread: it must be quick and must not block). `on_tick`, when given, runs on
 the engine thread after every step and at least every `IDLE_WAIT_S` while idle, so a front
 end can poll for cancelled requests or publish metrics without another thread.
@@ -32,7 +33,7 @@ IDLE_WAIT_S = 0.5  # longest the idle thread sleeps on its inbox before ticking 
 
 @dataclass(slots=True)
 class Event:
-    """A copy of one changed RequestOutput (the engine mutates its outputs in place)."""
+    """What one step added to one request, for the front end that owns it."""
     index: int  # choice index within the front end's request
     new_text: str
     new_token_ids: list[int]
@@ -129,10 +130,10 @@ class EngineThread:
 
     def _event(self, rid: str, o) -> Event:
         k = len(o.new_token_ids)
-        return Event(self._sinks[rid].index, o.new_text, list(o.new_token_ids), len(o.token_ids), o.finished,
+        return Event(self._sinks[rid].index, o.new_text, o.new_token_ids, len(o.token_ids), o.finished,
                      o.finish_reason, o.error,
-                     list(o.logprobs[-k:]) if o.logprobs is not None and k else None,
-                     [list(t) for t in o.top_logprobs[-k:]] if o.top_logprobs is not None and k else None)
+                     o.logprobs[-k:] if o.logprobs is not None and k else None,
+                     o.top_logprobs[-k:] if o.top_logprobs is not None and k else None)
 
     def _finish(self, rid: str) -> None:
         self.engine.pop_output(rid)

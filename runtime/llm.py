@@ -17,8 +17,12 @@ Prompt = str | list[int] | list[dict]  # text, token ids, or chat messages
 
 
 class LLM:
-    def __init__(self, build_dir: str | Path, **engine_options):
-        self.engine = LLMEngine(build_dir, EngineConfig(**engine_options))
+    def __init__(self, build_dir: str | Path, config: EngineConfig | None = None, **settings):
+        """`config`, or the runtime settings as keywords (EngineConfig's fields, e.g.
+        kv_cache_memory="1GiB", max_num_seqs=32); not both."""
+        if config is not None and settings:
+            raise KvExportError("pass an EngineConfig or settings as keywords, not both")
+        self.engine = LLMEngine(build_dir, config or EngineConfig(**settings))
 
     def _tokens(self, prompt: Prompt, chat: bool = False) -> list[int]:
         """A prompt -> checked token ids (runtime/requests.py); raises RequestError. Chat

@@ -1,0 +1,51 @@
+"""The runtime settings are defined once (runtime/config.py): every CLI command that runs
+an engine offers the same options with the same defaults, the Triton parameters are the
+same fields as strings (and round-trip), and bad values are clear errors naming the field."""
+
+import pytest
+from click.testing import CliRunner
+
+from kvexport.cli import main
+from kvexport.errors import ConfigError
+from kvexport.runtime.config import EngineConfig
+
+
+def _options(command):
+    return {p.name: p.default for p in main.commands[command].params if p.name in EngineConfig.__slots__}
+
+
+def test_every_serving_command_has_the_same_settings_and_defaults():
+    d = EngineConfig()
+    want = {f: getattr(d, f) for f in ("kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                                       "enable_prefix_caching", "threads", "backend")}
+    for command in ("generate", "bench", "serve", "triton"):
+        assert _options(command) == want, command
+
+
+def test_strings_round_trip():
+    c = EngineConfig(kv_cache_memory="1GiB", max_num_seqs=8, max_model_len=256, enable_prefix_caching=False,
+                     threads=2, cuda_graph_batch_sizes=(1, 2, 4))
+    assert EngineConfig.from_strings(c.to_strings()) == c
+    assert EngineConfig.from_strings(EngineConfig().to_strings()) == EngineConfig()
+    assert EngineConfig.from_strings({"threads": "0"}).threads is None  # Triton's "0 = all cores"
+
+
+@pytest.mark.parametrize("kw,field", [({"max_num_seqs": 0}, "max_num_seqs"), ({"threads": -3}, "threads"),
+                                      ({"backend": "cuda"}, "backend"), ({"kv_cache_memory": "lots"}, "size"),
+                                      ({"max_model_len": 1}, "max_model_len"), ({"max_num_batched_tokens": True},
+                                                                                "max_num_batched_tokens")])
+def test_bad_values_name_the_field(kw, field):
+    with pytest.raises(ConfigError, match=field):
+        EngineConfig(**kw)
+
+
+def test_bad_strings_name_the_setting():
+    with pytest.raises(ConfigError, match="unknown runtime setting"):
+        EngineConfig.from_strings({"max_num_seq": "4"})
+    with pytest.raises(ConfigError, match="max_num_seqs='many'"):
+        EngineConfig.from_strings({"max_num_seqs": "many"})
+
+
+def test_cli_refuses_out_of_range_settings(tmp_path):
+    r = CliRunner().invoke(main, ["generate", str(tmp_path), "hi", "--threads", "-3"])
+    assert r.exit_code == 2 and "--threads" in r.output
