@@ -83,3 +83,48 @@ def test_a_stopped_thread_refuses_new_work(tiny):
     worker.stop()
     with pytest.raises(KvExportError, match="stopped"):
         worker.submit([5, 6], SamplingParams(max_tokens=2), lambda ev: None)
+
+
+def test_a_request_that_breaks_the_backend_fails_alone_among_concurrent_ones(tiny):
+    """Injected failure: the real backend raises when the poison token id is in a step.
+    The poisoned request gets an error event; the concurrent ones finish normally, with
+    the tokens they get when served without it; bad token ids get an error event."""
+    clean = EngineThread(LLMEngine(tiny))
+    clean.start()
+    try:
+        expect = [_collect(clean, p) for p in ([5, 6, 7], [9, 10, 11, 12])]
+    finally:
+        clean.stop()
+    engine = LLMEngine(tiny)
+    real = engine.backend.execute
+
+    def execute(inp, all_tokens=False):
+        if 77 in inp.token_ids.tolist():
+            raise RuntimeError("injected backend failure")
+        return real(inp, all_tokens)
+
+    engine.backend.execute = execute
+    worker = EngineThread(engine)
+    worker.start()
+    try:
+        done, events = threading.Event(), {}
+
+        def sink(i):
+            def deliver(ev):
+                events.setdefault(i, []).append(ev)
+                if ev.finished and len([e for v in events.values() for e in v if e.finished]) == 4:
+                    done.set()
+            return deliver
+
+        params = SamplingParams(max_tokens=4, ignore_eos=True)
+        for i, p in enumerate(([5, 6, 7], [20, 77, 21], [9, 10, 11, 12], [60000])):
+            worker.submit(p, params, sink(i))
+        assert done.wait(30)
+        assert events[1][-1].finish_reason == "error" and "injected" in events[1][-1].error
+        assert events[3][-1].finish_reason == "error" and "vocabulary" in events[3][-1].error
+        for i, want in ((0, expect[0]), (2, expect[1])):
+            got = [t for e in events[i] for t in e.new_token_ids]
+            assert got == [t for e in want for t in e.new_token_ids] and events[i][-1].finish_reason == "length"
+        assert engine.pool.num_used_blocks == 0 and worker.is_alive()
+    finally:
+        worker.stop()
