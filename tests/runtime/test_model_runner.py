@@ -14,7 +14,7 @@ from kvexport import io
 from kvexport import manifest as mf
 from kvexport.exporter.build import BuildOptions, build
 from kvexport.runtime.model_runner import ModelRunner, _groups, chunk, pack
-from kvexport.runtime.ort_backends import OnnxAttentionBackend, ort_backend
+from kvexport.runtime.ort_backends import ort_backend
 from kvexport.runtime.sampling import SamplerState, SamplingParams
 from kvexport.runtime.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -106,15 +106,3 @@ def test_every_request_failing_is_reported_not_raised(tiny):
     rows = _rows([[POISON, 5], [6, POISON]])
     res = ModelRunner(Poisoned(ort_backend(build_dir, m, 16)), BS).execute(SchedulerOutput(tuple(rows), 4, ()))
     assert sorted(res.failed) == ["r0", "r1"] and not res.sampled
-
-
-def test_factory_picks_the_onnx_attention_backend(tiny):
-    build_dir, m = tiny
-    be = ort_backend(build_dir, m, 8)
-    assert isinstance(be, OnnxAttentionBackend) and be.pads_queries and not be.full_block_tables
-    from kvexport.errors import KvExportError
-
-    with pytest.raises(KvExportError, match="plugin"):
-        ort_backend(build_dir, m, 8, kind="native")
-    with pytest.raises(KvExportError, match="2 blocks"):
-        ort_backend(build_dir, m, 1)
