@@ -63,9 +63,10 @@ def tiny_families(tmp: Path) -> dict:
                 _, m = build(str(src), tmp / f"b-{fam}-{layout.value}-{dtype.value}",
                              BuildOptions(layout=layout, dtype=dtype, block_size=4, max_seq_len=64))
                 v = m.validation
-                out[f"{fam}/{layout.value}/{dtype.value}"] = {"max_abs_diff": v["max_abs_diff"],
-                                                               "greedy_identical": v["greedy_identical"],
-                                                               "token_agreement": v["token_agreement"]}
+                assert v is not None  # validated builds
+                out[f"{fam}/{layout.value}/{dtype.value}"] = {"max_abs_diff": v.max_abs_diff,
+                                                               "greedy_identical": v.greedy_identical,
+                                                               "token_agreement": v.token_agreement}
     return out
 
 

@@ -147,7 +147,7 @@ def calibrate(build_dir: str | Path, text: str | Path | None = None, tokens: int
     model = source.load_model(src)
     tokenizer = source.load_tokenizer(src)
     text_path = Path(text) if text else default_text()
-    ids = calibration_ids(tokenizer, manifest.model["vocab_size"], text_path, tokens)
+    ids = calibration_ids(tokenizer, manifest.model.vocab_size, text_path, tokens)
     scales = compute_scales(model, ids)
     expected = (manifest.kv.num_layers, 2, manifest.kv.num_kv_heads)
     if scales.shape != expected:
@@ -156,9 +156,9 @@ def calibrate(build_dir: str | Path, text: str | Path | None = None, tokens: int
     kv = replace(manifest.kv, quantization=quantization_entry(scales, text_path.name, ids))
     manifest = replace(manifest, kv=kv)
     if validate:
-        prompts = prompt_ids(tokenizer, manifest.model["vocab_size"])
+        prompts = prompt_ids(tokenizer, manifest.model.vocab_size)
         steps = min(16, manifest.kv.max_seq_len - max(len(p) for p in prompts))
-        manifest = replace(manifest, validation=run_validation(build_dir, manifest, model, prompts, steps).to_json())
+        manifest = replace(manifest, validation=run_validation(build_dir, manifest, model, prompts, steps))
     manifest.save(build_dir)
     log.info("calibrated %s on %d tokens of %s", build_dir, len(ids), text_path.name)
     return manifest

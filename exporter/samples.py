@@ -14,7 +14,7 @@ from kvexport import io
 
 def sample_feeds(manifest, phase: io.Phase, seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-    kv, vocab = manifest.kv, manifest.model["vocab_size"]
+    kv, vocab = manifest.kv, manifest.model.vocab_size
     kv_np = np.dtype(io.DType(kv.dtype).numpy_name)
     ids = lambda *shape: rng.integers(0, vocab, size=shape, dtype=np.int64)  # noqa: E731
     if kv.layout == io.KVLayout.CONTIGUOUS.value:
@@ -28,18 +28,16 @@ def sample_feeds(manifest, phase: io.Phase, seed: int = 0) -> dict[str, np.ndarr
                 for name in (io.past_key(i), io.past_value(i)):
                     feeds[name] = rng.standard_normal((batch, kv.num_kv_heads, past, kv.head_dim)).astype(kv_np)
         return feeds
-    # paged: two sequences; in prefill the second already has 4 tokens cached (chunked prefill)
+    # paged: two sequences; in prefill the second already has 4 tokens cached (chunked
+    # prefill). Packed by the runtime's own pack() (runtime/model_runner.py).
+    from kvexport.runtime.model_runner import chunk, pack
+
     q_lens, ctx = ([3, 5], [0, 4]) if phase is io.Phase.PREFILL else ([1, 1], [3, 6])
-    seq_lens = [c + q for c, q in zip(ctx, q_lens)]
     bs = kv.block_size
-    per_seq = max(math.ceil(n / bs) for n in seq_lens)
-    tables = np.array([[1 + s * per_seq + j for j in range(per_seq)] for s in range(2)], np.int64)
-    pos = np.concatenate([np.arange(c, c + q) for c, q in zip(ctx, q_lens)]).astype(np.int64)
-    seq_of = np.repeat(np.arange(2), q_lens)
-    slots = tables[seq_of, pos // bs] * bs + pos % bs
-    feeds = {io.INPUT_IDS: ids(sum(q_lens)), io.POSITIONS: pos,
-             io.QUERY_START_LOC: np.cumsum([0] + q_lens).astype(np.int64),
-             io.SEQ_LENS: np.array(seq_lens, np.int64), io.BLOCK_TABLES: tables, io.SLOT_MAPPING: slots}
+    per_seq = max(math.ceil((c + q) / bs) for c, q in zip(ctx, q_lens))
+    chunks = [chunk(str(s), ids(q).tolist(), c, [1 + s * per_seq + j for j in range(per_seq)], bs)
+              for s, (c, q) in enumerate(zip(ctx, q_lens))]
+    feeds = pack(chunks, bs, full_tables=kv.attention == io.Attention.PLUGIN.value).feeds()
     shape = io.paged_pool_shape(1 + 2 * per_seq, kv.num_kv_heads, bs, kv.head_dim)
     for i in range(kv.num_layers):
         for name in (io.key_cache(i), io.value_cache(i)):

@@ -4,7 +4,6 @@ weight formats fail fast), and loads config, weights and tokenizer with transfor
 
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
 import json
 import logging
@@ -12,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvexport.errors import ConfigError, SourceError, UnsupportedModelError
+from kvexport.manifest import sha256
 
 from .families import family_for, supported_gguf_archs
 
@@ -36,14 +36,6 @@ class ModelSource:
         return {"kind": self.kind, "name": self.name, "path": str(self.directory / (self.gguf_file or "")),
                 "weights": [{"file": f.name, "bytes": f.stat().st_size,
                              **({"sha256": sha256(f)} if with_hashes else {})} for f in self.weight_files]}
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def resolve(model: str, *, allow_pickle: bool = False) -> ModelSource:

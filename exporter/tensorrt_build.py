@@ -1,6 +1,8 @@
 """TensorRT engines for a `plugin`-attention build: parse prefill.onnx / decode.onnx, build
 one engine per phase with an optimization profile derived from typed limits, and return the
-manifest's `engines` entry.
+manifest's `engines` entry (its schema, `EnginesEntry` and the `EngineBuildOptions` it records,
+lives in kvexport/manifest_engines.py; the TensorRT/CUDA checks, shared with the runtime, in
+kvexport/tensorrt_env.py).
 
     build dir (plugin graphs)                       build dir/engines/
       prefill.onnx ──┐                                prefill.plan
@@ -32,127 +34,32 @@ import logging
 import os
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from kvexport import io
+from kvexport import manifest as mf
 from kvexport.errors import ConfigError, EngineBuildError, KvExportError, TensorRTUnavailableError
-from kvexport.manifest import Manifest
-
-from .source import sha256
+from kvexport.manifest import (EngineBuildOptions, EngineFile, EngineLimits, EnginesEntry, Manifest, PluginInfo,
+                               ShapeRange, sha256)
+from kvexport.tensorrt_env import cuda_device, plugin_module, require_tensorrt, trt_logger
 
 if TYPE_CHECKING:  # typed by tensorrt-stubs; imported for real only inside functions
     import tensorrt as trt
+
+__all__ = ["EngineBuildOptions", "ShapeRange", "TensorRTUnavailableError", "add_engines", "axis_ranges",
+           "build_engines", "check_buildable", "profile_shapes", "write_atomically"]
 
 log = logging.getLogger(__name__)
 
 ENGINES_DIR = "engines"
 ENGINE_FILES = {io.Phase.PREFILL: "prefill.plan", io.Phase.DECODE: "decode.plan"}
 TIMING_CACHE = "timing.cache"
-PLUGIN_MODULE = "kvexport.plugins.paged_attention.trt"  # exposes register() (and kernel_configs())
-_PRECISIONS = ("fp32", "fp16", "bf16")
-
-_INSTALL_HINT = ('install TensorRT with `pip install "kvexport[tensorrt]"` on a machine with an NVIDIA GPU '
-                 'and driver, or use the NVIDIA TensorRT container (see docker/)')
-_ONNX_OK = ("The ONNX build is complete and usable with onnxruntime as it is (`kvexport generate`, "
-            "`kvexport serve`); build the engines later with TensorRT present.")
+_T = TypeVar("_T")
 
 
-def require_tensorrt() -> str:
-    """Check that the real TensorRT bindings import; returns their version.
-
-    NOTE: `import tensorrt` alone proves nothing: the `tensorrt-stubs` package (a folder with
-    only `__init__.pyi`) or a half-installed PyPI placeholder import as an empty namespace
-    package. The bindings are there only if `tensorrt.Builder` is."""
-    try:
-        import tensorrt
-    except ImportError as e:
-        raise TensorRTUnavailableError(f"TensorRT is not installed (`import tensorrt` failed: {e}); "
-                                       f"{_INSTALL_HINT}. {_ONNX_OK}") from None
-    if not hasattr(tensorrt, "Builder"):
-        raise TensorRTUnavailableError(
-            f"`import tensorrt` found {getattr(tensorrt, '__path__', '?')} without the TensorRT bindings (only type "
-            f"stubs or the PyPI placeholder package are installed); {_INSTALL_HINT}. {_ONNX_OK}")
-    return str(tensorrt.__version__)
-
-
-def cuda_device(device: int = 0) -> dict:
-    """Name and compute capability of CUDA device `device` (via torch, a dependency), or
-    TensorRTUnavailableError when there is none."""
-    import torch
-
-    if not torch.cuda.is_available():
-        why = ("this torch is a CPU-only build" if torch.version.cuda is None
-               else "no NVIDIA GPU or driver is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES)")
-        raise TensorRTUnavailableError(f"TensorRT engines need a CUDA GPU, but {why}; build and run the engines on "
-                                       f"a machine with an NVIDIA GPU and driver and a CUDA build of torch, or in "
-                                       f"the NVIDIA TensorRT container (see docker/). {_ONNX_OK}")
-    if device >= torch.cuda.device_count():
-        raise ConfigError(f"CUDA device {device} does not exist; this machine has {torch.cuda.device_count()}")
-    major, minor = torch.cuda.get_device_capability(device)
-    return {"name": torch.cuda.get_device_name(device), "compute_capability": f"{major}.{minor}"}
-
-
-def plugin_module() -> Any:
-    """The PagedAttention TensorRT registration module (imported late: it imports tensorrt)."""
-    try:
-        return importlib.import_module(PLUGIN_MODULE)
-    except ModuleNotFoundError as e:
-        if e.name and e.name.split(".")[0] == "tensorrt":
-            raise TensorRTUnavailableError(f"the PagedAttention plugin needs `{e.name}` (the `tensorrt.plugin` Python "
-                                           f"plugin API), which this TensorRT lacks; {_INSTALL_HINT}. {_ONNX_OK}") from None
-        if e.name and not PLUGIN_MODULE.startswith(e.name):
-            raise  # something else the plugin module imports is missing: let its own error speak
-        raise KvExportError(f"{PLUGIN_MODULE} is not part of this kvexport installation; reinstall kvexport "
-                            f"(`pip install --force-reinstall kvexport`)") from None
-
-
-# ---- options and optimization profiles (pure Python) -----------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class EngineBuildOptions:
-    max_num_seqs: int = 64  # sequences in one step, max (decode batch; prefill sequences)
-    max_num_batched_tokens: int = 2048  # tokens in one prefill step, max
-    max_seq_len: int | None = None  # longest context, tokens; None: the build's kv.max_seq_len
-    opt_seq_len: int | None = None  # context the profile is tuned for, tokens; None: max_seq_len // 2
-    max_num_blocks: int = 16384  # KV pool blocks the engines accept, max (the runtime's pool must fit)
-    precision: str | None = None  # "fp32" | "fp16" | "bf16"; None: the graphs' dtype (see module NOTE)
-    tf32: bool = False  # let fp32 matmuls use TF32 (TensorRT's default is on; off keeps fp32 exact)
-    optimization_level: int = 3  # IBuilderConfig.builder_optimization_level, 0..5
-    workspace_bytes: int | None = None  # cap on TensorRT's workspace pool, bytes; None: TensorRT's default
-    device: int = 0  # CUDA device to build on
-
-    def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"engine option {name} must be >= 1, got {getattr(self, name)}")
-        if self.max_num_blocks < 2:
-            raise ConfigError(f"engine option max_num_blocks must be >= 2 (block 0 is the pad block), "
-                              f"got {self.max_num_blocks}")
-        for name in ("max_seq_len", "opt_seq_len"):
-            v = getattr(self, name)
-            if v is not None and v < 1:
-                raise ConfigError(f"engine option {name} must be >= 1, got {v}")
-        if self.precision is not None and self.precision not in _PRECISIONS:
-            raise ConfigError(f"engine precision {self.precision!r} is not one of {_PRECISIONS}")
-        if not 0 <= self.optimization_level <= 5:
-            raise ConfigError(f"engine optimization_level must be in 0..5, got {self.optimization_level}")
-        if self.workspace_bytes is not None and self.workspace_bytes < 1:
-            raise ConfigError(f"engine workspace_bytes must be >= 1, got {self.workspace_bytes}")
-
-
-@dataclass(frozen=True, slots=True)
-class ShapeRange:
-    """One input's IOptimizationProfile.set_shape(min, opt, max)."""
-
-    min: tuple[int, ...]
-    opt: tuple[int, ...]
-    max: tuple[int, ...]
-
-    def to_json(self) -> dict:
-        return {"min": list(self.min), "opt": list(self.opt), "max": list(self.max)}
+# ---- optimization profiles (pure Python) ---------------------------------------------------------
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -199,15 +106,15 @@ def profile_shapes(manifest: Manifest, opts: EngineBuildOptions) -> dict[str, di
         shapes = {}
         for spec in manifest.graphs[phase.value].inputs:
             dims: list[tuple[int, int, int]] = []
-            for d in spec["shape"]:
+            for d in spec.shape:
                 if isinstance(d, int):
                     dims.append((d, d, d))
                 elif d in axes:
                     dims.append(axes[d])
                 else:
-                    raise KvExportError(f"input {spec['name']!r} of the {phase.value} graph has axis {d!r}, which "
+                    raise KvExportError(f"input {spec.name!r} of the {phase.value} graph has axis {d!r}, which "
                                         f"the TensorRT profile does not know; rebuild with `kvexport build --force`")
-            shapes[spec["name"]] = ShapeRange(*(tuple(d[k] for d in dims) for k in range(3)))
+            shapes[spec.name] = ShapeRange(*(tuple(d[k] for d in dims) for k in range(3)))
         out[phase.value] = shapes
     return out
 
@@ -233,7 +140,7 @@ def check_buildable(manifest: Manifest, opts: EngineBuildOptions) -> str:
 # ---- writing engines/ atomically ---------------------------------------------------------------
 
 
-def write_atomically(build_dir: Path, produce: Callable[[Path], dict]) -> dict:
+def write_atomically(build_dir: Path, produce: Callable[[Path], _T]) -> _T:
     """Run produce(tmp) on a fresh temporary folder inside `build_dir` and rename it to
     `build_dir/engines` only when it returns; an existing engines/ is replaced then, and kept
     untouched on any failure (the temporary folder is removed). The old timing cache, if any,
@@ -258,24 +165,6 @@ def write_atomically(build_dir: Path, produce: Callable[[Path], dict]) -> dict:
 
 
 # ---- TensorRT ------------------------------------------------------------------------------------
-
-
-def trt_logger() -> trt.ILogger:
-    """A tensorrt.ILogger that forwards to `logging` (TensorRT INFO/VERBOSE become DEBUG)."""
-    import tensorrt as trt
-
-    levels = {trt.ILogger.INTERNAL_ERROR: logging.ERROR, trt.ILogger.ERROR: logging.ERROR,
-              trt.ILogger.WARNING: logging.WARNING, trt.ILogger.INFO: logging.DEBUG,
-              trt.ILogger.VERBOSE: logging.DEBUG}
-
-    class _LogBridge(trt.ILogger):
-        def __init__(self) -> None:
-            trt.ILogger.__init__(self)
-
-        def log(self, severity: trt.ILogger.Severity, msg: str) -> None:
-            log.log(levels.get(severity, logging.INFO), "TensorRT: %s", msg)
-
-    return _LogBridge()
 
 
 def _build_one(builder: trt.Builder, logger: trt.ILogger, onnx_path: Path, shapes: dict[str, ShapeRange],
@@ -330,7 +219,8 @@ def _kernel_configs(plugin: Any) -> Any:
             "aot_targets": list(configs.AOT_TARGETS)}
 
 
-def build_engines(build_dir: str | Path, manifest: Manifest, opts: EngineBuildOptions = EngineBuildOptions()) -> dict:
+def build_engines(build_dir: str | Path, manifest: Manifest,
+                  opts: EngineBuildOptions = EngineBuildOptions()) -> EnginesEntry:
     """Build engines/prefill.plan and engines/decode.plan for a plugin build; returns the
     manifest's `engines` entry (files, sha256, TensorRT version, GPU, profiles, precision,
     plugin id/version and kernel configurations). Raises TensorRTUnavailableError without
@@ -349,57 +239,40 @@ def build_engines(build_dir: str | Path, manifest: Manifest, opts: EngineBuildOp
     plugin.register()
     kernel_configs = _kernel_configs(plugin)
 
-    def produce(tmp: Path) -> dict:
+    def produce(tmp: Path) -> dict[str, EngineFile]:
         logger = trt_logger()
         builder = trt.Builder(logger)
         config = builder.create_builder_config()
         cache_file = tmp / TIMING_CACHE
         cache = config.create_timing_cache(cache_file.read_bytes() if cache_file.is_file() else b"")
-        files = {}
+        files: dict[str, EngineFile] = {}
         for phase in (io.Phase.PREFILL, io.Phase.DECODE):
             out = tmp / ENGINE_FILES[phase]
             log.info("building the TensorRT %s engine (%s)", phase.value, precision)
             _build_one(builder, logger, build_dir / manifest.graphs[phase.value].file, shapes[phase.value],
                        cache, opts, out)
-            files[phase.value] = {"file": f"{ENGINES_DIR}/{out.name}", "bytes": out.stat().st_size,
-                                  "sha256": sha256(out),
-                                  "profile": {k: v.to_json() for k, v in shapes[phase.value].items()}}
+            files[phase.value] = EngineFile(f"{ENGINES_DIR}/{out.name}", out.stat().st_size, sha256(out),
+                                            shapes[phase.value])
         with open(cache_file, "wb") as f:
             f.write(cache.serialize())
         return files
 
     files = write_atomically(build_dir, produce)
-    kv = manifest.kv
-    return {
-        "backend": "tensorrt",
-        "tensorrt_version": version,
-        "gpu": gpu,
-        "precision": precision,
-        "strongly_typed": True,
-        "tf32": opts.tf32,
-        "engines": files,
-        "timing_cache": f"{ENGINES_DIR}/{TIMING_CACHE}",
-        "limits": {  # what the runtime must stay within (scheduler and pool)
-            "max_num_seqs": opts.max_num_seqs,
-            "max_num_batched_tokens": opts.max_num_batched_tokens,
-            "max_seq_len": opts.max_seq_len or kv.max_seq_len,
-            "max_blocks_per_seq": _cdiv(opts.max_seq_len or kv.max_seq_len, kv.block_size),
-            "max_num_blocks": opts.max_num_blocks,
-        },
-        "plugin": {"id": f"{io.PLUGIN_DOMAIN}::{io.PLUGIN_OP}", "version": io.PLUGIN_VERSION,
-                   "kernel_configs": kernel_configs},
-        "options": asdict(opts),
-    }
+    max_len = opts.max_seq_len or manifest.kv.max_seq_len
+    return EnginesEntry(
+        backend="tensorrt", tensorrt_version=version, gpu=gpu, precision=precision, strongly_typed=True,
+        tf32=opts.tf32, engines=files, timing_cache=f"{ENGINES_DIR}/{TIMING_CACHE}",
+        limits=EngineLimits(max_num_seqs=opts.max_num_seqs, max_num_batched_tokens=opts.max_num_batched_tokens,
+                            max_seq_len=max_len, max_blocks_per_seq=_cdiv(max_len, manifest.kv.block_size),
+                            max_num_blocks=opts.max_num_blocks),
+        plugin=PluginInfo(f"{io.PLUGIN_DOMAIN}::{io.PLUGIN_OP}", io.PLUGIN_VERSION, kernel_configs),
+        options=opts)
 
 
 def add_engines(build_dir: str | Path, opts: EngineBuildOptions = EngineBuildOptions()) -> Manifest:
     """Build the engines of an existing plugin build and record them in its manifest (for
     `kvexport build --backend tensorrt` after the ONNX build is in place, or for a build made
     elsewhere). The manifest is rewritten only after engines/ is complete."""
-    from dataclasses import replace
-
-    from kvexport import manifest as mf
-
     build_dir = Path(build_dir)
     manifest = mf.load(build_dir)
     manifest = replace(manifest, engines=build_engines(build_dir, manifest, opts))

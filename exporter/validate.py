@@ -7,21 +7,21 @@ attention is exercised) then `steps` decode steps, fed the reference's greedy to
 (teacher forcing) so every step's logits are comparable. Greedy tokens are identical
 exactly when our argmax equals the reference's token at every step.
 
-Plugin graphs run with the float64 reference PagedAttention (plugins/paged_attention/ort.py),
-which checks the graph itself; when the native CPU op is built they are checked a second
+Paged graphs run through the runtime's own backend and model runner (the packing the
+engine serves with). Plugin graphs run with the float64 reference PagedAttention
+(plugins/paged_attention/ort.py), which checks the graph itself; when the native CPU op is built they are checked a second
 time with it (what the runtime serves with), and the build passes only if both do.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
-from functools import partial
 from pathlib import Path
 
 import numpy as np
 
 from kvexport import io
+from kvexport.manifest import NativeOpValidation, ValidationEntry
 
 # Max |Δ logits| accepted, per activation dtype (every family shares them).
 # fp32: both sides compute in float32 with different summation orders and fused kernels;
@@ -52,22 +52,8 @@ DEFAULT_PROMPTS = (
 )
 
 
-@dataclass(frozen=True, slots=True)
-class ValidationResult:
-    prompts: int
-    prompt_lengths: list[int]
-    steps: int
-    max_abs_diff_per_step: list[float]  # step 0 = prefill
-    max_abs_diff: float
-    tolerance: float
-    greedy_identical: bool
-    token_agreement: float  # fraction of (prompt, step) argmaxes equal to the reference
-    passed: bool
-    # plugin graphs with the native CPU op: {max_abs_diff, greedy_identical, token_agreement, passed}
-    native_op: dict | None = None
-
-    def to_json(self) -> dict:
-        return asdict(self)
+# What validate() returns is the manifest's `validation` entry itself (kvexport/manifest.py).
+ValidationResult = ValidationEntry
 
 
 def reference(model, prompts: list[list[int]], steps: int) -> tuple[list[list[int]], list[np.ndarray]]:
@@ -89,15 +75,13 @@ def reference(model, prompts: list[list[int]], steps: int) -> tuple[list[list[in
     return tokens, [np.stack(s) for s in logits]
 
 
-def session(path: Path, threads: int | None = None, custom_ops: Path | None = None):
+def session(path: Path, threads: int | None = None):
     import onnxruntime as ort
 
     so = ort.SessionOptions()
     so.log_severity_level = 3
     if threads:
         so.intra_op_num_threads = threads
-    if custom_ops is not None:
-        so.register_custom_ops_library(str(custom_ops))
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
 
 
@@ -134,69 +118,39 @@ class ContiguousDriver:
 
 
 class PagedDriver:
-    """Packed tokens, a block pool per layer, sequences on consecutive blocks (block 0 is
-    the pad block). Prompts are prefilled in two chunks."""
+    """The runtime's own backend and model runner (runtime/ort_backends.py, model_runner.py)
+    on a pool where each sequence holds consecutive blocks (block 0 is the pad block).
+    Prompts are prefilled in two chunks, so the second attends to cached blocks.
 
-    def __init__(self, build_dir: Path, manifest, native_op: Path | None = None):
-        self.plugin = manifest.kv.attention == io.Attention.PLUGIN.value
-        open_ = partial(session, custom_ops=native_op)  # native_op: PagedAttention as the native CPU op
-        if self.plugin and native_op is None:  # PagedAttention nodes run as the reference custom op
-            from kvexport.plugins.paged_attention.ort import plugin_session as open_
-        self.prefill = open_(build_dir / manifest.graphs["prefill"].file)
-        self.decode = open_(build_dir / manifest.graphs["decode"].file)
-        self.kv = manifest.kv
-        self.dtype = np.dtype(io.DType(manifest.kv.dtype).numpy_name)
-        self.all_logits = manifest.all_logits
+    `kind` picks the onnxruntime backend: "auto" (as served), "onnx", "reference" (plugin
+    graphs with the float64 reference op) or "native" (the native CPU op)."""
+
+    def __init__(self, build_dir: Path, manifest, kind: str = "auto"):
+        self.build_dir, self.manifest, self.kind = build_dir, manifest, kind
 
     def run(self, prompts: list[list[int]], forced: list[list[int]], steps: int) -> list[np.ndarray]:
-        kv, n = self.kv, len(prompts)
-        per_seq = math.ceil((max(len(p) for p in prompts) + steps) / kv.block_size)
-        tables = np.array([[1 + s * per_seq + j for j in range(per_seq)] for s in range(n)], np.int64)
-        shape = io.paged_pool_shape(1 + n * per_seq, kv.num_kv_heads, kv.block_size, kv.head_dim)
-        pools = [np.zeros(shape, self.dtype) for _ in range(2 * kv.num_layers)]
-        seqs = [list(p) for p in prompts]
+        from kvexport.runtime.model_runner import ModelRunner, chunk
+        from kvexport.runtime.ort_backends import ort_backend
+
+        bs, n = self.manifest.kv.block_size, len(prompts)
+        per_seq = math.ceil((max(len(p) for p in prompts) + steps) / bs)
+        runner = ModelRunner(ort_backend(self.build_dir, self.manifest, 1 + n * per_seq, kind=self.kind), bs)
+        tables = [[1 + s * per_seq + j for j in range(per_seq)] for s in range(n)]
         done = [0] * n  # tokens already in the pool
 
-        def step(sess, chunks: list[list[int]]) -> np.ndarray:
-            ids, pos, slots, qsl = [], [], [], [0]
-            for s, chunk in enumerate(chunks):
-                for k, t in enumerate(chunk):
-                    p = done[s] + k
-                    ids.append(t)
-                    pos.append(p)
-                    slots.append(tables[s, p // kv.block_size] * kv.block_size + p % kv.block_size)
-                qsl.append(qsl[-1] + len(chunk))
-            lens = [done[s] + len(c) for s, c in enumerate(chunks)]
-            # the onnx attention reads only blocks holding earlier steps' KV (none at first);
-            # the plugin stores this step's K/V itself and needs every block up to seq_lens
-            used = math.ceil((max(lens) if self.plugin else max(done)) / kv.block_size)
-            feeds = {io.INPUT_IDS: np.array(ids, np.int64), io.POSITIONS: np.array(pos, np.int64),
-                     io.QUERY_START_LOC: np.array(qsl, np.int64), io.SEQ_LENS: np.array(lens, np.int64),
-                     io.BLOCK_TABLES: np.ascontiguousarray(tables[:, :used]),
-                     io.SLOT_MAPPING: np.array(slots, np.int64)}
-            for i in range(kv.num_layers):
-                feeds[io.key_cache(i)], feeds[io.value_cache(i)] = pools[2 * i], pools[2 * i + 1]
-            outs = sess.run(None, feeds)
-            slot = np.array(slots)
-            for j, pool in enumerate(pools):
-                if self.plugin:  # key_cache_out / value_cache_out: the updated pools
-                    pools[j] = outs[1 + j]
-                else:  # the runtime's job: store this step's K/V
-                    io.store_paged_kv(pool, slot, outs[1 + j])
+        def step(chunks: list[list[int]]) -> np.ndarray:
+            logits = runner.logits([chunk(str(s), c, done[s], tables[s], bs) for s, c in enumerate(chunks)])
             for s, c in enumerate(chunks):
                 done[s] += len(c)
-            logits = outs[0]
-            if self.all_logits and sess is self.prefill:
-                logits = logits[np.array(qsl[1:]) - 1]
             return logits
 
-        if all(len(p) >= 2 for p in seqs):  # two chunks: the second attends to cached blocks
-            step(self.prefill, [p[:len(p) // 2] for p in seqs])
-            logits = [step(self.prefill, [p[len(p) // 2:] for p in seqs])]
+        if all(len(p) >= 2 for p in prompts):  # two chunks: the second attends to cached blocks
+            step([p[:len(p) // 2] for p in prompts])
+            logits = [step([p[len(p) // 2:] for p in prompts])]
         else:
-            logits = [step(self.prefill, seqs)]
+            logits = [step([list(p) for p in prompts])]
         for t in range(steps):
-            logits.append(step(self.decode, [[f[t]] for f in forced]))
+            logits.append(step([[f[t]] for f in forced]))
         return logits
 
 
@@ -227,20 +181,23 @@ def _compare(ours: list[np.ndarray], ref_logits: list[np.ndarray], forced: list[
 
 def validate(build_dir: Path, manifest, model, prompts: list[list[int]], steps: int = 16) -> ValidationResult:
     forced, ref_logits = reference(model, prompts, steps)
-    driver = PagedDriver if manifest.kv.layout == io.KVLayout.PAGED.value else ContiguousDriver
-    ours = driver(build_dir, manifest).run(prompts, forced, steps)
+    paged = manifest.kv.layout == io.KVLayout.PAGED.value
+    plugin = manifest.kv.attention == io.Attention.PLUGIN.value
+    # plugin graphs are checked with the float64 reference op first: it pins the graph itself
+    driver = PagedDriver(build_dir, manifest, "reference" if plugin else "onnx") if paged else \
+        ContiguousDriver(build_dir, manifest)
+    ours = driver.run(prompts, forced, steps)
     diffs, tol, identical, agreement, passed = _compare(ours, ref_logits, forced, manifest)
-    native = None
+    native: NativeOpValidation | None = None
     lib = None
-    if manifest.kv.layout == io.KVLayout.PAGED.value:
+    if paged and plugin:
         from kvexport.plugins.paged_attention.native import library_for
 
         lib, _ = library_for(manifest)
     if lib is not None:
         n_diffs, _, n_identical, n_agreement, n_passed = _compare(
-            PagedDriver(build_dir, manifest, native_op=lib).run(prompts, forced, steps), ref_logits, forced, manifest)
-        native = {"max_abs_diff": max(n_diffs), "greedy_identical": n_identical, "token_agreement": n_agreement,
-                  "passed": n_passed}
+            PagedDriver(build_dir, manifest, "native").run(prompts, forced, steps), ref_logits, forced, manifest)
+        native = NativeOpValidation(max(n_diffs), n_identical, n_agreement, n_passed)
         passed = passed and n_passed
-    return ValidationResult(len(prompts), [len(p) for p in prompts], steps, diffs, max(diffs), tol,
+    return ValidationResult(len(prompts), tuple(len(p) for p in prompts), steps, tuple(diffs), max(diffs), tol,
                             identical, agreement, passed, native)

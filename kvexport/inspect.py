@@ -23,42 +23,48 @@ def render(build_dir: str | Path, console: Console) -> mf.Manifest:
     m = mf.load(build_dir)
     spec = m.model
     console.print(f"[bold]{build_dir}[/]  kvexport {m.kvexport_version}, schema {m.schema_version}")
-    console.print(f"source: {m.source['kind']} {m.source['name']}")
-    console.print(f"model: {spec['family']} ({spec['model_type']}), {spec['num_layers']} layers, hidden "
-                  f"{spec['hidden_size']}, {spec['num_heads']} heads / {spec['num_kv_heads']} KV heads × "
-                  f"{spec['head_dim']}, vocab {spec['vocab_size']}, "
-                  f"window {spec['sliding_window'] or 'none'}, tied embeddings {spec['tie_embeddings']}")
-    console.print(f"parameters: {m.weights.get('parameters', 0) / 1e6:.1f} M, weights file "
-                  f"{_human(m.weights['bytes'])}, dtype {m.dtype}")
+    console.print(f"source: {m.source.get('kind')} {m.source.get('name')}")
+    console.print(f"model: {spec.family} ({spec.model_type}), {spec.num_layers} layers, hidden "
+                  f"{spec.hidden_size}, {spec.num_heads} heads / {spec.num_kv_heads} KV heads × "
+                  f"{spec.head_dim}, vocab {spec.vocab_size}, "
+                  f"window {spec.sliding_window or 'none'}, tied embeddings {spec.tie_embeddings}")
+    console.print(f"parameters: {m.weights.parameters / 1e6:.1f} M, weights file "
+                  f"{_human(m.weights.bytes)}, dtype {m.dtype}")
     kv = m.kv
     console.print(f"KV cache: layout {kv.layout}, attention {kv.attention}, dtype {kv.dtype}, block size "
                   f"{kv.block_size or '-'}, [bold]{kv.bytes_per_token} bytes/token[/] "
                   f"({_human(kv.bytes_per_token * kv.max_seq_len)} for a full {kv.max_seq_len}-token context)")
     for name, g in m.graphs.items():
         t = Table(title=f"{name}: {g.file} ({_human(g.bytes)})", show_lines=False)
-        t.add_column("kind"), t.add_column("name"), t.add_column("dtype"), t.add_column("shape")
+        for column in ("kind", "name", "dtype", "shape"):
+            t.add_column(column)
         rows = [("in", x) for x in g.inputs] + [("out", x) for x in g.outputs]
-        shown = rows if len(rows) <= 16 else rows[:8] + [("…", None)] + rows[-4:]
-        for kind, x in shown:
-            if x is None:
-                t.add_row("…", f"({len(rows) - 12} more)", "", "")
-            else:
-                t.add_row(kind, x["name"], x["dtype"], escape("[" + ", ".join(map(str, x["shape"])) + "]"))
+        for i, (kind, x) in enumerate(rows):
+            if len(rows) > 16 and 8 <= i < len(rows) - 4:  # the first 8 and last 4 rows of a long table
+                if i == 8:
+                    t.add_row("…", f"({len(rows) - 12} more)", "", "")
+                continue
+            t.add_row(kind, x.name, x.dtype, escape("[" + ", ".join(map(str, x.shape)) + "]"))
         console.print(t)
     v = m.validation
-    if v:
-        steps = ", ".join(f"{d:.1e}" for d in v["max_abs_diff_per_step"])
-        console.print(f"validation: {'[green]passed[/]' if v['passed'] else '[red]failed[/]'}; "
-                      f"{v['prompts']} prompts, lengths {v['prompt_lengths']}, {v['steps']} steps; max |Δ logits| "
-                      f"{v['max_abs_diff']:.2e} (tolerance {v['tolerance']}); greedy identical "
-                      f"{'yes' if v['greedy_identical'] else 'no'}")
+    if v is not None:
+        steps = ", ".join(f"{d:.1e}" for d in v.max_abs_diff_per_step)
+        console.print(f"validation: {'[green]passed[/]' if v.passed else '[red]failed[/]'}; "
+                      f"{v.prompts} prompts, lengths {list(v.prompt_lengths)}, {v.steps} steps; max |Δ logits| "
+                      f"{v.max_abs_diff:.2e} (tolerance {v.tolerance}); greedy identical "
+                      f"{'yes' if v.greedy_identical else 'no'}")
         console.print(f"  per step: {steps}")
-        if v.get("native_op"):
-            n = v["native_op"]
-            console.print(f"  with the native CPU PagedAttention op: max |Δ logits| {n['max_abs_diff']:.2e}; "
-                          f"greedy identical {'yes' if n['greedy_identical'] else 'no'}")
+        if (n := v.native_op) is not None:
+            console.print(f"  with the native CPU PagedAttention op: max |Δ logits| {n.max_abs_diff:.2e}; "
+                          f"greedy identical {'yes' if n.greedy_identical else 'no'}")
     else:
         console.print("validation: not run")
+    if (e := m.engines) is not None:
+        lim = e.limits
+        console.print(f"TensorRT engines: {', '.join(f.file for f in e.engines.values())} ({e.precision}, TensorRT "
+                      f"{e.tensorrt_version}, {e.gpu.name} sm {e.gpu.compute_capability}); limits {lim.max_num_seqs} "
+                      f"sequences, {lim.max_num_batched_tokens} tokens/step, {lim.max_seq_len}-token context, "
+                      f"{lim.max_num_blocks} blocks")
     for note in m.notes:
         console.print(f"note: {note}")
     return m

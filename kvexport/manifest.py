@@ -1,17 +1,45 @@
-"""The build manifest (`kvexport.json`): the schema every part reads. The exporter writes
-it last, so a directory with a valid manifest is a complete build; everything downstream
-loads it through `load()` and never guesses."""
+"""The build manifest (`kvexport.json`): the typed schema every part reads. The exporter writes
+it last, so a directory with a valid manifest is a complete build; everything downstream loads
+it through `load()` and never guesses, and nobody reads it by string keys.
+
+    Manifest ─ model: ModelEntry        (the exporter's ModelSpec, whole, with typed reads)
+             ─ kv: KVSpec               (layout, attention, KV dtype and sizes)
+             ─ graphs: {phase: GraphEntry}   (file + io.TensorSpec inputs/outputs)
+             ─ weights: WeightsEntry    ─ validation: ValidationEntry | None
+             ─ engines: EnginesEntry | None  (TensorRT engines: files, limits, GPU; manifest_engines.py)
+
+`Manifest.from_json` checks every field's type and refuses unknown ones (ManifestError naming
+the field, e.g. 'engines.limits.max_num_seqs'); `to_json()` gives back exactly what it read.
+`load()` also checks the files the manifest lists, and the kv spec against the graphs' I/O
+(kvexport/graph_check.py).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+import functools
+import hashlib
 import json
 import os
 import tempfile
-from dataclasses import asdict, dataclass, field
+import types
+import typing
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from . import __version__, io
-from .errors import ManifestError
+from . import __version__, graph_check, io
+from .errors import ConfigError, ManifestError
+from .manifest_engines import (EngineBuildOptions, EngineFile, EngineLimits, EnginesEntry, GpuInfo, PluginInfo,
+                               ShapeRange)
+
+__all__ = ["EngineBuildOptions", "EngineFile", "EngineLimits", "EnginesEntry", "GpuInfo", "GraphEntry", "KVSpec",
+           "Manifest", "ModelEntry", "NativeOpValidation", "PluginInfo", "ShapeRange", "ValidationEntry",
+           "WeightsEntry", "load", "sha256", "versions"]
+
+REBUILD = "rebuild with `kvexport build --force`"
+REBUILD_ENGINES = "rebuild the engines with `kvexport engines BUILD_DIR`"
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,42 +48,154 @@ class KVSpec:
     attention: str  # io.Attention value
     dtype: str  # io.DType value of the cache
     block_size: int  # tokens per block (paged); 0 for contiguous
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    bytes_per_token: int  # io.kv_bytes_per_token(...)
+    num_layers: int  # layers with a KV cache
+    num_kv_heads: int  # KV heads per layer
+    head_dim: int  # elements per head
+    bytes_per_token: int  # io.kv_bytes_per_token(...), bytes
     max_seq_len: int  # longest context (prompt + output) the build serves, tokens
     quantization: dict | None = None  # int8 KV: scheme, calibration, scales [layers][k, v][kv_heads]
 
 
 @dataclass(frozen=True, slots=True)
 class GraphEntry:
-    file: str
-    inputs: list[dict]
-    outputs: list[dict]
-    bytes: int  # size of the .onnx file (weights live in the shared data file)
+    file: str  # the .onnx file inside the build
+    inputs: tuple[io.TensorSpec, ...]  # io.graph_io(...).inputs, in order
+    outputs: tuple[io.TensorSpec, ...]  # io.graph_io(...).outputs, in order
+    bytes: int  # size of the .onnx file, bytes (weights live in the shared data file)
+
+
+# The ModelSpec fields downstream reads, with their types (checked when a manifest is read).
+_MODEL_FIELDS: dict[str, Any] = {
+    "family": str, "model_type": str, "num_layers": int, "hidden_size": int, "num_heads": int,
+    "num_kv_heads": int, "head_dim": int, "vocab_size": int, "max_positions": int,
+    "sliding_window": int | None, "tie_embeddings": bool, "bos_token_id": int | None,
+    "eos_token_ids": tuple[int, ...],
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelEntry:
+    """The model spec: exporter/spec.py `ModelSpec.to_json()`, kept whole (so nothing the
+    exporter records is lost and it saves back byte for byte), with typed reads of the fields
+    the runtime and tools use; those are checked when the entry is made.
+
+    NOTE: a view, not a copy of ModelSpec: kvexport/ must not import the exporter, and a field
+    the exporter adds later rides along without a schema change."""
+
+    spec: dict[str, Any]  # ModelSpec.to_json()
+
+    def __post_init__(self) -> None:
+        for name, tp in _MODEL_FIELDS.items():
+            if name not in self.spec:
+                raise _FieldError(f"model.{name}", "is missing")
+            _decode(tp, self.spec[name], f"model.{name}")
+
+    @property
+    def family(self) -> str:  # registry name, e.g. "llama"
+        return self.spec["family"]
+
+    @property
+    def model_type(self) -> str:  # transformers model_type it was read from
+        return self.spec["model_type"]
+
+    @property
+    def num_layers(self) -> int:  # decoder layers
+        return self.spec["num_layers"]
+
+    @property
+    def hidden_size(self) -> int:  # model width, elements
+        return self.spec["hidden_size"]
+
+    @property
+    def num_heads(self) -> int:  # query heads
+        return self.spec["num_heads"]
+
+    @property
+    def num_kv_heads(self) -> int:  # KV heads (< num_heads: GQA)
+        return self.spec["num_kv_heads"]
+
+    @property
+    def head_dim(self) -> int:  # elements per head
+        return self.spec["head_dim"]
+
+    @property
+    def vocab_size(self) -> int:  # tokens; logits are [.., vocab_size]
+        return self.spec["vocab_size"]
+
+    @property
+    def max_positions(self) -> int:  # longest context the model was trained for, tokens
+        return self.spec["max_positions"]
+
+    @property
+    def sliding_window(self) -> int | None:  # tokens a query may look back, itself included; None: full
+        return self.spec["sliding_window"]
+
+    @property
+    def tie_embeddings(self) -> bool:  # lm_head shares the embedding matrix
+        return self.spec["tie_embeddings"]
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.spec["bos_token_id"]
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:  # any of them ends a sequence
+        return tuple(self.spec["eos_token_ids"])
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsEntry:
+    file: str  # the external-data file every graph's initializers live in (io.WEIGHTS_FILE)
+    bytes: int  # its size, bytes (checked by load(): a truncated copy is refused)
+    parameters: int  # model parameters stored in it (RoPE tables not counted)
+
+
+@dataclass(frozen=True, slots=True)
+class NativeOpValidation:
+    """Plugin graphs checked a second time with the native CPU PagedAttention op."""
+
+    max_abs_diff: float  # max |Δ logits| over all steps
+    greedy_identical: bool  # every argmax equals transformers' greedy token
+    token_agreement: float  # fraction of (prompt, step) argmaxes equal to the reference, 0..1
+    passed: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ValidationEntry:
+    """The graphs against transformers on the same weights (exporter/validate.py)."""
+
+    prompts: int  # prompts run
+    prompt_lengths: tuple[int, ...]  # tokens of each prompt
+    steps: int  # decode steps after the prefill
+    max_abs_diff_per_step: tuple[float, ...]  # max |Δ logits| of each step; step 0 = prefill
+    max_abs_diff: float  # max over the steps
+    tolerance: float  # max |Δ logits| accepted (exporter/validate.py TOLERANCE)
+    greedy_identical: bool  # every argmax equals transformers' greedy token
+    token_agreement: float  # fraction of (prompt, step) argmaxes equal to the reference, 0..1
+    passed: bool  # tolerance (and greedy equality where required) met, by every check run
+    native_op: NativeOpValidation | None = None  # plugin graphs: the native CPU op's run; None: not run
 
 
 @dataclass(frozen=True, slots=True)
 class Manifest:
-    schema_version: int
-    kvexport_version: str
-    source: dict
-    model: dict  # ModelSpec.to_json()
-    dtype: str  # weights/activations
+    schema_version: int  # io.SCHEMA_VERSION
+    kvexport_version: str  # kvexport that wrote the build
+    source: dict  # exporter/source.py ModelSource.to_json(): kind, name, path, weight files (+ sha256)
+    model: ModelEntry
+    dtype: str  # io.DType value of weights/activations
     kv: KVSpec
-    graphs: dict[str, GraphEntry]  # "prefill" / "decode"
-    weights: dict  # {"file": ..., "bytes": ...}
+    graphs: dict[str, GraphEntry]  # io.Phase value ("prefill" / "decode") -> graph
+    weights: WeightsEntry
     tokenizer: str | None  # folder inside the build, or None
     all_logits: bool  # prefill returns logits for every token
-    validation: dict | None
-    tools: dict
-    notes: list[str] = field(default_factory=list)
+    validation: ValidationEntry | None  # None: not validated
+    tools: dict[str, str | None]  # package -> version at build time (versions())
+    notes: tuple[str, ...] = ()  # human-readable remarks on the build
     samples: dict[str, str] = field(default_factory=dict)  # phase -> polygraphy input file
-    engines: dict | None = None  # TensorRT engines (exporter/tensorrt_build.py), when built
+    engines: EnginesEntry | None = None  # TensorRT engines, when built (exporter/tensorrt_build.py)
 
     def to_json(self) -> dict:
-        return asdict(self)
+        return _to_json(self)
 
     def save(self, build_dir: Path) -> None:
         """Write kvexport.json atomically (temp file + rename: never half-written, and a
@@ -72,25 +212,24 @@ class Manifest:
 
     @classmethod
     def from_json(cls, d: dict) -> "Manifest":
+        """The manifest of parsed kvexport.json `d`, every field checked; ManifestError names
+        the first field that is missing, unknown, of the wrong type or inconsistent."""
         version = d.get("schema_version")
-        if version != io.SCHEMA_VERSION:
+        if version != io.SCHEMA_VERSION or isinstance(version, bool):
             raise ManifestError(f"manifest field 'schema_version' is {version!r}; this kvexport reads "
                                 f"{io.SCHEMA_VERSION}: rebuild with `kvexport build --force`")
         try:
-            d = dict(d)
-            d["kv"] = KVSpec(**d["kv"])
-            d["graphs"] = {k: GraphEntry(**v) for k, v in d["graphs"].items()}
-            w = d["weights"]
-            if not (isinstance(w.get("file"), str) and isinstance(w.get("bytes"), int)):
-                raise TypeError(f"field 'weights' needs 'file' (str) and 'bytes' (int), got {w!r}")
-            return cls(**d)
-        except (KeyError, TypeError, AttributeError) as e:
-            what = f"missing field {e}" if isinstance(e, KeyError) else str(e)
-            raise ManifestError(f"manifest is malformed ({what}); rebuild with `kvexport build --force`") from None
+            m = _from_json(cls, d, "")
+            _check_values(m)
+        except _FieldError as e:
+            hint = REBUILD_ENGINES if e.path.startswith("engines") else REBUILD
+            raise ManifestError(f"manifest field {e.path!r} {e.what}; {hint}") from None
+        return m
 
 
-def load(build_dir: str | Path) -> Manifest:
-    """Read and check a build directory's manifest; every referenced file must exist."""
+def load(build_dir: str | Path, check_graphs: bool = True) -> Manifest:
+    """Read and check a build directory's manifest: every field typed, every referenced file
+    present, and (`check_graphs`) the kv spec and graph I/O agreeing with the .onnx files."""
     build_dir = Path(build_dir)
     path = build_dir / io.MANIFEST_NAME
     if not path.is_file():
@@ -106,26 +245,190 @@ def load(build_dir: str | Path) -> Manifest:
         m = Manifest.from_json(data)
     except ManifestError as e:
         raise ManifestError(f"{path}: {e}") from None
-    rebuild = "rebuild with `kvexport build --force`"
     for entry in m.graphs.values():
         if not (build_dir / entry.file).is_file():
-            raise ManifestError(f"{build_dir / entry.file} listed in the manifest is missing; {rebuild}")
-    weights = build_dir / m.weights["file"]
+            raise ManifestError(f"{build_dir / entry.file} listed in the manifest is missing; {REBUILD}")
+    weights = build_dir / m.weights.file
     if not weights.is_file():
-        raise ManifestError(f"{weights} listed in the manifest is missing; {rebuild}")
-    if (size := weights.stat().st_size) != m.weights["bytes"]:
-        raise ManifestError(f"{weights} has {size} bytes, the manifest says {m.weights['bytes']} "
-                            f"(truncated?); {rebuild}")
+        raise ManifestError(f"{weights} listed in the manifest is missing; {REBUILD}")
+    if (size := weights.stat().st_size) != m.weights.bytes:
+        raise ManifestError(f"{weights} has {size} bytes, the manifest says {m.weights.bytes} "
+                            f"(truncated?); {REBUILD}")
+    if check_graphs:  # cheap: graph protos without their weights
+        graph_check.check_graphs(build_dir, m)
     return m
 
 
-def versions() -> dict:
+def sha256(path: Path) -> str:
+    """Hex sha256 of a file (the checksums the manifest records: source weights, engines)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def versions() -> dict[str, str | None]:
     import importlib.metadata as md
 
-    out = {"kvexport": __version__}
+    out: dict[str, str | None] = {"kvexport": __version__}
     for pkg in ("torch", "transformers", "onnx", "onnxruntime", "numpy", "gguf"):
         try:
             out[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
             out[pkg] = None
     return out
+
+
+# ---- consistency beyond types ---------------------------------------------------------------
+
+
+def _one_of(value: str, choices: type[enum.Enum], path: str) -> None:
+    allowed = [e.value for e in choices]
+    if value not in allowed:
+        raise _FieldError(path, f"is {value!r}, not one of {allowed}")
+
+
+def _check_values(m: Manifest) -> None:
+    """Values the types cannot express: enum members, sizes > 0, the KV formula, the model
+    and kv entries agreeing, and the engines' limits within the build's."""
+    kv = m.kv
+    _one_of(m.dtype, io.DType, "dtype")
+    _one_of(kv.layout, io.KVLayout, "kv.layout")
+    _one_of(kv.attention, io.Attention, "kv.attention")
+    _one_of(kv.dtype, io.DType, "kv.dtype")
+    for name in ("num_layers", "num_kv_heads", "head_dim", "max_seq_len"):
+        if getattr(kv, name) < 1:
+            raise _FieldError(f"kv.{name}", f"must be >= 1, got {getattr(kv, name)}")
+    paged = kv.layout == io.KVLayout.PAGED.value
+    if (kv.block_size < 1) if paged else (kv.block_size != 0):
+        raise _FieldError("kv.block_size", f"is {kv.block_size}: it must be >= 1 for the paged layout, 0 for "
+                                           f"contiguous")
+    for name in ("num_layers", "num_kv_heads", "head_dim"):
+        if getattr(kv, name) != getattr(m.model, name):
+            raise _FieldError(f"kv.{name}", f"is {getattr(kv, name)}, but 'model.{name}' is {getattr(m.model, name)}")
+    per_token = io.kv_bytes_per_token(kv.num_layers, kv.num_kv_heads, kv.head_dim, io.DType(kv.dtype))
+    if kv.bytes_per_token != per_token:
+        raise _FieldError("kv.bytes_per_token", f"is {kv.bytes_per_token}, but the kv spec gives {per_token} "
+                                                f"(2 x layers x kv_heads x head_dim x bytes)")
+    phases = sorted(p.value for p in io.Phase)
+    if sorted(m.graphs) != phases:
+        raise _FieldError("graphs", f"has {sorted(m.graphs)}, not the graphs {phases}")
+    if m.engines is not None:
+        if sorted(m.engines.engines) != phases:
+            raise _FieldError("engines.engines", f"has {sorted(m.engines.engines)}, not the engines {phases}")
+        if m.engines.limits.max_seq_len > kv.max_seq_len:
+            raise _FieldError("engines.limits.max_seq_len", f"is {m.engines.limits.max_seq_len}, longer than the "
+                                                            f"graphs' kv.max_seq_len {kv.max_seq_len}")
+
+
+# ---- typed JSON: dataclass <-> parsed JSON, checked ---------------------------------------------
+
+
+class _FieldError(ManifestError):
+    """A field that is missing, unknown, of the wrong type or inconsistent, at `path` (dotted,
+    e.g. 'engines.limits.max_num_seqs'); from_json adds what to rebuild."""
+
+    def __init__(self, path: str, what: str):
+        super().__init__(f"manifest field {path!r} {what}")
+        self.path, self.what = path, what
+
+
+def _type_name(tp: Any) -> str:
+    if tp is type(None):
+        return "null"
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) in (tuple, list) or tp in (tuple, list):
+        args = typing.get_args(tp)
+        return f"a list of {_type_name(args[0]).split(' ', 1)[-1]}s" if args else "a list"
+    names = {int: "an int", float: "a number", str: "a string", bool: "a boolean", dict: "an object"}
+    return names.get(tp, "an object")
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _got(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _decode(tp: Any, value: Any, path: str) -> Any:
+    """`value` (parsed JSON) checked against type `tp`; JSON lists become tuples where `tp`
+    says tuple, objects become dataclasses where it names one."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for a in args:
+            if a is not type(None):
+                try:
+                    return _decode(a, value, path)
+                except _FieldError as e:
+                    if e.path != path:  # wrong inside a nested object: that is the error to report
+                        raise
+        raise _FieldError(path, f"must be {_type_name(tp)}, got {_got(value)}")
+    if tp is ModelEntry:
+        if not isinstance(value, dict):
+            raise _FieldError(path, f"must be an object, got {_got(value)}")
+        return ModelEntry(value)
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        return _from_json(tp, value, path)
+    ok = {bool: lambda v: isinstance(v, bool), int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+          float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), str: lambda v: isinstance(v, str)}
+    if tp in ok:
+        if not ok[tp](value):
+            raise _FieldError(path, f"must be {_type_name(tp)}, got {_got(value)}")
+        return value
+    container = origin or tp
+    if container in (tuple, list):
+        if not isinstance(value, list):
+            raise _FieldError(path, f"must be {_type_name(tp)}, got {_got(value)}")
+        item = args[0] if args else Any
+        items = [_decode(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if container is tuple else items
+    if container is dict:
+        if not isinstance(value, dict):
+            raise _FieldError(path, f"must be an object, got {_got(value)}")
+        item = args[1] if args else Any
+        return {k: _decode(item, v, f"{path}.{k}") for k, v in value.items()}
+    raise TypeError(f"manifest type {tp!r} of {path!r} has no JSON decoding")  # a schema bug, not user input
+
+
+def _from_json(cls: type, data: Any, path: str) -> Any:
+    if not isinstance(data, dict):
+        raise _FieldError(path or "(top level)", f"must be an object, got {_got(data)}")
+    fields = dataclasses.fields(cls)
+    known = {f.name for f in fields}
+    sub = (lambda name: f"{path}.{name}") if path else (lambda name: name)
+    for name in data:
+        if name not in known:
+            raise _FieldError(sub(name), "is not a field this kvexport knows (written by another version?)")
+    hints, kwargs = _hints(cls), {}
+    for f in fields:
+        if f.name in data:
+            kwargs[f.name] = _decode(hints[f.name], data[f.name], sub(f.name))
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise _FieldError(sub(f.name), "is missing")
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:  # a dataclass's own checks (EngineBuildOptions)
+        raise _FieldError(path, f"is invalid: {e}") from None
+
+
+def _to_json(x: Any) -> Any:
+    """Parsed-JSON form of a manifest value (tuples become lists; ModelEntry its spec)."""
+    if isinstance(x, ModelEntry):
+        return _to_json(x.spec)
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return {f.name: _to_json(getattr(x, f.name)) for f in dataclasses.fields(x)}
+    if isinstance(x, (list, tuple)):
+        return [_to_json(v) for v in x]
+    if isinstance(x, dict):
+        return {k: _to_json(v) for k, v in x.items()}
+    return x

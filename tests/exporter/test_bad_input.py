@@ -234,7 +234,7 @@ def test_pickled_weights_are_refused(pickled_llama, tmp_path):
 def test_pickled_weights_with_allow_pickle(pickled_llama, tmp_path):
     out, m = build(str(pickled_llama), tmp_path / "b",
                    BuildOptions(block_size=4, max_seq_len=64, allow_pickle=True))
-    assert m.validation["passed"], m.validation
+    assert m.validation.passed, m.validation
     assert [w["file"] for w in m.source["weights"]] == ["pytorch_model.bin"]
     assert_build(out)
 
@@ -408,7 +408,7 @@ def test_interrupted_rebuild_keeps_the_old_build(hf_folder, tmp_path, monkeypatc
     with pytest.raises(type(exc)):
         build(str(hf_folder("gpt2")), out, BuildOptions(block_size=4, max_seq_len=64, validate=False, force=True))
     assert {p.name: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
-    assert load(out).model["family"] == "llama"
+    assert load(out).model.family == "llama"
     assert leftovers(tmp_path, "b") == []
 
 
@@ -477,7 +477,7 @@ def test_alias_with_its_file_missing(monkeypatch, tmp_path):
     (dict(validate_steps=0), "validate_steps must be >= 1"),
     (dict(calibration_tokens=8, kv_dtype=io.DType.INT8), "--calibration-tokens must be >= 16, got 8"),
     (dict(calibration_tokens=64), "only apply to --kv-dtype int8"),
-    (dict(backend="cuda"), "--backend must be onnx or tensorrt"),
+    (dict(backend="cuda"), "--backend must be onnxruntime or tensorrt"),
 ], ids=["block-0", "block-1025", "dtype-int8", "dtype-bf16", "kv-bf16", "plugin-contiguous", "seq-1", "steps-0",
         "calib-8", "calib-not-int8", "backend-cuda"])
 def test_build_options_out_of_range(kwargs, words_):

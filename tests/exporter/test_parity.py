@@ -29,10 +29,10 @@ def test_parity(hf_folder, tmp_path, family, variant, overrides, layout):
     src = hf_folder(family, **overrides)
     out, m = build(str(src), tmp_path / "b", BuildOptions(layout=layout, block_size=4, max_seq_len=64))
     v = m.validation
-    assert v["passed"], v
-    assert v["greedy_identical"]
-    assert v["max_abs_diff"] <= TOLERANCE["fp32"]
-    assert v["steps"] == 16 and len(v["max_abs_diff_per_step"]) == 17
+    assert v.passed, v
+    assert v.greedy_identical
+    assert v.max_abs_diff <= TOLERANCE["fp32"]
+    assert v.steps == 16 and len(v.max_abs_diff_per_step) == 17
     assert (out / io.MANIFEST_NAME).is_file()
 
 
@@ -44,8 +44,8 @@ def test_sliding_window_is_shorter_than_the_test_sequence(hf_folder, tmp_path):
     """The window case only proves something if sequences outgrow the window."""
     _, m = build(str(hf_folder("mistral", num_key_value_heads=2, sliding_window=8)), tmp_path / "b",
                  BuildOptions(block_size=4, max_seq_len=64))
-    assert m.model["sliding_window"] == 8
-    assert max(m.validation["prompt_lengths"]) + m.validation["steps"] > 8
+    assert m.model.sliding_window == 8
+    assert max(m.validation.prompt_lengths) + m.validation.steps > 8
 
 
 def test_window_changes_the_result(hf_folder, tmp_path):
@@ -69,8 +69,8 @@ def test_fp16_builds_load_and_run_in_onnxruntime(hf_folder, tmp_path, layout):
     _, m = build(str(hf_folder("llama")), tmp_path / "b",
                  BuildOptions(layout=layout, dtype=io.DType.FP16, block_size=4, max_seq_len=64))
     v = m.validation
-    assert m.kv.dtype == "fp16" and v["passed"], v
-    assert v["max_abs_diff"] <= TOLERANCE["fp16"]
+    assert m.kv.dtype == "fp16" and v.passed, v
+    assert v.max_abs_diff <= TOLERANCE["fp16"]
 
 
 def test_all_logits_option(hf_folder, tmp_path):

@@ -36,13 +36,13 @@ def test_every_family_has_a_plugin_case():
 def test_plugin_graph_matches_transformers_and_onnx_attention(hf_folder, tmp_path, family, cpu_op):
     src = str(hf_folder(family, **CASES[family]))
     plug, mp = build(src, tmp_path / "plugin", BuildOptions(attention=io.Attention.PLUGIN, **OPTS))
-    assert mp.validation["passed"] and mp.validation["greedy_identical"], mp.validation
-    assert mp.validation["max_abs_diff"] <= TOLERANCE["fp32"]
+    assert mp.validation.passed and mp.validation.greedy_identical, mp.validation
+    assert mp.validation.max_abs_diff <= TOLERANCE["fp32"]
     # validated a second time with the native CPU op (what the runtime serves plugin graphs with)
-    native = mp.validation["native_op"]
-    assert native["passed"] and native["greedy_identical"] and native["max_abs_diff"] <= TOLERANCE["fp32"], native
+    native = mp.validation.native_op
+    assert native.passed and native.greedy_identical and native.max_abs_diff <= TOLERANCE["fp32"], native
     ref, mr = build(src, tmp_path / "onnx", BuildOptions(validate=False, **OPTS))
-    prompts = prompt_ids(None, mr.model["vocab_size"])
+    prompts = prompt_ids(None, mr.model.vocab_size)
     forced = [[(7 * s + t) % 100 + 3 for t in range(6)] for s in range(len(prompts))]
     a = PagedDriver(plug, mp, "reference").run(prompts, forced, 6)
     b = PagedDriver(ref, mr).run(prompts, forced, 6)
@@ -86,13 +86,13 @@ def int8_builds(hf_folder, tmp_path_factory):
 
 def test_int8_builds_validate_and_record_their_scales(int8_builds):
     _, builds = int8_builds
-    native = builds["plugin"][1].validation["native_op"]  # None when the CPU op is not built
-    assert native is None or (native["passed"] and native["token_agreement"] >= 0.9), native
+    native = builds["plugin"][1].validation.native_op  # None when the CPU op is not built
+    assert native is None or (native.passed and native.token_agreement >= 0.9), native
     for name in ("paged", "plugin", "contiguous"):
         out, m = builds[name]
         v = m.validation
-        assert v["passed"] and v["tolerance"] == TOLERANCE["int8_kv"], (name, v)
-        assert v["token_agreement"] >= 0.9, (name, v)
+        assert v.passed and v.tolerance == TOLERANCE["int8_kv"], (name, v)
+        assert v.token_agreement >= 0.9, (name, v)
         q = m.kv.quantization
         assert q["scheme"] == cal.SCHEME and np.array(q["scales"]).shape == (2, 2, 2)
         g = onnx.load(str(out / io.PREFILL_GRAPH), load_external_data=False)
@@ -101,17 +101,17 @@ def test_int8_builds_validate_and_record_their_scales(int8_builds):
     fp32 = builds["fp32"][1]
     assert builds["paged"][1].kv.bytes_per_token * 4 == fp32.kv.bytes_per_token
     # quantization really happens: int8 is further from transformers than fp32
-    assert builds["paged"][1].validation["max_abs_diff"] > 10 * fp32.validation["max_abs_diff"]
+    assert builds["paged"][1].validation.max_abs_diff > 10 * fp32.validation.max_abs_diff
 
 
 def test_int8_onnx_attention_plugin_and_contiguous_agree(int8_builds):
     """One quantization semantics (QuantizeLinear rounding, per-head scales) everywhere:
     the three int8 builds agree far more closely than int8 agrees with fp32."""
     _, builds = int8_builds
-    d = {k: builds[k][1].validation["max_abs_diff_per_step"] for k in ("paged", "plugin", "contiguous")}
+    d = {k: builds[k][1].validation.max_abs_diff_per_step for k in ("paged", "plugin", "contiguous")}
     assert np.allclose(d["paged"], d["plugin"], atol=1e-4) and np.allclose(d["paged"], d["contiguous"], atol=1e-4)
     (p_out, p_m), (g_out, g_m) = builds["paged"], builds["plugin"]
-    prompts = prompt_ids(None, p_m.model["vocab_size"])
+    prompts = prompt_ids(None, p_m.model.vocab_size)
     forced = [[5 + s + t for t in range(5)] for s in range(len(prompts))]
     a = PagedDriver(p_out, p_m).run(prompts, forced, 5)
     b = PagedDriver(g_out, g_m, "reference").run(prompts, forced, 5)
@@ -132,7 +132,7 @@ def test_calibrate_cli_rewrites_scales(int8_builds, tmp_path):
         g = onnx.load(str(out / graph), load_external_data=False)
         init = {t.name: onnx.numpy_helper.to_array(t) for t in g.graph.initializer if t.name.startswith("kv_scales")}
         np.testing.assert_array_equal(init[io.v_scale(0)], after[0, 1])
-    assert m.validation["passed"]
+    assert m.validation.passed
 
 
 def test_calibrate_refuses_a_build_without_int8(int8_builds):
@@ -191,7 +191,7 @@ def test_backend_tensorrt_without_tensorrt_keeps_the_onnx_build(hf_folder, tmp_p
     assert r.exit_code != 0
     assert "TensorRT" in r.output and "onnxruntime" in r.output, r.output
     m = load(out)
-    assert m.validation["passed"] and m.engines is None and not (out / "engines").exists()
+    assert m.validation.passed and m.engines is None and not (out / "engines").exists()
 
 
 def test_backend_tensorrt_needs_plugin_attention_and_fp16():
@@ -205,9 +205,9 @@ def test_fp16_plugin_graph_matches_fp16_onnx_attention(hf_folder, tmp_path):
     """fp16 plugin graphs (what TensorRT engines are built from): q/k/v and pools in fp16."""
     src = str(hf_folder("llama", num_key_value_heads=2))
     plug, mp = build(src, tmp_path / "p", BuildOptions(attention=io.Attention.PLUGIN, dtype=io.DType.FP16, **OPTS))
-    assert mp.validation["passed"] and mp.validation["greedy_identical"], mp.validation
+    assert mp.validation.passed and mp.validation.greedy_identical, mp.validation
     ref, mr = build(src, tmp_path / "o", BuildOptions(dtype=io.DType.FP16, validate=False, **OPTS))
-    prompts = prompt_ids(None, mr.model["vocab_size"])
+    prompts = prompt_ids(None, mr.model.vocab_size)
     forced = [[(5 * s + t) % 100 + 3 for t in range(4)] for s in range(len(prompts))]
     a = PagedDriver(plug, mp, "reference").run(prompts, forced, 4)
     b = PagedDriver(ref, mr).run(prompts, forced, 4)
@@ -222,12 +222,19 @@ def test_calibrate_drops_engines_that_hold_the_old_scales(int8_builds, tmp_path)
     import shutil
     from dataclasses import replace
 
+    from kvexport.manifest import EngineBuildOptions, EngineFile, EngineLimits, EnginesEntry, GpuInfo, PluginInfo
+
     src, builds = int8_builds
     out = tmp_path / "b"
     shutil.copytree(builds["paged"][0], out)
     (out / "engines").mkdir()
     (out / "engines" / "decode.plan").write_bytes(b"stale")
-    replace(load(out), engines={"engines": {"decode": {"file": "engines/decode.plan"}}}).save(out)
+    m = load(out)
+    files = {p: EngineFile(f"engines/{p}.plan", 5, "0" * 64, {}) for p in ("prefill", "decode")}
+    engines = EnginesEntry("tensorrt", "10.13.0.35", GpuInfo("NVIDIA H200", "9.0"), "fp16", True, False, files,
+                           "engines/timing.cache", EngineLimits(8, 64, m.kv.max_seq_len, 16, 100),
+                           PluginInfo("kvexport::PagedAttention", "1", None), EngineBuildOptions())
+    replace(m, engines=engines).save(out)
     r = CliRunner().invoke(main, ["calibrate", str(out), "--tokens", "32", "--model", src, "--no-validate"])
     assert r.exit_code == 0, r.output
     assert load(out).engines is None and not (out / "engines").exists()

@@ -22,9 +22,9 @@ def smol_paged(tmp_path_factory):
 def test_paged_build_matches_transformers(smol_paged):
     out, m = smol_paged
     v = m.validation
-    assert v["passed"] and v["greedy_identical"], v
-    assert v["prompts"] >= 4 and len(set(v["prompt_lengths"])) >= 3 and v["steps"] >= 16
-    assert m.model["num_layers"] == 30 and m.model["num_heads"] == 9 and m.model["num_kv_heads"] == 3
+    assert v.passed and v.greedy_identical, v
+    assert v.prompts >= 4 and len(set(v.prompt_lengths)) >= 3 and v.steps >= 16
+    assert m.model.num_layers == 30 and m.model.num_heads == 9 and m.model.num_kv_heads == 3
     assert m.kv.bytes_per_token == 2 * 30 * 3 * 64 * 4
     assert m.source["weights"][0]["sha256"] and len(m.source["weights"][0]["sha256"]) == 64
     assert (out / io.TOKENIZER_DIR / "tokenizer.json").is_file()
@@ -32,15 +32,15 @@ def test_paged_build_matches_transformers(smol_paged):
 
 def test_graphs_keep_gqa_in_kv_io(smol_paged):
     _, m = smol_paged
-    pools = [t for t in m.graphs["decode"].inputs if t["name"].startswith("key_cache.")]
-    assert len(pools) == 30 and all(t["shape"][0] == 3 for t in pools)  # kv_heads, not heads
+    pools = [t for t in m.graphs["decode"].inputs if t.name.startswith("key_cache.")]
+    assert len(pools) == 30 and all(t.shape[0] == 3 for t in pools)  # kv_heads, not heads
 
 
 def test_contiguous_build_matches_transformers(tmp_path):
     _, m = build("smollm2-135m", tmp_path / "contig", BuildOptions(layout=io.KVLayout.CONTIGUOUS))
-    assert m.validation["passed"] and m.validation["greedy_identical"], m.validation
-    past = [t for t in m.graphs["decode"].inputs if t["name"] == io.past_key(0)][0]
-    assert past["shape"] == [io.BATCH, 3, io.PAST_SEQ, 64]
+    assert m.validation.passed and m.validation.greedy_identical, m.validation
+    past = [t for t in m.graphs["decode"].inputs if t.name == io.past_key(0)][0]
+    assert past.shape == (io.BATCH, 3, io.PAST_SEQ, 64)
 
 
 def test_inspect_prints_the_manifest(smol_paged):
@@ -61,7 +61,7 @@ def test_int8_kv_build_stays_close_to_transformers(tmp_path):
     1.9 and 98.5%)."""
     _, m = build("smollm2-135m", tmp_path / "i8", BuildOptions(kv_dtype=io.DType.INT8, max_seq_len=256))
     v = m.validation
-    assert v["passed"] and v["token_agreement"] >= 0.9, v
+    assert v.passed and v.token_agreement >= 0.9, v
     assert m.kv.bytes_per_token == 2 * 30 * 3 * 64
     assert m.kv.quantization["calibration"] == {"text": "hamlet.txt", "tokens": 2048,
                                                 "ids_sha256": m.kv.quantization["calibration"]["ids_sha256"]}

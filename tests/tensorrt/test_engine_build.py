@@ -18,6 +18,7 @@ from kvexport import io
 from kvexport.errors import ConfigError, KvExportError
 from kvexport.exporter import tensorrt_build as tb
 from kvexport.exporter.tensorrt_build import EngineBuildOptions, ShapeRange, TensorRTUnavailableError
+from kvexport.manifest import GraphEntry
 
 OPTS = EngineBuildOptions(max_num_seqs=8, max_num_batched_tokens=64, max_num_blocks=100)
 
@@ -46,7 +47,7 @@ def test_profile_shapes_cover_every_input_exactly(make_manifest):
     shapes = tb.profile_shapes(m, OPTS)
     assert set(shapes) == {"prefill", "decode"}
     for phase in ("prefill", "decode"):
-        assert list(shapes[phase]) == [t["name"] for t in m.graphs[phase].inputs]
+        assert list(shapes[phase]) == [t.name for t in m.graphs[phase].inputs]
     p, d = shapes["prefill"], shapes["decode"]
     assert p[io.INPUT_IDS] == ShapeRange((1,), (64,), (64,))
     assert p[io.SLOT_MAPPING] == p[io.POSITIONS] == p[io.INPUT_IDS]
@@ -67,7 +68,9 @@ def test_profile_refuses_longer_context_than_the_graphs(make_manifest):
 
 def test_profile_refuses_an_axis_it_does_not_know(make_manifest):
     m = make_manifest()
-    m.graphs["decode"].inputs[0]["shape"] = ["mystery"]
+    g = m.graphs["decode"]
+    m.graphs["decode"] = GraphEntry(g.file, (io.TensorSpec(io.INPUT_IDS, "int64", ("mystery",)),) + g.inputs[1:],
+                                    g.outputs, g.bytes)
     with pytest.raises(KvExportError, match="axis 'mystery'"):
         tb.profile_shapes(m, OPTS)
 
