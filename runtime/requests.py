@@ -2,19 +2,36 @@
 prompts (text, token ids, chat messages) -> checked token ids, and request fields ->
 `SamplingParams`. Front ends turn `RequestError` into their own error form (an exception,
 HTTP 400, a Triton error response); nothing here knows about HTTP or Triton.
+
+    text ──tokenizer──┐
+    token ids ────────┼──▶ check_token_ids (0 <= id < vocab_size) ──▶ list[int]
+    chat messages ────┘ (chat template)
+    fields {max_tokens, temperature, stop, ...} + prompt length ──▶ SamplingParams
+
+`RequestParser` holds what parsing needs from an engine (tokenizer, vocabulary size,
+context length); `RequestParser.for_engine(engine)` builds it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields as dc_fields
+from typing import Any, Mapping, Sequence
+
 from kvexport.errors import KvExportError
+
+from .sampling import SamplingError, SamplingParams
+
+SAMPLING_FIELDS = frozenset(f.name for f in dc_fields(SamplingParams))
 
 
 class RequestError(KvExportError):
-    """A request a client got wrong; `param` names the offending field when there is one."""
+    """A request a client got wrong; `param` names the offending field when there is one,
+    `code` is a machine-readable reason where one is useful (e.g. context_length_exceeded)."""
 
-    def __init__(self, message: str, param: str | None = None):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.param = param
+        self.code = code
 
 
 def check_token_ids(ids, vocab_size: int, param: str = "prompt") -> list[int]:
@@ -36,3 +53,135 @@ def check_token_ids(ids, vocab_size: int, param: str = "prompt") -> list[int]:
             raise RequestError(f"{param}: token id {t} is outside this model's vocabulary [0, {vocab_size})", param)
         out.append(t)
     return out
+
+
+def chat_messages(messages: Any, param: str = "messages") -> list[dict[str, str]]:
+    """OpenAI chat messages -> [{"role", "content"}] with string content, as chat templates
+    take them. Content may be a string, null, or a list of text parts
+    ({"type": "text", "text": ...}), which are joined."""
+    if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
+        raise RequestError(f"{param} must be a non-empty list of messages", param)
+    out = []
+    for i, m in enumerate(messages):
+        where = f"{param}[{i}]"
+        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
+            raise RequestError(f"{where}: each message needs a string role and a content", where)
+        content = m.get("content")
+        if content is None:
+            content = ""
+        elif isinstance(content, Sequence) and not isinstance(content, str):
+            texts = []
+            for j, part in enumerate(content):
+                at = f"{where}.content[{j}]"
+                if not isinstance(part, Mapping) or part.get("type") != "text":
+                    kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+                    raise RequestError(f"{at}: this model reads text only; content parts must be "
+                                       f'{{"type": "text", "text": ...}}, got {kind!r}', at)
+                if not isinstance(part.get("text"), str):
+                    raise RequestError(f"{at}.text must be a string", f"{at}.text")
+                texts.append(part["text"])
+            content = "".join(texts)
+        elif not isinstance(content, str):
+            raise RequestError(f"{where}.content must be a string or a list of text parts", f"{where}.content")
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class RequestParser:
+    """Turns one engine's requests into token ids and SamplingParams."""
+
+    tokenizer: Any  # a transformers tokenizer; None for builds without one
+    vocab_size: int  # token ids must be in [0, vocab_size)
+    max_model_len: int  # tokens per sequence, prompt + output
+
+    @classmethod
+    def for_engine(cls, engine) -> "RequestParser":
+        return cls(engine.tokenizer, engine.vocab_size, engine.max_model_len)
+
+    # ---- prompts ----------------------------------------------------------------------
+    def text(self, text: str, param: str = "prompt") -> list[int]:
+        """Text -> token ids with the build's tokenizer (special tokens added as it does)."""
+        if self.tokenizer is None:
+            raise RequestError(f"{param}: this build has no tokenizer; send the prompt as token ids", param)
+        return check_token_ids(self.tokenizer(text)["input_ids"], self.vocab_size, param)
+
+    def prompt(self, prompt: Any, param: str = "prompt") -> list[int]:
+        """A string or a list of token ids -> checked token ids (possibly empty: see check_length)."""
+        if isinstance(prompt, str):
+            return self.text(prompt, param)
+        if isinstance(prompt, Sequence) or hasattr(prompt, "tolist"):
+            ids = prompt.tolist() if hasattr(prompt, "tolist") else prompt
+            return check_token_ids(ids, self.vocab_size, param)
+        raise RequestError(f"{param} must be a string or a list of token ids, got {type(prompt).__name__}", param)
+
+    def chat(self, messages: Any, param: str = "messages") -> list[int]:
+        """Chat messages -> token ids through the build's chat template, with the
+        assistant's generation prompt appended."""
+        tok = self.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise RequestError(f"{param}: this build's tokenizer has no chat template; send a plain prompt "
+                               f"(text or token ids) instead", param)
+        msgs = chat_messages(messages, param)
+        try:
+            ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        except Exception as e:  # noqa: BLE001 - templates raise on e.g. unsupported roles
+            raise RequestError(f"{param}: the chat template refused the messages: {e}", param) from None
+        ids = ids["input_ids"] if isinstance(ids, Mapping) or hasattr(ids, "keys") else ids
+        return check_token_ids(ids, self.vocab_size, param)
+
+    def check_length(self, prompt_len: int, param: str = "prompt") -> int:
+        """Refuses an empty prompt or one that leaves no room for an output token; returns
+        the room left (max_model_len - prompt_len >= 1)."""
+        if prompt_len == 0:
+            raise RequestError(f"{param}: the prompt is empty", param)
+        room = self.max_model_len - prompt_len
+        if room < 1:
+            raise RequestError(f"{param}: the prompt has {prompt_len} tokens but the context holds "
+                               f"{self.max_model_len} (prompt + at least 1 output token)", param,
+                               code="context_length_exceeded")
+        return room
+
+    # ---- sampling ---------------------------------------------------------------------
+    def sampling_params(self, values: Mapping[str, Any], prompt_len: int, *, default_max_tokens: int | None = None,
+                        strict_max_tokens: bool = False, names: Mapping[str, str] | None = None) -> SamplingParams:
+        """Request fields named as SamplingParams' (None = absent) -> SamplingParams.
+
+        max_tokens: absent -> `default_max_tokens`, or all the room the context leaves;
+        beyond that room it is capped, not refused; with `strict_max_tokens` a value over
+        max_model_len itself is refused. `names` maps a SamplingParams field to the
+        request's own field name, for error messages (e.g. logprobs -> top_logprobs)."""
+        aliases = dict(names or {})
+
+        def name(f: str) -> str:
+            return aliases.get(f, f)
+
+        assert set(values) <= SAMPLING_FIELDS, set(values) - SAMPLING_FIELDS
+        room = self.check_length(prompt_len)
+        kw = {k: v for k, v in values.items() if v is not None}
+        max_tokens = kw.pop("max_tokens", None)
+        if max_tokens is None:
+            max_tokens = default_max_tokens or room
+        bad_int = isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
+        if strict_max_tokens and (bad_int or not 1 <= max_tokens <= self.max_model_len):
+            raise RequestError(f"{name('max_tokens')} must be in [1, {self.max_model_len}] (this deployment's "
+                               f"context), got {max_tokens!r}", name("max_tokens"))
+        if bad_int or max_tokens < 1:
+            raise RequestError(f"{name('max_tokens')} must be an integer >= 1, got {max_tokens!r}", name("max_tokens"))
+        if "stop" in kw:
+            stop = kw["stop"]
+            stop = [stop] if isinstance(stop, str) else stop
+            if not isinstance(stop, Sequence) or any(not isinstance(s, str) for s in stop):
+                raise RequestError(f"{name('stop')} must be a string or a list of strings", name("stop"))
+            kw["stop"] = tuple(stop)
+        if "stop_token_ids" in kw:
+            kw["stop_token_ids"] = tuple(check_token_ids(kw["stop_token_ids"], self.vocab_size,
+                                                         name("stop_token_ids")))
+        try:
+            return SamplingParams(max_tokens=min(max_tokens, room), **kw)
+        except SamplingError as e:
+            msg = str(e)
+            field = msg.split(": ", 1)[-1].split(" ", 1)[0]
+            raise RequestError(msg, name(field) if field in SAMPLING_FIELDS else None) from None
+        except (TypeError, ValueError) as e:
+            raise RequestError(f"invalid sampling parameters: {e}") from None

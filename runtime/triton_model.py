@@ -1,7 +1,9 @@
 """The Triton Python-backend model that serves a kvexport build with continuous batching.
-This module owns the model's tensor interface (`INPUTS`, `OUTPUTS`, `PARAMETERS`, read by
-`triton_repo.py` to write config.pbtxt) and `TritonPythonModel`, which a generated
-repository's `model.py` re-exports.
+This module owns the model's tensor interface (`INPUTS`, `OUTPUTS`, read by
+`triton_repo.py` to write config.pbtxt), the reading of its config.pbtxt parameters
+(`engine_settings`: `build_dir` + runtime/config.py's EngineConfig as strings) and
+`TritonPythonModel`, which a generated repository's `model.py` re-exports. Prompts and
+sampling fields are parsed by runtime/requests.py, as every front end's are.
 
     Triton execute() ──parse/validate──▶ EngineThread.submit ──▶ engine thread: step() ...
                                                                      │ deliver(Event)
@@ -16,8 +18,8 @@ completion. Invalid requests get an error response and never reach the engine. O
 engine thread, ticks poll `request.is_cancelled()` (a cancelled gRPC stream, a
 disconnected SSE client; every 50 ms, at most 32 requests a tick) and abort those
 requests, so their KV blocks go back to the pool. KV and scheduler figures are published
-as Triton custom metrics on Triton's metrics port (same names as `kvexport serve`'s
-/metrics, labelled by model, version and instance).
+as Triton custom metrics on Triton's metrics port (runtime/metrics.py's table, the one
+`kvexport serve`'s /metrics publishes, labelled by model, version and instance).
 
 `triton_python_backend_utils` exists only inside Triton's Python-backend stub, so it is
 imported in `initialize()`, never at module import.
@@ -37,6 +39,11 @@ from pathlib import Path
 import numpy as np
 
 from kvexport.errors import KvExportError
+
+from . import metrics as mx
+from .config import EngineConfig
+from .requests import RequestError, RequestParser
+from .sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 pb_utils = None  # triton_python_backend_utils, bound by TritonPythonModel.initialize()
@@ -59,27 +66,18 @@ OUTPUTS = (
     ("token_ids", "TYPE_INT32", [-1], "token ids added by this response (streaming) or all generated ids"),
     ("finish_reason", "TYPE_STRING", [1], "'' until the FINAL response: stop | length | abort"),
 )
-# model parameters (config.pbtxt `parameters`), all strings; defaults used when absent
-PARAMETERS = {
-    "build_dir": None,  # path of the kvexport build, relative paths resolve against the model's folder
-    "backend": "onnxruntime",  # "onnxruntime" | "tensorrt" (the build's engines, runtime/trt_backend.py)
-    "kv_cache_memory": "512MiB",  # KV pool budget per instance
-    "max_num_seqs": "64",
-    "max_num_batched_tokens": "512",
-    "threads": "0",  # onnxruntime intra-op threads, 0 = all cores
-}
-BACKENDS = ("onnxruntime", "tensorrt")
+# model parameters (config.pbtxt `parameters`, strings): `build_dir` (the build's path;
+# relative paths resolve against the model's folder) and the fields of runtime/config.py's
+# EngineConfig (`EngineConfig.to_strings()`; absent ones take its defaults).
+# NOTE: Triton's own parameters are upper case (EXECUTION_ENV_PATH, ...); ours are lower case
+BUILD_DIR_PARAMETER = "build_dir"
 _NP_KIND = {"TYPE_STRING": "O", "TYPE_INT32": "i", "TYPE_UINT64": "u", "TYPE_FP32": "f", "TYPE_BOOL": "b"}
 POLL_CANCEL_S = 0.05  # how often the engine thread asks Triton whether requests were cancelled
 # NOTE: each is_cancelled() is a round trip to the Triton process; a tick asks at most this
 # many requests (round robin), so a large batch is polled every (active / 32) * 50 ms
 POLL_CANCEL_MAX = 32
+DEFAULT_MAX_TOKENS = 16  # when a request has no max_tokens input
 METRICS_EVERY_S = 0.1  # how often it republishes the metrics while busy (and once on falling idle)
-
-
-class RequestError(KvExportError):
-    """A Triton request with a missing, mistyped or out-of-range input; its message is the
-    error response the client gets."""
 
 
 def resolve_build_dir(value: str, model_dir: str | Path) -> Path:
@@ -88,27 +86,39 @@ def resolve_build_dir(value: str, model_dir: str | Path) -> Path:
     return p if p.is_absolute() else (Path(model_dir) / p).resolve()
 
 
+def engine_settings(parameters: dict, model_dir: str | Path) -> tuple[Path, EngineConfig]:
+    """config.pbtxt `parameters` (name -> {"string_value": ...}) -> (build directory,
+    EngineConfig). Unknown lower-case names are an error (a typo must not fall back to a
+    default silently)."""
+    p = {k: v.get("string_value", "") for k, v in parameters.items()}
+    build_dir = p.pop(BUILD_DIR_PARAMETER, "").strip()
+    if not build_dir:
+        raise KvExportError("config.pbtxt needs the parameter build_dir (regenerate with `kvexport triton`)")
+    cfg = EngineConfig.from_strings({k: v for k, v in p.items() if not k.isupper()})
+    return resolve_build_dir(build_dir, model_dir), cfg
+
+
 def _scalar(arrays: dict[str, np.ndarray], name: str, default):
     a = arrays.get(name)
     if a is None:
         return default
     if a.size != 1:
-        raise RequestError(f"input {name!r} must hold one value, got shape {list(a.shape)}")
+        raise RequestError(f"input {name!r} must hold one value, got shape {list(a.shape)}", name)
     v = a.reshape(-1)[0]
     return v.item() if hasattr(v, "item") else v
 
 
-def parse_request(arrays: dict[str, np.ndarray], tokenizer, max_model_len: int):
+def parse_request(arrays: dict[str, np.ndarray], parser: RequestParser) -> tuple[list[int], SamplingParams, bool]:
     """Input tensors (name -> numpy array, absent inputs left out) -> (prompt token ids,
-    SamplingParams, stream). Raises RequestError for anything a client got wrong."""
-    from .sampling import SamplingError, SamplingParams
-
+    SamplingParams, stream). The tensors' names, dtypes and shapes are checked here; the
+    prompt and the sampling fields by the shared `parser` (runtime/requests.py). Raises
+    RequestError for anything a client got wrong."""
     spec = {name: dtype for name, dtype, *_ in INPUTS}
     for name, a in arrays.items():
         if name not in spec:
-            raise RequestError(f"unknown input {name!r}; inputs: {', '.join(spec)}")
+            raise RequestError(f"unknown input {name!r}; inputs: {', '.join(spec)}", name)
         if a.dtype.kind != _NP_KIND[spec[name]] and not (spec[name] == "TYPE_STRING" and a.dtype.kind == "S"):
-            raise RequestError(f"input {name!r} must be {spec[name][5:]}, got numpy dtype {a.dtype}")
+            raise RequestError(f"input {name!r} must be {spec[name][5:]}, got numpy dtype {a.dtype}", name)
     if ("text_input" in arrays) == ("input_ids" in arrays):
         raise RequestError("send exactly one of the inputs 'text_input' (BYTES) or 'input_ids' (INT32)")
     if "text_input" in arrays:
@@ -116,30 +126,17 @@ def parse_request(arrays: dict[str, np.ndarray], tokenizer, max_model_len: int):
         try:
             text = text.decode("utf-8") if isinstance(text, bytes) else str(text)
         except UnicodeDecodeError:
-            raise RequestError("text_input is not valid UTF-8") from None
-        if tokenizer is None:
-            raise RequestError("this build has no tokenizer: send the prompt as 'input_ids' (INT32)")
-        prompt = list(tokenizer(text)["input_ids"])
+            raise RequestError("text_input is not valid UTF-8", "text_input") from None
+        prompt, param = parser.text(text, "text_input"), "text_input"
     else:
-        prompt = [int(t) for t in arrays["input_ids"].reshape(-1)]
-    if not prompt:
-        raise RequestError("the prompt is empty")
-    max_tokens = _scalar(arrays, "max_tokens", 16)
-    if not 1 <= max_tokens <= max_model_len:
-        raise RequestError(f"max_tokens must be in [1, {max_model_len}] (this deployment's context), got {max_tokens}")
-    room = max_model_len - len(prompt)
-    if room < 1:
-        raise RequestError(f"the prompt has {len(prompt)} tokens but the context holds {max_model_len} "
-                           f"(prompt + at least 1 output token)")
+        prompt, param = parser.prompt(arrays["input_ids"].reshape(-1).tolist(), "input_ids"), "input_ids"
+    parser.check_length(len(prompt), param)
     stop = arrays.get("stop")
-    stops = tuple(s.decode("utf-8", "replace") if isinstance(s, bytes) else str(s)
-                  for s in (stop.reshape(-1) if stop is not None else ()))
-    kw = {k: _scalar(arrays, k, None) for k in ("temperature", "top_p", "top_k", "seed", "ignore_eos")}
-    try:
-        params = SamplingParams(max_tokens=min(max_tokens, room), stop=stops,
-                                **{k: v for k, v in kw.items() if v is not None})
-    except SamplingError as e:
-        raise RequestError(str(e)) from None
+    values = {k: _scalar(arrays, k, None) for k in ("max_tokens", "temperature", "top_p", "top_k", "seed",
+                                                    "ignore_eos")}
+    values["stop"] = [s.decode("utf-8", "replace") if isinstance(s, bytes) else str(s)
+                      for s in (stop.reshape(-1) if stop is not None else ())]
+    params = parser.sampling_params(values, len(prompt), default_max_tokens=DEFAULT_MAX_TOKENS, strict_max_tokens=True)
     return prompt, params, bool(_scalar(arrays, "stream", False))
 
 
@@ -162,7 +159,7 @@ class TritonPythonModel:
         global pb_utils
         import triton_python_backend_utils as pb_utils  # noqa: F811 - exists only in the stub
 
-        from .engine import EngineConfig, LLMEngine
+        from .engine import LLMEngine
         from .engine_thread import EngineThread
 
         for var, value in (("HF_HUB_OFFLINE", "1"), ("ORT_DISABLE_TELEMETRY", "1"), ("TOKENIZERS_PARALLELISM", "false")):
@@ -170,18 +167,9 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(config):
             raise KvExportError("this model streams tokens: set model_transaction_policy { decoupled: true }")
-        p = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
-        opt = {k: p.get(k) or v for k, v in PARAMETERS.items()}
-        if not opt["build_dir"]:
-            raise KvExportError("config.pbtxt needs the parameter build_dir (regenerate with `kvexport triton`)")
-        if opt["backend"] not in BACKENDS:
-            raise KvExportError(f"parameter backend must be one of {BACKENDS}, got {opt['backend']!r}")
-        build_dir = resolve_build_dir(opt["build_dir"], args["model_repository"])
-        threads = int(opt["threads"])
-        cfg = EngineConfig(kv_cache_memory=opt["kv_cache_memory"], max_num_seqs=int(opt["max_num_seqs"]),
-                           max_num_batched_tokens=int(opt["max_num_batched_tokens"]), threads=threads or None,
-                           backend=opt["backend"])
+        build_dir, cfg = engine_settings(config.get("parameters", {}), args["model_repository"])
         self.engine = LLMEngine(build_dir, cfg)
+        self.parser = RequestParser.for_engine(self.engine)
         self.labels = {"model": args["model_name"], "version": str(args["model_version"]),
                        "instance": args["model_instance_name"]}
         self._lock = threading.Lock()  # guards _active: execute() adds, the engine thread removes
@@ -207,7 +195,7 @@ class TritonPythonModel:
                     t = pb_utils.get_input_tensor_by_name(request, name)
                     if t is not None:
                         arrays[name] = t.as_numpy()
-                prompt, params, stream = parse_request(arrays, self.engine.tokenizer, self.engine.max_model_len)
+                prompt, params, stream = parse_request(arrays, self.parser)
             except Exception as e:  # noqa: BLE001 - a bad request gets an error, the model keeps serving
                 msg = str(e) if isinstance(e, KvExportError) else f"invalid request: {e}"
                 sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(msg)),
@@ -305,47 +293,26 @@ class TritonPythonModel:
 
 
 class _Metrics:
-    """Triton custom metrics (Prometheus, on Triton's metrics port), named as `kvexport serve`'s."""
-
-    GAUGES = (
-        ("requests_running", "Requests being computed", lambda c: c.running),
-        ("requests_waiting", "Requests waiting for KV blocks or a batch slot", lambda c: c.waiting),
-        ("kv_blocks_used", "KV-cache blocks held by requests", lambda c: c.kv["blocks_used"]),
-        ("kv_blocks_total", "Usable KV-cache blocks", lambda c: c.kv["blocks_total"]),
-        ("kv_cache_usage", "Fraction of KV-cache blocks in use", lambda c: c.kv["usage"]),
-    )
-    COUNTERS = (
-        ("prefix_cache_queries_total", "Full blocks looked up in the prefix cache", lambda c: c.kv["prefix_queries"]),
-        ("prefix_cache_hits_total", "Full blocks found in the prefix cache", lambda c: c.kv["prefix_hits"]),
-        ("preemptions_total", "Requests preempted for KV blocks", lambda c: c.kv["preemptions"]),
-        ("generation_tokens_total", "Tokens generated", lambda c: c.generation_tokens),
-        ("prompt_tokens_total", "Prompt tokens received", lambda c: c.prompt_tokens),
-        ("requests_total", "Requests admitted", lambda c: c.requests),
-    )
+    """Triton custom metrics (Prometheus, on Triton's metrics port): runtime/metrics.py's
+    table, as `kvexport serve`'s /metrics has it, labelled by model, version and instance."""
 
     def __init__(self, labels: dict[str, str]):
         # NOTE: a MetricFamily must outlive its Metrics, so the families are kept here
         self.families = []
-
-        def metric(name, doc, kind):
-            self.families.append(pb_utils.MetricFamily(name=f"kvexport_{name}", description=doc, kind=kind))
-            return self.families[-1].Metric(labels=labels)
-
-        self.gauges = [(metric(n, d, pb_utils.MetricFamily.GAUGE), f) for n, d, f in self.GAUGES]
-        self.counters = [(metric(n, d, pb_utils.MetricFamily.COUNTER), f) for n, d, f in self.COUNTERS]
-        self.cancelled = metric("requests_cancelled_total", "Requests cancelled by the client",
-                                pb_utils.MetricFamily.COUNTER)
-        self._seen: dict[int, float] = {}
-
-    def _add(self, m, value: float) -> None:
-        delta = value - self._seen.get(id(m), 0.0)
-        if delta > 0:
-            m.increment(delta)
-            self._seen[id(m)] = value
+        self.metrics = []
+        for m in mx.METRICS:
+            kind = pb_utils.MetricFamily.GAUGE if m.kind == mx.GAUGE else pb_utils.MetricFamily.COUNTER
+            self.families.append(pb_utils.MetricFamily(name=m.full_name, description=m.help, kind=kind))
+            self.metrics.append((m, self.families[-1].Metric(labels=labels)))
+        self._seen: dict[str, float] = {}
 
     def publish(self, counters, cancelled: int) -> None:
-        for m, f in self.gauges:
-            m.set(float(f(counters)))
-        for m, f in self.counters:
-            self._add(m, float(f(counters)))
-        self._add(self.cancelled, float(cancelled))
+        for m, metric in self.metrics:
+            value = float(m.get(counters, cancelled))
+            if m.kind == mx.GAUGE:
+                metric.set(value)
+                continue
+            delta = value - self._seen.get(m.name, 0.0)  # Triton counters only take increments
+            if delta > 0:
+                metric.increment(delta)
+                self._seen[m.name] = value

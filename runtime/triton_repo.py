@@ -10,6 +10,9 @@ generation of config.pbtxt; the model's code is `triton_model.py`.
         build/           the build itself with --copy-build (hard links where possible);
                          otherwise the parameter build_dir points at it (relative path)
 
+config.pbtxt's `parameters` are `build_dir` and every field of the engine's EngineConfig
+(`EngineConfig.to_strings()`), which the model reads back with `from_strings`.
+
 The repository is written into a temporary sibling directory and renamed into place, so
 REPO is either complete or absent; an existing REPO is replaced only with `force`.
 """
@@ -27,8 +30,8 @@ from pathlib import Path
 from kvexport import io, manifest as mf
 from kvexport.errors import BuildExistsError, ConfigError, KvExportError
 
-from .memory import parse_budget
-from .triton_model import BACKENDS, INPUTS, OUTPUTS, PARAMETERS
+from .config import EngineConfig
+from .triton_model import BUILD_DIR_PARAMETER, INPUTS, OUTPUTS
 
 log = logging.getLogger(__name__)
 
@@ -43,34 +46,28 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 @dataclass(frozen=True, slots=True)
 class TritonRepoOptions:
+    """What `write_repository` writes: the engine's settings (config.pbtxt parameters, per
+    model instance) and the repository's own fields."""
+    engine: EngineConfig = EngineConfig()  # runtime settings of each instance (KV pool, batch limits, backend)
     name: str | None = None  # Triton model name [the build directory's name]
     copy_build: bool = False  # copy the build into the repository (self-contained) instead of pointing at it
-    backend: str = "onnxruntime"  # runtime backend: "onnxruntime" | "tensorrt" (needs engines in the build)
-    kv_cache_memory: str = "512MiB"  # KV pool budget per model instance ("2GiB", bytes, "30%")
-    max_num_seqs: int = 64  # sequences batched together per instance
-    max_num_batched_tokens: int = 512  # tokens per engine step per instance
-    threads: int = 0  # onnxruntime intra-op threads per instance, 0 = all cores
     instances: int = 1  # model instances (each has its own engine and KV pool)
     execution_env: str | None = None  # Python environment for the backend stub (EXECUTION_ENV_PATH)
     force: bool = False  # replace an existing repository
 
     def __post_init__(self) -> None:
+        if not isinstance(self.engine, EngineConfig):
+            raise ConfigError(f"engine must be an EngineConfig, got {type(self.engine).__name__}")
         if self.name is not None and not _NAME.match(self.name):
             raise ConfigError(f"--name {self.name!r}: use letters, digits, '_', '-' and '.' (a Triton model name)")
-        if self.backend not in BACKENDS:
-            raise ConfigError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
-        for field_name in ("max_num_seqs", "max_num_batched_tokens", "instances"):
-            v = getattr(self, field_name)
-            if not isinstance(v, int) or v < 1:
-                raise ConfigError(f"--{field_name.replace('_', '-')} must be an integer >= 1, got {v!r}")
-        if not isinstance(self.threads, int) or self.threads < 0:
-            raise ConfigError(f"--threads must be an integer >= 0 (0 = all cores), got {self.threads!r}")
-        parse_budget(self.kv_cache_memory)  # raises ConfigError with the accepted forms
+        if isinstance(self.instances, bool) or not isinstance(self.instances, int) or self.instances < 1:
+            raise ConfigError(f"--instances must be an integer >= 1, got {self.instances!r}")
 
 
 def model_config(name: str, params: dict[str, str], instances: int):
     """The model's ModelConfig message: decoupled Python backend, no Triton batching (the
-    engine batches continuously), the tensor interface of triton_model.py."""
+    engine batches continuously), the tensor interface of triton_model.py, `params` as
+    its parameters (build_dir + EngineConfig.to_strings())."""
     from tritonclient.grpc import model_config_pb2 as mc
 
     cfg = mc.ModelConfig(name=name, backend="python", max_batch_size=0)
@@ -140,7 +137,7 @@ def write_repository(build_dir: str | Path, out: str | Path, opts: TritonRepoOpt
     """Write a Triton model repository serving `build_dir` at `out`; returns the model's folder."""
     given = Path(os.path.abspath(build_dir))  # its name, as given (not a symlink's target)
     build_dir, out = Path(build_dir).resolve(), Path(out).resolve()
-    _check_build(build_dir, opts.backend)
+    _check_build(build_dir, opts.engine.backend)
     if out.exists() and not opts.force:
         raise BuildExistsError(f"{out} exists: pass --force to replace it, or choose another --out")
     if build_dir == out or out in build_dir.parents:
@@ -168,10 +165,7 @@ def write_repository(build_dir: str | Path, out: str | Path, opts: TritonRepoOpt
         else:
             # relative to the model's folder once the repository is in place
             build_ref = os.path.relpath(build_dir, out / name)
-        params = {"build_dir": build_ref, "backend": opts.backend, "kv_cache_memory": str(opts.kv_cache_memory),
-                  "max_num_seqs": str(opts.max_num_seqs), "max_num_batched_tokens": str(opts.max_num_batched_tokens),
-                  "threads": str(opts.threads)}
-        assert set(params) <= set(PARAMETERS)
+        params = {BUILD_DIR_PARAMETER: build_ref, **opts.engine.to_strings()}
         if env is not None:
             params["EXECUTION_ENV_PATH"] = str(env)
         (model_dir / "config.pbtxt").write_text(render_config(model_config(name, params, opts.instances)))

@@ -1,7 +1,9 @@
 """`kvexport serve`: the OpenAI-compatible server, driven by the real `openai` client
 against a real smollm2-135m build served by a `kvexport serve` subprocess on 127.0.0.1;
-plus the error paths a tokenizer-less tiny build takes (in-process, TestClient)."""
+the error paths a tokenizer-less tiny build takes (in-process, TestClient); and the app's
+routes, errors and streaming over a stand-in engine thread (in-process, no model)."""
 
+import json
 import os
 import socket
 import subprocess
@@ -14,6 +16,8 @@ import pytest
 
 from kvexport import LLM, SamplingParams
 from kvexport.exporter.build import BuildOptions, build
+from kvexport.runtime import metrics as mx
+from kvexport.runtime.engine_thread import Counters, Event
 from kvexport.runtime.triton_local import ServerStartError, wait_http_ready
 
 HOST = "127.0.0.1"
@@ -154,16 +158,14 @@ def test_health_and_metrics(server, client, model):
     client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi."}], max_tokens=2)
     client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hey."}], max_tokens=2)
     m = metrics(server)
-    for k in ("kvexport_requests_running", "kvexport_requests_waiting", "kvexport_kv_blocks_used",
-              "kvexport_kv_blocks_total", "kvexport_prefix_cache_hit_rate", "kvexport_generation_tokens_total"):
-        assert k in m
+    assert list(m) == list(mx.NAMES)  # runtime/metrics.py's table, as the Triton model publishes it
     assert m["kvexport_kv_blocks_total"] > 0 and m["kvexport_generation_tokens_total"] >= 4
     assert 0 < m["kvexport_prefix_cache_hit_rate"] <= 1  # the chat template's system prefix is shared
 
 
 @pytest.mark.slow
 def test_closing_a_stream_frees_its_kv_blocks(server, client, model):
-    aborted = metrics(server)["kvexport_requests_aborted_total"]
+    cancelled = metrics(server)["kvexport_requests_cancelled_total"]
     stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=400, temperature=0, stream=True,
                                        extra_body={"ignore_eos": True})
     for i, _ in enumerate(stream):
@@ -178,7 +180,7 @@ def test_closing_a_stream_frees_its_kv_blocks(server, client, model):
             break
         assert time.monotonic() < deadline, m
         time.sleep(0.2)
-    assert m["kvexport_requests_aborted_total"] == aborted + 1
+    assert m["kvexport_requests_cancelled_total"] == cancelled + 1
     assert m["kvexport_generation_tokens_total"] < 400 + 100  # stopped well before max_tokens
 
 
@@ -207,4 +209,223 @@ def test_tokenizerless_build_errors(hf_folder, tmp_path):
         assert r.status_code == 400 and r.json()["error"]["param"] == "top_p"
         r = c.post("/v1/completions", json={"prompt": [3, 4], "model": "other"})
         assert r.status_code == 404
+        for prompt in ([3, -1], [3, 128]):  # the tiny model's vocabulary is 128: nothing wraps
+            r = c.post("/v1/completions", json={"prompt": prompt})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.json()
+            assert "outside this model's vocabulary" in r.json()["error"]["message"]
         assert c.get("/metrics").text.count("kvexport_kv_blocks_used 0") == 1
+        assert c.get("/health").json() == {"status": "ok"}
+
+
+def test_a_bad_request_fails_alone_next_to_a_running_stream(hf_folder, tmp_path):
+    """In process, a real tiny build: while a stream runs, a request with a token id that
+    breaks the backend (injected: the real backend raises on it) gets a 500 naming the
+    failure and out-of-vocabulary ids get a 400; the stream finishes with the tokens it
+    gets alone, and every KV block is free afterwards."""
+    import threading
+
+    from fastapi.testclient import TestClient
+
+    from kvexport.runtime.server import create_app
+
+    out, _ = build(str(hf_folder("llama")), tmp_path / "tiny", BuildOptions(block_size=4, max_seq_len=64,
+                                                                            validate=False))
+    # no tokenizer in a tiny build: the tokens are compared through their logprobs entries
+    body = {"prompt": [3, 4, 5, 6], "max_tokens": 24, "ignore_eos": True, "temperature": 0, "logprobs": 0}
+    with TestClient(create_app(out, served_model_name="tiny")) as c:
+        alone = c.post("/v1/completions", json=body).json()["choices"][0]
+    app = create_app(out, served_model_name="tiny")
+    backend = app.state.worker.engine.backend
+    real = backend.execute
+
+    def execute(inp, all_tokens=False):  # injected failure
+        if 77 in inp.token_ids.tolist():
+            raise RuntimeError("injected backend failure")
+        return real(inp, all_tokens)
+
+    backend.execute = execute
+    with TestClient(app) as c:
+        got = {}
+
+        def stream():
+            with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                got["chunks"] = [line for line in r.iter_lines() if line.startswith("data: {")]
+
+        t = threading.Thread(target=stream)
+        t.start()
+        bad = c.post("/v1/completions", json={"prompt": [3, 77, 4], "max_tokens": 4})
+        oov = c.post("/v1/completions", json={"prompt": [999999], "max_tokens": 4})
+        t.join(60)
+        assert bad.status_code == 500 and "injected backend failure" in bad.json()["error"]["message"]
+        assert oov.status_code == 400 and oov.json()["error"]["param"] == "prompt"
+        tokens = [t for line in got["chunks"] for t in (json.loads(line[6:])["choices"][0]["logprobs"] or {}).get("tokens", [])]
+        assert len(tokens) == 24 and tokens == alone["logprobs"]["tokens"]
+        assert json.loads(got["chunks"][-1][6:])["choices"][0]["finish_reason"] == "length"
+        assert "kvexport_kv_blocks_used 0" in c.get("/metrics").text
+
+
+# -- the app over a stand-in engine thread: routes, errors, streaming (no model) --------------
+class FakeTokenizer:
+    chat_template = "x"
+
+    def __call__(self, text):
+        return {"input_ids": [ord(c) % 40 for c in text]}
+
+    def decode(self, ids, **kw):
+        return "".join("ab"[i % 2] for i in ids)
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        return [1] + [t for m in messages for t in self(m["content"])["input_ids"]] + [2]
+
+
+class FakeWorker:
+    """EngineThread's interface: each sample yields tokens 0, 1, ... ("a", "b", ...) up to
+    max_tokens, delivered at submit; with `fail`, sample 0 fails with that error and the
+    others never finish (as if still running)."""
+
+    def __init__(self):
+        self.counters = Counters(kv={"blocks_used": 0, "blocks_total": 8, "usage": 0.0, "prefix_queries": 0,
+                                     "prefix_hits": 0, "preemptions": 0})
+        self.submitted, self.aborted, self.fail = [], [], None
+
+    def start(self):
+        pass
+
+    def stop(self):
+        pass
+
+    def is_alive(self):
+        return True
+
+    def submit(self, prompt, params, deliver, first_index=0, request_ids=None):
+        self.submitted.append((prompt, params))
+        rids = [f"r{len(self.submitted)}-{i}" for i in range(params.n)]
+        if self.fail:
+            deliver(Event(first_index, "", [], 0, True, "error", self.fail))
+            return rids
+        for i in range(params.n):
+            for k in range(params.max_tokens):
+                last = k == params.max_tokens - 1
+                deliver(Event(first_index + i, "ab"[k % 2], [k], k + 1, last, "length" if last else None, None,
+                              [-0.5] if params.logprobs is not None else None,
+                              [[(k, -0.5)]] if params.logprobs else None))
+        return rids
+
+    def abort(self, request_ids):
+        self.aborted += request_ids
+
+
+@pytest.fixture
+def fake():
+    """(TestClient, FakeWorker) of an app serving model "m" (vocabulary 50, context 32)."""
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+
+    from kvexport.runtime.server import OpenAIServer, build_app
+
+    worker = FakeWorker()
+    engine = SimpleNamespace(tokenizer=FakeTokenizer(), vocab_size=50, max_model_len=32)
+    with TestClient(build_app(OpenAIServer(engine, "m", worker), max_body_bytes=2048)) as c:
+        yield c, worker
+
+
+def test_completions_and_chat_over_the_app(fake):
+    c, worker = fake
+    r = c.post("/v1/completions", json={"model": "m", "prompt": ["ab", "c"], "max_tokens": 3, "n": 2,
+                                        "logprobs": 1})
+    assert r.status_code == 200, r.json()
+    body = r.json()
+    assert [ch["index"] for ch in body["choices"]] == [0, 1, 2, 3] and body["choices"][3]["text"] == "aba"
+    assert body["choices"][0]["logprobs"]["text_offset"] == [0, 1, 2]
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 12, "total_tokens": 15}
+    assert [p for p, _ in worker.submitted] == [[17, 18], [19]] and worker.submitted[0][1].n == 2
+    r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}],
+                                             "max_completion_tokens": 2})
+    assert r.json()["choices"][0]["message"] == {"role": "assistant", "content": "ab"}
+    assert worker.submitted[-1][0] == [1, 17, 2]
+    assert c.post("/v1/completions", json={"prompt": "a"}).json()["usage"]["completion_tokens"] == 16  # default 16
+    r = c.get("/v1/models").json()
+    assert r["data"][0]["id"] == "m" and r["data"][0]["max_model_len"] == 32
+
+
+def test_streams_over_the_app(fake):
+    c, _ = fake
+    r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                             "stream": True, "stream_options": {"include_usage": True}})
+    events = [line[6:] for line in r.text.split("\n\n") if line]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert [ch["choices"][0]["delta"].get("content") for ch in chunks[1:3]] == ["a", "b"]
+    assert chunks[2]["choices"][0]["finish_reason"] == "length" and chunks[1]["usage"] is None
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 2
+    r = c.post("/v1/completions", json={"prompt": [3], "max_tokens": 2, "stream": True})
+    texts = [json.loads(line[6:])["choices"][0]["text"] for line in r.text.split("\n\n") if line[6:7] == "{"]
+    assert texts == ["a", "b"] and "usage" not in r.text
+
+
+@pytest.mark.parametrize("body, param, text", [
+    ({"prompt": [1, "a"]}, "prompt[1]", "valid integer"),
+    ({"prompt": "x", "stop": [1]}, "stop[0]", "valid string"),
+    ({"prompt": "x", "stream_options": {"include_usage": 1}}, "stream_options.include_usage", "boolean"),
+    ({"prompt": "x", "max_tokens": "4"}, "max_tokens", "valid integer"),
+    ({"prompt": [3, -1]}, "prompt", "outside this model's vocabulary"),
+    ({"prompt": [3, 50]}, "prompt", "outside this model's vocabulary"),
+    ({"prompt": [[3], [1] * 32]}, "prompt[1]", "context holds 32"),
+    ({"prompt": "x", "top_p": 0}, "top_p", "top_p"),
+    ({"prompt": "x", "stop_token_ids": [-5]}, "stop_token_ids", "outside"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages[0].content[0].text",
+     "valid string"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 99}, "top_logprobs", "20"),
+    ({"messages": []}, "messages", "non-empty"),
+])
+def test_bad_bodies_get_openai_400s_naming_the_field(fake, body, param, text):
+    c, worker = fake
+    r = c.post("/v1/chat/completions" if "messages" in body else "/v1/completions", json=body)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == param and text in err["message"], err
+    assert err["type"] == "invalid_request_error" and not worker.submitted
+
+
+def test_transport_errors_over_the_app(fake):
+    c, worker = fake
+    r = c.post("/v1/completions", content=b"{not json")
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    assert c.post("/v1/completions", content=b'{"prompt": [3], "max_tokens": 1}').status_code == 200  # no Content-Type
+    r = c.post("/v1/completions", content=b"[1]", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] is None
+    r = c.post("/v1/completions", content=iter([b" " * 1024] * 3))  # chunked: no Content-Length
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert c.post("/v1/completions", json={"prompt": "x", "model": "n"}).json()["error"]["code"] == "model_not_found"
+    assert c.get("/v1/completions").status_code == 405 and c.get("/nope").json()["error"]["code"] == "not_found"
+    assert len(worker.submitted) == 1  # only the valid one
+
+
+def test_openapi_schema_describes_the_bodies(fake):
+    c, _ = fake
+    schema = c.get("/openapi.json").json()
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"} <= set(schema["paths"])
+    ref = schema["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert ref["$ref"].endswith("/ChatCompletionRequest")
+    comps = schema["components"]["schemas"]
+    assert {"CompletionRequest", "ChatCompletionRequest", "ChatMessage", "TextContentPart"} <= set(comps)
+    assert "prompt" in comps["CompletionRequest"]["required"]
+
+
+def test_metrics_count_client_cancellations(fake):
+    c, worker = fake
+    worker.counters.aborted = 3
+    text = c.get("/metrics").text
+    assert "kvexport_requests_cancelled_total 3\n" in text
+    assert [line.split()[0] for line in text.splitlines() if not line.startswith("#")] == list(mx.NAMES)
+
+
+def test_a_failed_request_aborts_its_other_samples(fake):
+    c, worker = fake
+    worker.fail = "engine error: boom"
+    r = c.post("/v1/completions", json={"prompt": [3], "n": 2, "max_tokens": 4})
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    assert worker.aborted == ["r1-1"]  # sample 1 is aborted at once, its blocks freed
+    worker.fail = "the prompt is empty"
+    assert c.post("/v1/completions", json={"prompt": [3]}).status_code == 400

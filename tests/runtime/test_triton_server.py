@@ -20,10 +20,14 @@ from click.testing import CliRunner
 
 from kvexport import LLM, SamplingParams, io
 from kvexport.cli import main
-from kvexport.errors import BuildExistsError, ConfigError
+from kvexport.errors import BuildExistsError, ConfigError, KvExportError
 from kvexport.exporter.build import BuildOptions, build
 from kvexport.plugins.paged_attention.native import LIB_NAME
-from kvexport.runtime.engine import EngineConfig, LLMEngine
+from kvexport.runtime import metrics as mx
+from kvexport.runtime.config import EngineConfig
+from kvexport.runtime.engine import LLMEngine
+from kvexport.runtime.requests import RequestParser
+from kvexport.runtime.triton_model import engine_settings
 from kvexport.runtime.triton_repo import TritonRepoOptions, check_repository, load_config, write_repository
 
 HOST = "127.0.0.1"
@@ -49,8 +53,8 @@ def tiny_plugin_build(hf_folder, tmp_path_factory):
 
 # ---- the repository, no server ----------------------------------------------------------------
 def test_config_is_generated_from_data_and_parses_back(tiny_build, tmp_path):
-    model_dir = write_repository(tiny_build, tmp_path / "repo", TritonRepoOptions(name="m", max_num_seqs=8,
-                                                                                    instances=2, kv_cache_memory="4MiB"))
+    engine = EngineConfig(max_num_seqs=8, kv_cache_memory="4MiB", threads=2)
+    model_dir = write_repository(tiny_build, tmp_path / "repo", TritonRepoOptions(engine=engine, name="m", instances=2))
     cfg = load_config(model_dir / "config.pbtxt")
     assert cfg.name == "m" and cfg.backend == "python" and cfg.max_batch_size == 0
     assert cfg.model_transaction_policy.decoupled
@@ -60,6 +64,10 @@ def test_config_is_generated_from_data_and_parses_back(tiny_build, tmp_path):
     p = {k: v.string_value for k, v in cfg.parameters.items()}
     assert p["max_num_seqs"] == "8" and p["kv_cache_memory"] == "4MiB" and p["backend"] == "onnxruntime"
     assert (model_dir / p["build_dir"]).resolve() == tiny_build.resolve()  # relative to the model's folder
+    # the model reads back exactly the EngineConfig that was written
+    build_dir, cfg = engine_settings({k: {"string_value": v} for k, v in p.items()}, model_dir)
+    assert build_dir == tiny_build.resolve() and cfg == engine
+    assert set(p) == {"build_dir", *engine.to_strings()}
     assert "TritonPythonModel" in (model_dir / "1" / "model.py").read_text()
     assert check_repository(tmp_path / "repo") == ["m"]
     (model_dir / "config.pbtxt").write_text((model_dir / "config.pbtxt").read_text() + "no_such_field: 1\n")
@@ -101,11 +109,13 @@ def test_refusals(tiny_build, hf_folder, tmp_path):
     write_repository(tiny_build, tmp_path / "repo", TritonRepoOptions(name="again", force=True))
     assert check_repository(tmp_path / "repo") == ["again"]  # replaced, not merged
     with pytest.raises(ConfigError, match="no TensorRT engines"):
-        write_repository(tiny_build, tmp_path / "r2", TritonRepoOptions(backend="tensorrt"))
+        write_repository(tiny_build, tmp_path / "r2", TritonRepoOptions(engine=EngineConfig(backend="tensorrt")))
     with pytest.raises(ConfigError, match="Triton model name"):
         TritonRepoOptions(name="a/b")
-    with pytest.raises(ConfigError, match="max-num-seqs"):
-        TritonRepoOptions(max_num_seqs=0)
+    with pytest.raises(ConfigError, match="max_num_seqs"):
+        TritonRepoOptions(engine=EngineConfig(max_num_seqs=0))
+    with pytest.raises(ConfigError, match="--instances"):
+        TritonRepoOptions(instances=0)
     contiguous, _ = build(str(hf_folder("llama")), tmp_path / "contig", BuildOptions(layout=io.KVLayout.CONTIGUOUS, max_seq_len=64,
                                                                                validate=False))
     with pytest.raises(ConfigError, match="--layout paged"):
@@ -123,32 +133,48 @@ def test_cli(tiny_build, tmp_path):
     assert r.exit_code == 2 and "--force" in r.output
 
 
+def test_engine_settings_from_parameters(tmp_path):
+    par = lambda **kw: {k: {"string_value": v} for k, v in kw.items()}  # noqa: E731
+    build_dir, cfg = engine_settings(par(build_dir="b", max_num_seqs="4", threads="0", EXECUTION_ENV_PATH="/env"),
+                                     tmp_path)
+    assert build_dir == tmp_path / "b" and cfg == EngineConfig(max_num_seqs=4)  # absent: EngineConfig's defaults
+    with pytest.raises(ConfigError, match="unknown runtime setting"):
+        engine_settings(par(build_dir="b", max_num_seq="4"), tmp_path)  # a typo is not ignored
+    with pytest.raises(ConfigError, match="max_num_seqs"):
+        engine_settings(par(build_dir="b", max_num_seqs="0"), tmp_path)
+    with pytest.raises(KvExportError, match="build_dir"):
+        engine_settings(par(max_num_seqs="4"), tmp_path)
+
+
 def test_parse_request_validates_inputs():
     from kvexport.runtime.triton_model import RequestError, parse_request
 
     i32 = lambda v: np.array([v], np.int32)  # noqa: E731
     ids = np.array([1, 2, 3], np.int32)
     tok = lambda text: {"input_ids": [5] * len(text)}  # noqa: E731 - a tokenizer stand-in
+    with_tok, no_tok = RequestParser(tok, 50, 100), RequestParser(None, 50, 100)
     prompt, params, stream = parse_request({"input_ids": ids, "max_tokens": i32(100), "stream": np.array([True]),
-                                            "stop": np.array([b"\n", b"END"], dtype=object)}, None, 100)
+                                            "stop": np.array([b"\n", b"END"], dtype=object)}, no_tok)
     assert prompt == [1, 2, 3] and params.max_tokens == 97 and stream and params.stop == ("\n", "END")
-    prompt, params, stream = parse_request({"text_input": np.array([b"hey"], dtype=object)}, tok, 100)
+    prompt, params, stream = parse_request({"text_input": np.array([b"hey"], dtype=object)}, with_tok)
     assert prompt == [5, 5, 5] and params.max_tokens == 16 and params.greedy and not stream
-    for arrays, tokenizer, msg in [
-            ({}, tok, "exactly one"),
-            ({"input_ids": ids, "text_input": np.array([b"hi"], dtype=object)}, tok, "exactly one"),
-            ({"input_ids": ids, "max_tokens": i32(0)}, None, "max_tokens must be in"),
-            ({"input_ids": ids, "max_tokens": i32(101)}, None, "max_tokens must be in"),
-            ({"input_ids": ids, "max_tokens": np.array([3.0], np.float32)}, None, "must be INT32"),
-            ({"input_ids": ids, "top_k": np.array([1, 2], np.int32)}, None, "one value"),
-            ({"input_ids": ids, "bogus": i32(1)}, None, "unknown input"),
-            ({"input_ids": np.array([], np.int32)}, None, "empty"),
-            ({"input_ids": np.arange(100, dtype=np.int32)}, None, "context holds"),
-            ({"text_input": np.array([b"hi"], dtype=object)}, None, "no tokenizer"),
-            ({"text_input": np.array([b"\xff"], dtype=object)}, tok, "UTF-8"),
-            ({"input_ids": ids, "temperature": np.array([-1.0], np.float32)}, None, "temperature")]:
+    for arrays, parser, msg in [
+            ({}, with_tok, "exactly one"),
+            ({"input_ids": ids, "text_input": np.array([b"hi"], dtype=object)}, with_tok, "exactly one"),
+            ({"input_ids": ids, "max_tokens": i32(0)}, no_tok, "max_tokens must be in"),
+            ({"input_ids": ids, "max_tokens": i32(101)}, no_tok, "max_tokens must be in"),
+            ({"input_ids": ids, "max_tokens": np.array([3.0], np.float32)}, no_tok, "must be INT32"),
+            ({"input_ids": ids, "top_k": np.array([1, 2], np.int32)}, no_tok, "one value"),
+            ({"input_ids": ids, "bogus": i32(1)}, no_tok, "unknown input"),
+            ({"input_ids": np.array([], np.int32)}, no_tok, "empty"),
+            ({"input_ids": np.arange(100, dtype=np.int32) % 50}, no_tok, "context holds"),
+            ({"input_ids": np.array([1, -1], np.int32)}, no_tok, "token id -1 is outside"),  # would wrap
+            ({"input_ids": np.array([1, 50], np.int32)}, no_tok, "token id 50 is outside"),
+            ({"text_input": np.array([b"hi"], dtype=object)}, no_tok, "no tokenizer"),
+            ({"text_input": np.array([b"\xff"], dtype=object)}, with_tok, "UTF-8"),
+            ({"input_ids": ids, "temperature": np.array([-1.0], np.float32)}, no_tok, "temperature")]:
         with pytest.raises(RequestError, match=msg):
-            parse_request(arrays, tokenizer, 100)
+            parse_request(arrays, parser)
 
 
 # ---- the real server ----------------------------------------------------------------------------
@@ -173,17 +199,17 @@ def server(tiny_build, tiny_plugin_build, smollm2_build, tmp_path_factory):
     triton = find_triton(TRITON_ENV)
     d = tmp_path_factory.mktemp("triton")
     # the tiny model: two instances, a copied build (a non-version folder inside the model's folder)
-    write_repository(tiny_build, d / "repo", TritonRepoOptions(name="tiny", kv_cache_memory="1MiB", threads=1,
-                                                              instances=2, copy_build=True,
-                                                              execution_env=str(TRITON_ENV)))
-    write_repository(smollm2_build, d / "repo2", TritonRepoOptions(name="smol", kv_cache_memory="64MiB", threads=2,
-                                                                  execution_env=str(TRITON_ENV)))
+    write_repository(tiny_build, d / "repo", TritonRepoOptions(
+        engine=EngineConfig(kv_cache_memory="1MiB", threads=1), name="tiny", instances=2, copy_build=True,
+        execution_env=str(TRITON_ENV)))
+    write_repository(smollm2_build, d / "repo2", TritonRepoOptions(
+        engine=EngineConfig(kv_cache_memory="64MiB", threads=2), name="smol", execution_env=str(TRITON_ENV)))
     (d / "repo2" / "smol").rename(d / "repo" / "smol")
     # a plugin build: the Triton environment runs the native CPU PagedAttention op (it has no
     # onnxruntime-extensions, so without the op this model would fail to load)
     if (TRITON_ENV / "lib" / "kvexport" / LIB_NAME).is_file():
-        write_repository(tiny_plugin_build, d / "repo3", TritonRepoOptions(name="tinyp", kv_cache_memory="1MiB", threads=1,
-                                                                          execution_env=str(TRITON_ENV)))
+        write_repository(tiny_plugin_build, d / "repo3", TritonRepoOptions(
+            engine=EngineConfig(kv_cache_memory="1MiB", threads=1), name="tinyp", execution_env=str(TRITON_ENV)))
         (d / "repo3" / "tinyp").rename(d / "repo" / "tinyp")
     ports = Ports(*_free_ports(3))
     argv, env = server_command(triton, d / "repo", backend_dir(triton, python_version(TRITON_ENV), d / "backends"),
@@ -310,7 +336,7 @@ def test_tiny_build_token_ids_equal_the_runtime(server, request, model):
         if not (TRITON_ENV / "lib" / "kvexport" / LIB_NAME).is_file():
             pytest.skip(f"the native CPU op is not built in {TRITON_ENV} (scripts/install.sh builds it)")
     eng = LLMEngine(build_dir, EngineConfig(kv_cache_memory="1MiB"))
-    assert (eng.backend.native_op is not None) == (model == "tinyp")
+    assert (eng.backend.attention_impl == "plugin (native CPU op)") == (model == "tinyp")
     rids = [eng.add_request(p, SamplingParams(max_tokens=12, ignore_eos=True)) for p in TINY_PROMPTS]
     while eng.has_unfinished():
         eng.step()
@@ -388,6 +414,7 @@ def test_bad_requests_get_errors_and_the_server_stays_healthy(server):
         ("smol", {"text_input": ["hi"], "no_such_input": i32(1)}, "no_such_input"),
         ("tiny", {"text_input": ["hi"]}, "no tokenizer"),
         ("tiny", {"input_ids": np.array([1] * 200, np.int32)}, "context holds"),  # longer than the context
+        ("tiny", {"input_ids": np.array([1, -2], np.int32)}, "outside this model's vocabulary"),  # would wrap
     ]
     s = Stream(server)
     try:
@@ -414,4 +441,6 @@ def test_bad_requests_get_errors_and_the_server_stays_healthy(server):
     assert "exactly one of the inputs" in r.text
     for path in ("/v2/health/live", "/v2/health/ready", "/v2/models/smol/ready", "/v2/models/tiny/ready"):
         assert httpx.get(f"http://{HOST}:{server.http}{path}", timeout=10).status_code == 200, path
-    assert wait_metric(server, "smol", lambda m: m["kvexport_kv_blocks_used"] == 0)["kvexport_kv_blocks_used"] == 0
+    m = wait_metric(server, "smol", lambda m: m["kvexport_kv_blocks_used"] == 0)
+    assert m["kvexport_kv_blocks_used"] == 0
+    assert sorted(m) == sorted(mx.NAMES)  # runtime/metrics.py's table, as `kvexport serve` publishes it

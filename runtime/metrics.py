@@ -1,0 +1,84 @@
+"""The runtime's metrics: one table of names, kinds and help texts, read by both front
+ends that publish them — `kvexport serve`'s Prometheus `/metrics` (`prometheus_text`) and
+the Triton model's custom metrics (triton_model.py), so the two cannot drift apart.
+docs/DEPLOYMENT.md lists the same table (`markdown_table`; a test compares them).
+
+Every value comes from the engine thread's `Counters` plus one figure the front end
+counts itself: the requests its clients cancelled (a closed stream, a disconnected client).
+Run `python -m kvexport.runtime.metrics` to print the table for the docs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from .engine_thread import Counters
+
+PREFIX = "kvexport_"
+GAUGE, COUNTER = "gauge", "counter"
+
+
+@dataclass(frozen=True, slots=True)
+class Metric:
+    name: str  # without PREFIX
+    kind: str  # GAUGE (may go down) | COUNTER (only grows)
+    help: str
+    get: Callable[[Counters, int], float]  # (engine-thread counters, cancelled requests) -> value
+
+    @property
+    def full_name(self) -> str:
+        return PREFIX + self.name
+
+
+def _hit_rate(c: Counters) -> float:
+    queries = c.kv.get("prefix_queries", 0)
+    return c.kv.get("prefix_hits", 0) / queries if queries else 0.0
+
+
+METRICS: tuple[Metric, ...] = (
+    Metric("requests_running", GAUGE, "Sequences being computed", lambda c, _: c.running),
+    Metric("requests_waiting", GAUGE, "Sequences waiting for KV blocks or a batch slot", lambda c, _: c.waiting),
+    Metric("kv_blocks_used", GAUGE, "KV-cache blocks held by sequences", lambda c, _: c.kv["blocks_used"]),
+    Metric("kv_blocks_total", GAUGE, "Usable KV-cache blocks", lambda c, _: c.kv["blocks_total"]),
+    Metric("kv_cache_usage", GAUGE, "Fraction of KV-cache blocks in use", lambda c, _: c.kv["usage"]),
+    Metric("prefix_cache_hit_rate", GAUGE, "Prefix-cache hits / queries since the start", lambda c, _: _hit_rate(c)),
+    Metric("prefix_cache_queries_total", COUNTER, "Full blocks looked up in the prefix cache",
+           lambda c, _: c.kv["prefix_queries"]),
+    Metric("prefix_cache_hits_total", COUNTER, "Full blocks found in the prefix cache",
+           lambda c, _: c.kv["prefix_hits"]),
+    Metric("preemptions_total", COUNTER, "Sequences preempted for KV blocks", lambda c, _: c.kv["preemptions"]),
+    Metric("generation_tokens_total", COUNTER, "Tokens generated", lambda c, _: c.generation_tokens),
+    Metric("prompt_tokens_total", COUNTER, "Prompt tokens received", lambda c, _: c.prompt_tokens),
+    Metric("requests_total", COUNTER, "Sequences admitted (n samples count n)", lambda c, _: c.requests),
+    Metric("requests_cancelled_total", COUNTER,
+           "Sequences stopped because the client cancelled or went away", lambda _, cancelled: cancelled),
+)
+NAMES = tuple(m.full_name for m in METRICS)
+
+
+def values(counters: Counters, cancelled: int) -> list[tuple[Metric, float]]:
+    """Every metric with its current value."""
+    return [(m, float(m.get(counters, cancelled))) for m in METRICS]
+
+
+def prometheus_text(counters: Counters, cancelled: int) -> str:
+    """The Prometheus text exposition format (version 0.0.4) of every metric."""
+    return "".join(f"# HELP {m.full_name} {m.help}\n# TYPE {m.full_name} {m.kind}\n{m.full_name} {_num(v)}\n"
+                   for m, v in values(counters, cancelled))
+
+
+def _num(v: float) -> str:
+    return str(int(v)) if v.is_integer() else repr(v)
+
+
+def markdown_table() -> str:
+    """The table as docs/DEPLOYMENT.md lists it."""
+    rows = ["| metric | kind | what |", "|---|---|---|"]
+    rows += [f"| `{m.full_name}` | {m.kind} | {m.help} |" for m in METRICS]
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown_table(), end="")

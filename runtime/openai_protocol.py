@@ -1,0 +1,285 @@
+"""The OpenAI wire format of `kvexport serve`: request bodies as pydantic models (wrong
+types are refused at any depth, and FastAPI derives the OpenAPI schema from them), the
+error body, and pure functions that turn a request into token ids + SamplingParams and
+engine events into response objects and stream chunks. Nothing here holds state or
+touches the engine; runtime/server.py owns the app.
+
+    CompletionRequest | ChatCompletionRequest ──prompts() / sampling_params()──▶ token ids, SamplingParams
+    engine events ──logprobs_block(), choice(), chunk()──▶ JSON bodies / SSE lines
+    RequestError | RequestValidationError ──▶ ApiError ──▶ {"error": {message, type, param, code}}
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from typing import Any, Callable, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from .requests import RequestError, RequestParser
+from .sampling import SamplingParams
+
+
+# ---- errors ---------------------------------------------------------------------------------
+class ApiError(Exception):
+    """An error response: HTTP status + the OpenAI error body."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    @classmethod
+    def from_request_error(cls, e: RequestError) -> "ApiError":
+        return cls(400, str(e), param=e.param, code=e.code)
+
+
+# ---- request bodies -------------------------------------------------------------------------
+class _Body(BaseModel):
+    # NOTE: strict: "5" is not an int, 1.0 is not an int, true is not an int (JSON ints are
+    # still accepted as floats). Unknown fields are ignored, as OpenAI clients send many.
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool | None = None  # a last chunk with the usage and no choices
+
+
+class TextContentPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: str  # system | developer | user | assistant | tool (the chat template decides)
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+
+class _SamplingBody(_Body):
+    model: str | None = None  # must be the served model's name when given
+    max_tokens: int | None = None  # capped at what the context leaves
+    n: int | None = None  # samples per prompt
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # extension (vLLM): 0 = off
+    min_p: float | None = None  # extension
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # extension
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # extension
+    min_tokens: int | None = None  # extension
+    ignore_eos: bool | None = None  # extension
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+
+class CompletionRequest(_SamplingBody):
+    """POST /v1/completions. `prompt`: a string, token ids, or a list of either (several prompts)."""
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None  # top logprobs per token (0 = the chosen token's only)
+
+
+class ChatCompletionRequest(_SamplingBody):
+    """POST /v1/chat/completions."""
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None  # the newer name of max_tokens
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+
+def _field_names(*models: type[BaseModel]) -> frozenset[str]:
+    names: set[str] = set()
+    for m in models:
+        names |= set(m.model_fields)
+    return frozenset(names)
+
+
+_FIELDS = _field_names(StreamOptions, TextContentPart, ChatMessage, CompletionRequest, ChatCompletionRequest)
+
+
+def validation_error(errors: list[dict]) -> ApiError:
+    """FastAPI's RequestValidationError.errors() -> a 400 naming the field, as
+    `messages[0].content[1].text`. A union gives errors for each of its members: only
+    those of the member that matched furthest are kept (the one the client meant), or,
+    when none got past the type check, one error listing the accepted types."""
+    found: list[tuple[str, int, str, str, str]] = []  # (union's path, depth, path, union member tag, message)
+    tags: dict[str, list[str]] = {}  # path of a union -> the tags of its members, as 'list[int]'
+    for e in errors:
+        loc = list(e.get("loc", ()))
+        if loc and loc[0] == "body":
+            loc = loc[1:]
+        path, tag, upath, depth = "", "", "", len(loc)
+        for x in loc:
+            if isinstance(x, int):
+                path += f"[{x}]"
+            elif x in _FIELDS:
+                path += f".{x}" if path else x
+            elif not tag:
+                tag, upath = str(x), path
+                if tag not in tags.setdefault(path, []):
+                    tags[path].append(tag)
+                if loc[-1] == x:  # the value is none of the union's types
+                    depth = 0
+        msg = e.get("msg", "invalid value")
+        if e.get("type") == "json_invalid":
+            path, msg = "", f"the request body is not valid JSON: {(e.get('ctx') or {}).get('error', msg)}"
+        elif not loc and isinstance(e.get("input"), bytes):
+            msg = "the request body must be a JSON object (send it as Content-Type: application/json)"
+        elif not path:
+            msg = f"the request body: {msg}" if loc or e.get("type") != "missing" else "the request body is required"
+        else:
+            msg = f"{path}: {msg}"
+        found.append((upath, depth, path, tag, msg))
+    member: dict[str, tuple[int, str]] = {}  # union's path -> (depth, tag) of its deepest error
+    for upath, depth, _, tag, _ in found:
+        if tag and depth > member.get(upath, (-1, ""))[0]:
+            member[upath] = (depth, tag)
+    kept: list[tuple[str, str]] = []  # (path, message)
+    for upath, depth, path, tag, msg in found:
+        if not tag:
+            kept.append((path, msg))
+        elif member[upath][0] == 0:  # no member got past the type check
+            kept.append((upath, f"{upath}: expected {' or '.join(tags[upath])}"))
+        elif tag == member[upath][1]:
+            kept.append((path, msg))
+    messages = list(dict.fromkeys(m for _, m in kept))
+    text = "; ".join(messages[:3]) + (f" (and {len(messages) - 3} more)" if len(messages) > 3 else "")
+    return ApiError(400, text or "invalid request", param=(kept[0][0] or None) if kept else None)
+
+
+# ---- request -> token ids, SamplingParams -----------------------------------------------
+def prompts(body: CompletionRequest | ChatCompletionRequest, parser: RequestParser) -> list[list[int]]:
+    """The request's prompts as checked token ids (one for chat, one or more for completions),
+    each non-empty and leaving room for an output token."""
+    if isinstance(body, ChatCompletionRequest):
+        out = [parser.chat([m.model_dump(exclude_none=True) for m in body.messages])]
+    else:
+        p = body.prompt
+        several = isinstance(p, list) and bool(p) and all(isinstance(x, (str, list)) for x in p)
+        out = [parser.prompt(x, f"prompt[{i}]") for i, x in enumerate(p)] if several else [parser.prompt(p)]
+    for i, ids in enumerate(out):
+        parser.check_length(len(ids), "messages" if isinstance(body, ChatCompletionRequest)
+                            else "prompt" if len(out) == 1 else f"prompt[{i}]")
+    return out
+
+
+def sampling_params(body: CompletionRequest | ChatCompletionRequest, parser: RequestParser,
+                    prompt_len: int) -> SamplingParams:
+    """The body's sampling fields -> SamplingParams (max_tokens capped by the context left
+    after the longest prompt, `prompt_len`). Completions default to 16 tokens, chat to all
+    the room left, as OpenAI does."""
+    chat = isinstance(body, ChatCompletionRequest)
+    names: dict[str, str] = {}
+    if isinstance(body, ChatCompletionRequest):
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        names["logprobs"] = "top_logprobs"
+        max_tokens = body.max_tokens
+        if body.max_completion_tokens is not None:
+            max_tokens, names["max_tokens"] = body.max_completion_tokens, "max_completion_tokens"
+    else:
+        logprobs, max_tokens = body.logprobs, body.max_tokens
+    values = {"max_tokens": max_tokens, "n": body.n, "logprobs": logprobs, "stop": body.stop,
+              "stop_token_ids": body.stop_token_ids}
+    for k in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+              "repetition_penalty", "min_tokens", "ignore_eos"):
+        values[k] = getattr(body, k)
+    return parser.sampling_params(values, prompt_len, default_max_tokens=None if chat else 16, names=names)
+
+
+# ---- responses ----------------------------------------------------------------------------
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def logprobs_block(chat: bool, token_ids: list[int], logprobs: list[float] | None,
+                   top_logprobs: list[list[tuple[int, float]]] | None, offset: int,
+                   decode: Callable[[int], str]) -> dict | None:
+    """The logprobs of some generated tokens, in the chat form ({"content": [...]}) or the
+    completions form (tokens, token_logprobs, text_offset from `offset`, top_logprobs)."""
+    if logprobs is None:
+        return None
+    toks = [decode(t) for t in token_ids]
+    tops = top_logprobs or [[] for _ in toks]
+    if chat:
+        return {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode()),
+                             "top_logprobs": [{"token": decode(t), "logprob": v, "bytes": list(decode(t).encode())}
+                                              for t, v in top]}
+                            for s, lp, top in zip(toks, logprobs, tops)]}
+    offs = list(itertools.accumulate([offset] + [len(s) for s in toks[:-1]]))
+    return {"tokens": toks, "token_logprobs": logprobs, "text_offset": offs,
+            "top_logprobs": [{decode(t): v for t, v in top} for top in tops] if top_logprobs else None}
+
+
+def merge_logprobs(acc: dict | None, new: dict | None, chat: bool) -> dict | None:
+    """Append the block `new` to `acc` (in place where acc exists)."""
+    if new is None:
+        return acc
+    if acc is None:
+        return new
+    for k in (["content"] if chat else ["tokens", "token_logprobs", "text_offset"]):
+        acc[k] = acc[k] + new[k]
+    if not chat and new.get("top_logprobs") is not None:
+        acc["top_logprobs"] = (acc.get("top_logprobs") or []) + new["top_logprobs"]
+    return acc
+
+
+def choice(chat: bool, index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
+    """One choice of a whole response."""
+    if chat:
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                "finish_reason": finish_reason}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chunk_choice(chat: bool, index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
+    """One choice of a stream chunk: the text added (chat: a delta, empty once nothing is added)."""
+    if chat:
+        return {"index": index, "delta": {"content": text} if text else {}, "logprobs": logprobs,
+                "finish_reason": finish_reason}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def role_chunk_choices(n: int) -> list[dict]:
+    """The first chunk of a chat stream: the assistant's role for every choice."""
+    return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            for i in range(n)]
+
+
+def response(chat: bool, rid: str, created: int, model: str, choices: list[dict], usage_: dict) -> dict:
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+            "model": model, "choices": choices, "usage": usage_}
+
+
+def chunk(chat: bool, rid: str, created: int, model: str, choices: list[dict], include_usage: bool,
+          usage_: dict | None = None) -> str:
+    """One server-sent event of a stream; with include_usage every chunk carries `usage`
+    (null but on the last one), as OpenAI's stream_options.include_usage asks."""
+    d: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                         "created": created, "model": model, "choices": choices}
+    if include_usage:
+        d["usage"] = usage_
+    return sse(d)
+
+
+def sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def engine_failure(error: str | None) -> ApiError:
+    """A request the engine finished with an error: the client's fault (400) when it is
+    about the prompt, the server's (500) otherwise."""
+    msg = error or "the request failed"
+    client = "prompt" in msg
+    return ApiError(400 if client else 500, msg, type="invalid_request_error" if client else "server_error")
