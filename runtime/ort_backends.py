@@ -10,9 +10,18 @@ attention runs:
                            onnxruntime-extensions PyOp (slow: copies the pools; proves the
                            plugin graphs anywhere)
 
-`ort_backend()` picks one for a build. Every backend memory-maps the weights file once and
-hands each external weight to both sessions as a shared initializer, so the weights are in
-memory once.
+`ort_backend()` picks one for a build.
+
+NOTE (weights once per process): onnxruntime pre-packs every MatMul weight into a private
+copy per session (as large as the fp32 weights; measured 525 MiB per session on smollm2),
+and its Python API cannot share pre-packed weights between sessions. So serving opens ONE
+session, on the prefill graph, and runs decode steps through it too: the two graphs take
+the same inputs and differ only in selecting the last token's logits, which a decode step
+(one token per sequence) does not need. onnxruntime loads `weights.data` itself and drops
+the file pages once packed. `both_graphs=True` (build validation) opens the decode graph
+as a second session, so each graph is checked on the steps it is exported for.
+Peak RSS of `kvexport generate` (smollm2-135m): 2.20 GB with two sessions sharing a
+memory-mapped weights file -> ~1.0 GB (see docs/ARCHITECTURE.md for the figures).
 """
 
 from __future__ import annotations
@@ -41,22 +50,19 @@ def _providers() -> list[str]:
     return [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
 
 
-def _shared_initializers(build_dir: Path, graph_file: str, weights: np.memmap) -> dict:
-    """name -> OrtValue viewing the memory-mapped weights file, for every external weight."""
-    import onnx
-    import onnxruntime as ort
-
-    model = onnx.load(str(build_dir / graph_file), load_external_data=False)
-    out = {}
-    for t in model.graph.initializer:
-        if t.data_location != onnx.TensorProto.EXTERNAL:
-            continue
-        meta = {e.key: e.value for e in t.external_data}
-        dtype = onnx.helper.tensor_dtype_to_np_dtype(t.data_type)
-        start, length = int(meta["offset"]), int(meta["length"])
-        arr = weights[start:start + length].view(dtype).reshape(tuple(t.dims))
-        out[t.name] = ort.OrtValue.ortvalue_from_numpy(arr)
-    return out
+def _zeros_small_pages(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """np.zeros without transparent huge pages. NOTE: numpy advises huge pages for arrays
+    of 4 MiB and more, so the first write to a pool faults in 2 MiB at a time: a lightly
+    used 2 GiB pool then held +240 MiB of RSS on smollm2. The pool is touched sparsely
+    (blocks are handed out one by one), so small pages are what it wants."""
+    core = getattr(np, "_core", None) or np.core  # numpy 2 / numpy 1 (the Triton environment)
+    toggle = getattr(core.multiarray, "_set_madvise_hugepage", None)
+    prev = toggle(False) if toggle is not None else None
+    try:
+        return np.zeros(shape, dtype)
+    finally:
+        if toggle is not None:
+            toggle(prev)
 
 
 class _OrtBackend:
@@ -67,7 +73,7 @@ class _OrtBackend:
     attention_impl = ""
 
     def __init__(self, build_dir: str | Path, manifest: Manifest, num_blocks: int, threads: int | None = None,
-                 providers: list[str] | None = None, profile_prefix: str | None = None):
+                 providers: list[str] | None = None, profile_prefix: str | None = None, both_graphs: bool = False):
         if manifest.kv.layout != io.KVLayout.PAGED.value:
             raise KvExportError(f"the runtime serves paged builds; {build_dir} has layout "
                                 f"{manifest.kv.layout!r}: rebuild with `--layout paged`")
@@ -78,15 +84,17 @@ class _OrtBackend:
         self.threads = threads
         self.profile_prefix = profile_prefix  # onnxruntime profiling of every run, to files with this prefix
         self.providers = providers or _providers()
-        self._weights = np.memmap(self.build_dir / manifest.weights.file, dtype=np.uint8, mode="r")
-        # NOTE: the OrtValues view the memmap; keep both alive as long as the sessions
-        self._init = _shared_initializers(self.build_dir, manifest.graphs["prefill"].file, self._weights)
         dtype = np.dtype(io.DType(kv.dtype).numpy_name)
         shape = io.paged_pool_shape(num_blocks, kv.num_kv_heads, kv.block_size, kv.head_dim)
         # [K_0, V_0, K_1, V_1, ...], each [kv_heads, num_blocks, block_size, head_dim]
-        self.pools = [np.zeros(shape, dtype) for _ in range(2 * kv.num_layers)]
+        self.pools = [_zeros_small_pages(shape, dtype) for _ in range(2 * kv.num_layers)]
         self._pool_names = [n for i in range(kv.num_layers) for n in (io.key_cache(i), io.value_cache(i))]
-        self.sessions = {phase: self._open(self.build_dir / entry.file) for phase, entry in manifest.graphs.items()}
+        prefill, decode = io.Phase.PREFILL.value, io.Phase.DECODE.value
+        self.sessions = {prefill: self._open(self.build_dir / manifest.graphs[prefill].file)}
+        self.sessions[decode] = (self._open(self.build_dir / manifest.graphs[decode].file) if both_graphs
+                                 else self.sessions[prefill])
+        # NOTE: an --all-logits prefill graph returns a row per token; in a decode step that
+        # is one row per sequence, as the decode graph returns
 
     def session_options(self):
         import onnxruntime as ort
@@ -99,8 +107,6 @@ class _OrtBackend:
         if self.profile_prefix:
             so.enable_profiling = True
             so.profile_file_prefix = self.profile_prefix
-        for name, value in self._init.items():
-            so.add_initializer(name, value)
         return so
 
     def _open(self, path: Path):
@@ -114,7 +120,7 @@ class _OrtBackend:
 
     def end_profiling(self) -> list[str]:
         """The profile files (onnxruntime JSON) of a backend made with `profile_prefix`."""
-        return [sess.end_profiling() for sess in self.sessions.values()]
+        return [sess.end_profiling() for sess in {id(s): s for s in self.sessions.values()}.values()]
 
     def execute(self, inp: ModelInput, all_tokens: bool = False) -> np.ndarray:
         """Run one step (storing its K/V in the pools); logits [S, vocab] float32, or
@@ -165,15 +171,17 @@ class NativeOpBackend(_PluginBackend):
 
     attention_impl = "plugin (native CPU op)"
 
-    def __init__(self, build_dir, manifest, num_blocks, threads=None, providers=None, profile_prefix=None, *,
-                 library: Path):
+    def __init__(self, build_dir, manifest, num_blocks, threads=None, providers=None, profile_prefix=None,
+                 both_graphs=False, *, library: Path):
         self.library = Path(library)
         # the op is a CPU kernel and the pools live in host memory
-        super().__init__(build_dir, manifest, num_blocks, threads, ["CPUExecutionProvider"], profile_prefix)
+        super().__init__(build_dir, manifest, num_blocks, threads, ["CPUExecutionProvider"], profile_prefix,
+                         both_graphs)
         import onnxruntime as ort
 
         self._pool_values = [ort.OrtValue.ortvalue_from_numpy(p) for p in self.pools]
-        self._bindings = {phase: self.in_place_binding(sess) for phase, sess in self.sessions.items()}
+        bindings = {id(sess): self.in_place_binding(sess) for sess in self.sessions.values()}
+        self._bindings = {phase: bindings[id(sess)] for phase, sess in self.sessions.items()}
 
     def session_options(self):
         so = super().session_options()
@@ -208,7 +216,7 @@ class ReferenceOpBackend(_PluginBackend):
     def _open(self, path: Path):
         from kvexport.plugins.paged_attention.ort import plugin_session
 
-        return plugin_session(path, self.threads, self._init)
+        return plugin_session(path, self.threads)
 
     def _run(self, sess, inp: ModelInput) -> np.ndarray:
         feeds = inp.feeds()
@@ -219,8 +227,8 @@ class ReferenceOpBackend(_PluginBackend):
 
 
 def ort_backend(build_dir: str | Path, manifest: Manifest, num_blocks: int, threads: int | None = None,
-                kind: str = "auto", providers: list[str] | None = None,
-                profile_prefix: str | None = None) -> _OrtBackend:
+                kind: str = "auto", providers: list[str] | None = None, profile_prefix: str | None = None,
+                both_graphs: bool = False) -> _OrtBackend:
     """The onnxruntime backend for a build. kind "auto": the `onnx` attention's backend, or
     for plugin builds the native CPU op when it is built and covers the build's dtypes,
     else the reference op (with a warning). "onnx" / "native" / "reference" force one
@@ -232,11 +240,11 @@ def ort_backend(build_dir: str | Path, manifest: Manifest, num_blocks: int, thre
         if kind not in ("auto", "onnx"):
             raise KvExportError(f"{build_dir} uses the `onnx` attention; the {kind!r} PagedAttention op needs a "
                                 f"`--attention plugin` build")
-        return OnnxAttentionBackend(build_dir, manifest, num_blocks, threads, providers, profile_prefix)
+        return OnnxAttentionBackend(build_dir, manifest, num_blocks, threads, providers, profile_prefix, both_graphs)
     if kind == "onnx":
         raise KvExportError(f"{build_dir} is a `--attention plugin` build: it runs with the native or the reference op")
     if kind == "reference":
-        return ReferenceOpBackend(build_dir, manifest, num_blocks, threads, providers, profile_prefix)
+        return ReferenceOpBackend(build_dir, manifest, num_blocks, threads, providers, profile_prefix, both_graphs)
     from kvexport.plugins.paged_attention import native
 
     lib, why_not = native.library_for(manifest)
@@ -244,5 +252,5 @@ def ort_backend(build_dir: str | Path, manifest: Manifest, num_blocks: int, thre
         if kind == "native":
             raise KvExportError(f"the native CPU PagedAttention op cannot run {build_dir}: {why_not}")
         log.warning("running the plugin graphs of %s with the reference PagedAttention (slow): %s", build_dir, why_not)
-        return ReferenceOpBackend(build_dir, manifest, num_blocks, threads, providers, profile_prefix)
-    return NativeOpBackend(build_dir, manifest, num_blocks, threads, None, profile_prefix, library=lib)
+        return ReferenceOpBackend(build_dir, manifest, num_blocks, threads, providers, profile_prefix, both_graphs)
+    return NativeOpBackend(build_dir, manifest, num_blocks, threads, None, profile_prefix, both_graphs, library=lib)

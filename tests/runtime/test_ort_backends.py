@@ -72,13 +72,20 @@ def test_onnx_attention_stores_the_same_kv_as_the_plugin(builds, cpu_op):
         np.testing.assert_allclose(pa, pb, atol=1e-5)
 
 
-def test_profiling_writes_one_file_per_session(builds, tmp_path):
+def test_one_session_serves_both_phases_and_profiling_writes_its_file(builds, tmp_path):
+    """Serving opens one session (the prefill graph runs decode steps too: onnxruntime
+    pre-packs weights per session); validation's both_graphs opens the decode graph too,
+    and both give the same logits."""
     onnx, _ = builds
-    be = ort_backend(onnx, mf.load(onnx), 8, profile_prefix=str(tmp_path / "prof"))
+    m = mf.load(onnx)
+    be = ort_backend(onnx, m, 8, profile_prefix=str(tmp_path / "prof"))
+    assert be.sessions["prefill"] is be.sessions["decode"]
+    two = ort_backend(onnx, m, 8, both_graphs=True)
+    assert two.sessions["prefill"] is not two.sessions["decode"]
     for inp in _steps(False):
-        be.execute(inp)
+        np.testing.assert_allclose(be.execute(inp), two.execute(inp), atol=1e-5)
     files = be.end_profiling()
-    assert len(files) == 2 and all(Path(f).is_file() for f in files)
+    assert len(files) == 1 and all(Path(f).is_file() for f in files)
 
 
 def test_tensorrt_without_engines_is_a_clear_error(builds):
