@@ -106,3 +106,16 @@ def test_every_request_failing_is_reported_not_raised(tiny):
     rows = _rows([[POISON, 5], [6, POISON]])
     res = ModelRunner(Poisoned(ort_backend(build_dir, m, 16)), BS).execute(SchedulerOutput(tuple(rows), 4, ()))
     assert sorted(res.failed) == ["r0", "r1"] and not res.sampled
+
+
+def test_serving_imports_neither_torch_nor_the_exporter():
+    """The model runner (shared with validation and the benches), the engine and the
+    onnxruntime backends import no torch and nothing of the exporter (the Triton
+    environment has no torch)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, kvexport.runtime.model_runner, kvexport.runtime.engine, kvexport.runtime.ort_backends; "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('kvexport.exporter')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/")
+    assert out.stdout.strip() == "[]", out.stdout
