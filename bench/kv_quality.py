@@ -48,13 +48,13 @@ def nll_paged(build_dir: Path, ids: list[int], window: int, chunk: int) -> tuple
     m = mf.load(build_dir)
     bs = m.kv.block_size
     table = list(range(1, 1 + -(-window // bs)))
+    # one pool reused by every window: a window's reads are bounded by its tables and seq_lens
+    runner = ModelRunner(ort_backend(build_dir, m, num_blocks=1 + len(table)), bs)
     total, count = 0.0, 0
     for w0 in range(0, len(ids) - 1, window):
         win = ids[w0:w0 + window]
         if len(win) < 2:
             break
-        # a fresh pool per window (the window's blocks are reused, as a new sequence would)
-        runner = ModelRunner(ort_backend(build_dir, m, num_blocks=1 + len(table)), bs)
         for c0 in range(0, len(win), chunk):
             part = win[c0:c0 + chunk]
             logits = runner.logits([scheduled_chunk("w", part, c0, table, bs)], all_tokens=True).astype(np.float64)

@@ -45,28 +45,39 @@ def main(verbose: bool) -> None:
 
 
 def engine_options(f):
-    """The runtime settings as options: one definition (kvexport/runtime/config.py
-    `EngineConfig`), one set of defaults, for every command that runs an engine."""
-    from kvexport.runtime.config import BACKENDS, SETTINGS, EngineConfig
+    """The runtime settings as options, generated from their one definition
+    (kvexport/runtime/config.py: EngineConfig's fields, defaults and SETTINGS help), for
+    every command that runs an engine. Values are checked by EngineConfig itself."""
+    from dataclasses import fields
+
+    from kvexport.runtime.config import CHOICES, SETTINGS, EngineConfig
 
     d = EngineConfig()
-    opts = [
-        click.option("--kv-cache-memory", default=d.kv_cache_memory, show_default=True, help=SETTINGS["kv_cache_memory"]),
-        click.option("--max-num-seqs", type=click.IntRange(min=1), default=d.max_num_seqs, show_default=True,
-                     help=SETTINGS["max_num_seqs"]),
-        click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=d.max_num_batched_tokens,
-                     show_default=True, help=SETTINGS["max_num_batched_tokens"]),
-        click.option("--max-model-len", type=click.IntRange(min=2), default=d.max_model_len,
-                     help=SETTINGS["max_model_len"]),
-        click.option("--prefix-caching/--no-prefix-caching", "enable_prefix_caching", default=d.enable_prefix_caching,
-                     show_default=True, help=SETTINGS["enable_prefix_caching"]),
-        click.option("--threads", type=click.IntRange(min=1), default=d.threads, help=SETTINGS["threads"]),
-        click.option("--backend", "backend", type=click.Choice(BACKENDS), default=d.backend, show_default=True,
-                     help=SETTINGS["backend"]),
-    ]
+    opts = []
+    for fld in fields(EngineConfig):
+        flag, default = "--" + fld.name.replace("_", "-"), getattr(d, fld.name)
+        if isinstance(default, bool):
+            name = fld.name.removeprefix("enable_").replace("_", "-")
+            opts.append(click.option(f"--{name}/--no-{name}", fld.name, default=default, show_default=True,
+                                     help=SETTINGS[fld.name]))
+        elif isinstance(default, tuple):  # comma-separated integers
+            opts.append(click.option(flag, fld.name, default=",".join(map(str, default)), callback=_int_list,
+                                     help=SETTINGS[fld.name]))
+        else:
+            typ = click.Choice(CHOICES[fld.name]) if fld.name in CHOICES else (str if isinstance(default, str) else int)
+            opts.append(click.option(flag, fld.name, type=typ, default=default, show_default=default is not None,
+                                     help=SETTINGS[fld.name]))
     for o in reversed(opts):
         f = o(f)
     return f
+
+
+def _int_list(ctx, param, value: str) -> tuple[int, ...]:
+    """A click callback: "1,2,4" -> (1, 2, 4)."""
+    try:
+        return tuple(int(x) for x in value.split(",") if x.strip())
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: give comma-separated integers, e.g. 1,2,4,8", param=param) from None
 
 
 def _engine_config(settings: dict):
@@ -217,7 +228,7 @@ def inspect(build_dir):
 @click.option("--stream", is_flag=True, help="Print tokens as they are generated (first prompt only).")
 @engine_options
 def generate(build_dir, prompts, max_tokens, temperature, top_p, top_k, seed, stop, chat, stream, **settings):
-    """Generate text from a paged build with continuous batching (onnxruntime)."""
+    """Generate text from a paged build with continuous batching."""
     from kvexport.runtime.llm import LLM
     from kvexport.runtime.sampling import SamplingParams
 

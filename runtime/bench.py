@@ -63,10 +63,10 @@ class _TimedBackend:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def execute(self, inp):
+    def execute(self, inp, all_tokens: bool = False):
         t = time.perf_counter()
         try:
-            return self.inner.execute(inp)
+            return self.inner.execute(inp, all_tokens)
         finally:
             self.seconds += time.perf_counter() - t
 
@@ -91,7 +91,7 @@ def run_bench(build_dir: str | Path, config: EngineConfig, trace_name: str = "mi
     arrivals = arrival_times(len(reqs), arrival_rate, trace["seed"])
     engine = LLMEngine(build_dir, config)
     timed = _TimedBackend(engine.backend)
-    engine.backend = timed
+    engine.backend = engine.runner.backend = timed
     prompts = trace_prompts(trace, reqs, engine.manifest.model.vocab_size)
     total_out = sum(r.output_len for r in reqs)
     max_len = engine.max_model_len

@@ -3,7 +3,8 @@
 `EngineConfig` is what every front end builds an engine from: the Python API
 (`LLM(build, **settings)`), every CLI command that serves (`generate`, `bench`, `serve`),
 the OpenAI server and the Triton model (whose config.pbtxt `parameters` are these fields,
-as strings). Each field carries its CLI flag and help text in `SETTINGS`, so a new
+as strings). The CLI generates its options from these fields (kvexport/cli.py
+`engine_options`: the flag is the field's name, the help text is `SETTINGS`), so a new
 setting is added here once and appears everywhere.
 """
 
@@ -17,6 +18,7 @@ from kvexport.errors import ConfigError
 from .memory import parse_budget
 
 BACKENDS = ("onnxruntime", "tensorrt")
+CHOICES = {"backend": BACKENDS}  # settings with a fixed set of values
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +99,7 @@ class EngineConfig:
         return cls(**kw)
 
 
-# CLI flag and help of each field, in the order commands list them (kvexport/cli.py)
+# help of each field, for the CLI options and docs (kvexport/cli.py engine_options)
 SETTINGS: dict[str, str] = {
     "kv_cache_memory": "KV pool budget: a size (2GiB, 512MiB, bytes) or a share of free memory (30%).",
     "max_num_seqs": "Sequences per engine step, max.",
@@ -106,4 +108,5 @@ SETTINGS: dict[str, str] = {
     "enable_prefix_caching": "Reuse the KV blocks of identical prompt prefixes.",
     "threads": "onnxruntime intra-op threads [all cores].",
     "backend": "Execution backend: onnxruntime, or tensorrt (the build's engines; needs TensorRT and a GPU).",
+    "cuda_graph_batch_sizes": "tensorrt: decode batch sizes to capture as CUDA graphs, comma-separated (e.g. 1,2,4,8).",
 }

@@ -75,7 +75,8 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """Text still held back, at the end of the request (a held-back partial stop
-        string that never completed is real text; a trailing incomplete character is dropped)."""
+        string that never completed is real text; a trailing incomplete character is dropped;
+        text completed only now is still cut at a stop string)."""
         if self.stopped or self.tokenizer is None:
             return ""
         if self.read_offset < len(self.ids):
@@ -83,6 +84,12 @@ class IncrementalDetokenizer:
             full = self._decode(self.ids[self.prefix_offset:]).rstrip(_REPLACEMENT)
             self.text += full[len(prefix):]
             self.read_offset = len(self.ids)
-        new = self.text[self.emitted:]
-        self.emitted = len(self.text)
+        end = len(self.text)
+        if self.stop:
+            start = max(0, self.emitted - self._longest_stop)
+            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+            if hits:
+                end, self.stopped = max(self.emitted, min(hits)), True
+        new = self.text[self.emitted:end]
+        self.emitted = end
         return new

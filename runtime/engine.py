@@ -78,6 +78,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise KvExportError("params must be a SamplingParams")
         prompt = check_token_ids(prompt, self.vocab_size)
+        check_token_ids(list(params.stop_token_ids), self.vocab_size, "stop_token_ids")
         rid = request_id or f"req-{self._ids}"
         self._ids += 1
         if rid in self.outputs:
@@ -111,7 +112,8 @@ class LLMEngine:
         return self.outputs.output(request_id)
 
     def pop_output(self, request_id: str) -> RequestOutput:
-        """The request's last output; forgets the request (abort it first if unfinished)."""
+        """The request's last output; forgets the request (aborting it if unfinished)."""
+        self.abort(request_id)
         self.scheduler.remove(request_id)
         return self.outputs.pop(request_id)
 

@@ -22,6 +22,9 @@ class LLM:
         kv_cache_memory="1GiB", max_num_seqs=32); not both."""
         if config is not None and settings:
             raise KvExportError("pass an EngineConfig or settings as keywords, not both")
+        known = EngineConfig.__dataclass_fields__
+        if unknown := sorted(set(settings) - set(known)):
+            raise KvExportError(f"unknown runtime setting(s) {unknown}; settings: {', '.join(known)}")
         self.engine = LLMEngine(build_dir, config or EngineConfig(**settings))
 
     def _tokens(self, prompt: Prompt, chat: bool = False) -> list[int]:

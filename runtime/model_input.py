@@ -2,8 +2,8 @@
 
 `ModelInput` is one step's packed batch as the paged graphs take it (kvexport/io.py names
 the tensors); `Backend` is what the runner needs from an execution backend. Backends
-(runtime/backends.py: onnxruntime variants; runtime/trt_backend.py: TensorRT) import this
-module and never each other.
+(runtime/ort_backends.py: onnxruntime variants; runtime/trt_backend.py: TensorRT; the
+factory is runtime/backends.py) import this module and never each other.
 """
 
 from __future__ import annotations
@@ -51,6 +51,8 @@ class Backend(Protocol):
     pads_queries: bool  # a call costs its longest query chunk times its sequences (`onnx` attention)
     attention_impl: str  # what runs the attention, for reports ("onnx", "plugin (native CPU op)", ...)
 
-    def execute(self, inp: ModelInput) -> np.ndarray:
-        """Run one step; store its K/V in the pool; return logits [S, vocab] (float32)."""
+    def execute(self, inp: ModelInput, all_tokens: bool = False) -> np.ndarray:
+        """Run one step; store its K/V in the pool; return logits [S, vocab] (float32): the
+        last token of each sequence, or every token's [T, vocab] with `all_tokens` (an
+        --all-logits build's prefill; perplexity)."""
         ...

@@ -21,7 +21,8 @@ the same inputs and differ only in selecting the last token's logits, which a de
 the file pages once packed. `both_graphs=True` (build validation) opens the decode graph
 as a second session, so each graph is checked on the steps it is exported for.
 Peak RSS of `kvexport generate` (smollm2-135m): 2.20 GB with two sessions sharing a
-memory-mapped weights file -> ~1.0 GB (see docs/ARCHITECTURE.md for the figures).
+memory-mapped weights file -> 1.01 GB; Qwen2.5-0.5B 6.35 -> 2.42 GB
+(bench/results/runtime_core_rss.json).
 """
 
 from __future__ import annotations
@@ -216,7 +217,7 @@ class ReferenceOpBackend(_PluginBackend):
     def _open(self, path: Path):
         from kvexport.plugins.paged_attention.ort import plugin_session
 
-        return plugin_session(path, self.threads)
+        return plugin_session(path, options=self.session_options())  # a CPU op: CPU provider only
 
     def _run(self, sess, inp: ModelInput) -> np.ndarray:
         feeds = inp.feeds()

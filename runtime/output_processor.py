@@ -30,7 +30,7 @@ class RequestOutput:
     new_text: str = ""  # text added by this step (streaming)
     new_token_ids: list[int] = field(default_factory=list)  # tokens added by this step
     logprobs: list[float] | None = None  # per generated token, when requested
-    top_logprobs: list[list[tuple[int, float]]] | None = None
+    top_logprobs: list[tuple[tuple[int, float], ...]] | None = None  # per token: (token, logprob), best first
     arrival_time: float = 0.0  # time.perf_counter() seconds
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -47,7 +47,7 @@ class _RequestState:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[float] | None = None
-    top_logprobs: list[list[tuple[int, float]]] | None = None
+    top_logprobs: list[tuple[tuple[int, float], ...]] | None = None
     first_token_time: float | None = None
     num_cached_prompt_tokens: int = 0
     output: RequestOutput | None = None  # the latest snapshot
@@ -57,8 +57,9 @@ class _RequestState:
         self.output = RequestOutput(
             self.request_id, self.prompt_token_ids, list(self.token_ids), self.text, finish_reason is not None,
             finish_reason, error, new_text, new_ids,
+            # NOTE: shallow copies of immutable entries (a step costs a pointer copy per token)
             list(self.logprobs) if self.logprobs is not None else None,
-            [list(t) for t in self.top_logprobs] if self.top_logprobs is not None else None,
+            list(self.top_logprobs) if self.top_logprobs is not None else None,
             self.arrival_time, self.first_token_time, finish_time, self.num_cached_prompt_tokens)
         return self.output
 
@@ -99,7 +100,7 @@ class OutputProcessor:
                 if st.logprobs is not None and o.logprob is not None:
                     st.logprobs.append(o.logprob)
                     if st.top_logprobs is not None:
-                        st.top_logprobs.append(list(o.top_logprobs or ()))
+                        st.top_logprobs.append(tuple(o.top_logprobs or ()))
                 piece, hit = st.detok.add(tok)
                 new_text += piece
                 if hit:

@@ -37,6 +37,10 @@ class RequestError(KvExportError):
 def check_token_ids(ids, vocab_size: int, param: str = "prompt") -> list[int]:
     """`ids` as a list of ints, each in [0, vocab_size). Raises RequestError otherwise
     (NOTE: a negative id would silently wrap to a real token in a gather)."""
+    if hasattr(ids, "tolist"):  # a numpy array
+        ids = ids.tolist()
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)):
+        raise RequestError(f"{param}: expected a list of token ids, got {type(ids).__name__}", param)
     out = []
     for t in ids:
         if isinstance(t, bool) or not isinstance(t, int):

@@ -7,8 +7,8 @@ is runtime/requests.py; the metrics table is runtime/metrics.py.
 
 The engine is not thread-safe, so one background thread owns it (`engine_thread.py`): it
 takes new requests and aborts from a thread-safe inbox, calls `engine.step()` while work
-exists, and pushes a copy of each changed output to the asyncio queue of the HTTP request
-that owns it. Handlers never touch the engine. A client that disconnects mid-stream aborts
+exists, and pushes an `Event` for each changed output to the asyncio queue of the HTTP
+request that owns it. Handlers never touch the engine. A client that disconnects mid-stream aborts
 its request, so its KV blocks go back to the pool.
 """
 
@@ -101,6 +101,7 @@ class OpenAIServer:
         self.parser = RequestParser.for_engine(engine)
         self.model_name = model_name
         self.created = int(time.time())
+        self.cancelled = 0  # requests whose client went away (their samples aborted); for /metrics
 
     def decode(self, token_id: int) -> str:
         tok = self.engine.tokenizer
@@ -124,6 +125,7 @@ class OpenAIServer:
                 self.worker.abort(rids)
                 raise ApiError(503, str(e), type="server_error") from None
         pending = set(range(len(rids)))
+        failed = False  # a sample ended in an error: the consumer stops, which is not a cancellation
         try:
             while pending:
                 try:
@@ -134,10 +136,12 @@ class OpenAIServer:
                     continue
                 if ev.finished:
                     pending.discard(ev.index)
+                failed = failed or ev.finish_reason == "error"
                 yield ev
         finally:
             if pending:
                 self.worker.abort([rids[i] for i in pending])
+                self.cancelled += not failed
 
     async def generate(self, request: Request, body: CompletionRequest | ChatCompletionRequest):
         """Both POST routes: a whole response, or a StreamingResponse of chunks."""
@@ -228,10 +232,11 @@ async def health(request: Request):
 
 
 async def metrics(request: Request):
-    c = _server(request).worker.counters
-    # NOTE: the server aborts a request only when its client went away, so every abort
-    # the engine thread counted is a cancellation
-    return PlainTextResponse(mx.prometheus_text(c, c.aborted), media_type="text/plain; version=0.0.4")
+    server = _server(request)
+    # cancellations are counted here, not by the engine thread: it also aborts the other
+    # samples of a request that failed, which no client cancelled
+    return PlainTextResponse(mx.prometheus_text(server.worker.counters, server.cancelled),
+                             media_type="text/plain; version=0.0.4")
 
 
 # ---- error handlers -------------------------------------------------------------------------

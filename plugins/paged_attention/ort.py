@@ -114,20 +114,19 @@ def rewrite_for_reference(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
-def plugin_session(path: str | Path, threads: int | None = None, initializers: dict | None = None):
-    """An onnxruntime CPU session for a plugin graph (external weights resolved next to it)."""
+def plugin_session(path: str | Path, threads: int | None = None, options=None):
+    """An onnxruntime CPU session for a plugin graph (external weights resolved next to it).
+    `options`: onnxruntime SessionOptions to start from (the runtime's); else defaults."""
     import onnxruntime as ort
 
     ortx = _extensions()
     path = Path(path)
     model = rewrite_for_reference(onnx.load(str(path), load_external_data=False))
-    so = ort.SessionOptions()
+    so = options or ort.SessionOptions()
     so.log_severity_level = 3
     so.register_custom_ops_library(ortx.get_library_path())
     if threads:
         so.intra_op_num_threads = threads
-    for name, value in (initializers or {}).items():
-        so.add_initializer(name, value)
     # the model is loaded from bytes: external weights resolve against the graph's folder
     so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(path.parent))
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])

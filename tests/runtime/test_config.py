@@ -16,8 +16,10 @@ def _options(command):
 
 def test_every_serving_command_has_the_same_settings_and_defaults():
     d = EngineConfig()
-    want = {f: getattr(d, f) for f in ("kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                                       "enable_prefix_caching", "threads", "backend")}
+    from dataclasses import fields
+
+    want = {f.name: getattr(d, f.name) for f in fields(EngineConfig)}
+    want["cuda_graph_batch_sizes"] = ""  # its option takes comma-separated integers
     for command in ("generate", "bench", "serve", "triton"):
         assert _options(command) == want, command
 
@@ -48,4 +50,6 @@ def test_bad_strings_name_the_setting():
 
 def test_cli_refuses_out_of_range_settings(tmp_path):
     r = CliRunner().invoke(main, ["generate", str(tmp_path), "hi", "--threads", "-3"])
-    assert r.exit_code == 2 and "--threads" in r.output
+    assert r.exit_code == 2 and "threads must be an integer >= 1" in r.output
+    r = CliRunner().invoke(main, ["serve", str(tmp_path), "--cuda-graph-batch-sizes", "1,x"])
+    assert r.exit_code == 2 and "comma-separated integers" in r.output

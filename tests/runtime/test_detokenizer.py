@@ -79,3 +79,25 @@ def test_work_per_token_is_constant_and_text_matches_the_full_decode(tok):
     # (the cut may end inside a character: a trailing partial character is never emitted)
     assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True).rstrip("\ufffd")
     assert counting.decoded < 8 * len(ids), counting.decoded
+
+
+class _PiecesTokenizer:
+    """A stand-in tokenizer whose tokens are given byte strings, to end a request exactly
+    on an incomplete UTF-8 character; the real tokenizer above covers the rest."""
+
+    PIECES = {1: b"ok ", 2: b"STOP\xe6", 3: b"\x97\xa5", 4: "é".encode()}
+
+    def decode(self, ids, **kw):
+        return b"".join(self.PIECES[i] for i in ids).decode("utf-8", errors="replace")
+
+
+def test_stop_string_completed_only_at_flush_is_still_cut():
+    """The last token brings a stop string and half a character: the text before the
+    stop string is held back with the character, and flush still cuts at the stop string."""
+    d = IncrementalDetokenizer(_PiecesTokenizer(), ("STOP",))
+    pieces = [d.add(1)[0], d.add(2)[0], d.flush()]
+    assert "".join(pieces) == "ok " and d.stopped
+    d = IncrementalDetokenizer(_PiecesTokenizer(), ("STOP",))  # completed by the next token: found at once
+    assert d.add(1) == ("ok ", False) and d.add(2) == ("", False) and d.add(3) == ("", True)
+    d = IncrementalDetokenizer(_PiecesTokenizer(), ("STOP",))
+    assert "".join([d.add(1)[0], d.add(4)[0], d.flush()]) == "ok é"

@@ -56,3 +56,19 @@ def test_a_request_that_breaks_the_backend_fails_alone(tiny):
     # in a later call still fails alone, and clean calls are served as before
     again = llm.generate(prompts, params)
     assert [o.token_ids for o in again] == [o.token_ids for o in expect]
+
+
+def test_wrong_prompt_and_setting_types_are_clear_errors(tiny):
+    import numpy as np
+
+    from kvexport.errors import KvExportError
+
+    llm = LLM(tiny, kv_cache_memory="1MiB")
+    with pytest.raises(RequestError, match="expected a list of token ids"):
+        llm.generate(np.array([5, 6, 7]), SamplingParams(max_tokens=2))  # read as three prompts of one int each
+    with pytest.raises(RequestError, match="stop_token_ids"):
+        llm.engine.add_request([5, 6], SamplingParams(max_tokens=2, stop_token_ids=(-4,)))
+    with pytest.raises(KvExportError, match="unknown runtime setting"):
+        LLM(tiny, kv_cache_mem="1MiB")
+    out = llm.generate([np.array([5, 6, 7])], SamplingParams(max_tokens=2, ignore_eos=True))[0]
+    assert len(out.token_ids) == 2

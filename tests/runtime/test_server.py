@@ -415,7 +415,7 @@ def test_openapi_schema_describes_the_bodies(fake):
 
 def test_metrics_count_client_cancellations(fake):
     c, worker = fake
-    worker.counters.aborted = 3
+    c.app.state.server.cancelled = 3
     text = c.get("/metrics").text
     assert "kvexport_requests_cancelled_total 3\n" in text
     assert [line.split()[0] for line in text.splitlines() if not line.startswith("#")] == list(mx.NAMES)
@@ -427,5 +427,6 @@ def test_a_failed_request_aborts_its_other_samples(fake):
     r = c.post("/v1/completions", json={"prompt": [3], "n": 2, "max_tokens": 4})
     assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
     assert worker.aborted == ["r1-1"]  # sample 1 is aborted at once, its blocks freed
+    assert "kvexport_requests_cancelled_total 0\n" in c.get("/metrics").text  # no client cancelled it
     worker.fail = "the prompt is empty"
     assert c.post("/v1/completions", json={"prompt": [3]}).status_code == 400
