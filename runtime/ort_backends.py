@@ -56,7 +56,9 @@ def _zeros_small_pages(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     of 4 MiB and more, so the first write to a pool faults in 2 MiB at a time: a lightly
     used 2 GiB pool then held +240 MiB of RSS on smollm2. The pool is touched sparsely
     (blocks are handed out one by one), so small pages are what it wants."""
-    core = getattr(np, "_core", None) or np.core  # numpy 2 / numpy 1 (the Triton environment)
+    # NOTE: by version, not by attribute: numpy 1.26 has a numpy._core stub (no multiarray) that
+    # pybind11 imports in Triton's Python-backend stub
+    core = np.core if int(np.__version__.split(".")[0]) < 2 else np._core  # numpy 1 (the Triton environment) / 2
     toggle = getattr(core.multiarray, "_set_madvise_hugepage", None)
     prev = toggle(False) if toggle is not None else None
     try:
