@@ -2,35 +2,31 @@
 manifest), validated against transformers.
 
 NOTE: everything is written into a temporary sibling directory and renamed into place
-only after the manifest is written, so an interrupted build never leaves a directory that
-looks complete; the manifest is the last file written.
+only after the manifest is written (kvexport/outputs.py, which also decides what --force may
+replace), so an interrupted build never leaves a directory that looks complete; the manifest
+is the last file written.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import Callable, Iterator
 
-from kvexport import __version__, io
-from kvexport.errors import BuildExistsError, ConfigError, ValidationError
-from kvexport.manifest import GraphEntry, KVSpec, Manifest, ModelEntry, WeightsEntry, versions
+from kvexport import __version__, io, outputs
+from kvexport.errors import ConfigError, ValidationError
+from kvexport.manifest import EngineBuildOptions, GraphEntry, KVSpec, Manifest, ModelEntry, WeightsEntry, versions
 
 from . import source
 from .families import FAMILIES, read_spec
 from .graph import DecoderGraph, GraphOptions, rope_tables
+from .limits import BACKENDS, DTYPES, KV_DTYPES, RANGES
 from .onnx_builder import WeightStore, save_model
 from .samples import write_samples
-from .validate import prompt_ids, validate
-
-if TYPE_CHECKING:
-    from .tensorrt_build import EngineBuildOptions
+from .validate import fit_prompts, prompt_ids, validate, verdicts
 
 log = logging.getLogger(__name__)
 MAX_ROPE_TABLE = 32768  # default cap on max_seq_len when the model allows more, tokens
@@ -39,7 +35,9 @@ MAX_ROPE_TABLE = 32768  # default cap on max_seq_len when the model allows more,
 @dataclass(frozen=True, slots=True)
 class BuildOptions:
     layout: io.KVLayout = io.KVLayout.PAGED
-    attention: io.Attention = io.Attention.ONNX
+    # None: plugin for paged builds, or onnx where the native CPU op cannot serve the build
+    # (not built, or fp16 activations/KV: default_attention says why); onnx for contiguous ones
+    attention: io.Attention | None = None
     dtype: io.DType = io.DType.FP32  # weights/activations
     kv_dtype: io.DType | None = None  # None: same as dtype
     block_size: int = 16  # tokens per KV block (paged)
@@ -57,32 +55,48 @@ class BuildOptions:
     engines: EngineBuildOptions | None = None  # TensorRT engine limits / precision; None: the defaults
 
     def __post_init__(self) -> None:
+        for name, cls in (("layout", io.KVLayout), ("attention", io.Attention), ("dtype", io.DType),
+                          ("kv_dtype", io.DType)):
+            v = getattr(self, name)
+            if not isinstance(v, cls) and not (v is None and name in ("attention", "kv_dtype")):
+                raise ConfigError(f"{name} must be a kvexport.io.{cls.__name__} ({', '.join(e.value for e in cls)}), "
+                                  f"got {v!r}")
+        for name, (lo, hi) in RANGES.items():
+            v = getattr(self, name)
+            if v is None and name == "max_seq_len":
+                continue
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                label = name if name == "validate_steps" else "--" + name.replace("_", "-")  # the rest are flags
+                raise ConfigError(f"{label} must be an integer in {lo}..{hi}, got {v!r}")
+        for name in ("all_logits", "validate", "force", "allow_pickle"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.calibration_text is not None and not isinstance(self.calibration_text, str):
+            raise ConfigError(f"calibration_text must be a file path, got {self.calibration_text!r}")
+        if self.engines is not None and not isinstance(self.engines, EngineBuildOptions):
+            raise ConfigError(f"engines must be an EngineBuildOptions, got {self.engines!r}")
+        if self.attention is None and self.layout is io.KVLayout.CONTIGUOUS:
+            object.__setattr__(self, "attention", io.Attention.ONNX)
+        if self.attention is None and self.backend == "tensorrt":
+            object.__setattr__(self, "attention", io.Attention.PLUGIN)
         if self.attention is io.Attention.PLUGIN and self.layout is not io.KVLayout.PAGED:
             raise ConfigError("--attention plugin needs --layout paged (PagedAttention reads a block pool)")
-        if self.dtype not in (io.DType.FP32, io.DType.FP16):
+        if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype {self.dtype.value} is not supported; use fp32 or fp16")
-        if self.kv_dtype is not None and self.kv_dtype not in (io.DType.FP32, io.DType.FP16, io.DType.INT8):
+        if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
             raise ConfigError(f"--kv-dtype {self.kv_dtype.value} is not supported on the ONNX path; "
                               f"use fp32, fp16 or int8")
         if self.backend == "onnx":  # the old name, kept for recipes written before
             object.__setattr__(self, "backend", "onnxruntime")
-        if self.backend not in ("onnxruntime", "tensorrt"):
+        if self.backend not in BACKENDS:
             raise ConfigError(f"--backend must be onnxruntime or tensorrt, got {self.backend!r}")
-        if self.backend == "tensorrt" and self.attention is not io.Attention.PLUGIN:
+        if self.backend == "tensorrt" and self.attention is io.Attention.ONNX:
             raise ConfigError("--backend tensorrt needs --attention plugin (the engines run PagedAttention "
                               "as a TensorRT plugin)")
         if self.backend == "tensorrt" and self.dtype is not io.DType.FP16:
             raise ConfigError("--backend tensorrt needs --dtype fp16 (the plugin kernels take fp16/bf16 activations)")
         if (self.calibration_text is not None or self.calibration_tokens != 2048) and self.kv_dtype is not io.DType.INT8:
             raise ConfigError("--calibration-text / --calibration-tokens only apply to --kv-dtype int8")
-        if self.calibration_tokens < 16:
-            raise ConfigError(f"--calibration-tokens must be >= 16, got {self.calibration_tokens}")
-        if not (1 <= self.block_size <= 1024):
-            raise ConfigError(f"--block-size must be in 1..1024, got {self.block_size}")
-        if self.max_seq_len is not None and self.max_seq_len < 2:
-            raise ConfigError(f"--max-seq-len must be >= 2, got {self.max_seq_len}")
-        if self.validate_steps < 1:
-            raise ConfigError("validate_steps must be >= 1")
 
 
 Progress = Callable[[str], contextlib.AbstractContextManager]
@@ -93,6 +107,30 @@ def _quiet_step(name: str) -> Iterator[None]:
     t = time.perf_counter()
     yield
     log.info("%s: %.1fs", name, time.perf_counter() - t)
+
+
+def default_attention(opts: BuildOptions) -> tuple[BuildOptions, str | None]:
+    """`opts` with the attention decided, and a note saying why when a paged build that asked
+    for none falls back to `onnx`. Paged builds default to the plugin (PagedAttention nodes):
+    the runtime serves it fastest on CPU (the native op) and TensorRT builds only that form;
+    but where the native CPU op cannot run the graphs (not built, fp16 activations or KV) the
+    runtime would fall back to the slow float64 reference op, so those get the `onnx` attention."""
+    if opts.attention is not None:
+        return opts, None
+    from kvexport.plugins.paged_attention import native
+
+    kv_dtype = opts.kv_dtype or opts.dtype
+    if native.library() is None:
+        why = f"the native CPU PagedAttention op is not built ({native.default_library()}; scripts/build_cpu_ops.sh)"
+    elif not native.supports(opts.dtype.numpy_name, kv_dtype.numpy_name):
+        why = (f"the native CPU PagedAttention op takes float32 activations with float32/int8 KV, not "
+               f"{opts.dtype.value}/{kv_dtype.value}")
+    else:
+        return replace(opts, attention=io.Attention.PLUGIN), None
+    note = (f"attention onnx, not the default plugin: {why}; pass --attention plugin to build PagedAttention "
+            f"nodes anyway")
+    log.warning("%s", note)
+    return replace(opts, attention=io.Attention.ONNX), note
 
 
 def default_out_dir(model: str) -> Path:
@@ -106,16 +144,12 @@ def build(model: str, out: str | Path | None = None, opts: BuildOptions = BuildO
     (an existing build there is kept unless the new one completes and `force` is set)."""
     src = source.resolve(model, allow_pickle=opts.allow_pickle)
     out = Path(out) if out is not None else default_out_dir(model)
-    if out.exists() and not opts.force:
-        raise BuildExistsError(f"{out} already exists; pass --force to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        manifest = _build_into(tmp, src, opts, progress)
-        _replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    # NOTE: kvexport/outputs.py's rule: --force replaces only an earlier build, never the source
+    protect = [("the model source", f) for f in src.weight_files]
+    if src.kind != "gguf":  # a .gguf's folder is just where the file lies
+        protect.insert(0, ("the model source", src.directory))
+    manifest = outputs.write_dir(out, lambda tmp: _build_into(tmp, src, opts, progress), kind=outputs.Kind.BUILD,
+                                 force=opts.force, protect=protect)
     if opts.backend == "tensorrt":
         # NOTE: after the ONNX build is in place: without TensorRT or a GPU this raises
         # TensorRTUnavailableError, and the ONNX build stays complete and usable
@@ -126,17 +160,8 @@ def build(model: str, out: str | Path | None = None, opts: BuildOptions = BuildO
     return out, manifest
 
 
-def _replace(tmp: Path, out: Path) -> None:
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        os.rename(out, old)
-        os.rename(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, out)
-
-
 def _build_into(d: Path, src: source.ModelSource, opts: BuildOptions, progress: Progress) -> Manifest:
+    opts, attention_note = default_attention(opts)
     with progress("reading config"):
         config = source.load_config(src)
         spec = read_spec(config)
@@ -187,7 +212,7 @@ def _build_into(d: Path, src: source.ModelSource, opts: BuildOptions, progress: 
     n_params = sum(a.size for k, a in store.arrays.items() if not k.startswith("rope."))
     del graphs, store
 
-    notes = []
+    notes = [attention_note] if attention_note else []
     if opts.dtype is io.DType.FP16:
         notes.append("fp16: matmul weights/activations in float16; norms, RoPE and attention in float32")
     if kv_dtype is io.DType.INT8:
@@ -212,17 +237,10 @@ def _build_into(d: Path, src: source.ModelSource, opts: BuildOptions, progress: 
         manifest = replace(manifest, samples=write_samples(d, manifest))
 
     if opts.validate:
-        with progress("validating against transformers"):
-            prompts = prompt_ids(tokenizer, spec.vocab_size)
-            steps = min(opts.validate_steps, max_len - max(len(p) for p in prompts))
-            result = validate(d, manifest, model, prompts, steps)
-        manifest = replace(manifest, validation=result)
-        if not result.passed:
-            n = result.native_op
-            raise ValidationError(
-                f"exported graphs disagree with transformers: max |Δ logits| {result.max_abs_diff:.3g} "
-                f"(tolerance {result.tolerance}), greedy tokens identical: {result.greedy_identical}"
-                + (f"; with the native CPU PagedAttention op: max |Δ logits| {n.max_abs_diff:.3g}, "
-                   f"greedy tokens identical: {n.greedy_identical}" if n else ""))
+        prompts, steps = fit_prompts(prompt_ids(tokenizer, spec.vocab_size), max_len, opts.validate_steps)
+        manifest = replace(manifest, validation=validate(d, manifest, model, prompts, steps, progress))
+        if not manifest.validation.passed:
+            raise ValidationError("exported graphs disagree with transformers beyond the bounds "
+                                  "(exporter/validate.py):\n" + "\n".join(verdicts(manifest)))
     manifest.save(d)
     return manifest

@@ -20,7 +20,6 @@ import logging
 import os
 import shutil
 import sys
-import tempfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -28,7 +27,10 @@ import numpy as np
 
 from kvexport import io
 from kvexport import manifest as mf
-from kvexport.errors import ConfigError, KvExportError
+from kvexport.errors import ConfigError, KvExportError, ValidationError
+from kvexport.outputs import new_temp_file
+
+from .limits import RANGES
 
 log = logging.getLogger(__name__)
 
@@ -111,31 +113,52 @@ def rewrite_scales(build_dir: Path, manifest: mf.Manifest, scales: np.ndarray) -
                 if name not in by_name:
                     raise KvExportError(f"{path} has no initializer {name}: not an int8 KV build of this kvexport")
                 by_name[name].CopyFrom(numpy_helper.from_array(scales[i, j].astype(np.float32), name))
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=build_dir)
+        fd, tmp = new_temp_file(build_dir, f".{path.name}.")  # umask permissions, not 0600
         with os.fdopen(fd, "wb") as f:
             f.write(model.SerializeToString())
         os.replace(tmp, path)
 
 
 def calibrate(build_dir: str | Path, text: str | Path | None = None, tokens: int = 2048,
-              model_source: str | None = None, validate: bool = True) -> mf.Manifest:
+              model_source: str | None = None, validate: bool = True, progress=None) -> mf.Manifest:
     """Recompute an int8 build's KV scales from `text` (default: the bundled Hamlet) with the
-    source model recorded in the manifest (or `model_source`), rewrite them into the graphs,
-    re-validate, and update the manifest. Returns the new manifest."""
+    source model recorded in the manifest (or `model_source`, which must be usable: it is never
+    silently replaced by the recorded one), rewrite them into the graphs, re-validate, and
+    update the manifest. `progress` wraps each stage, as build()'s. Returns the new manifest."""
     from . import source
-    from .validate import prompt_ids
+    from .build import _quiet_step
+    from .validate import fit_prompts, prompt_ids, verdicts
     from .validate import validate as run_validation
 
+    progress = progress or _quiet_step
+    lo, hi = RANGES["calibration_tokens"]
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or not lo <= tokens <= hi:
+        raise ConfigError(f"--tokens must be an integer in {lo}..{hi}, got {tokens!r}")
     build_dir = Path(build_dir)
     manifest = mf.load(build_dir)
     if manifest.kv.dtype != io.DType.INT8.value:
         raise ConfigError(f"{build_dir} stores its KV cache as {manifest.kv.dtype}; only int8 builds have "
                           f"scales: rebuild with `kvexport build MODEL --kv-dtype int8`")
-    name = model_source or manifest.source.get("name")
-    try:
-        src = source.resolve(name)
-    except KvExportError:
-        src = source.resolve(manifest.source["path"])
+    if model_source is not None:
+        try:
+            src = source.resolve(model_source)
+        except KvExportError as e:
+            raise type(e)(f"--model {model_source}: {e}") from None
+    else:  # the recorded alias or path; then the recorded resolved path (an alias's file may have moved)
+        try:
+            src = source.resolve(manifest.source.get("name"))
+        except KvExportError:
+            src = source.resolve(manifest.source["path"])
+    with progress("loading the source model"):
+        model = source.load_model(src)
+        tokenizer = source.load_tokenizer(src)
+    with progress("calibrating int8 KV scales"):
+        text_path = Path(text) if text else (default_text() if tokenizer is not None else None)
+        ids = calibration_ids(tokenizer, manifest.model.vocab_size, text_path, tokens)
+        scales = compute_scales(model, ids)
+    expected = (manifest.kv.num_layers, 2, manifest.kv.num_kv_heads)
+    if scales.shape != expected:
+        raise KvExportError(f"scales of shape {scales.shape} do not fit the build ({expected}): wrong source model?")
     if manifest.engines:
         # NOTE: the scales are baked into TensorRT engines: drop them (manifest first, so an
         # interrupted calibrate never leaves a manifest naming missing or stale engines)
@@ -144,21 +167,16 @@ def calibrate(build_dir: str | Path, text: str | Path | None = None, tokens: int
         shutil.rmtree(build_dir / "engines", ignore_errors=True)
         log.warning("removed the TensorRT engines of %s (they hold the old scales): rebuild them with "
                     "`kvexport engines %s`", build_dir, build_dir)
-    model = source.load_model(src)
-    tokenizer = source.load_tokenizer(src)
-    text_path = Path(text) if text else default_text()
-    ids = calibration_ids(tokenizer, manifest.model.vocab_size, text_path, tokens)
-    scales = compute_scales(model, ids)
-    expected = (manifest.kv.num_layers, 2, manifest.kv.num_kv_heads)
-    if scales.shape != expected:
-        raise KvExportError(f"scales of shape {scales.shape} do not fit the build ({expected}): wrong source model?")
     rewrite_scales(build_dir, manifest, scales)
-    kv = replace(manifest.kv, quantization=quantization_entry(scales, text_path.name, ids))
+    kv = replace(manifest.kv, quantization=quantization_entry(scales, text_path.name if text_path else "random-ids",
+                                                              ids))
     manifest = replace(manifest, kv=kv)
     if validate:
-        prompts = prompt_ids(tokenizer, manifest.model.vocab_size)
-        steps = min(16, manifest.kv.max_seq_len - max(len(p) for p in prompts))
-        manifest = replace(manifest, validation=run_validation(build_dir, manifest, model, prompts, steps))
+        prompts, steps = fit_prompts(prompt_ids(tokenizer, manifest.model.vocab_size), manifest.kv.max_seq_len, 16)
+        manifest = replace(manifest, validation=run_validation(build_dir, manifest, model, prompts, steps, progress))
     manifest.save(build_dir)
-    log.info("calibrated %s on %d tokens of %s", build_dir, len(ids), text_path.name)
+    log.info("calibrated %s on %d tokens of %s", build_dir, len(ids), kv.quantization["calibration"]["text"])
+    if manifest.validation is not None and not manifest.validation.passed:
+        raise ValidationError(f"{build_dir}: the new scales fail validation (recorded in its manifest):\n"
+                              + "\n".join(verdicts(manifest)))
     return manifest

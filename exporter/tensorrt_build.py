@@ -31,14 +31,12 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 import shutil
-import tempfile
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
-from kvexport import io
+from kvexport import io, outputs
 from kvexport import manifest as mf
 from kvexport.errors import ConfigError, EngineBuildError, KvExportError, TensorRTUnavailableError
 from kvexport.manifest import (EngineBuildOptions, EngineFile, EngineLimits, EnginesEntry, Manifest, PluginInfo,
@@ -146,20 +144,15 @@ def write_atomically(build_dir: Path, produce: Callable[[Path], _T]) -> _T:
     untouched on any failure (the temporary folder is removed). The old timing cache, if any,
     is copied into tmp first so a rebuild reuses it."""
     final = build_dir / ENGINES_DIR
-    tmp = Path(tempfile.mkdtemp(prefix=f".{ENGINES_DIR}.tmp-", dir=build_dir))
+    outputs.clean_stale(final)  # what killed earlier runs left
+    tmp = outputs.new_temp_dir(build_dir, outputs.sibling_prefix(final))  # umask's permissions, not 0700
     try:
         if (final / TIMING_CACHE).is_file():
             shutil.copy2(final / TIMING_CACHE, tmp / TIMING_CACHE)
         result = produce(tmp)
-        if final.exists():
-            old = build_dir / f".{ENGINES_DIR}.old-{os.getpid()}"
-            os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
+        outputs.replace_dir(tmp, final)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        outputs.remove_dir(tmp)
         raise
     return result
 

@@ -8,20 +8,28 @@ attention is exercised) then `steps` decode steps, fed the reference's greedy to
 exactly when our argmax equals the reference's token at every step.
 
 Paged graphs run through the runtime's own backend and model runner (the packing the
-engine serves with). Plugin graphs run with the float64 reference PagedAttention
-(plugins/paged_attention/ort.py), which checks the graph itself; when the native CPU op is built they are checked a second
-time with it (what the runtime serves with), and the build passes only if both do.
+engine serves with). Plugin graphs run with the native CPU PagedAttention op when it is
+built (what the runtime serves them with), and then on a cut-down check (the first
+CROSS_CHECK_PROMPTS prompts, CROSS_CHECK_STEPS steps) with the float64 reference op
+(plugins/paged_attention/ort.py), which pins the graph itself independent of the native op;
+the build passes only if both do. Without the native op the reference op runs the full check.
+
+    transformers (reference logits, greedy tokens)
+        ├─ main check:  onnx attention | native op | reference op (no native op)   all prompts, all steps
+        └─ cross-check: reference op (plugin graphs whose main check ran the native op)   cut down
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
 from kvexport import io
-from kvexport.manifest import NativeOpValidation, ValidationEntry
+from kvexport.manifest import OpCheck, ValidationEntry
 
 # Max |Δ logits| accepted, per activation dtype (every family shares them).
 # fp32: both sides compute in float32 with different summation orders and fused kernels;
@@ -41,8 +49,65 @@ REQUIRE_GREEDY = {"fp32": True, "fp16": False, "int8_kv": False}
 MIN_AGREEMENT = {"fp32": 1.0, "fp16": 0.0, "int8_kv": 0.75}
 
 
+# The reference op's cut-down check of plugin graphs that the native op validated: prefill in
+# two chunks (cached-prefix attention) and decode steps through the decode graph, on a batch
+# of two prompts of different lengths. The float64 op copies the pools on every call, so the
+# full check with it took 70-190 s of a smollm2 build; this one takes ~10 s, and a graph
+# wired wrongly (inputs, KV writes, block tables) is off by far more than any tolerance at once.
+# It must meet the main check's bounds except the share of agreeing greedy tokens (int8 KV):
+# over 2 prompts x 3 steps a single near-tie flip would be 17% of them.
+CROSS_CHECK_PROMPTS = 2  # the first prompts of the main check's
+CROSS_CHECK_STEPS = 2  # decode steps after the prefill
+
+OP_NAMES = {"onnx": "onnx attention", "native": "native CPU op", "reference": "reference op"}  # VALIDATION_OPS
+_KEY_NAMES = {"fp32": "fp32", "fp16": "fp16", "int8_kv": "int8 KV"}
+
+Progress = Callable[[str], contextlib.AbstractContextManager]
+
+
 def tolerance_key(manifest) -> str:
     return "int8_kv" if manifest.kv.dtype == "int8" else manifest.dtype
+
+
+def bound(key: str, cross_check: bool = False) -> str:
+    """What a check must meet, in words: "int8 KV bound: |Δ| ≤ 3, agreement ≥ 75%"."""
+    terms = [f"|Δ| ≤ {TOLERANCE[key]:g}"]
+    if REQUIRE_GREEDY[key]:
+        terms.append("greedy identical")
+    elif MIN_AGREEMENT[key] > 0 and not cross_check:
+        terms.append(f"agreement ≥ {MIN_AGREEMENT[key]:.0%}")
+    return f"{_KEY_NAMES[key]} bound: {', '.join(terms)}"
+
+
+def _verdict(op: str, prompts: int, steps: int, key: str, passed: bool, max_abs_diff: float,
+             agreement: float, cross_check: bool = False) -> str:
+    return (f"validation ({OP_NAMES[op]}, {_count(prompts, 'prompt')}, {_count(steps, 'step')}): "
+            f"{'PASS' if passed else 'FAIL'} "
+            f"({bound(key, cross_check)}): max |Δ| {max_abs_diff:.2g}, {100 * agreement:.1f}% greedy agreement")
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def verdicts(manifest) -> list[str]:
+    """One line per check of the manifest's validation (none when it was not validated), e.g.
+    "validation (native CPU op, 4 prompts, 16 steps): PASS (fp32 bound: |Δ| ≤ 0.005, greedy
+    identical): max |Δ| 6.5e-05, 100.0% greedy agreement"."""
+    v = manifest.validation
+    if v is None:
+        return []
+    key = tolerance_key(manifest)
+    plugin = manifest.kv.attention == io.Attention.PLUGIN.value
+    op = v.op or ("reference" if plugin else "onnx")  # builds before `op`: plugin graphs ran the reference op
+    lines = [_verdict(op, v.prompts, v.steps, key, _passes(v.max_abs_diff, v.greedy_identical, v.token_agreement, key),
+                      v.max_abs_diff, v.token_agreement)]
+    if (c := v.cross_check) is not None:
+        lines.append(_verdict(c.op, c.prompts, c.steps, key, c.passed, c.max_abs_diff, c.token_agreement, True))
+    if (n := v.native_op) is not None:  # builds before `op`: the native op ran the full check too
+        lines.append(_verdict("native", v.prompts, v.steps, key, n.passed, n.max_abs_diff, n.token_agreement))
+    return lines
+
 
 DEFAULT_PROMPTS = (
     "The capital of France is",
@@ -166,41 +231,65 @@ def prompt_ids(tokenizer, vocab_size: int, count: int = 4, seed: int = 0) -> lis
     return [rng.integers(3, vocab_size, size=n).tolist() for n in (5, 17, 9, 30)[:count]]
 
 
+def fit_prompts(prompts: list[list[int]], max_len: int, steps: int) -> tuple[list[list[int]], int]:
+    """The prompts and decode steps cut to a `max_len`-token context (a build may serve less
+    than the default prompts need): each prompt keeps room for at least one step."""
+    prompts = [p[:max_len - 1] for p in prompts]
+    return prompts, max(1, min(steps, max_len - max(len(p) for p in prompts)))
+
+
+def _passes(max_abs_diff: float, identical: bool, agreement: float, key: str, cross_check: bool = False) -> bool:
+    return (max_abs_diff <= TOLERANCE[key] and (identical or not REQUIRE_GREEDY[key])
+            and (cross_check or agreement >= MIN_AGREEMENT[key]))
+
+
 def _compare(ours: list[np.ndarray], ref_logits: list[np.ndarray], forced: list[list[int]],
-             manifest) -> tuple[list[float], float, bool, float, bool]:
-    """(max |Δ| per step, tolerance, greedy identical, token agreement, passed)."""
+             manifest, cross_check: bool = False) -> tuple[list[float], float, bool, float, bool]:
+    """(max |Δ| per step, tolerance, greedy identical, token agreement, passed). `ours` may
+    cover the first prompts and steps of the reference only (the cross-check)."""
     diffs, agree = [], 0
+    n = len(ours[0])  # prompts run
     for step, (a, r) in enumerate(zip(ours, ref_logits)):
-        diffs.append(float(np.abs(a.astype(np.float32) - r).max()))
-        agree += sum(int(a[s].argmax() == forced[s][step]) for s in range(len(forced)))
-    total = len(forced) * len(ours)
+        diffs.append(float(np.abs(a.astype(np.float32) - r[:n]).max()))
+        agree += sum(int(a[s].argmax() == forced[s][step]) for s in range(n))
+    total = n * len(ours)
     key = tolerance_key(manifest)
-    tol = TOLERANCE[key]
     identical = agree == total
-    passed = (max(diffs) <= tol and (identical or not REQUIRE_GREEDY[key])
-              and agree / total >= MIN_AGREEMENT[key])
-    return diffs, tol, identical, agree / total, passed
+    return (diffs, TOLERANCE[key], identical, agree / total,
+            _passes(max(diffs), identical, agree / total, key, cross_check))
 
 
-def validate(build_dir: Path, manifest, model, prompts: list[list[int]], steps: int = 16) -> ValidationResult:
-    forced, ref_logits = reference(model, prompts, steps)
+@contextlib.contextmanager
+def _no_progress(name: str):
+    yield
+
+
+def validate(build_dir: Path, manifest, model, prompts: list[list[int]], steps: int = 16,
+             progress: Progress = _no_progress) -> ValidationResult:
+    """Run the checks (module docstring) and return the manifest's validation entry; `progress`
+    wraps each stage (a context manager per stage name, as build()'s)."""
+    with progress(f"validation: transformers' reference ({_count(len(prompts), 'prompt')}, {_count(steps, 'step')})"):
+        forced, ref_logits = reference(model, prompts, steps)
     paged = manifest.kv.layout == io.KVLayout.PAGED.value
-    plugin = manifest.kv.attention == io.Attention.PLUGIN.value
-    # plugin graphs are checked with the float64 reference op first: it pins the graph itself
-    driver = PagedDriver(build_dir, manifest, "reference" if plugin else "onnx") if paged else \
-        ContiguousDriver(build_dir, manifest)
-    ours = driver.run(prompts, forced, steps)
-    diffs, tol, identical, agreement, passed = _compare(ours, ref_logits, forced, manifest)
-    native: NativeOpValidation | None = None
-    lib = None
-    if paged and plugin:
+    op, cross = "onnx", None
+    if paged and manifest.kv.attention == io.Attention.PLUGIN.value:
         from kvexport.plugins.paged_attention.native import library_for
 
         lib, _ = library_for(manifest)
-    if lib is not None:
-        n_diffs, _, n_identical, n_agreement, n_passed = _compare(
-            PagedDriver(build_dir, manifest, "native").run(prompts, forced, steps), ref_logits, forced, manifest)
-        native = NativeOpValidation(max(n_diffs), n_identical, n_agreement, n_passed)
-        passed = passed and n_passed
+        op, cross = ("native", "reference") if lib is not None else ("reference", None)
+    with progress(f"validation: graphs with the {OP_NAMES[op]}"):
+        driver = PagedDriver(build_dir, manifest, op) if paged else ContiguousDriver(build_dir, manifest)
+        diffs, tol, identical, agreement, passed = _compare(driver.run(prompts, forced, steps), ref_logits, forced,
+                                                            manifest)
+    check = None
+    if cross is not None:
+        k, k_steps = min(CROSS_CHECK_PROMPTS, len(prompts)), min(CROSS_CHECK_STEPS, steps)
+        with progress(f"validation: graphs with the {OP_NAMES[cross]} ({_count(k, 'prompt')}, "
+                      f"{_count(k_steps, 'step')})"):
+            c_diffs, _, c_identical, c_agreement, c_passed = _compare(
+                PagedDriver(build_dir, manifest, cross).run(prompts[:k], forced[:k], k_steps), ref_logits, forced,
+                manifest, cross_check=True)
+        check = OpCheck(cross, k, k_steps, max(c_diffs), c_identical, c_agreement, c_passed)
+        passed = passed and c_passed
     return ValidationResult(len(prompts), tuple(len(p) for p in prompts), steps, tuple(diffs), max(diffs), tol,
-                            identical, agreement, passed, native)
+                            identical, agreement, passed, op, check)

@@ -5,18 +5,27 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
+import signal
 import sys
+import threading
 import time
+from pathlib import Path
 from typing import Iterator
 
 import click
 from rich.console import Console
+from rich.markup import escape
+
+from kvexport.exporter.limits import BACKENDS, DTYPES, KV_DTYPES, RANGES
 
 from . import io
 from .errors import KvExportError
 
-console = Console(stderr=True, soft_wrap=True)
+# NOTE: user text (paths, prompts, error messages) reaches this console only through escape()
+# or markup=False; emoji=False keeps ":name:" in a path or prompt as typed
+console = Console(stderr=True, soft_wrap=True, emoji=False)
 
 
 def _env_defaults() -> None:
@@ -26,13 +35,82 @@ def _env_defaults() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+class Terminated(KeyboardInterrupt):
+    """Raised in the main thread when the CLI gets SIGTERM (`kill`, `docker stop`), so what
+    runs on Ctrl-C runs on it too: e.g. a build's temporary folder is removed."""
+
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_received: list[int] = []  # the stop signal this CLI run got, if any
+
+
+def _on_stop_signal(signum, frame) -> None:
+    # NOTE: only the first signal raises; later ones (a second Ctrl-C, a repeated SIGTERM) are
+    # ignored, so they cannot cut short the cleanup the first one started (SIGKILL still works)
+    for s in _STOP_SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
+    _received.append(signum)
+    raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+
+def _exit_stopped() -> None:
+    """Report a stop signal (exit status 128 + its number, as a shell reports it)."""
+    signum = _received[0] if _received else signal.SIGINT
+    console.print("[bold red]terminated[/] (SIGTERM)" if signum == signal.SIGTERM else
+                  "[bold red]interrupted[/] (Ctrl-C)")
+    sys.exit(128 + signum)
+
+
 class _Cli(click.Group):
+    def main(self, *args, **kwargs):
+        # NOTE: only for the CLI's lifetime, and only from the main thread (signal.signal's rule)
+        if threading.current_thread() is not threading.main_thread():
+            return super().main(*args, **kwargs)
+        _received.clear()
+        previous = {s: signal.signal(s, _on_stop_signal) for s in _STOP_SIGNALS}
+        try:
+            return super().main(*args, **kwargs)
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, signal.SIG_DFL if handler is None else handler)
+
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
         except KvExportError as e:
-            console.print(f"[bold red]error:[/] {e}")
+            console.print(f"[bold red]error:[/] {escape(str(e))}")
             sys.exit(2)
+        except KeyboardInterrupt:  # and Terminated
+            _exit_stopped()
+        except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+            raise  # click reports these itself (usage errors exit 2)
+        except OSError as e:  # the environment, not kvexport: a path it cannot write, a full disk
+            if _received:  # the stop signal, surfaced as another error
+                _exit_stopped()
+            _error(f"{e.strerror or e}" + (f": {e.filename}" if e.filename else ""))
+            sys.exit(2)
+        except Exception as e:  # a bug: one clear line, the traceback only with -v
+            if _received:  # the stop signal, surfaced as another error (ImportError when it cut an import)
+                _exit_stopped()
+            logging.getLogger(__name__).info("traceback of the internal error", exc_info=True)
+            _error(f"internal error, a bug in kvexport: {type(e).__name__}: {_clip(str(e), 300)}\n"
+                   f"rerun with -v for the traceback and report it")
+            sys.exit(1)
+
+
+def _error(message: str) -> None:
+    """An error line on stderr; the message is printed literally (never read as rich markup)."""
+    console.print(f"[bold red]error:[/] {escape(message)}")
+
+
+def _clip(text: str, limit: int = 60) -> str:
+    """`text` cut to `limit` characters (a 54 KB prompt is not echoed back in an error)."""
+    return text if len(text) <= limit else f"{text[:limit - 1]}… ({len(text)} characters)"
+
+
+def _quote(text: str, limit: int = 50) -> str:
+    """`text` quoted as Python would, its first `limit` characters only: 'word word…' (54000 characters)."""
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}… ({len(text)} characters)"
 
 
 @click.group(cls=_Cli, context_settings={"help_option_names": ["-h", "--help"]})
@@ -96,35 +174,87 @@ def _rich_progress():
     @contextlib.contextmanager
     def step(name: str) -> Iterator[None]:
         t = time.perf_counter()
-        with console.status(f"{name}…"):
+        with console.status(f"{escape(name)}…"):
             yield
-        console.print(f"[green]✓[/] {name} [dim]({time.perf_counter() - t:.1f}s)[/]")
+        console.print(f"[green]✓[/] {escape(name)} [dim]({time.perf_counter() - t:.1f}s)[/]")
 
     return step
 
 
+def _finite(ctx, param, value: float | None) -> float | None:
+    """A click callback: click's float types take "nan" and "inf"; options here never do."""
+    if value is not None and not math.isfinite(value):
+        raise click.BadParameter(f"{value} is not a finite number", param=param)
+    return value
+
+
+class _Path(click.Path):
+    """click.Path, refusing by name what os.stat would raise on: a NUL character, text that is
+    no file name (lone surrogates: never from argv, whose bytes always encode back)."""
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and "\0" in value:
+            self.fail(f"{_quote(value)} contains a NUL character", param, ctx)
+        try:
+            os.fsencode(value)
+        except UnicodeEncodeError:
+            self.fail(f"{ascii(value)} cannot be a file name", param, ctx)
+        return super().convert(value, param, ctx)
+
+
+def _range(name: str) -> click.IntRange:
+    """The click type of a numeric build option: its range from exporter/limits.py."""
+    lo, hi = RANGES[name]
+    return click.IntRange(lo, hi)
+
+
+def _new_path(ctx, param, value: str | None) -> str | None:
+    """A click callback for a path kvexport creates or replaces (--out, --json): refused here,
+    naming the option, when it cannot be made (a NUL, a name too long, a file where a folder
+    must be, a folder this process cannot write)."""
+    if value is None:
+        return None
+    if "\0" in value or not value.strip():
+        raise click.BadParameter("give a path (not empty, no NUL character)", param=param)
+    path = Path(value)
+    if any(len(os.fsencode(part)) > 255 for part in path.parts):  # _Path checked that they encode
+        raise click.BadParameter(f"a name in {_clip(value)!r} is longer than 255 bytes", param=param)
+    parent = path.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise click.BadParameter(f"{parent} is a file, not a folder", param=param)
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise click.BadParameter(f"cannot write in {parent} (permission denied)", param=param)
+    return value
+
+
 @main.command()
 @click.argument("model", required=False)
-@click.option("--out", type=click.Path(), help="Build directory (default: build/<model name>).")
+@click.option("--out", type=_Path(), callback=_new_path, help="Build directory (default: build/<model name>).")
 @click.option("--layout", type=click.Choice([l.value for l in io.KVLayout]), help="KV-cache layout [paged].")
-@click.option("--dtype", type=click.Choice(["fp32", "fp16"]), help="Weights/activations dtype [fp32].")
+@click.option("--dtype", type=click.Choice([d.value for d in DTYPES]), help="Weights/activations dtype [fp32].")
 @click.option("--attention", type=click.Choice([a.value for a in io.Attention]),
-              help="Paged attention: standard ONNX ops, or kvexport::PagedAttention plugin nodes [onnx].")
-@click.option("--kv-dtype", type=click.Choice(["fp32", "fp16", "int8"]),
+              help="Paged attention: kvexport::PagedAttention plugin nodes (served fastest: the native CPU op, "
+                   "TensorRT), or standard ONNX ops for tools without kvexport's op [plugin; onnx for contiguous "
+                   "builds, or with a warning when the native CPU op is not built].")
+@click.option("--kv-dtype", type=click.Choice([d.value for d in KV_DTYPES]),
               help="KV-cache dtype [same as --dtype]; int8 uses calibrated per-head scales.")
-@click.option("--calibration-text", type=click.Path(exists=True, dir_okay=False),
+@click.option("--calibration-text", type=_Path(exists=True, dir_okay=False, readable=True),
               help="int8 KV: text to calibrate the scales on [bundled Shakespeare: Hamlet].")
-@click.option("--calibration-tokens", type=int, help="int8 KV: tokens of the text to use [2048].")
-@click.option("--backend", type=click.Choice(["onnxruntime", "tensorrt", "onnx"]),
+@click.option("--calibration-tokens", type=_range("calibration_tokens"),
+              help="int8 KV: tokens of the text to use [2048].")
+@click.option("--backend", type=click.Choice([*BACKENDS, "onnx"]),
               help="The backend the build is for, as the runtime's --backend: onnxruntime (ONNX graphs), or tensorrt "
                    "(also TensorRT engines; needs --attention plugin, TensorRT and a GPU); onnx = onnxruntime "
                    "[onnxruntime].")
-@click.option("--block-size", type=int, help="Tokens per KV block for the paged layout [16].")
-@click.option("--max-seq-len", type=int, help="Longest context served [model's max positions, capped at 32768].")
+@click.option("--block-size", type=_range("block_size"), help="Tokens per KV block for the paged layout [16].")
+@click.option("--max-seq-len", type=_range("max_seq_len"),
+              help="Longest context served [model's max positions, capped at 32768].")
 @click.option("--all-logits", is_flag=True, default=None, help="Prefill returns logits for every token (perplexity).")
 @click.option("--recipe", help="A recipe YAML file, or a shipped recipe name (llama, mistral, qwen2, phi3, gpt2).")
 @click.option("--allow-pickle", is_flag=True, help="Accept pickled *.bin weights (loaded with weights_only=True).")
-@click.option("--force", is_flag=True, help="Replace an existing build directory.")
+@click.option("--force", is_flag=True, help="Replace an earlier kvexport build at --out (never anything else).")
 @click.option("--no-validate", is_flag=True, help="Skip the comparison with transformers.")
 def build(model, out, layout, dtype, attention, kv_dtype, calibration_text, calibration_tokens, backend, block_size,
           max_seq_len, all_logits, recipe, allow_pickle, force, no_validate):
@@ -133,6 +263,9 @@ def build(model, out, layout, dtype, attention, kv_dtype, calibration_text, cali
     from kvexport.exporter.source import DEFAULT_MODEL
     from kvexport.recipes import Recipe, load_recipe
 
+    if model is not None and not model.strip():
+        raise click.BadParameter("is empty: give a model folder, a .gguf file or an alias (or leave it out for "
+                                 f"the default, {DEFAULT_MODEL})", param_hint="MODEL")
     r = load_recipe(recipe) if recipe else Recipe()
     kw = r.options()
     given = {"layout": layout, "dtype": dtype, "attention": attention, "kv_dtype": kv_dtype,
@@ -155,29 +288,28 @@ def build(model, out, layout, dtype, attention, kv_dtype, calibration_text, cali
     out = out or r.out
     path, manifest = run_build(model, out, opts, progress=_rich_progress())
     _print_validation(manifest)
-    console.print(f"[bold green]build ready:[/] {path}")
+    console.print(f"[bold green]build ready:[/] {escape(str(path))}")
 
 
 def _print_validation(manifest) -> None:
-    v = manifest.validation
-    if v is None:
+    """One verdict line per validation check (exporter/validate.py verdicts)."""
+    from kvexport.exporter.validate import verdicts
+
+    if manifest.validation is None:
         console.print("[yellow]validation skipped[/]")
-        return
-    console.print(f"validation vs transformers: {v.prompts} prompts (lengths {list(v.prompt_lengths)}), "
-                  f"{v.steps} decode steps: max |Δ logits| {v.max_abs_diff:.2e} "
-                  f"(tolerance {v.tolerance}), greedy tokens identical: "
-                  f"{'yes' if v.greedy_identical else 'no'} ({100 * v.token_agreement:.1f}% agree)")
-    if (n := v.native_op) is not None:
-        console.print(f"  with the native CPU PagedAttention op: max |Δ logits| {n.max_abs_diff:.2e}, greedy tokens "
-                      f"identical: {'yes' if n.greedy_identical else 'no'} ({100 * n.token_agreement:.1f}% agree)")
+    for line in verdicts(manifest):
+        console.print(line, style="green" if ": PASS (" in line else "red", markup=False)
 
 
 @main.command()
-@click.argument("build_dir", type=click.Path(exists=True, file_okay=False))
-@click.option("--max-num-seqs", type=int, default=64, show_default=True, help="Sequences per step, max.")
-@click.option("--max-num-batched-tokens", type=int, default=2048, show_default=True, help="Tokens per prefill step, max.")
-@click.option("--max-num-blocks", type=int, default=16384, show_default=True, help="KV pool blocks, max.")
-@click.option("--max-seq-len", type=int, help="Longest context [the build's].")
+@click.argument("build_dir", type=_Path(exists=True, file_okay=False))
+@click.option("--max-num-seqs", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Sequences per step, max.")
+@click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=2048, show_default=True,
+              help="Tokens per prefill step, max.")
+@click.option("--max-num-blocks", type=click.IntRange(min=2), default=16384, show_default=True,
+              help="KV pool blocks, max (block 0 is the pad block).")
+@click.option("--max-seq-len", type=click.IntRange(min=1), help="Longest context [the build's].")
 def engines(build_dir, max_num_seqs, max_num_batched_tokens, max_num_blocks, max_seq_len):
     """Build TensorRT engines for an existing `--attention plugin` build (needs TensorRT and a GPU)."""
     from kvexport.exporter.tensorrt_build import EngineBuildOptions, add_engines
@@ -185,78 +317,113 @@ def engines(build_dir, max_num_seqs, max_num_batched_tokens, max_num_blocks, max
     m = add_engines(build_dir, EngineBuildOptions(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                                   max_num_blocks=max_num_blocks, max_seq_len=max_seq_len))
     assert m.engines is not None  # add_engines records them
-    console.print(f"[bold green]engines ready:[/] {', '.join(e.file for e in m.engines.engines.values())}")
+    console.print(f"[bold green]engines ready:[/] {escape(', '.join(e.file for e in m.engines.engines.values()))}")
 
 
 @main.command()
-@click.argument("build_dir", type=click.Path(exists=True, file_okay=False))
-@click.option("--text", type=click.Path(exists=True, dir_okay=False),
+@click.argument("build_dir", type=_Path(exists=True, file_okay=False))
+@click.option("--text", type=_Path(exists=True, dir_okay=False, readable=True),
               help="Calibration text [bundled Shakespeare: Hamlet].")
-@click.option("--tokens", type=int, default=2048, show_default=True, help="Tokens of the text to run.")
+@click.option("--tokens", type=_range("calibration_tokens"), default=2048, show_default=True,
+              help="Tokens of the text to run.")
 @click.option("--model", "model_source", help="Source model [the one recorded in the manifest].")
 @click.option("--no-validate", is_flag=True, help="Skip re-validating against transformers.")
 def calibrate(build_dir, text, tokens, model_source, no_validate):
     """Recompute an int8-KV build's per-head scales from a text and rewrite them in place."""
     from kvexport.exporter.calibrate import calibrate as run
 
-    manifest = run(build_dir, text, tokens, model_source, validate=not no_validate)
+    manifest = run(build_dir, text, tokens, model_source, validate=not no_validate, progress=_rich_progress())
     q = manifest.kv.quantization
-    console.print(f"scales from {q['calibration']['tokens']} tokens of {q['calibration']['text']} "
-                  f"({q['scheme']})")
+    console.print(f"scales from {q['calibration']['tokens']} tokens of {q['calibration']['text']} ({q['scheme']})",
+                  markup=False)
     _print_validation(manifest)
 
 
 @main.command()
-@click.argument("build_dir", type=click.Path(exists=True, file_okay=False))
+@click.argument("build_dir", type=_Path(exists=True, file_okay=False))
 def inspect(build_dir):
     """Print a build's manifest: graph I/O, parameters, KV bytes per token, validation."""
     from kvexport.inspect import render
 
-    render(build_dir, Console(soft_wrap=True))
+    render(build_dir, Console(soft_wrap=True, emoji=False))
 
 
 @main.command()
-@click.argument("build_dir", type=click.Path(exists=True, file_okay=False))
+@click.argument("build_dir", type=_Path(exists=True, file_okay=False))
 @click.argument("prompts", nargs=-1, required=True)
-@click.option("--max-tokens", type=int, default=64, show_default=True, help="Tokens to generate per prompt.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Tokens to generate per prompt.")
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-p", type=float, default=1.0, show_default=True)
 @click.option("--top-k", type=int, default=0, show_default=True)
 @click.option("--seed", type=int, default=None)
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--chat", is_flag=True, help="Apply the tokenizer's chat template to each prompt.")
-@click.option("--stream", is_flag=True, help="Print tokens as they are generated (first prompt only).")
+@click.option("--stream", is_flag=True, help="Print tokens as they are generated (the prompts one after another).")
 @engine_options
 def generate(build_dir, prompts, max_tokens, temperature, top_p, top_k, seed, stop, chat, stream, **settings):
-    """Generate text from a paged build with continuous batching."""
+    """Generate text from a paged build with continuous batching.
+
+    stdout carries the answers only: one per prompt, each ending in a newline; with several
+    prompts each answer is preceded by a header line on stderr ("[2/3] 'prompt…'") and
+    followed by a blank line on stdout. A failed request is an error on stderr, and the exit
+    code is 2 once the others are answered."""
     from kvexport.runtime.llm import LLM
     from kvexport.runtime.sampling import SamplingParams
 
+    for i, text in enumerate(prompts + stop):
+        if any("\ud800" <= c <= "\udfff" for c in text):  # argv bytes that are not UTF-8
+            what = f"prompt {i + 1}" if i < len(prompts) else "--stop"
+            raise click.BadParameter(f"{what} is not valid UTF-8 text: {_clip(ascii(text))}")
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             seed=seed, stop=tuple(stop))
     llm = LLM(build_dir, _engine_config(settings))
-    out = sys.stdout
-    if stream:
-        for o in llm.stream(prompts[0], params, chat=chat):
-            out.write(o.new_text)
+    out, n, failed = sys.stdout, len(prompts), 0
+
+    def header(i: int) -> None:
+        if n > 1:
             out.flush()
-        out.write("\n")
-        return
-    for prompt, o in zip(prompts, llm.generate(list(prompts), params, chat=chat)):
+            console.print(f"[{i + 1}/{n}] {_quote(prompts[i])}", style="bold", markup=False)
+
+    def finish(i: int, o) -> None:
+        nonlocal failed
         if o.error:
-            console.print(f"[red]{prompt!r}: {o.error}[/]")
-            continue
-        out.write(f"{o.text}\n")
+            failed += 1
+            _error(f"prompt {i + 1} ({_quote(prompts[i])}): {o.error}")
+            return
+        out.flush()
         console.print(f"[dim]({len(o.token_ids)} tokens, finish: {o.finish_reason})[/]")
+        if n > 1 and i < n - 1:
+            out.write("\n")
+
+    if stream:
+        for i, prompt in enumerate(prompts):
+            header(i)
+            for o in llm.stream(prompt, params, chat=chat):  # the last output is the finished one
+                out.write(o.new_text)
+                out.flush()
+            if not o.error:
+                out.write("\n")
+            finish(i, o)
+    else:
+        for i, o in enumerate(llm.generate(list(prompts), params, chat=chat)):
+            header(i)
+            if not o.error:
+                out.write(f"{o.text}\n")
+            finish(i, o)
+    if failed:
+        sys.exit(2)
 
 
 @main.command()
-@click.argument("build_dir", type=click.Path(exists=True, file_okay=False))
+@click.argument("build_dir", type=_Path(exists=True, file_okay=False))
 @click.option("--trace", default="mixed-64", show_default=True, help="A shipped trace name or a trace JSON file.")
-@click.option("--limit", type=int, help="Serve only the first N requests of the trace.")
-@click.option("--json", "json_out", type=click.Path(), help="Also write the figures to this JSON file.")
-@click.option("--arrival-rate", type=float, help="Requests/s of a seeded Poisson arrival process [all at t=0].")
-@click.option("--prefix-ttft", type=int, metavar="TOKENS",
+@click.option("--limit", type=click.IntRange(min=1), help="Serve only the first N requests of the trace.")
+@click.option("--json", "json_out", type=_Path(dir_okay=False), callback=_new_path,
+              help="Also write the figures to this JSON file.")
+@click.option("--arrival-rate", type=click.FloatRange(min=0, min_open=True, max=1e6), callback=_finite,
+              help="Requests/s of a seeded Poisson arrival process [all at t=0].")
+@click.option("--prefix-ttft", type=click.IntRange(min=1), metavar="TOKENS",
               help="Also measure TTFT of a request sharing a TOKENS-long prefix, prefix caching on vs off.")
 @engine_options
 def bench(build_dir, trace, limit, json_out, arrival_rate, prefix_ttft, **settings):
@@ -282,21 +449,27 @@ def bench(build_dir, trace, limit, json_out, arrival_rate, prefix_ttft, **settin
     if json_out:
         with open(json_out, "w") as f:
             f.write(text + "\n")
+    if errors := result["errors"]:  # the figures are printed; the run still failed
+        _error(f"{len(errors)} of {result['requests']} requests failed, e.g.: {errors[0]}")
+        sys.exit(2)
 
 
 @main.command()
 @click.argument("build_dir", type=click.Path(exists=True, file_okay=False))
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0 exposes the server).")
-@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="0: any free port.")
 @click.option("--served-model-name", help="The model name clients must send [the build directory's name].")
+@click.option("--shutdown-grace", type=click.FloatRange(min=0), default=10.0, show_default=True, metavar="SECONDS",
+              help="On SIGTERM/SIGINT, how long running requests may take to finish before they are ended (503).")
 @engine_options
-def serve(build_dir, host, port, served_model_name, **settings):
+def serve(build_dir, host, port, served_model_name, shutdown_grace, **settings):
     """Serve a paged build over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
     from kvexport.runtime.server import serve as run_server
 
     cfg = _engine_config(settings)
-    console.print(f"serving {build_dir} on http://{host}:{port}/v1")
-    run_server(build_dir, host, port, cfg, served_model_name)
+    run_server(build_dir, host, port, cfg, served_model_name, shutdown_grace=shutdown_grace,
+               on_ready=lambda url: console.print(f"serving {escape(str(build_dir))} on {escape(url)}/v1",
+                                                  highlight=False))
 
 
 @main.command()
@@ -308,7 +481,8 @@ def serve(build_dir, host, port, served_model_name, **settings):
 @click.option("--instances", type=int, default=1, show_default=True, help="Model instances (one engine each).")
 @click.option("--execution-env", type=click.Path(exists=True),
               help="Python environment that runs the model (EXECUTION_ENV_PATH) [python3 on tritonserver's PATH].")
-@click.option("--force", is_flag=True, help="Replace an existing repository.")
+@click.option("--force", is_flag=True,
+              help="Replace a Triton repository kvexport wrote earlier at --out (never anything else).")
 @engine_options
 def triton(build_dir, out, name, copy_build, instances, execution_env, force, **settings):
     """Write a Triton Inference Server model repository serving a paged build (decoupled, streaming)."""
@@ -317,8 +491,35 @@ def triton(build_dir, out, name, copy_build, instances, execution_env, force, **
     opts = TritonRepoOptions(engine=_engine_config(settings), name=name, copy_build=copy_build, instances=instances,
                              execution_env=execution_env, force=force)
     model_dir = write_repository(build_dir, out, opts)
-    console.print(f"[bold green]Triton model repository ready:[/] {model_dir.parent} (model {model_dir.name!r}); "
-                  f"start it with `tritonserver --model-repository={model_dir.parent}` (see docs/DEPLOYMENT.md)")
+    repo = escape(str(model_dir.parent))
+    console.print(f"[bold green]Triton model repository ready:[/] {repo} (model {model_dir.name!r}); "
+                  f"start it with `kvexport triton-serve {repo}` (or tritonserver --model-repository={repo}: "
+                  f"see docs/DEPLOYMENT.md)")
+
+
+@main.command("triton-serve")
+@click.argument("repo", type=click.Path(exists=True, file_okay=False))
+@click.option("--triton-env", type=click.Path(exists=True, file_okay=False),
+              help="Python environment with nvidia-pytriton's tritonserver [$KVEXPORT_TRITON_ENV, this environment, "
+                   "./.venv-triton, then `tritonserver` on PATH].")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address of all three endpoints.")
+@click.option("--http-port", type=click.IntRange(1, 65535), default=8000, show_default=True)
+@click.option("--grpc-port", type=click.IntRange(1, 65535), default=8001, show_default=True)
+@click.option("--metrics-port", type=click.IntRange(1, 65535), default=8002, show_default=True)
+@click.option("--shutdown-grace", type=click.FloatRange(min=0), default=10.0, show_default=True, metavar="SECONDS",
+              help="On SIGTERM/SIGINT, how long open requests may take to finish before they get an error.")
+def triton_serve(repo, triton_env, host, http_port, grpc_port, metrics_port, shutdown_grace):
+    """Run a repository written by `kvexport triton` on the local tritonserver, until SIGTERM/Ctrl-C."""
+    from kvexport.runtime.triton_local import Ports, serve_repository
+
+    def ready(url: str) -> None:
+        console.print(f"Triton serving {escape(str(repo))} on {escape(url)} (gRPC {escape(host)}:{grpc_port}, "
+                      f"metrics {escape(host)}:{metrics_port}); Ctrl-C stops it", highlight=False)
+
+    code = serve_repository(repo, triton_env, host, Ports(http_port, grpc_port, metrics_port), shutdown_grace,
+                            on_ready=ready)
+    console.print(f"tritonserver exited with code {code}", highlight=False)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,12 @@ class BuildExistsError(KvExportError):
     """The output directory exists and --force was not given."""
 
 
+class OutputError(KvExportError):
+    """--out cannot be written: it holds something kvexport did not make (never replaced,
+    even with --force), it is or contains the model source or the build, or its folder
+    cannot be written; the message says what is there and what to do."""
+
+
 class ManifestError(KvExportError):
     """A build directory has a missing, corrupt or incompatible manifest."""
 

@@ -22,24 +22,26 @@ import functools
 import hashlib
 import json
 import os
-import tempfile
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import __version__, graph_check, io
+from . import __version__, graph_check, io, outputs
 from .errors import ConfigError, ManifestError
 from .manifest_engines import (EngineBuildOptions, EngineFile, EngineLimits, EnginesEntry, GpuInfo, PluginInfo,
                                ShapeRange)
 
 __all__ = ["EngineBuildOptions", "EngineFile", "EngineLimits", "EnginesEntry", "GpuInfo", "GraphEntry", "KVSpec",
-           "Manifest", "ModelEntry", "NativeOpValidation", "PluginInfo", "ShapeRange", "ValidationEntry",
+           "Manifest", "ModelEntry", "NativeOpValidation", "OpCheck", "PluginInfo", "ShapeRange", "ValidationEntry",
            "WeightsEntry", "load", "sha256", "versions"]
 
 REBUILD = "rebuild with `kvexport build --force`"
 REBUILD_ENGINES = "rebuild the engines with `kvexport engines BUILD_DIR`"
+# how a validation ran the graphs' attention: standard ops, the native CPU PagedAttention op,
+# the float64 reference op (exporter/validate.py)
+VALIDATION_OPS = ("onnx", "native", "reference")
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,12 +154,27 @@ class WeightsEntry:
 
 @dataclass(frozen=True, slots=True)
 class NativeOpValidation:
-    """Plugin graphs checked a second time with the native CPU PagedAttention op."""
+    """Read only, from builds written before `ValidationEntry.op`: their plugin graphs were
+    checked with the reference op, then a second time, in full, with the native CPU op."""
 
     max_abs_diff: float  # max |Δ logits| over all steps
     greedy_identical: bool  # every argmax equals transformers' greedy token
     token_agreement: float  # fraction of (prompt, step) argmaxes equal to the reference, 0..1
     passed: bool
+
+
+@dataclass(frozen=True, slots=True)
+class OpCheck:
+    """A plugin build's second, cut-down check with the float64 reference PagedAttention: it
+    pins the graph itself, independent of the op that served the main check."""
+
+    op: str  # one of VALIDATION_OPS: "reference"
+    prompts: int  # the first `prompts` of the main check's prompts
+    steps: int  # decode steps after the prefill
+    max_abs_diff: float  # max |Δ logits| over all steps
+    greedy_identical: bool  # every argmax equals transformers' greedy token
+    token_agreement: float  # fraction of (prompt, step) argmaxes equal to the reference, 0..1
+    passed: bool  # the main check's bounds, less the share of agreeing greedy tokens (exporter/validate.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,7 +190,9 @@ class ValidationEntry:
     greedy_identical: bool  # every argmax equals transformers' greedy token
     token_agreement: float  # fraction of (prompt, step) argmaxes equal to the reference, 0..1
     passed: bool  # tolerance (and greedy equality where required) met, by every check run
-    native_op: NativeOpValidation | None = None  # plugin graphs: the native CPU op's run; None: not run
+    op: str | None = None  # one of VALIDATION_OPS: how the graphs' attention ran; None: not recorded
+    cross_check: OpCheck | None = None  # plugin graphs served by the native op: the reference op's check
+    native_op: NativeOpValidation | None = None  # builds written before `op` only (see NativeOpValidation)
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,7 +220,7 @@ class Manifest:
         """Write kvexport.json atomically (temp file + rename: never half-written, and a
         hard-linked copy of a build keeps its own manifest)."""
         build_dir = Path(build_dir)
-        fd, tmp = tempfile.mkstemp(prefix=f".{io.MANIFEST_NAME}.", dir=build_dir)
+        fd, tmp = outputs.new_temp_file(build_dir, f".{io.MANIFEST_NAME}.")  # umask's permissions, not 0600
         try:
             with os.fdopen(fd, "w") as f:
                 f.write(json.dumps(self.to_json(), indent=2) + "\n")
@@ -311,6 +330,11 @@ def _check_values(m: Manifest) -> None:
     if kv.bytes_per_token != per_token:
         raise _FieldError("kv.bytes_per_token", f"is {kv.bytes_per_token}, but the kv spec gives {per_token} "
                                                 f"(2 x layers x kv_heads x head_dim x bytes)")
+    if (v := m.validation) is not None:
+        ops = {"validation.op": v.op, "validation.cross_check.op": v.cross_check.op if v.cross_check else None}
+        for path, op in ops.items():
+            if op is not None and op not in VALIDATION_OPS:
+                raise _FieldError(path, f"is {op!r}, not one of {list(VALIDATION_OPS)}")
     phases = sorted(p.value for p in io.Phase)
     if sorted(m.graphs) != phases:
         raise _FieldError("graphs", f"has {sorted(m.graphs)}, not the graphs {phases}")

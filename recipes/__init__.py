@@ -1,15 +1,26 @@
 """Build recipes: YAML files that carry any `kvexport build` option, loaded into a typed,
-validated dataclass. One recipe per supported family ships in this folder."""
+validated dataclass. One recipe per supported family ships in this folder.
+
+The schema is the Recipe dataclass itself: its field types (and EngineBuildOptions' for the
+`engines` mapping), the choices of the enumerated options and the ranges of the numeric ones
+(exporter/limits.py) are checked when a Recipe is made; a wrong key or value raises
+ConfigError naming it (`engines.max_num_seqs`)."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import typing
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
+from kvexport import io
 from kvexport.errors import ConfigError
+from kvexport.exporter.limits import BACKENDS, DTYPES, KV_DTYPES, RANGES
+from kvexport.manifest_engines import PRECISIONS, EngineBuildOptions
 
 RECIPE_DIR = Path(__file__).resolve().parent
 
@@ -33,19 +44,69 @@ class Recipe:
     validate: bool | None = None
     validate_steps: int | None = None
 
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            _check(f.name, getattr(self, f.name), _hints(Recipe)[f.name])
+
     def options(self) -> dict:
         """The fields that are set, as BuildOptions-style keyword arguments (the `engines`
         mapping becomes a typed EngineBuildOptions)."""
         kw = {k: v for k, v in dataclasses.asdict(self).items() if v is not None and k not in ("model", "out")}
-        if "engines" in kw:
-            from kvexport.exporter.tensorrt_build import EngineBuildOptions
-
-            known = {f.name for f in dataclasses.fields(EngineBuildOptions)}
-            unknown = sorted(set(kw["engines"]) - known)
-            if unknown:
-                raise ConfigError(f"recipe engines: unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        if "engines" in kw:  # checked when the Recipe was made
             kw["engines"] = EngineBuildOptions(**kw["engines"])
         return kw
+
+
+CHOICES = {"layout": tuple(e.value for e in io.KVLayout), "attention": tuple(e.value for e in io.Attention),
+           "dtype": tuple(d.value for d in DTYPES), "kv_dtype": tuple(d.value for d in KV_DTYPES),
+           "backend": (*BACKENDS, "onnx"), "engines.precision": PRECISIONS}
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _check(key: str, value: Any, tp: Any) -> None:
+    """`value` of recipe key `key` against its declared type `tp`, choices and range."""
+    if value is None:
+        if type(None) in typing.get_args(tp):
+            return
+        raise ConfigError(f"{key} must not be empty")
+    base = next((a for a in typing.get_args(tp) if a is not type(None)), tp)  # X | None -> X
+    if base is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a mapping of option: value, got {_got(value)}")
+        known = _hints(EngineBuildOptions)
+        for k, v in value.items():
+            if k not in known:
+                raise ConfigError(f"{key}: unknown option {k!r}; known: {', '.join(known)}")
+            _check(f"{key}.{k}", v, known[k])
+        try:
+            EngineBuildOptions(**value)  # its own range checks
+        except ConfigError as e:
+            raise ConfigError(f"{key}: {e}") from None
+        return
+    names = {bool: "true or false", int: "an integer", str: "a string", float: "a number"}
+    ok = isinstance(value, base) and not (base is int and isinstance(value, bool))
+    if not ok:
+        raise ConfigError(f"{key} must be {names.get(base, base.__name__)}, got {_got(value)}")
+    if base is str and ("\0" in value or not value.strip()):
+        raise ConfigError(f"{key} must be a non-empty string without NUL characters, got {_got(value)}")
+    choices = CHOICES.get(key)
+    if choices is not None and value not in choices:
+        raise ConfigError(f"{key} must be one of {', '.join(choices)}, got {_got(value)}")
+    if key in RANGES:
+        lo, hi = RANGES[key]
+        if not lo <= value <= hi:
+            raise ConfigError(f"{key} must be in {lo}..{hi}, got {value}")
+    elif base is int and value < 0:
+        raise ConfigError(f"{key} must be >= 0, got {value}")
+
+
+def _got(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def load_recipe(path: str | Path) -> Recipe:
@@ -55,7 +116,7 @@ def load_recipe(path: str | Path) -> Recipe:
         p = RECIPE_DIR / f"{path}.yaml"
     try:
         data = yaml.safe_load(p.read_text())
-    except OSError as e:
+    except (OSError, ValueError) as e:  # ValueError: not UTF-8, a NUL in the path
         raise ConfigError(f"cannot read recipe {path}: {e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"recipe {p} is not valid YAML: {e}") from None
@@ -63,18 +124,14 @@ def load_recipe(path: str | Path) -> Recipe:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"recipe {p} must be a mapping of option: value")
-    fields = {f.name: f for f in dataclasses.fields(Recipe)}
-    unknown = sorted(set(data) - set(fields))
+    fields = [f.name for f in dataclasses.fields(Recipe)]
+    unknown = sorted(map(str, set(data) - set(fields)))
     if unknown:
         raise ConfigError(f"recipe {p}: unknown option(s) {', '.join(unknown)}; known: {', '.join(fields)}")
-    types = {"model": str, "out": str, "force": bool, "layout": str, "dtype": str, "attention": str, "kv_dtype": str,
-             "calibration_text": str, "calibration_tokens": int, "backend": str, "engines": dict, "block_size": int,
-             "max_seq_len": int, "all_logits": bool, "validate": bool, "validate_steps": int}
-    for key, value in data.items():
-        if value is not None and (not isinstance(value, types[key]) or
-                                  (types[key] is int and isinstance(value, bool))):
-            raise ConfigError(f"recipe {p}: {key} must be {types[key].__name__}, got {value!r}")
-    return Recipe(**data)
+    try:
+        return Recipe(**data)
+    except ConfigError as e:
+        raise ConfigError(f"recipe {p}: {e}") from None
 
 
 def shipped_recipes() -> list[Path]:

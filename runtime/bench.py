@@ -30,16 +30,28 @@ class TraceRequest:
     output_len: int  # tokens generated (forced: ignore_eos)
 
 
+MAX_TRACE_LEN = 1 << 20  # tokens: a trace's prompt_len and output_len, max
+
+
 def load_trace(name_or_path: str = "mixed-64") -> tuple[dict, list[TraceRequest]]:
     p = Path(name_or_path)
     if not p.is_file():
         p = resources.files("kvexport.runtime").joinpath(f"traces/{name_or_path}.json")
     try:
         data = json.loads(p.read_text())
-        return data, [TraceRequest(int(r["prompt_len"]), int(r["output_len"])) for r in data["requests"]]
-    except OSError:
-        raise ConfigError(f"trace {name_or_path!r} is neither a file nor a shipped trace (mixed-64)") from None
-    except (ValueError, KeyError, TypeError) as e:
+        reqs = [TraceRequest(int(r["prompt_len"]), int(r["output_len"])) for r in data["requests"]]
+        seed = data["seed"]
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed {seed!r} is not an integer >= 0")
+        if not reqs or any(not (1 <= r.prompt_len <= MAX_TRACE_LEN and 1 <= r.output_len <= MAX_TRACE_LEN)
+                           for r in reqs):
+            raise ValueError(f"it needs at least one request, each with prompt_len and output_len in "
+                             f"1..{MAX_TRACE_LEN}")
+        data.setdefault("name", Path(name_or_path).stem)
+        return data, reqs
+    except (OSError, UnicodeDecodeError):
+        raise ConfigError(f"trace {name_or_path!r} is neither a readable file nor a shipped trace (mixed-64)") from None
+    except (ValueError, KeyError, TypeError, OverflowError) as e:
         raise ConfigError(f"trace {name_or_path!r} is malformed ({e}); it needs "
                           f"{{\"seed\": int, \"requests\": [{{\"prompt_len\", \"output_len\"}}]}}") from None
 
@@ -74,10 +86,10 @@ class _TimedBackend:
 def arrival_times(n: int, rate: float | None, seed: int) -> list[float]:
     """Seconds after the start at which each request arrives: all 0, or a Poisson process
     of `rate` requests/s (exponential gaps, seeded)."""
-    if not rate:
+    if rate is None or rate == 0:
         return [0.0] * n
-    if rate < 0:
-        raise ConfigError(f"arrival rate must be > 0 requests/s, got {rate}")
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < float("inf"):
+        raise ConfigError(f"arrival rate must be a finite number > 0 requests/s, got {rate!r}")
     gaps = np.random.default_rng(seed + 1).exponential(1.0 / rate, size=n)
     return np.cumsum(gaps).tolist()
 
@@ -86,8 +98,10 @@ def run_bench(build_dir: str | Path, config: EngineConfig, trace_name: str = "mi
               limit: int | None = None, progress=None, arrival_rate: float | None = None) -> dict:
     """Serve the trace and return the figures as a dict. Requests arrive at t=0, or by a
     seeded Poisson process of `arrival_rate` requests/s (TTFT then counts from arrival)."""
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise ConfigError(f"limit must be an integer >= 1 (requests), got {limit!r}")
     trace, reqs = load_trace(trace_name)  # bad traces and rates fail before the engine loads
-    reqs = reqs[:limit] if limit else reqs
+    reqs = reqs[:limit]
     arrivals = arrival_times(len(reqs), arrival_rate, trace["seed"])
     engine = LLMEngine(build_dir, config)
     timed = _TimedBackend(engine.backend)
@@ -109,8 +123,9 @@ def run_bench(build_dir: str | Path, config: EngineConfig, trace_name: str = "mi
             reserve[rid] = reqs[i].prompt_len + reqs[i].output_len
             due[rid] = t0 + arrivals[i]
             rids.append(rid)
-        if not engine.has_unfinished():
-            time.sleep(max(0.0, min(arrivals[len(rids)] - now, 0.05)))
+        if not engine.has_unfinished():  # idle until the next arrival (none left: every request was refused)
+            if len(rids) < len(reqs):
+                time.sleep(max(0.0, min(arrivals[len(rids)] - now, 0.05)))
             continue
         ts = time.perf_counter()
         changed = engine.step()
@@ -173,6 +188,9 @@ def prefix_ttft(build_dir: str | Path, config: EngineConfig, prefix_len: int = 1
     with prefix caching on and off (fresh engines; the earlier request has finished)."""
     from dataclasses import replace
 
+    for name, v in (("prefix_len", prefix_len), ("suffix_len", suffix_len), ("repeats", repeats)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"prefix test: {name} must be an integer >= 1, got {v!r}")
     out = {"prefix_len": prefix_len, "suffix_len": suffix_len, "repeats": repeats}
     for caching in (True, False):
         engine = LLMEngine(build_dir, replace(config, enable_prefix_caching=caching))

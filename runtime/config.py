@@ -31,11 +31,12 @@ class EngineConfig:
     threads: int | None = None  # onnxruntime intra-op threads; None: all cores
     backend: str = "onnxruntime"  # "onnxruntime" | "tensorrt" (the build's engines)
     cuda_graph_batch_sizes: tuple[int, ...] = ()  # tensorrt: decode batch sizes captured as CUDA graphs
+    max_sequences_per_request: int = 64  # sequences one front-end request may submit (prompts x n), max
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_sequences_per_request"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {v!r}")
@@ -82,7 +83,8 @@ class EngineConfig:
             if not text:
                 continue
             try:
-                if name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "threads"):
+                if name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "threads",
+                            "max_sequences_per_request"):
                     kw[name] = int(text)
                 elif name == "enable_prefix_caching":
                     if text.lower() not in ("true", "false", "1", "0"):
@@ -109,4 +111,6 @@ SETTINGS: dict[str, str] = {
     "threads": "onnxruntime intra-op threads [all cores].",
     "backend": "Execution backend: onnxruntime, or tensorrt (the build's engines; needs TensorRT and a GPU).",
     "cuda_graph_batch_sizes": "tensorrt: decode batch sizes to capture as CUDA graphs, comma-separated (e.g. 1,2,4,8).",
+    "max_sequences_per_request": "Sequences one request may ask for (prompts x n), max; more is refused with 400. "
+                                 "Requests share the engine in turn, so a large one cannot starve the others.",
 }

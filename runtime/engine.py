@@ -17,13 +17,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvexport import io, manifest as mf
-from kvexport.errors import KvExportError
+from kvexport.errors import ConfigError, KvExportError
 
 from .backends import create_backend
 from .block_pool import BlockPool
 from .config import EngineConfig
 from .kv_cache_manager import KVCacheManager
-from .memory import num_blocks_for_budget, parse_budget
+from .memory import num_blocks_for_budget, parse_budget, physical_memory
 from .model_input import Backend
 from .model_runner import ModelRunner
 from .output_processor import OutputProcessor, RequestOutput
@@ -42,8 +42,16 @@ class LLMEngine:
         if kv.layout != io.KVLayout.PAGED.value:
             raise KvExportError(f"the runtime serves paged builds; {self.build_dir} has layout {kv.layout!r}: "
                                 f"rebuild it with `kvexport build MODEL --layout paged`")
+        budget = parse_budget(config.kv_cache_memory)
+        if budget < 1:
+            raise ConfigError(f"kv_cache_memory {config.kv_cache_memory!r} is 0 bytes: give a size such as 2GiB, or a "
+                              f"share of the free memory such as 30%")
+        if config.backend == "onnxruntime" and budget > physical_memory():  # the pool is host memory
+            raise ConfigError(f"kv_cache_memory {config.kv_cache_memory!r} ({budget / 2**30:.4g} GiB) is more than "
+                              f"this machine's memory ({physical_memory() / 2**30:.1f} GiB): give a smaller size, or "
+                              f"a share of the free memory such as 30%")
         # the pad block is counted inside the budget
-        num_blocks = num_blocks_for_budget(parse_budget(config.kv_cache_memory), kv.bytes_per_token, kv.block_size)
+        num_blocks = num_blocks_for_budget(budget, kv.bytes_per_token, kv.block_size)
         if backend is None:
             backend, config = create_backend(self.build_dir, self.manifest, config, num_blocks)
         self.config = config

@@ -10,6 +10,19 @@ callable of the request that owns it (called on
 the engine thread: it must be quick and must not block). `on_tick`, when given, runs on
 the engine thread after every step and at least every `IDLE_WAIT_S` while idle, so a front
 end can poll for cancelled requests or publish metrics without another thread.
+
+Fair admission: the samples of each front-end request (`group`: every prompt x n of one
+HTTP request, or one Triton request) wait in a queue of their own here, and the thread
+moves them into the engine one per group in turn, only while the engine holds fewer than
+`max_num_seqs` sequences (running + waiting). So a request with thousands of samples never
+sits in front of a small one: the small one takes the next free batch slot.
+
+    submit(group A: 40 prompts x 64) ─┐   queues: A ■■■■■■■■■…   ──round robin──▶ engine (≤ max_num_seqs)
+    submit(group B: 1 prompt)       ──┘           B ■
+
+`stop()` ends the thread without waiting for a long step: after `STOP_WAIT_S` every open
+request gets a final error event from the caller's thread, and the engine thread, when
+its step returns, delivers nothing more.
 """
 
 from __future__ import annotations
@@ -18,6 +31,7 @@ import logging
 import queue
 import threading
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -29,6 +43,7 @@ from .sampling import SamplingParams
 log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.5  # longest the idle thread sleeps on its inbox before ticking again
+STOP_WAIT_S = 2.0  # longest stop() waits for a step in progress before failing the open requests
 
 
 @dataclass(slots=True)
@@ -60,6 +75,16 @@ class _Add:
     prompt: list[int]
     params: SamplingParams
     sinks: list[_Sink]
+    group: str  # the front-end request these samples belong to (fair admission)
+
+
+@dataclass(slots=True)
+class _Queued:
+    """One sample waiting in the thread for its turn to enter the engine."""
+    prompt: list[int]
+    params: SamplingParams
+    sample_index: int  # within its prompt (seeds its RNG)
+    leader: str | None  # the request id of sample 0 of the same prompt (prompt blocks shared)
 
 
 @dataclass
@@ -82,33 +107,69 @@ class EngineThread:
         self.counters = Counters(kv=engine.kv_stats())
         self._on_tick = on_tick
         self._inbox: queue.Queue = queue.Queue()
-        self._sinks: dict[str, _Sink] = {}
+        self._sinks: dict[str, _Sink] = {}  # every open request: queued here or in the engine
+        self._queued: OrderedDict[str, OrderedDict[str, _Queued]] = OrderedDict()  # group -> rid -> sample
+        self._group_of: dict[str, str] = {}  # rid -> its group, while it is queued here
+        # NOTE: held by the engine thread while it touches the sinks (not while it steps), and
+        # by stop() while it fails them, so no event can follow a request's final one
+        self._lock = threading.RLock()
+        self._closed = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvexport-engine", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = STOP_WAIT_S, reason: str = "the server is shutting down") -> None:
+        """Stop the thread and end every open request with an error event (`reason`). Waits
+        up to `timeout` s for a step in progress, not for it to end: a step still running
+        then finishes in the background and delivers nothing."""
         self._stop.set()
         self._inbox.put(None)
-        self._thread.join(timeout)
+        if self._thread.ident is not None:
+            self._thread.join(timeout)
+        # NOTE: not forever: a sink stuck in deliver() (a front end tearing down) holds the lock
+        locked = self._lock.acquire(timeout=timeout)
+        if not locked:
+            log.warning("the engine thread is stuck delivering an event; failing the open requests anyway")
+        try:
+            self._closed = True
+            left = list(self._sinks.items())
+            self._sinks.clear()
+            self._queued.clear()
+            self._group_of.clear()
+            while True:  # submitted, never handled
+                try:
+                    msg = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(msg, _Add):
+                    left += list(zip(msg.request_ids, msg.sinks))
+        finally:
+            if locked:
+                self._lock.release()
+        for rid, sink in left:
+            self._push_to(sink, rid, Event(sink.index, "", [], 0, True, "error", reason))
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
     def submit(self, prompt: list[int], params: SamplingParams, deliver: Deliver, first_index: int = 0,
-               request_ids: list[str] | None = None) -> list[str]:
+               request_ids: list[str] | None = None, group: str | None = None) -> list[str]:
         """Queue `params.n` samples of one prompt; returns their engine request ids. Each
-        sample's events go to `deliver` with index first_index + sample."""
+        sample's events go to `deliver` with index first_index + sample. `group` names the
+        front-end request they belong to (all its prompts pass the same one); groups enter
+        the engine in turn. Default: a group of their own."""
         if request_ids is None:
             base = uuid.uuid4().hex
             request_ids = [f"{base}-{i}" for i in range(params.n)]
         assert len(request_ids) == params.n
-        if not self._thread.is_alive() and self._thread.ident is not None:
-            raise KvExportError("the engine thread has stopped (see the log); restart the server")
-        self._inbox.put(_Add(list(request_ids), prompt, params,
-                             [_Sink(deliver, first_index + i) for i in range(params.n)]))
+        with self._lock:
+            if self._closed or (not self._thread.is_alive() and self._thread.ident is not None):
+                raise KvExportError("the engine thread has stopped (see the log); restart the server")
+            self._inbox.put(_Add(list(request_ids), prompt, params,
+                                 [_Sink(deliver, first_index + i) for i in range(params.n)],
+                                 group or request_ids[0]))
         return list(request_ids)
 
     def abort(self, request_ids: list[str]) -> None:
@@ -136,75 +197,123 @@ class EngineThread:
                      o.top_logprobs[-k:] if o.top_logprobs is not None and k else None)
 
     def _finish(self, rid: str) -> None:
-        self.engine.pop_output(rid)
         self._sinks.pop(rid, None)
+        self.engine.pop_output(rid)
 
     def _handle(self, msg) -> None:
-        eng = self.engine
         if isinstance(msg, _Add):
+            queue_ = self._queued.setdefault(msg.group, OrderedDict())
             for i, (rid, sink) in enumerate(zip(msg.request_ids, msg.sinks)):
                 self._sinks[rid] = sink
-                try:
-                    eng.add_request(msg.prompt, msg.params, request_id=rid, sample_index=i,
-                                    share_prompt_with=msg.request_ids[0] if i else None)
-                except Exception as e:  # noqa: BLE001 - report it to the request, keep serving
-                    self._push(rid, Event(sink.index, "", [], 0, True, "error", str(e)))
-                    self._sinks.pop(rid, None)
-                    continue
-                self.counters.requests += 1
-                self.counters.prompt_tokens += len(msg.prompt)
-                o = eng.output(rid)
-                if o.finished:  # refused at admission
-                    self._push(rid, self._event(rid, o))
-                    self._finish(rid)
+                queue_[rid] = _Queued(msg.prompt, msg.params, i, msg.request_ids[0] if i else None)
+                self._group_of[rid] = msg.group
         elif isinstance(msg, tuple) and msg[0] == "abort":
             for rid in msg[1]:
-                if rid in self._sinks:
-                    eng.abort(rid)
-                    self.counters.aborted += 1
+                if rid not in self._sinks:
+                    continue
+                self.counters.aborted += 1
+                group = self._group_of.pop(rid, None)
+                if group is None:  # in the engine
+                    self.engine.abort(rid)
                     self._finish(rid)
+                    continue
+                self._sinks.pop(rid)  # still queued here: the engine never saw it
+                queue_ = self._queued[group]
+                del queue_[rid]
+                if not queue_:
+                    del self._queued[group]
+
+    def _feed(self) -> None:
+        """Move queued samples into the engine, one per group in turn, while the engine holds
+        fewer than max_num_seqs sequences (running + waiting)."""
+        sched = self.engine.scheduler
+        while self._queued and len(sched.running) + len(sched.waiting) < sched.config.max_num_seqs:
+            group, queue_ = next(iter(self._queued.items()))
+            rid, q = queue_.popitem(last=False)
+            if queue_:
+                self._queued.move_to_end(group)  # round robin: the next group's turn
+            else:
+                del self._queued[group]
+            del self._group_of[rid]
+            self._admit(rid, q)
+
+    def _admit(self, rid: str, q: _Queued) -> None:
+        eng, sink = self.engine, self._sinks[rid]
+        try:
+            eng.add_request(q.prompt, q.params, request_id=rid, sample_index=q.sample_index,
+                            share_prompt_with=q.leader)
+        except Exception as e:  # noqa: BLE001 - report it to the request, keep serving
+            self._push(rid, Event(sink.index, "", [], 0, True, "error", str(e)))
+            self._sinks.pop(rid, None)
+            return
+        self.counters.requests += 1
+        self.counters.prompt_tokens += len(q.prompt)
+        o = eng.output(rid)
+        if o.finished:  # refused at admission
+            self._push(rid, self._event(rid, o))
+            self._finish(rid)
 
     def _drain(self, block: bool) -> None:
         try:
             msg = self._inbox.get(timeout=IDLE_WAIT_S) if block else self._inbox.get_nowait()
             while True:
                 if msg is not None:
-                    try:
-                        self._handle(msg)
-                    except Exception:  # noqa: BLE001 - one bad message must not stop the engine
-                        log.exception("engine thread: handling %r failed", type(msg).__name__)
+                    with self._lock:
+                        if self._closed:
+                            return
+                        try:
+                            self._handle(msg)
+                        except Exception:  # noqa: BLE001 - one bad message must not stop the engine
+                            log.exception("engine thread: handling %r failed", type(msg).__name__)
                 msg = self._inbox.get_nowait()
         except queue.Empty:
             pass
 
+    def _fail_running(self, error: str) -> None:
+        """A step failed: fail every request in the engine (not those still queued here)."""
+        eng = self.engine
+        for rid in [r for r in self._sinks if r not in self._group_of]:
+            sink = self._sinks.pop(rid)
+            self._push_to(sink, rid, Event(sink.index, "", [], 0, True, "error", error))
+            try:
+                eng.abort(rid)
+                eng.pop_output(rid)
+            except Exception:  # noqa: BLE001 - keep failing the others
+                log.exception("engine thread: cleaning up request %s failed", rid)
+
     def _run(self) -> None:
         eng = self.engine
         while not self._stop.is_set():
-            self._drain(block=not eng.has_unfinished())
-            if self._stop.is_set():
-                break
+            self._drain(block=not (eng.has_unfinished() or self._queued))
+            with self._lock:
+                if self._stop.is_set() or self._closed:
+                    break
+                self._feed()
             if eng.has_unfinished():
                 try:
-                    changed = eng.step()
+                    changed, error = eng.step(), None
                 except Exception as e:  # noqa: BLE001 - fail the running requests, keep serving
                     log.exception("engine step failed")
-                    for rid in list(self._sinks):
-                        sink = self._sinks.pop(rid)
-                        self._push_to(sink, rid, Event(sink.index, "", [], 0, True, "error", f"engine error: {e}"))
-                        try:
-                            eng.abort(rid)
-                            eng.pop_output(rid)
-                        except Exception:  # noqa: BLE001 - keep failing the others
-                            log.exception("engine thread: cleaning up request %s failed", rid)
-                    changed = []
-                for o in changed:
-                    self.counters.generation_tokens += len(o.new_token_ids)
-                    if o.request_id in self._sinks:
-                        self._push(o.request_id, self._event(o.request_id, o))
-                        if o.finished:
-                            self._finish(o.request_id)
+                    changed, error = [], f"engine error: {e}"
+                with self._lock:
+                    if self._closed:  # stop() gave up waiting for this step and failed its requests
+                        break
+                    if error is not None:
+                        self._fail_running(error)
+                    for o in changed:
+                        self.counters.generation_tokens += len(o.new_token_ids)
+                        if o.request_id in self._sinks:
+                            self._push(o.request_id, self._event(o.request_id, o))
+                            if o.finished:
+                                try:
+                                    self._finish(o.request_id)
+                                except Exception:  # noqa: BLE001 - keep delivering the others
+                                    log.exception("engine thread: finishing request %s failed", o.request_id)
+            if self._stop.is_set():
+                break
             c = self.counters
-            c.running, c.waiting, c.kv = len(eng.scheduler.running), len(eng.scheduler.waiting), eng.kv_stats()
+            c.running, c.kv = len(eng.scheduler.running), eng.kv_stats()
+            c.waiting = len(eng.scheduler.waiting) + len(self._group_of)  # in the engine + queued here
             if self._on_tick is not None:
                 try:
                     self._on_tick()

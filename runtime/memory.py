@@ -81,6 +81,11 @@ def available_memory() -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
+    return physical_memory()
+
+
+def physical_memory() -> int:
+    """Bytes of physical memory: no KV pool held in host memory can be larger."""
     import os
 
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -5,6 +5,7 @@ engine events into response objects and stream chunks. Nothing here holds state 
 touches the engine; runtime/server.py owns the app.
 
     CompletionRequest | ChatCompletionRequest ──prompts() / sampling_params()──▶ token ids, SamplingParams
+                                              check_fanout(): prompts x n <= max_sequences_per_request
     engine events ──logprobs_block(), choice(), chunk()──▶ JSON bodies / SSE lines
     RequestError | RequestValidationError ──▶ ApiError ──▶ {"error": {message, type, param, code}}
 """
@@ -19,6 +20,12 @@ from pydantic import BaseModel, ConfigDict
 
 from .requests import RequestError, RequestParser
 from .sampling import SamplingParams
+
+# NOTE: stop strings are searched for in every new token's text, so one request's long list
+# would slow every engine step for everyone (OpenAI itself takes 4)
+MAX_STOP_STRINGS = 16  # stop strings per request
+MAX_STOP_CHARS = 256  # characters per stop string
+MAX_STOP_TOKEN_IDS = 256  # stop_token_ids per request
 
 
 # ---- errors ---------------------------------------------------------------------------------
@@ -41,8 +48,11 @@ class ApiError(Exception):
 # ---- request bodies -------------------------------------------------------------------------
 class _Body(BaseModel):
     # NOTE: strict: "5" is not an int, 1.0 is not an int, true is not an int (JSON ints are
-    # still accepted as floats). Unknown fields are ignored, as OpenAI clients send many.
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # still accepted as floats); NaN and Infinity (which Python's JSON parser reads) are
+    # refused. Unknown fields are refused, not ignored: a field this server does not
+    # implement (logit_bias, echo, tools, ...) would silently change what the client gets.
+    # The few OpenAI fields that change nothing in the output are declared and ignored.
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
 class StreamOptions(_Body):
@@ -58,6 +68,12 @@ class ChatMessage(_Body):
     role: str  # system | developer | user | assistant | tool (the chat template decides)
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    # accepted when null: what an SDK sends back of an earlier assistant message
+    refusal: None = None
+    tool_calls: None = None
+    function_call: None = None
+    audio: None = None
+    annotations: None = None
 
 
 class _SamplingBody(_Body):
@@ -78,7 +94,11 @@ class _SamplingBody(_Body):
     ignore_eos: bool | None = None  # extension
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    # accepted and ignored: they change nothing in the output
+    user: str | None = None  # the end user's id
+    store: bool | None = None
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
 
 
 class CompletionRequest(_SamplingBody):
@@ -105,6 +125,100 @@ def _field_names(*models: type[BaseModel]) -> frozenset[str]:
 _FIELDS = _field_names(StreamOptions, TextContentPart, ChatMessage, CompletionRequest, ChatCompletionRequest)
 
 
+# ---- response bodies (for the OpenAPI schema; the routes build plain dicts) ------------------
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every error: OpenAI's error body."""
+    error: ErrorDetail
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    text_offset: list[int]
+    top_logprobs: list[dict[str, float]] | None
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    status: str  # "ok", or why not (HTTP 503)
+
+
 def validation_error(errors: list[dict]) -> ApiError:
     """FastAPI's RequestValidationError.errors() -> a 400 naming the field, as
     `messages[0].content[1].text`. A union gives errors for each of its members: only
@@ -116,12 +230,13 @@ def validation_error(errors: list[dict]) -> ApiError:
         loc = list(e.get("loc", ()))
         if loc and loc[0] == "body":
             loc = loc[1:]
+        extra = e.get("type") == "extra_forbidden"  # loc ends with the unknown field's name
         path, tag, upath, depth = "", "", "", len(loc)
-        for x in loc:
+        for k, x in enumerate(loc):
             if isinstance(x, int):
                 path += f"[{x}]"
-            elif x in _FIELDS:
-                path += f".{x}" if path else x
+            elif x in _FIELDS or (extra and k == len(loc) - 1):
+                path += f".{x}" if path else str(x)
             elif not tag:
                 tag, upath = str(x), path
                 if tag not in tags.setdefault(path, []):
@@ -129,6 +244,8 @@ def validation_error(errors: list[dict]) -> ApiError:
                 if loc[-1] == x:  # the value is none of the union's types
                     depth = 0
         msg = e.get("msg", "invalid value")
+        if extra:
+            msg = "this server does not support this field"
         if e.get("type") == "json_invalid":
             path, msg = "", f"the request body is not valid JSON: {(e.get('ctx') or {}).get('error', msg)}"
         elif not loc and isinstance(e.get("input"), bytes):
@@ -156,6 +273,27 @@ def validation_error(errors: list[dict]) -> ApiError:
 
 
 # ---- request -> token ids, SamplingParams -----------------------------------------------
+def check_unicode(body: BaseModel) -> None:
+    """Every string of the body must be encodable: JSON's "\\ud800" escape decodes to a lone
+    surrogate, which no tokenizer (nor UTF-8) takes. ApiError 400 naming the field otherwise."""
+    def walk(v: Any, path: str) -> None:
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ApiError(400, f"{path or 'the request body'}: not valid Unicode (a lone surrogate such as "
+                                    f"\\ud800)", param=path or None) from None
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                walk(k, path)
+                walk(x, f"{path}.{k}" if path else str(k))
+        elif isinstance(v, list):
+            for i, x in enumerate(v):
+                walk(x, f"{path}[{i}]")
+
+    walk(body.model_dump(exclude_none=True), "")
+
+
 def prompts(body: CompletionRequest | ChatCompletionRequest, parser: RequestParser) -> list[list[int]]:
     """The request's prompts as checked token ids (one for chat, one or more for completions),
     each non-empty and leaving room for an output token."""
@@ -171,6 +309,17 @@ def prompts(body: CompletionRequest | ChatCompletionRequest, parser: RequestPars
     return out
 
 
+def check_fanout(body: CompletionRequest | ChatCompletionRequest, num_prompts: int, n: int, limit: int) -> None:
+    """Refuse a request for more than `limit` sequences (prompts x n): one request must not
+    fill the engine's queue for minutes (EngineConfig.max_sequences_per_request)."""
+    if num_prompts * n > limit:
+        param = "n" if num_prompts == 1 or n > 1 else "prompt"
+        what = f"{num_prompts} prompts x n={n}" if num_prompts > 1 else f"n={n}"
+        raise ApiError(400, f"{param}: the request asks for {num_prompts * n} sequences ({what}); this server "
+                            f"takes at most {limit} per request (max_sequences_per_request): split it", param=param,
+                       code="too_many_sequences")
+
+
 def sampling_params(body: CompletionRequest | ChatCompletionRequest, parser: RequestParser,
                     prompt_len: int) -> SamplingParams:
     """The body's sampling fields -> SamplingParams (max_tokens capped by the context left
@@ -178,7 +327,15 @@ def sampling_params(body: CompletionRequest | ChatCompletionRequest, parser: Req
     the room left, as OpenAI does."""
     chat = isinstance(body, ChatCompletionRequest)
     names: dict[str, str] = {}
+    stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
+    if len(stops) > MAX_STOP_STRINGS or any(len(x) > MAX_STOP_CHARS for x in stops):
+        raise ApiError(400, f"stop: at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters",
+                       param="stop")
+    if body.stop_token_ids is not None and len(body.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise ApiError(400, f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} token ids", param="stop_token_ids")
     if isinstance(body, ChatCompletionRequest):
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ApiError(400, "top_logprobs: set logprobs to true to get top_logprobs", param="top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         names["logprobs"] = "top_logprobs"
         max_tokens = body.max_tokens

@@ -8,24 +8,36 @@ is runtime/requests.py; the metrics table is runtime/metrics.py.
 The engine is not thread-safe, so one background thread owns it (`engine_thread.py`): it
 takes new requests and aborts from a thread-safe inbox, calls `engine.step()` while work
 exists, and pushes an `Event` for each changed output to the asyncio queue of the HTTP
-request that owns it. Handlers never touch the engine. A client that disconnects mid-stream aborts
-its request, so its KV blocks go back to the pool.
+request that owns it. Handlers never touch the engine. A client that disconnects (streaming
+or not) aborts its request within DISCONNECT_POLL_S, so its KV blocks go back to the pool.
+All prompts x n samples of one HTTP request form one group of the engine thread's fair
+admission; more than `max_sequences_per_request` of them are refused.
+
+`serve()` binds the port before loading the model (a port in use is a clear error at once),
+reports readiness through `on_ready` once the app has started and the socket listens, and on
+SIGTERM/SIGINT lets running requests finish for `shutdown_grace` seconds, then ends them
+(HTTP 503, or an error event in a stream) and exits.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
+import math
+import socket
 import time
 import uuid
 from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
-from typing import AsyncGenerator, AsyncIterator
+from typing import AsyncGenerator, AsyncIterator, Callable
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException
 
-from kvexport.errors import KvExportError
+from kvexport.errors import ConfigError, KvExportError
 
 from . import metrics as mx
 from . import openai_protocol as proto
@@ -37,7 +49,12 @@ from .requests import RequestError, RequestParser
 from .sampling import SamplingParams
 
 MAX_BODY_BYTES = 1 << 20  # request bodies above this are refused with 413
-DISCONNECT_POLL_S = 1.0  # how often a request waiting for tokens checks whether its client left
+DISCONNECT_POLL_S = 1.0  # how often a running request checks whether its client left (and the shutdown)
+SHUTDOWN_GRACE_S = 10.0  # after SIGTERM/SIGINT, seconds running requests may take to finish before they are ended
+
+
+class ServeError(KvExportError):
+    """`kvexport serve` could not start: the address cannot be bound, or the app did not start."""
 
 
 def _to_queue(loop: asyncio.AbstractEventLoop, q: asyncio.Queue) -> Deliver:
@@ -100,8 +117,15 @@ class OpenAIServer:
         self.worker = worker or EngineThread(engine)
         self.parser = RequestParser.for_engine(engine)
         self.model_name = model_name
+        # sequences one request may ask for (prompts x n); EngineConfig.max_sequences_per_request
+        self.max_sequences: int = engine.config.max_sequences_per_request
         self.created = int(time.time())
         self.cancelled = 0  # requests whose client went away (their samples aborted); for /metrics
+        self.shutdown_deadline: float | None = None  # time.monotonic() at which running requests are ended
+
+    def begin_shutdown(self, grace: float) -> None:
+        """The server is shutting down: requests still running in `grace` s are ended with 503."""
+        self.shutdown_deadline = time.monotonic() + grace
 
     def decode(self, token_id: int) -> str:
         tok = self.engine.tokenizer
@@ -112,27 +136,38 @@ class OpenAIServer:
             raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
-    async def events(self, request: Request, prompts: list[list[int]],
-                     params: SamplingParams) -> AsyncGenerator[Event, None]:
-        """Submit every prompt x n samples; yield their events until all are finished. Aborts
-        whatever is unfinished when the consumer stops early or the client goes away."""
+    async def events(self, request: Request, prompts: list[list[int]], params: SamplingParams,
+                     group: str) -> AsyncGenerator[Event, None]:
+        """Submit every prompt x n samples (one fair-admission `group`); yield their events
+        until all are finished. Aborts whatever is unfinished when the consumer stops early,
+        the client goes away or the shutdown grace runs out (ApiError 503)."""
         loop, q = asyncio.get_running_loop(), asyncio.Queue[Event]()
         rids: list[str] = []
         for i, p in enumerate(prompts):
             try:
-                rids += self.worker.submit(p, params, _to_queue(loop, q), first_index=i * params.n)
+                rids += self.worker.submit(p, params, _to_queue(loop, q), first_index=i * params.n, group=group)
             except KvExportError as e:  # the engine thread is gone
                 self.worker.abort(rids)
                 raise ApiError(503, str(e), type="server_error") from None
         pending = set(range(len(rids)))
-        failed = False  # a sample ended in an error: the consumer stops, which is not a cancellation
+        failed = False  # a sample ended in an error (or the server ended it): not a client's cancellation
+        next_check = time.monotonic() + DISCONNECT_POLL_S
         try:
             while pending:
-                try:
-                    ev = await asyncio.wait_for(q.get(), timeout=DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
+                # NOTE: checked by the clock, not only when no event came for a while: tokens
+                # arrive every step, and a non-streaming request writes nothing that could fail
+                now = time.monotonic()
+                if now >= next_check:
+                    next_check = now + DISCONNECT_POLL_S
+                    if self.shutdown_deadline is not None and now >= self.shutdown_deadline:
+                        failed = True
+                        raise ApiError(503, "the server is shutting down; the request was stopped",
+                                       type="server_error", code="server_shutting_down")
                     if await request.is_disconnected():
                         return
+                try:
+                    ev = await asyncio.wait_for(q.get(), timeout=max(0.0, next_check - now))
+                except asyncio.TimeoutError:
                     continue
                 if ev.finished:
                     pending.discard(ev.index)
@@ -145,10 +180,12 @@ class OpenAIServer:
 
     async def generate(self, request: Request, body: CompletionRequest | ChatCompletionRequest):
         """Both POST routes: a whole response, or a StreamingResponse of chunks."""
+        proto.check_unicode(body)
         self.check_model(body.model)
         chat = isinstance(body, ChatCompletionRequest)
         prompts = proto.prompts(body, self.parser)
         params = proto.sampling_params(body, self.parser, max(len(p) for p in prompts))
+        proto.check_fanout(body, len(prompts), params.n, self.max_sequences)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         now = int(time.time())
         prompt_tokens = sum(len(p) for p in prompts)  # counted once per prompt, as OpenAI does
@@ -160,7 +197,7 @@ class OpenAIServer:
         texts, ntok = [""] * n, [0] * n
         reasons: list[str | None] = [None] * n
         lps: list[dict | None] = [None] * n
-        async with aclosing(self.events(request, prompts, params)) as events:  # closing aborts the unfinished
+        async with aclosing(self.events(request, prompts, params, rid)) as events:  # closing aborts the unfinished
             async for ev in events:
                 if ev.finish_reason == "error":
                     raise proto.engine_failure(ev.error)
@@ -186,7 +223,7 @@ class OpenAIServer:
 
         if chat:
             yield chunk(proto.role_chunk_choices(n))
-        gen = self.events(request, prompts, params)
+        gen = self.events(request, prompts, params, rid)
         try:
             async for ev in gen:
                 if ev.finish_reason == "error":
@@ -203,6 +240,8 @@ class OpenAIServer:
             if include_usage:
                 yield chunk([], proto.usage(prompt_tokens, sum(ntok)))
             yield proto.SSE_DONE
+        except ApiError as e:  # the shutdown grace ran out: the stream ends with an error event
+            yield proto.sse(e.body())
         finally:
             await gen.aclose()  # aborts unfinished requests (client disconnect)
 
@@ -260,7 +299,61 @@ async def _not_found(request: Request, e):
 
 async def _bad_method(request: Request, e):
     return JSONResponse(ApiError(405, f"{request.method} is not allowed on {request.url.path}").body(),
-                        status_code=405)
+                        status_code=405, headers=getattr(e, "headers", None))  # Allow: the methods it takes
+
+
+async def _http_error(request: Request, e: HTTPException):
+    # FastAPI's own 400 for a body its JSON parser gives up on (nesting too deep, a number
+    # with thousands of digits), and any other HTTPException: in OpenAI's shape
+    msg = str(e.detail)
+    if e.status_code == 400 and msg == "There was an error parsing the body":
+        msg = "the request body could not be parsed as JSON (nested too deeply, or a number with too many digits)"
+    return JSONResponse(ApiError(e.status_code, msg, type="invalid_request_error" if e.status_code < 500
+                                 else "server_error").body(), status_code=e.status_code, headers=e.headers)
+
+
+async def _internal_error(request: Request, e: Exception):
+    # the traceback goes to the server's log (Starlette re-raises it to uvicorn), never to the client
+    return JSONResponse(ApiError(500, "internal server error (see the server's log)", type="server_error").body(),
+                        status_code=500)
+
+
+# ---- the OpenAPI description: every status a route answers, with its body -----------------
+def _errors(*statuses: int) -> dict:
+    return {s: {"model": proto.ErrorResponse, "description": desc} for s, desc in (
+        (400, "invalid request: `param` names the field"), (404, "unknown model or route"),
+        (413, "request body too large"), (499, "the client went away"),
+        (500, "the engine failed the request"), (503, "the engine has stopped or the server is shutting down"),
+    ) if s in statuses}
+
+
+# one server-sent event: `data:` a JSON chunk (or an error body), the last one `[DONE]`
+_SSE_EVENT = {"type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}
+
+
+def _generation_responses(model: type) -> dict:
+    return {200: {"model": model, "description": "the completion; with `stream: true`, server-sent events of "
+                                                 "chunks, then `data: [DONE]`",
+                  "content": {"text/event-stream": {"schema": _SSE_EVENT}}},
+            **_errors(400, 404, 413, 499, 500, 503)}
+
+
+def _openapi(app: FastAPI) -> Callable[[], dict]:
+    """FastAPI's schema without its 422 responses: validation errors are 400s here."""
+    from fastapi.openapi.utils import get_openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+            for path in schema.get("paths", {}).values():
+                for op in path.values():
+                    op.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    return openapi
 
 
 def create_app(build_dir: str | Path, config: EngineConfig = EngineConfig(), served_model_name: str | None = None,
@@ -294,17 +387,84 @@ def build_app(server: OpenAIServer, max_body_bytes: int = MAX_BODY_BYTES) -> Fas
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(404, _not_found)
     app.add_exception_handler(405, _bad_method)
-    app.add_api_route("/v1/completions", completions, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
-    app.add_api_route("/v1/models", models, methods=["GET"])
-    app.add_api_route("/health", health, methods=["GET"])
-    app.add_api_route("/metrics", metrics, methods=["GET"], response_class=PlainTextResponse)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(Exception, _internal_error)
+    app.add_api_route("/v1/completions", completions, methods=["POST"],
+                      responses=_generation_responses(proto.CompletionResponse))
+    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"],
+                      responses=_generation_responses(proto.ChatCompletionResponse))
+    app.add_api_route("/v1/models", models, methods=["GET"], responses={200: {"model": proto.ModelList}})
+    app.add_api_route("/health", health, methods=["GET"],
+                      responses={200: {"model": proto.Health}, 503: {"model": proto.Health,
+                                                                      "description": "the engine thread stopped"}})
+    app.add_api_route("/metrics", metrics, methods=["GET"], response_class=PlainTextResponse,
+                      responses={200: {"description": "Prometheus text format",
+                                       "content": {"text/plain": {"schema": {"type": "string"}}}}})
+    app.openapi = _openapi(app)  # type: ignore[method-assign]
     return app
 
 
-def serve(build_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, config: EngineConfig = EngineConfig(),
-          served_model_name: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> None:
-    import uvicorn
+class _Uvicorn(uvicorn.Server):
+    """uvicorn's server with two hooks: `on_ready` once the app has started and the socket
+    listens, and the OpenAI server's shutdown deadline, set when the shutdown begins."""
 
-    app = create_app(build_dir, config, served_model_name, max_body_bytes)
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    def __init__(self, config: uvicorn.Config, server: OpenAIServer, grace: float, on_ready: Callable[[], None]):
+        super().__init__(config)
+        self.app_server, self.grace, self.on_ready = server, grace, on_ready
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started and not self.should_exit:
+            self.on_ready()
+
+    async def shutdown(self, sockets=None) -> None:
+        self.app_server.begin_shutdown(self.grace)
+        await super().shutdown(sockets)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to (host, port) (port 0: any free port), or ServeError saying why not."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ConfigError(f"port must be an integer in [0, 65535], got {port!r}")
+    try:
+        family, kind, proto_, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                           flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as e:
+        raise ServeError(f"cannot listen on --host {host!r}: {getattr(e, 'strerror', None) or e}") from None
+    sock = socket.socket(family, kind, proto_)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        hint = {errno.EADDRINUSE: ": another process listens there; pick another --port (0: any free port)",
+                errno.EACCES: ": ports below 1024 need privileges; pick another --port",
+                errno.EADDRNOTAVAIL: ": no interface of this machine has that address; check --host"}
+        raise ServeError(f"cannot listen on {host}:{port}: {e.strerror}{hint.get(e.errno, '')}") from None
+    return sock
+
+
+def serve(build_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, config: EngineConfig = EngineConfig(),
+          served_model_name: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
+          shutdown_grace: float = SHUTDOWN_GRACE_S, on_ready: Callable[[str], None] | None = None) -> None:
+    """Serve `build_dir` on host:port until SIGTERM/SIGINT. The port is bound first, then the
+    model loaded; `on_ready(url)` is called once both are done and requests are taken (url:
+    http://host:port, with the real port when `port` is 0). On shutdown, running requests
+    have `shutdown_grace` s to finish; what is left is ended with 503. Raises ServeError (or
+    the build's KvExportError) when the server cannot start."""
+    if isinstance(shutdown_grace, bool) or not isinstance(shutdown_grace, (int, float)) or not 0 <= shutdown_grace:
+        raise ConfigError(f"shutdown_grace must be a number of seconds >= 0, got {shutdown_grace!r}")
+    sock = listen(host, port)
+    try:
+        app = create_app(build_dir, config, served_model_name, max_body_bytes)
+        bound = sock.getsockname()[1]
+        url = f"http://{f'[{host}]' if ':' in host else host}:{bound}"
+        # uvicorn's own limit is a backstop: our requests end at the grace, polled every DISCONNECT_POLL_S
+        ucfg = uvicorn.Config(app, log_level="warning", lifespan="on",
+                              timeout_graceful_shutdown=math.ceil(shutdown_grace + DISCONNECT_POLL_S + 5))
+        server = _Uvicorn(ucfg, app.state.server, shutdown_grace, lambda: on_ready(url) if on_ready else None)
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    if not server.started:
+        raise ServeError("the server did not start (see the log above)")

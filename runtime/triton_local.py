@@ -4,7 +4,13 @@ binary, laying out a Python-backend folder with the stub for the execution envir
 Python version, and the server's command line; tests and users on machines without the
 Triton container use it (in the container, run /opt/tritonserver/bin/tritonserver). Also
 `wait_http_ready`, the readiness wait shared by everything that starts a local server
-(tritonserver, `kvexport serve`).
+(tritonserver, `kvexport serve`), and `serve_repository`, `kvexport triton-serve`: one
+command that runs a generated repository on whichever server it finds (`locate`).
+
+    serve_repository(REPO) ─▶ tritonserver (own process group; its log on our stdout/stderr)
+      SIGTERM/SIGINT ─▶ SIGTERM to tritonserver (it takes no new requests, waits for open ones)
+                        after `grace` s: touch $KVEXPORT_SHUTDOWN_FILE ─▶ the models end what is open
+                        ─▶ Triton unloads them (finalize) and exits; anything left in its group is killed
 
     <site-packages>/pytriton/tritonserver/bin/tritonserver
     <site-packages>/pytriton/tritonserver/backends/python/{libtriton_python.so, triton_python_backend_utils.py}
@@ -19,14 +25,35 @@ environment that runs the model (EXECUTION_ENV_PATH) therefore needs numpy<2 —
 
 from __future__ import annotations
 
+import logging
+import math
 import os
 import shutil
+import signal
 import subprocess
+import sys
+import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
-from kvexport.errors import KvExportError
+from kvexport.errors import ConfigError, KvExportError
+
+log = logging.getLogger(__name__)
+
+TRITON_ENV_VAR = "KVEXPORT_TRITON_ENV"  # a Python environment holding nvidia-pytriton's tritonserver
+SHUTDOWN_GRACE_S = 10.0  # triton-serve: after SIGTERM/SIGINT, seconds open requests may run before they are ended
+# NOTE: tritonserver's --exit-timeout-secs is grace + this: after the grace the models end every
+# request, so HTTP connections close and the models unload at once; a gRPC client that keeps
+# its stream open holds the model (Triton 2.51) until the timeout, then Triton exits with 1
+EXIT_AFTER_GRACE_S = 10
+READY_TIMEOUT_S = 600.0  # longest triton-serve waits for the models to load
+INSTALL_HINT = ("install one: `bash scripts/install.sh` makes .venv-triton with it (by hand: "
+                "`/usr/bin/python3.11 -m venv .venv-triton && .venv-triton/bin/pip install --no-deps "
+                "nvidia-pytriton==0.7.0` plus kvexport's runtime and numpy<2, see docs/DEPLOYMENT.md), then pass "
+                "--triton-env .venv-triton; or use the NVIDIA Triton container, whose tritonserver is on PATH")
 
 
 class TritonNotFoundError(KvExportError):
@@ -59,8 +86,9 @@ def wait_http_ready(url: str, proc: subprocess.Popen, timeout: float, poll: floa
 
 @dataclass(frozen=True, slots=True)
 class TritonInstall:
-    root: Path  # .../site-packages/pytriton/tritonserver
+    root: Path  # .../site-packages/pytriton/tritonserver (or the container's /opt/tritonserver)
     libs: Path  # .../site-packages/nvidia_pytriton.libs
+    env: Path | None = None  # the Python environment it was found in (None: a tritonserver on PATH)
 
     @property
     def server(self) -> Path:
@@ -85,9 +113,40 @@ def find_triton(env: str | Path) -> TritonInstall:
     for sp in sorted(Path(env).glob("lib/python3*/site-packages")):
         root = sp / "pytriton" / "tritonserver"
         if (root / "bin" / "tritonserver").exists():
-            return TritonInstall(root, sp / "nvidia_pytriton.libs")
+            return TritonInstall(root, sp / "nvidia_pytriton.libs", Path(env).absolute())
     raise TritonNotFoundError(f"no tritonserver in {env}: install it with "
                               f"`{env}/bin/pip install --no-deps nvidia-pytriton==0.7.0` (see scripts/install.sh)")
+
+
+def _candidate_envs() -> list[str]:
+    """Where `locate` looks for nvidia-pytriton, in order."""
+    candidates = [os.environ.get(TRITON_ENV_VAR), sys.prefix, Path.cwd() / ".venv-triton",
+                  Path(__file__).resolve().parents[1] / ".venv-triton"]  # the source checkout's
+    return list(dict.fromkeys(str(c) for c in candidates if c))
+
+
+def locate(triton_env: str | Path | None = None) -> TritonInstall:
+    """The tritonserver to run: the one in `triton_env` when given; else the first of
+    $KVEXPORT_TRITON_ENV, this Python's environment, ./.venv-triton, the source checkout's
+    .venv-triton (nvidia-pytriton in each), and a `tritonserver` on PATH (the NVIDIA
+    container). Raises TritonNotFoundError saying how to install one."""
+    if triton_env is not None:
+        if not Path(triton_env).is_dir():
+            raise TritonNotFoundError(f"--triton-env {triton_env}: no such folder; {INSTALL_HINT}")
+        return find_triton(triton_env)
+    looked = []
+    for env in _candidate_envs():
+        looked.append(env)
+        try:
+            return find_triton(env)
+        except TritonNotFoundError:
+            continue
+    on_path = shutil.which("tritonserver")
+    if on_path:
+        root = Path(on_path).resolve().parents[1]
+        return TritonInstall(root, root / "lib")
+    raise TritonNotFoundError(f"no tritonserver found (looked for nvidia-pytriton in {', '.join(looked)} and for "
+                              f"`tritonserver` on PATH); {INSTALL_HINT}")
 
 
 def backend_dir(triton: TritonInstall, python_version: str, dest: str | Path) -> Path:
@@ -113,13 +172,148 @@ class Ports:
     metrics: int
 
 
-def server_command(triton: TritonInstall, repo: str | Path, backends: str | Path, ports: Ports,
+def server_command(triton: TritonInstall, repo: str | Path, backends: str | Path | None, ports: Ports,
                    host: str = "127.0.0.1") -> tuple[list[str], dict[str, str]]:
-    """(argv, environment) that start tritonserver on host for the repository."""
-    argv = [str(triton.server), f"--model-repository={repo}", f"--backend-directory={backends}",
+    """(argv, environment) that start tritonserver on host for the repository (backends:
+    a `backend_dir`, or None for the server's own, as in the container)."""
+    argv = [str(triton.server), f"--model-repository={repo}",
+            *([f"--backend-directory={backends}"] if backends is not None else []),
             f"--http-address={host}", f"--http-port={ports.http}", f"--grpc-address={host}",
             f"--grpc-port={ports.grpc}", f"--metrics-address={host}", f"--metrics-port={ports.metrics}",
             "--allow-gpu-metrics=false", "--exit-on-error=true", "--log-verbose=0"]
     env = dict(os.environ)
-    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(triton.libs), env.get("LD_LIBRARY_PATH")) if p)
+    if triton.env is not None:
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(triton.libs), env.get("LD_LIBRARY_PATH")) if p)
     return argv, env
+
+
+# ---- kvexport triton-serve ---------------------------------------------------------------------
+def _stub_python(repo: Path, triton: TritonInstall) -> tuple[str, Path | None]:
+    """(Python version the stub must be built for, environment to put first on PATH or None):
+    the models' EXECUTION_ENV_PATH, or the Triton environment's own Python (put first on PATH,
+    so the stub's `python3` is it)."""
+    from .triton_repo import check_repository, load_config
+
+    check_repository(repo)
+    envs = {p.string_value for cfg in map(load_config, sorted(repo.glob("*/config.pbtxt")))
+            for k, p in cfg.parameters.items() if k == "EXECUTION_ENV_PATH" and p.string_value}
+    versions = {e: python_version(e) for e in sorted(envs) if Path(e).is_dir()}  # (not a packed .tar.gz)
+    if len(set(versions.values())) > 1:
+        raise ConfigError(f"the models run in environments of different Python versions ({versions}); one "
+                          f"tritonserver has one Python-backend stub: regenerate them with one --execution-env")
+    if versions:
+        return next(iter(versions.values())), None
+    if triton.env is None:
+        return "", None
+    return python_version(triton.env), triton.env
+
+
+def serve_repository(repo: str | Path, triton_env: str | Path | None = None, host: str = "127.0.0.1",
+                     ports: Ports = Ports(8000, 8001, 8002), grace: float = SHUTDOWN_GRACE_S,
+                     on_ready: Callable[[str], None] | None = None, ready_timeout: float = READY_TIMEOUT_S) -> int:
+    """Run tritonserver on a repository written by `kvexport triton` until it exits or this
+    process gets SIGTERM/SIGINT; returns its exit code (128 + N when signal N ended it).
+    `on_ready(url)` is called once every model is loaded. On SIGTERM/SIGINT open requests
+    have `grace` s to finish, then get an error response (the models watch the file named
+    by $KVEXPORT_SHUTDOWN_FILE); whatever is left of the server's processes (the
+    Python-backend stub) is killed at the end."""
+    from .triton_model import SHUTDOWN_FILE_ENV
+
+    repo = Path(repo).resolve()
+    if not repo.is_dir():
+        raise ConfigError(f"{repo}: no such model repository; write one with `kvexport triton BUILD --out {repo}`")
+    triton = locate(triton_env)
+    version, path_env = _stub_python(repo, triton)
+    with tempfile.TemporaryDirectory(prefix="kvexport-triton-") as tmp:
+        backends = backend_dir(triton, version, tmp) if triton.env is not None else None
+        shutdown_file = Path(tmp) / "shutdown"
+        argv, env = server_command(triton, repo, backends, ports, host)
+        argv.append(f"--exit-timeout-secs={math.ceil(grace) + EXIT_AFTER_GRACE_S}")
+        env[SHUTDOWN_FILE_ENV] = str(shutdown_file)
+        if path_env is not None:
+            env["PATH"] = os.pathsep.join((str(path_env / "bin"), env.get("PATH", "")))
+        with _stop_signals() as stopping:
+            # NOTE: its own session, so a terminal's Ctrl-C reaches only us and we shut it down in order
+            proc = subprocess.Popen(argv, env=env, start_new_session=True)
+            try:
+                try:
+                    _wait_ready(f"http://{host}:{ports.http}/v2/health/ready", proc, ready_timeout, stopping)
+                    if not stopping.is_set() and on_ready is not None:
+                        on_ready(f"http://{host}:{ports.http}")
+                    while proc.poll() is None and not stopping.wait(0.2):
+                        pass
+                finally:
+                    if proc.poll() is None:
+                        _stop_server(proc, shutdown_file, grace)
+            finally:
+                _kill_group(proc.pid)
+    code = proc.returncode
+    return 128 - code if code < 0 else code
+
+
+class _stop_signals:
+    """While active (main thread only): the first SIGTERM or SIGINT sets the event (an orderly
+    shutdown), a second one raises KeyboardInterrupt (kill now); the previous handlers come
+    back on exit."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __enter__(self) -> threading.Event:
+        self.event, self.previous = threading.Event(), {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self.previous[sig] = signal.signal(sig, self._handle)
+        return self.event
+
+    def _handle(self, signum, frame) -> None:
+        if self.event.is_set():
+            raise KeyboardInterrupt
+        self.event.set()
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, timeout: float, stopping: threading.Event) -> None:
+    import httpx
+
+    t0 = time.monotonic()
+    while not stopping.is_set():
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            raise ServerStartError(f"tritonserver exited with code {proc.returncode} before its models were ready "
+                                   f"(its log is above)")
+        if time.monotonic() - t0 > timeout:
+            raise ServerStartError(f"tritonserver's models were not ready after {timeout:.0f} s")
+        stopping.wait(0.5)
+
+
+def _stop_server(proc: subprocess.Popen, shutdown_file: Path, grace: float) -> None:
+    """SIGTERM; after `grace` s the models end what is open; SIGKILL if it still runs after
+    Triton's own exit timeout."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(grace)
+        return
+    except subprocess.TimeoutExpired:
+        pass
+    shutdown_file.touch()
+    try:
+        proc.wait(EXIT_AFTER_GRACE_S + 10)
+    except subprocess.TimeoutExpired:
+        log.warning("tritonserver did not exit %.0f s after SIGTERM; killing it", grace + EXIT_AFTER_GRACE_S + 10)
+        proc.kill()
+        proc.wait()
+
+
+def _kill_group(pgid: int) -> None:
+    """Kill what is left of the server's process group (a Python-backend stub ignores SIGTERM)."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass

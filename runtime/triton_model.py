@@ -21,6 +21,20 @@ requests, so their KV blocks go back to the pool. KV and scheduler figures are p
 as Triton custom metrics on Triton's metrics port (runtime/metrics.py's table, the one
 `kvexport serve`'s /metrics publishes, labelled by model, version and instance).
 
+NOTE: Triton 2.51 reports no cancellation for an HTTP client that leaves a request whose
+response is not streamed (/generate, or generate_stream with stream false): nothing is
+written to it before the end, so is_cancelled() stays false and the request runs to its
+max_tokens. gRPC streams and streamed SSE are seen within 50 ms.
+
+Shutdown: on SIGTERM tritonserver waits for open HTTP connections (up to its exit timeout,
+30 s) before it unloads any model, and then exits at once, mid-request (SIGSEGV). A model
+cannot see that signal, so it watches a file instead: when the file named by the
+environment variable `KVEXPORT_SHUTDOWN_FILE` exists, every open request gets a final
+error response and new ones are refused, so the connections close and Triton unloads the
+model (`finalize`) and exits cleanly. `kvexport triton-serve` (runtime/triton_local.py)
+creates it on SIGTERM/SIGINT after its grace period. `finalize` stops the engine thread
+without waiting for a long step and ends what is still open with an error response.
+
 `triton_python_backend_utils` exists only inside Triton's Python-backend stub, so it is
 imported in `initialize()`, never at module import.
 """
@@ -76,6 +90,7 @@ POLL_CANCEL_S = 0.05  # how often the engine thread asks Triton whether requests
 # NOTE: each is_cancelled() is a round trip to the Triton process; a tick asks at most this
 # many requests (round robin), so a large batch is polled every (active / 32) * 50 ms
 POLL_CANCEL_MAX = 32
+SHUTDOWN_FILE_ENV = "KVEXPORT_SHUTDOWN_FILE"  # when the file it names exists, the model ends every request
 DEFAULT_MAX_TOKENS = 16  # when a request has no max_tokens input
 METRICS_EVERY_S = 0.1  # how often it republishes the metrics while busy (and once on falling idle)
 
@@ -108,12 +123,19 @@ def _scalar(arrays: dict[str, np.ndarray], name: str, default):
     return v.item() if hasattr(v, "item") else v
 
 
-def parse_request(arrays: dict[str, np.ndarray], parser: RequestParser) -> tuple[list[int], SamplingParams, bool]:
+def parse_request(arrays: dict[str, np.ndarray], parser: RequestParser,
+                  parameters: dict | None = None) -> tuple[list[int], SamplingParams, bool]:
     """Input tensors (name -> numpy array, absent inputs left out) -> (prompt token ids,
     SamplingParams, stream). The tensors' names, dtypes and shapes are checked here; the
     prompt and the sampling fields by the shared `parser` (runtime/requests.py). Raises
-    RequestError for anything a client got wrong."""
+    RequestError for anything a client got wrong. `parameters`: the request's parameters;
+    this model takes none (NOTE: /generate turns a JSON field that is no input, e.g. a
+    misspelt `max_token`, into a parameter: refused, not ignored)."""
     spec = {name: dtype for name, dtype, *_ in INPUTS}
+    unknown = sorted(k for k in parameters or {} if not k.startswith("triton_"))  # triton_*: Triton's own
+    if unknown:
+        raise RequestError(f"unknown input(s) or parameter(s) {', '.join(map(repr, unknown))}; inputs: "
+                           f"{', '.join(spec)}", unknown[0])
     for name, a in arrays.items():
         if name not in spec:
             raise RequestError(f"unknown input {name!r}; inputs: {', '.join(spec)}", name)
@@ -178,6 +200,8 @@ class TritonPythonModel:
         self._poll_next = 0  # round-robin cursor over the active requests
         self._idle_published = False  # the metrics shown were taken while the engine was idle
         self._cancelled = 0
+        self._shutdown_file = os.environ.get(SHUTDOWN_FILE_ENV) or None
+        self._shutting_down = False  # the shutdown file appeared: open requests ended, new ones refused
         self._metrics = _Metrics(self.labels)
         self.worker = EngineThread(self.engine, on_tick=self._tick)
         self._metrics.publish(self.worker.counters, 0)  # before the thread runs: figures from the start
@@ -195,7 +219,7 @@ class TritonPythonModel:
                     t = pb_utils.get_input_tensor_by_name(request, name)
                     if t is not None:
                         arrays[name] = t.as_numpy()
-                prompt, params, stream = parse_request(arrays, self.parser)
+                prompt, params, stream = parse_request(arrays, self.parser, json.loads(request.parameters() or "{}"))
             except Exception as e:  # noqa: BLE001 - a bad request gets an error, the model keeps serving
                 msg = str(e) if isinstance(e, KvExportError) else f"invalid request: {e}"
                 sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(msg)),
@@ -203,7 +227,14 @@ class TritonPythonModel:
                 continue
             r = _Request(request, sender, stream)
             with self._lock:
-                self._active[r.rid] = r
+                refused = self._shutting_down
+                if not refused:
+                    self._active[r.rid] = r
+            if refused:
+                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                    "the server is shutting down", pb_utils.TritonError.UNAVAILABLE)),
+                            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                continue
             try:
                 self.worker.submit(prompt, params, lambda ev, r=r: self._deliver(r, ev), request_ids=[r.rid])
             except KvExportError as e:  # the engine thread is gone: fail fast instead of hanging
@@ -212,12 +243,14 @@ class TritonPythonModel:
         return None
 
     def finalize(self) -> None:
-        self.worker.stop()
+        # the thread's open requests get an error event (-> _deliver -> a FINAL error response);
+        # a step still running is not waited for past STOP_WAIT_S and delivers nothing after
+        self.worker.stop(reason="the model was unloaded")
         if self.worker.is_alive():
-            log.warning("the engine thread did not stop within its timeout; failing the open requests anyway")
+            log.warning("the engine thread was still in a step when the model was unloaded")
         with self._lock:
             left = list(self._active.values())
-        for r in left:
+        for r in left:  # submitted to no thread (execute() raced with the unload)
             if self._release(r):  # marked done first: a late engine event cannot follow the FINAL error
                 self._send_error(r, "the model was unloaded")
 
@@ -270,10 +303,23 @@ class TritonPythonModel:
         except Exception:  # noqa: BLE001 - the client went away; the next tick sees the cancellation
             log.debug("sending a response of %s failed", r.rid, exc_info=True)
 
+    def _shut_down(self) -> None:
+        """The shutdown file appeared: end every open request and refuse new ones."""
+        with self._lock:
+            self._shutting_down = True
+            active = list(self._active.values())
+        for r in active:
+            if self._release(r):
+                self.worker.abort([r.rid])
+                self._send_error(r, "the server is shutting down", pb_utils.TritonError.UNAVAILABLE)
+        pb_utils.Logger.log_info(f"kvexport: shutting down, {len(active)} open request(s) ended")
+
     def _tick(self) -> None:
         now = time.monotonic()
         if now - self._last_poll >= POLL_CANCEL_S:
             self._last_poll = now
+            if self._shutdown_file and not self._shutting_down and os.path.exists(self._shutdown_file):
+                self._shut_down()
             with self._lock:
                 active = list(self._active.values())
             start = self._poll_next % len(active) if active else 0

@@ -3,6 +3,7 @@ paged build with continuous batching. This module owns the repository layout and
 generation of config.pbtxt; the model's code is `triton_model.py`.
 
     REPO/
+      kvexport-triton.json   what kvexport wrote here (lets --force replace it later)
       NAME/
         config.pbtxt     ModelConfig built as a protobuf message (tritonclient's
                          model_config_pb2), printed with text_format, parsed back to check it
@@ -14,7 +15,8 @@ config.pbtxt's `parameters` are `build_dir` and every field of the engine's Engi
 (`EngineConfig.to_strings()`), which the model reads back with `from_strings`.
 
 The repository is written into a temporary sibling directory and renamed into place, so
-REPO is either complete or absent; an existing REPO is replaced only with `force`.
+REPO is either complete or absent (kvexport/outputs.py); kvexport-triton.json at its root marks
+it as kvexport's, and an existing REPO is replaced only with `force` and only when so marked.
 """
 
 from __future__ import annotations
@@ -23,12 +25,11 @@ import logging
 import os
 import re
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvexport import io, manifest as mf
-from kvexport.errors import BuildExistsError, ConfigError, KvExportError
+from kvexport import io, manifest as mf, outputs
+from kvexport.errors import ConfigError, KvExportError
 
 from .config import EngineConfig
 from .triton_model import BUILD_DIR_PARAMETER, INPUTS, OUTPUTS
@@ -123,43 +124,29 @@ def _link_or_copy(src: str, dst: str) -> None:
         shutil.copy2(src, dst)
 
 
-def _replace(tmp: Path, out: Path) -> None:
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        os.rename(out, old)
-        os.rename(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, out)
-
-
 def write_repository(build_dir: str | Path, out: str | Path, opts: TritonRepoOptions = TritonRepoOptions()) -> Path:
-    """Write a Triton model repository serving `build_dir` at `out`; returns the model's folder."""
+    """Write a Triton model repository serving `build_dir` at `out`; returns the model's folder.
+    `force` replaces only a repository kvexport wrote (kvexport/outputs.py), never the build."""
     given = Path(os.path.abspath(build_dir))  # its name, as given (not a symlink's target)
-    build_dir, out = Path(build_dir).resolve(), Path(out).resolve()
+    build_dir = Path(build_dir).resolve()
+    out = outputs.location(out)
     _check_build(build_dir, opts.engine.backend)
-    if out.exists() and not opts.force:
-        raise BuildExistsError(f"{out} exists: pass --force to replace it, or choose another --out")
-    if build_dir == out or out in build_dir.parents:
-        raise ConfigError(f"--out {out} contains the build {build_dir}: choose a folder outside it")
     name = opts.name or given.name
     if not _NAME.match(name):
         raise ConfigError(f"the build's folder name {name!r} is not a valid Triton model name: pass --name")
     env = Path(opts.execution_env).resolve() if opts.execution_env else None
     if env is not None and not (env / "bin" / "python3").exists() and not env.name.endswith((".tar.gz", ".tgz")):
         raise ConfigError(f"--execution-env {env}: not a Python environment (no bin/python3) nor a packed .tar.gz")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the server may run as another user
-    try:
+
+    def produce(tmp: Path) -> None:
         model_dir = tmp / name
         (model_dir / "1").mkdir(parents=True)
         if opts.copy_build:
             # NOTE: skip the repository itself (DESIGN.md puts triton/ inside the build) and
-            # any temp or old repository folders next to it
-            skip = {out.name, tmp.name, f".{out.name}.old-{os.getpid()}"}
+            # its temporary and old folders next to it
+            siblings = outputs.sibling_prefix(out)
             ignore = (lambda d, names: [n for n in names if Path(d) == out.parent and
-                                        (n in skip or n.startswith(f".{out.name}."))])
+                                        (n == out.name or n.startswith(siblings))])
             shutil.copytree(build_dir, model_dir / COPIED_BUILD, copy_function=_link_or_copy, ignore=ignore)
             build_ref = COPIED_BUILD
         else:
@@ -170,10 +157,9 @@ def write_repository(build_dir: str | Path, out: str | Path, opts: TritonRepoOpt
             params["EXECUTION_ENV_PATH"] = str(env)
         (model_dir / "config.pbtxt").write_text(render_config(model_config(name, params, opts.instances)))
         (model_dir / "1" / "model.py").write_text(MODEL_PY)
-        _replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        outputs.mark_triton_repository(tmp, [name])
+
+    outputs.write_dir(out, produce, kind=outputs.Kind.TRITON, force=opts.force, protect=[("the build", build_dir)])
     log.info("wrote Triton model repository %s (model %s, build %s)", out, name, build_dir)
     return out / name
 

@@ -74,10 +74,11 @@ def hf_folder(tmp_path_factory):
 @pytest.fixture(scope="session")
 def smollm2_build(tmp_path_factory):
     """One paged smollm2-135m build (max_seq_len 512, unvalidated) shared by the server tests."""
+    from kvexport import io
     from kvexport.exporter.build import BuildOptions, build
 
     out, _ = build("smollm2-135m", tmp_path_factory.mktemp("smollm2") / "smollm2-135m",
-                   BuildOptions(max_seq_len=512, validate=False))
+                   BuildOptions(max_seq_len=512, validate=False, attention=io.Attention.ONNX))
     return out
 
 
@@ -95,3 +96,31 @@ def cpu_op():
             pytest.fail(msg)
         pytest.skip(msg)
     return path
+
+
+def tree_snapshot(root: Path) -> dict:
+    """Everything at and under `root`, for "byte-identical after" checks: relative path ->
+    (type, bytes or link target, permission bits); links are not followed."""
+    import stat
+
+    snap = {}
+    paths = [root]
+    if root.is_dir() and not root.is_symlink():
+        for d, dirs, files in os.walk(root):  # links to folders are listed, not followed
+            paths += [Path(d) / n for n in dirs + files]
+    for p in paths:
+        st = os.lstat(p)
+        rel = str(p.relative_to(root))
+        if stat.S_ISLNK(st.st_mode):
+            snap[rel] = ("link", os.readlink(p), 0)
+        elif stat.S_ISREG(st.st_mode):
+            snap[rel] = ("file", p.read_bytes(), stat.S_IMODE(st.st_mode))
+        else:
+            snap[rel] = (stat.S_IFMT(st.st_mode), None, stat.S_IMODE(st.st_mode))
+    return snap
+
+
+@pytest.fixture
+def snapshot():
+    """tree_snapshot(root): see there."""
+    return tree_snapshot

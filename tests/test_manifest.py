@@ -19,7 +19,7 @@ from kvexport.manifest import Manifest, ModelEntry, ValidationEntry, WeightsEntr
 @pytest.fixture(scope="module")
 def tiny_build(hf_folder, tmp_path_factory):
     out, m = build(str(hf_folder("llama")), tmp_path_factory.mktemp("manifest") / "b",
-                   BuildOptions(block_size=4, max_seq_len=64))
+                   BuildOptions(block_size=4, max_seq_len=64, attention=io.Attention.ONNX))
     return out, m
 
 

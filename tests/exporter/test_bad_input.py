@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from kvexport import io
-from kvexport.errors import (BuildExistsError, ConfigError, KvExportError, SourceError,
+from kvexport.errors import (BuildExistsError, ConfigError, KvExportError, OutputError, SourceError,
                              UnsupportedModelError)
 from kvexport.exporter import build as build_mod
 from kvexport.exporter import source
@@ -350,22 +350,31 @@ def test_max_seq_len_beyond_learned_positions(hf_folder, tmp_path):
 
 def test_existing_output_without_force(hf_folder, tmp_path):
     out = tmp_path / "b"
-    out.mkdir()
-    (out / "keep.txt").write_text("mine")
+    build(str(hf_folder("llama")), out, FAST)
     with pytest.raises(BuildExistsError) as e:
         build(str(hf_folder("llama")), out, FAST)
     assert str(out) in str(e.value) and "--force" in str(e.value)
+    assert_build(out)
+    assert leftovers(tmp_path, "b") == []
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_existing_foreign_output_is_never_replaced(hf_folder, tmp_path, force):
+    """Even --force replaces only an earlier build (tests/test_outputs.py has the rule's cases)."""
+    out = tmp_path / "b"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(OutputError, match="keep.txt"):
+        build(str(hf_folder("llama")), out, dataclasses.replace(FAST, force=force))
     assert [p.name for p in out.iterdir()] == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
     assert leftovers(tmp_path, "b") == []
 
 
 def test_existing_output_with_force_is_replaced(hf_folder, tmp_path):
     out = tmp_path / "b"
-    out.mkdir()
-    (out / "keep.txt").write_text("mine")
+    build(str(hf_folder("gpt2")), out, FAST)
     build(str(hf_folder("llama")), out, BuildOptions(block_size=4, max_seq_len=64, validate=False, force=True))
-    assert not (out / "keep.txt").exists()
-    assert_build(out)
+    assert load(out).model.family == "llama"
     assert leftovers(tmp_path, "b") == []
 
 
@@ -467,19 +476,25 @@ def test_alias_with_its_file_missing(monkeypatch, tmp_path):
 # -- 11. BuildOptions out of range -------------------------------------------------------
 
 @pytest.mark.parametrize("kwargs,words_", [
-    (dict(block_size=0), "--block-size must be in 1..1024, got 0"),
-    (dict(block_size=1025), "--block-size must be in 1..1024, got 1025"),
+    (dict(block_size=0), "--block-size must be an integer in 1..1024, got 0"),
+    (dict(block_size=1025), "--block-size must be an integer in 1..1024, got 1025"),
+    (dict(block_size=16.0), "--block-size must be an integer in 1..1024, got 16.0"),
+    (dict(max_seq_len=10**9), "--max-seq-len must be an integer in 2..262144, got 1000000000"),
+    (dict(layout="paged"), "layout must be a kvexport.io.KVLayout (contiguous, paged), got 'paged'"),
+    (dict(validate="no"), "validate must be true or false, got 'no'"),
+    (dict(engines={"max_num_seqs": 4}), "engines must be an EngineBuildOptions"),
     (dict(dtype=io.DType.INT8), "--dtype int8 is not supported; use fp32 or fp16"),
     (dict(dtype=io.DType.BF16), "--dtype bf16 is not supported; use fp32 or fp16"),
     (dict(kv_dtype=io.DType.BF16), "--kv-dtype bf16 is not supported on the ONNX path"),
     (dict(attention=io.Attention.PLUGIN, layout=io.KVLayout.CONTIGUOUS), "--attention plugin needs --layout paged"),
-    (dict(max_seq_len=1), "--max-seq-len must be >= 2, got 1"),
-    (dict(validate_steps=0), "validate_steps must be >= 1"),
-    (dict(calibration_tokens=8, kv_dtype=io.DType.INT8), "--calibration-tokens must be >= 16, got 8"),
+    (dict(max_seq_len=1), "--max-seq-len must be an integer in 2..262144, got 1"),
+    (dict(validate_steps=0), "validate_steps must be an integer in 1..1024, got 0"),
+    (dict(calibration_tokens=8, kv_dtype=io.DType.INT8),
+     "--calibration-tokens must be an integer in 16..1048576, got 8"),
     (dict(calibration_tokens=64), "only apply to --kv-dtype int8"),
     (dict(backend="cuda"), "--backend must be onnxruntime or tensorrt"),
-], ids=["block-0", "block-1025", "dtype-int8", "dtype-bf16", "kv-bf16", "plugin-contiguous", "seq-1", "steps-0",
-        "calib-8", "calib-not-int8", "backend-cuda"])
+], ids=["block-0", "block-1025", "block-float", "seq-huge", "layout-str", "validate-str", "engines-dict", "dtype-int8",
+        "dtype-bf16", "kv-bf16", "plugin-contiguous", "seq-1", "steps-0", "calib-8", "calib-not-int8", "backend-cuda"])
 def test_build_options_out_of_range(kwargs, words_):
     with pytest.raises(ConfigError) as e:
         BuildOptions(**kwargs)
@@ -487,7 +502,7 @@ def test_build_options_out_of_range(kwargs, words_):
 
 
 def test_every_error_is_a_kvexport_error():
-    for cls in (UnsupportedModelError, ConfigError, SourceError, BuildExistsError):
+    for cls in (UnsupportedModelError, ConfigError, SourceError, BuildExistsError, OutputError):
         assert issubclass(cls, KvExportError)
 
 
@@ -518,5 +533,5 @@ def test_cli_bad_option_value(hf_folder, tmp_path):
 
     r = CliRunner().invoke(main, ["build", str(hf_folder("llama")), "--out", str(tmp_path / "b"),
                                   "--block-size", "0"])
-    assert r.exit_code == 2 and "error: --block-size must be in 1..1024" in words(r.output)
+    assert r.exit_code == 2 and "Invalid value for '--block-size': 0 is not in the range 1<=x<=1024" in words(r.output)
     assert "Traceback" not in r.output

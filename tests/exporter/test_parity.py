@@ -27,7 +27,8 @@ PARAMS = [(fam, name, ov, layout) for fam, variants in CASES.items() for name, o
                          ids=[f"{f}-{v}-{l.value}" for f, v, _, l in PARAMS])
 def test_parity(hf_folder, tmp_path, family, variant, overrides, layout):
     src = hf_folder(family, **overrides)
-    out, m = build(str(src), tmp_path / "b", BuildOptions(layout=layout, block_size=4, max_seq_len=64))
+    out, m = build(str(src), tmp_path / "b", BuildOptions(layout=layout, block_size=4, max_seq_len=64,
+                                                                     attention=io.Attention.ONNX))
     v = m.validation
     assert v.passed, v
     assert v.greedy_identical
@@ -43,7 +44,7 @@ def test_every_family_has_a_parity_case():
 def test_sliding_window_is_shorter_than_the_test_sequence(hf_folder, tmp_path):
     """The window case only proves something if sequences outgrow the window."""
     _, m = build(str(hf_folder("mistral", num_key_value_heads=2, sliding_window=8)), tmp_path / "b",
-                 BuildOptions(block_size=4, max_seq_len=64))
+                 BuildOptions(block_size=4, max_seq_len=64, attention=io.Attention.ONNX))
     assert m.model.sliding_window == 8
     assert max(m.validation.prompt_lengths) + m.validation.steps > 8
 
@@ -67,7 +68,8 @@ def test_window_changes_the_result(hf_folder, tmp_path):
 @pytest.mark.parametrize("layout", list(io.KVLayout))
 def test_fp16_builds_load_and_run_in_onnxruntime(hf_folder, tmp_path, layout):
     _, m = build(str(hf_folder("llama")), tmp_path / "b",
-                 BuildOptions(layout=layout, dtype=io.DType.FP16, block_size=4, max_seq_len=64))
+                 BuildOptions(layout=layout, dtype=io.DType.FP16, block_size=4, max_seq_len=64,
+                              attention=io.Attention.ONNX))
     v = m.validation
     assert m.kv.dtype == "fp16" and v.passed, v
     assert v.max_abs_diff <= TOLERANCE["fp16"]

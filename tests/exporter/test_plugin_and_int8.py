@@ -38,10 +38,13 @@ def test_plugin_graph_matches_transformers_and_onnx_attention(hf_folder, tmp_pat
     plug, mp = build(src, tmp_path / "plugin", BuildOptions(attention=io.Attention.PLUGIN, **OPTS))
     assert mp.validation.passed and mp.validation.greedy_identical, mp.validation
     assert mp.validation.max_abs_diff <= TOLERANCE["fp32"]
-    # validated a second time with the native CPU op (what the runtime serves plugin graphs with)
-    native = mp.validation.native_op
-    assert native.passed and native.greedy_identical and native.max_abs_diff <= TOLERANCE["fp32"], native
-    ref, mr = build(src, tmp_path / "onnx", BuildOptions(validate=False, **OPTS))
+    # validated with the native CPU op (what the runtime serves plugin graphs with), then the
+    # graph itself on a cut-down check with the float64 reference op
+    assert mp.validation.op == "native"
+    ref_op = mp.validation.cross_check
+    assert (ref_op.op, ref_op.prompts, ref_op.steps) == ("reference", 2, 2)
+    assert ref_op.passed and ref_op.greedy_identical and ref_op.max_abs_diff <= TOLERANCE["fp32"], ref_op
+    ref, mr = build(src, tmp_path / "onnx", BuildOptions(attention=io.Attention.ONNX, validate=False, **OPTS))
     prompts = prompt_ids(None, mr.model.vocab_size)
     forced = [[(7 * s + t) % 100 + 3 for t in range(6)] for s in range(len(prompts))]
     a = PagedDriver(plug, mp, "reference").run(prompts, forced, 6)
@@ -77,17 +80,18 @@ def int8_builds(hf_folder, tmp_path_factory):
     src = str(hf_folder("llama", num_key_value_heads=2))
     d = tmp_path_factory.mktemp("int8")
     builds = {}
-    for name, kw in {"paged": {}, "plugin": dict(attention=io.Attention.PLUGIN),
+    for name, kw in {"paged": dict(attention=io.Attention.ONNX), "plugin": dict(attention=io.Attention.PLUGIN),
                      "contiguous": dict(layout=io.KVLayout.CONTIGUOUS)}.items():
         builds[name] = build(src, d / name, BuildOptions(kv_dtype=io.DType.INT8, **kw, **OPTS))
-    builds["fp32"] = build(src, d / "fp32", BuildOptions(**OPTS))
+    builds["fp32"] = build(src, d / "fp32", BuildOptions(attention=io.Attention.ONNX, **OPTS))
     return src, builds
 
 
 def test_int8_builds_validate_and_record_their_scales(int8_builds):
     _, builds = int8_builds
-    native = builds["plugin"][1].validation.native_op  # None when the CPU op is not built
-    assert native is None or (native.passed and native.token_agreement >= 0.9), native
+    v = builds["plugin"][1].validation  # the native op's check, the reference op's cut-down one; or the reference's
+    assert v.op in ("native", "reference") and (v.cross_check is None) == (v.op == "reference"), v
+    assert v.cross_check is None or (v.cross_check.passed and v.cross_check.max_abs_diff <= TOLERANCE["int8_kv"])
     for name in ("paged", "plugin", "contiguous"):
         out, m = builds[name]
         v = m.validation
@@ -196,7 +200,8 @@ def test_backend_tensorrt_without_tensorrt_keeps_the_onnx_build(hf_folder, tmp_p
 
 def test_backend_tensorrt_needs_plugin_attention_and_fp16():
     with pytest.raises(ConfigError, match="--attention plugin"):
-        BuildOptions(backend="tensorrt", dtype=io.DType.FP16)
+        BuildOptions(backend="tensorrt", dtype=io.DType.FP16, attention=io.Attention.ONNX)
+    assert BuildOptions(backend="tensorrt", dtype=io.DType.FP16).attention is io.Attention.PLUGIN  # the default
     with pytest.raises(ConfigError, match="--dtype fp16"):
         BuildOptions(backend="tensorrt", attention=io.Attention.PLUGIN)
 
@@ -206,7 +211,8 @@ def test_fp16_plugin_graph_matches_fp16_onnx_attention(hf_folder, tmp_path):
     src = str(hf_folder("llama", num_key_value_heads=2))
     plug, mp = build(src, tmp_path / "p", BuildOptions(attention=io.Attention.PLUGIN, dtype=io.DType.FP16, **OPTS))
     assert mp.validation.passed and mp.validation.greedy_identical, mp.validation
-    ref, mr = build(src, tmp_path / "o", BuildOptions(dtype=io.DType.FP16, validate=False, **OPTS))
+    ref, mr = build(src, tmp_path / "o", BuildOptions(attention=io.Attention.ONNX, dtype=io.DType.FP16, validate=False,
+                                                      **OPTS))
     prompts = prompt_ids(None, mr.model.vocab_size)
     forced = [[(5 * s + t) % 100 + 3 for t in range(4)] for s in range(len(prompts))]
     a = PagedDriver(plug, mp, "reference").run(prompts, forced, 4)

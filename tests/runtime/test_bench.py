@@ -6,6 +6,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
+from kvexport import io
 from kvexport.cli import main
 from kvexport.errors import ConfigError
 from kvexport.exporter.build import BuildOptions, build
@@ -17,7 +18,7 @@ from kvexport.runtime.engine import EngineConfig
 def tiny(hf_folder, tmp_path_factory):
     src = hf_folder("llama", num_key_value_heads=2, max_position_embeddings=1024)  # the trace's prompts reach 512
     out, _ = build(str(src), tmp_path_factory.mktemp("bench") / "b",
-                   BuildOptions(block_size=4, max_seq_len=1024, validate=False))
+                   BuildOptions(block_size=4, max_seq_len=1024, validate=False, attention=io.Attention.ONNX))
     return out
 
 

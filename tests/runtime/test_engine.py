@@ -6,7 +6,7 @@ backend wrapped to raise on a poison token id: nothing real fails on demand)."""
 
 import pytest
 
-from kvexport import LLM, SamplingParams
+from kvexport import LLM, SamplingParams, io
 from kvexport.exporter.build import BuildOptions, build
 from kvexport.runtime.requests import RequestError
 
@@ -16,7 +16,7 @@ POISON = 77
 @pytest.fixture(scope="module")
 def tiny(hf_folder, tmp_path_factory):
     out, _ = build(str(hf_folder("llama", num_key_value_heads=2)), tmp_path_factory.mktemp("eng") / "b",
-                   BuildOptions(block_size=4, max_seq_len=64, validate=False))
+                   BuildOptions(block_size=4, max_seq_len=64, validate=False, attention=io.Attention.ONNX))
     return out
 
 

@@ -130,7 +130,8 @@ def test_bad_requests_fail_alone(tiny_builds):
 
 @pytest.fixture(scope="module")
 def smol(tmp_path_factory):
-    out, _ = build("smollm2-135m", tmp_path_factory.mktemp("smol") / "b", BuildOptions(max_seq_len=512, validate=False))
+    out, _ = build("smollm2-135m", tmp_path_factory.mktemp("smol") / "b", BuildOptions(max_seq_len=512, validate=False,
+                                                                                      attention=io.Attention.ONNX))
     return out, source.load_model(source.resolve("smollm2-135m"))
 
 

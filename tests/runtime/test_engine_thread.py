@@ -4,9 +4,11 @@ logged; a stopped thread refuses new work instead of queueing it forever. The fa
 injected by replacing engine methods (nothing real fails on demand), as the tests say."""
 
 import threading
+import time
 
 import pytest
 
+from kvexport import io
 from kvexport.errors import KvExportError
 from kvexport.exporter.build import BuildOptions, build
 from kvexport.runtime.engine import LLMEngine
@@ -17,7 +19,7 @@ from kvexport.runtime.sampling import SamplingParams
 @pytest.fixture(scope="module")
 def tiny(hf_folder, tmp_path_factory):
     out, _ = build(str(hf_folder("llama", num_key_value_heads=2)), tmp_path_factory.mktemp("et") / "b",
-                   BuildOptions(block_size=4, max_seq_len=64, validate=False))
+                   BuildOptions(block_size=4, max_seq_len=64, validate=False, attention=io.Attention.ONNX))
     return out
 
 
@@ -128,3 +130,115 @@ def test_a_request_that_breaks_the_backend_fails_alone_among_concurrent_ones(tin
         assert engine.pool.num_used_blocks == 0 and worker.is_alive()
     finally:
         worker.stop()
+
+
+def test_a_small_request_is_served_while_a_big_fan_out_runs(tiny):
+    """Fair admission, measured in tokens: 8 prompts x n=4 (32 sequences of 16 tokens) are
+    running when one 2-token request arrives; with 4 sequences per step it finishes after at
+    most about one batch of the big one (~64 of its 512 tokens), not after all of it. The
+    engine never holds more than max_num_seqs sequences; the rest wait in the thread."""
+    from kvexport.runtime.config import EngineConfig
+
+    engine = LLMEngine(tiny, EngineConfig(max_num_seqs=4))
+    held = []
+    worker = EngineThread(engine, on_tick=lambda: held.append(len(engine.scheduler.running)
+                                                              + len(engine.scheduler.waiting)))
+    lock, big_tokens, small_done_at, big_done = threading.Lock(), [0], [], threading.Event()
+    finished = [0]
+
+    def big(ev):
+        with lock:
+            big_tokens[0] += len(ev.new_token_ids)
+            finished[0] += ev.finished
+            if finished[0] == 32:
+                big_done.set()
+
+    def small(ev):
+        if ev.finished:
+            with lock:
+                small_done_at.append(big_tokens[0])
+
+    worker.start()
+    try:
+        params = SamplingParams(max_tokens=16, ignore_eos=True, n=4, temperature=1.0, seed=1)
+        for i in range(8):
+            worker.submit([5 + i, 6, 7], params, big, first_index=4 * i, group="big")
+        deadline = time.monotonic() + 30
+        while big_tokens[0] == 0:  # the big one runs
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        assert worker.counters.waiting >= 24  # most of it waits in the thread, not in the engine
+        worker.submit([9, 10], SamplingParams(max_tokens=2, ignore_eos=True), small, group="small")
+        assert big_done.wait(60)
+        assert small_done_at and small_done_at[0] <= 4 * 16 + 16, small_done_at  # about one batch of 4 x 16
+        assert big_tokens[0] == 32 * 16 and max(held) <= 4
+        assert engine.pool.num_used_blocks == 0 and worker.counters.waiting == 0
+    finally:
+        worker.stop()
+
+
+def test_aborting_samples_still_queued_in_the_thread(tiny):
+    from kvexport.runtime.config import EngineConfig
+
+    engine = LLMEngine(tiny, EngineConfig(max_num_seqs=2))
+    worker = EngineThread(engine)
+    events, done = [], threading.Event()
+
+    def deliver(ev):
+        events.append(ev)
+        if ev.finished and ev.index == 0:
+            done.set()
+
+    worker.start()
+    try:
+        rids = worker.submit([5, 6], SamplingParams(max_tokens=30, ignore_eos=True, n=8, temperature=1.0, seed=2),
+                             deliver)
+        deadline = time.monotonic() + 30
+        while not events:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        worker.abort(rids[1:])  # 1 running, 6 still queued here
+        assert done.wait(30)
+        time.sleep(0.2)
+        assert {e.index for e in events} <= {0, 1} and worker.counters.aborted == 7
+        assert engine.pool.num_used_blocks == 0 and worker.counters.waiting == 0 and not worker._queued
+    finally:
+        worker.stop()
+
+
+def test_stop_does_not_wait_for_a_hung_step_and_fails_every_open_request(tiny):
+    """Injected: a step that blocks until released. stop() returns after STOP_WAIT_S, every
+    open request (in the engine, queued in the thread, or still in the inbox) gets one final
+    error event, and the step, once released, delivers nothing."""
+    from kvexport.runtime.config import EngineConfig
+    from kvexport.runtime.engine_thread import STOP_WAIT_S
+
+    engine = LLMEngine(tiny, EngineConfig(max_num_seqs=1))
+    release, entered = threading.Event(), threading.Event()
+    real = engine.step
+
+    def hung_step():
+        entered.set()
+        release.wait(60)
+        return real()
+
+    engine.step = hung_step
+    worker = EngineThread(engine)
+    events: dict[int, list] = {}
+    sink = lambda ev: events.setdefault(ev.index, []).append(ev)  # noqa: E731
+    worker.start()
+    try:
+        worker.submit([5, 6], SamplingParams(max_tokens=4, n=3, temperature=1.0, seed=3), sink)
+        assert entered.wait(30)
+        worker.submit([7, 8], SamplingParams(max_tokens=4), sink, first_index=3)  # the thread is busy: inbox
+        t0 = time.monotonic()
+        worker.stop(reason="going away")
+        assert time.monotonic() - t0 < STOP_WAIT_S + 0.5
+        assert sorted(events) == [0, 1, 2, 3]
+        assert all(len(v) == 1 and v[0].finished and v[0].error == "going away" for v in events.values()), events
+        with pytest.raises(KvExportError, match="stopped"):
+            worker.submit([5], SamplingParams(max_tokens=1), sink)
+    finally:
+        release.set()
+    time.sleep(0.3)
+    assert all(len(v) == 1 for v in events.values())

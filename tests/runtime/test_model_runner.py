@@ -55,7 +55,7 @@ def test_groups_keep_decodes_together_and_padding_bounded():
 @pytest.fixture(scope="module")
 def tiny(hf_folder, tmp_path_factory):
     out, _ = build(str(hf_folder("llama", num_key_value_heads=2)), tmp_path_factory.mktemp("mr") / "b",
-                   BuildOptions(block_size=BS, max_seq_len=64, validate=False))
+                   BuildOptions(block_size=BS, max_seq_len=64, validate=False, attention=io.Attention.ONNX))
     return out, mf.load(out)
 
 

@@ -56,9 +56,11 @@ def test_wrong_types_are_refused_at_any_depth(model, body):
 
 
 def test_valid_bodies():
-    c = CompletionRequest.model_validate({"prompt": ["a", "b"], "temperature": 1, "stop": "x", "unknown": {"a": 1},
+    c = CompletionRequest.model_validate({"prompt": ["a", "b"], "temperature": 1, "stop": "x", "user": "u",
                                           "stream_options": {"include_usage": True}})
     assert c.prompt == ["a", "b"] and c.temperature == 1.0 and c.stream_options.include_usage
+    # unknown fields are refused, not ignored (a field this server does not implement would change the answer)
+    assert errors_of(CompletionRequest, {"prompt": "a", "unknown": {"a": 1}}).param == "unknown"
     assert CompletionRequest.model_validate({"prompt": [[1, 2], [3]]}).prompt == [[1, 2], [3]]
     m = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]},
                                                            {"role": "assistant", "content": None}]})
@@ -137,7 +139,8 @@ def test_sampling_params_from_bodies():
     assert proto.sampling_params(chat(), PARSER, 4).max_tokens == 12  # chat: all the room
     sp = proto.sampling_params(chat(logprobs=True, top_logprobs=3, max_completion_tokens=2, max_tokens=9), PARSER, 4)
     assert sp.logprobs == 3 and sp.max_tokens == 2
-    assert proto.sampling_params(chat(logprobs=False, top_logprobs=3), PARSER, 4).logprobs is None
+    with pytest.raises(ApiError, match="set logprobs to true"):  # as OpenAI: top_logprobs needs logprobs
+        proto.sampling_params(chat(logprobs=False, top_logprobs=3), PARSER, 4)
     assert proto.sampling_params(chat(logprobs=True), PARSER, 4).logprobs == 0
     for body, param in [(chat(logprobs=True, top_logprobs=21), "top_logprobs"),
                         (chat(max_completion_tokens=0), "max_completion_tokens"),

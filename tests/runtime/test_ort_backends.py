@@ -24,7 +24,8 @@ BS = 4
 def builds(hf_folder, tmp_path_factory):
     src = str(hf_folder("llama", num_key_value_heads=2))
     root = tmp_path_factory.mktemp("ortb")
-    onnx, _ = build(src, root / "onnx", BuildOptions(block_size=BS, max_seq_len=64, validate=False))
+    onnx, _ = build(src, root / "onnx", BuildOptions(block_size=BS, max_seq_len=64, validate=False,
+                                                   attention=io.Attention.ONNX))
     plug, _ = build(src, root / "plugin", BuildOptions(block_size=BS, max_seq_len=64, validate=False,
                                                        attention=io.Attention.PLUGIN))
     return onnx, plug

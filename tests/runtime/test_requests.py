@@ -4,6 +4,7 @@ SamplingParams; and the `LLM` front end raising its RequestError (a tiny build).
 import numpy as np
 import pytest
 
+from kvexport import io
 from kvexport.exporter.build import BuildOptions, build
 from kvexport.runtime.requests import RequestError, RequestParser, chat_messages, check_token_ids
 
@@ -136,7 +137,7 @@ def test_sampling_params_fields_and_errors_name_the_field():
 @pytest.fixture(scope="module")
 def tiny(hf_folder, tmp_path_factory):
     out, _ = build(str(hf_folder("llama")), tmp_path_factory.mktemp("rq") / "tiny",
-                   BuildOptions(block_size=4, max_seq_len=64, validate=False))
+                   BuildOptions(block_size=4, max_seq_len=64, validate=False, attention=io.Attention.ONNX))
     return out
 
 

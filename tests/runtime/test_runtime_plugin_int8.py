@@ -48,7 +48,8 @@ def test_plugin_build_serves_exact_tokens_with_preemption(llama, tmp_path):
 def int8_build(llama, tmp_path_factory):
     src, model = llama
     out, m = build(src, tmp_path_factory.mktemp("i8") / "b",
-                   BuildOptions(kv_dtype=io.DType.INT8, block_size=4, max_seq_len=128, validate=False))
+                   BuildOptions(kv_dtype=io.DType.INT8, block_size=4, max_seq_len=128, validate=False,
+                                attention=io.Attention.ONNX))
     return out, m, model
 
 

@@ -184,6 +184,37 @@ def test_closing_a_stream_frees_its_kv_blocks(server, client, model):
     assert m["kvexport_generation_tokens_total"] < 400 + 100  # stopped well before max_tokens
 
 
+def _wait_freed(server: str, cancelled_before: float, within: float) -> dict[str, float]:
+    deadline = time.monotonic() + within
+    while True:
+        m = metrics(server)
+        if (m["kvexport_kv_blocks_used"] == 0 and m["kvexport_requests_running"] == 0
+                and m["kvexport_requests_cancelled_total"] > cancelled_before):
+            return m
+        assert time.monotonic() < deadline, m
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("route, body", [
+    ("/v1/completions", {"prompt": PROMPT}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell me a long story."}]}),
+])
+def test_a_client_that_leaves_a_non_streaming_request_frees_its_kv_blocks(server, model, route, body):
+    """The client gives up after 3 s (its read timeout closes the connection) while tokens
+    are still being generated: within a few seconds its KV blocks are free and it counts as
+    cancelled (the server checks by the clock, not only when no token came for a while)."""
+    before = metrics(server)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server}{route}", json={**body, "model": model, "max_tokens": 450, "ignore_eos": True},
+                   timeout=httpx.Timeout(10, read=3))
+    left = time.monotonic()
+    m = _wait_freed(server, before["kvexport_requests_cancelled_total"], within=8)
+    assert m["kvexport_requests_cancelled_total"] == before["kvexport_requests_cancelled_total"] + 1
+    assert m["kvexport_generation_tokens_total"] - before["kvexport_generation_tokens_total"] < 450
+    print(f"{route}: blocks free {time.monotonic() - left:.1f}s after the client left")
+
+
 # -- a tiny build without a tokenizer, in process --------------------------------------------
 def test_tokenizerless_build_errors(hf_folder, tmp_path):
     from fastapi.testclient import TestClient
@@ -286,7 +317,7 @@ class FakeWorker:
     def __init__(self):
         self.counters = Counters(kv={"blocks_used": 0, "blocks_total": 8, "usage": 0.0, "prefix_queries": 0,
                                      "prefix_hits": 0, "preemptions": 0})
-        self.submitted, self.aborted, self.fail = [], [], None
+        self.submitted, self.aborted, self.groups, self.fail = [], [], [], None
 
     def start(self):
         pass
@@ -297,8 +328,9 @@ class FakeWorker:
     def is_alive(self):
         return True
 
-    def submit(self, prompt, params, deliver, first_index=0, request_ids=None):
+    def submit(self, prompt, params, deliver, first_index=0, request_ids=None, group=None):
         self.submitted.append((prompt, params))
+        self.groups.append(group)
         rids = [f"r{len(self.submitted)}-{i}" for i in range(params.n)]
         if self.fail:
             deliver(Event(first_index, "", [], 0, True, "error", self.fail))
@@ -324,8 +356,11 @@ def fake():
 
     from kvexport.runtime.server import OpenAIServer, build_app
 
+    from kvexport.runtime.config import EngineConfig
+
     worker = FakeWorker()
-    engine = SimpleNamespace(tokenizer=FakeTokenizer(), vocab_size=50, max_model_len=32)
+    engine = SimpleNamespace(tokenizer=FakeTokenizer(), vocab_size=50, max_model_len=32,
+                             config=EngineConfig(max_sequences_per_request=8))
     with TestClient(build_app(OpenAIServer(engine, "m", worker), max_body_bytes=2048)) as c:
         yield c, worker
 
@@ -379,13 +414,89 @@ def test_streams_over_the_app(fake):
      "valid string"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 99}, "top_logprobs", "20"),
     ({"messages": []}, "messages", "non-empty"),
+    # fields this server does not implement are refused, at any depth, not ignored
+    ({"prompt": "x", "logit_bias": {"5": 10}}, "logit_bias", "does not support this field"),
+    ({"prompt": "x", "echo": True}, "echo", "does not support"),
+    ({"prompt": "x", "best_of": 2}, "best_of", "does not support"),
+    ({"prompt": "x", "stream_options": {"include_usage": True, "x": 1}}, "stream_options.x", "does not support"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": []}, "tools", "does not support"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, "response_format",
+     "does not support"),
+    ({"messages": [{"role": "user", "content": "x", "tool_call_id": "1"}]}, "messages[0].tool_call_id",
+     "does not support"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a", "cache": 1}]}]},
+     "messages[0].content[0].cache", "does not support"),
+    ({"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}]}, "messages[0].tool_calls",
+     "None"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}]},
+     "messages[0].content[0].type", "'text'"),
+    # out of range / wrongly typed, at every depth
+    ({"prompt": "x", "n": 0}, "n", "n must be"),
+    ({"prompt": "x", "n": 9}, "n", "at most 8 per request"),
+    ({"prompt": ["a", "b", "c"], "n": 3}, "n", "9 sequences (3 prompts x n=3)"),
+    ({"prompt": ["a"] * 9}, "prompt", "9 sequences (9 prompts x n=1)"),
+    ({"prompt": [[3], [-4]]}, "prompt[1]", "outside"),
+    ({"prompt": "x", "temperature": float("nan")}, "temperature", "finite number"),
+    ({"prompt": "x", "top_p": float("inf")}, "top_p", "finite number"),
+    ({"prompt": "x", "seed": -1}, "seed", "non-negative"),
+    ({"prompt": "x", "logprobs": True}, "logprobs", "valid integer"),
+    ({"prompt": "x", "stop_token_ids": ["3"]}, "stop_token_ids[0]", "valid integer"),
+    ({"prompt": "x", "stop": ["s"] * 17}, "stop", "at most 16 stop strings"),
+    ({"prompt": "x", "stop": "s" * 257}, "stop", "at most 256 characters"),
+    ({"prompt": "x", "stop_token_ids": [3] * 257}, "stop_token_ids", "at most 256"),
+    ({"prompt": "x", "stream_options": []}, "stream_options", "dictionary"),
+    ({"prompt": "\ud800"}, "prompt", "not valid Unicode"),
+    ({"prompt": "x", "user": "\udfff"}, "user", "not valid Unicode"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": "yes"}, "logprobs", "valid boolean"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs", "set logprobs to true"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, "max_completion_tokens", ">= 1"),
+    ({"messages": [{"role": "user", "content": "x"}], "metadata": []}, "metadata", "dictionary"),
 ])
 def test_bad_bodies_get_openai_400s_naming_the_field(fake, body, param, text):
     c, worker = fake
-    r = c.post("/v1/chat/completions" if "messages" in body else "/v1/completions", json=body)
+    # NaN and Infinity as Python's JSON parser reads them; a lone surrogate as its JSON escape
+    raw = json.dumps(body, allow_nan=True)
+    r = c.post("/v1/chat/completions" if "messages" in body else "/v1/completions", content=raw,
+               headers={"content-type": "application/json"})
     err = r.json()["error"]
     assert r.status_code == 400 and err["param"] == param and text in err["message"], err
     assert err["type"] == "invalid_request_error" and not worker.submitted
+
+
+def test_accepted_and_ignored_fields_and_one_group_per_request(fake):
+    c, worker = fake
+    r = c.post("/v1/chat/completions", json={
+        "messages": [{"role": "assistant", "content": "x", "refusal": None, "tool_calls": None, "function_call": None,
+                      "audio": None, "annotations": None, "name": "bot"}, {"role": "user", "content": "y"}],
+        "user": "u1", "store": False, "metadata": {"k": "v"}, "service_tier": "auto", "max_tokens": 2})
+    assert r.status_code == 200, r.json()
+    r = c.post("/v1/completions", json={"prompt": ["a", "b"], "n": 2, "max_tokens": 1, "user": "u2"})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 4
+    # fair admission: both prompts of one request share one group; another request has its own
+    assert worker.groups[1] == worker.groups[2] != worker.groups[0] and worker.groups[1].startswith("cmpl-")
+
+
+def test_transport_and_unexpected_errors_are_openai_shaped(fake):
+    from fastapi.testclient import TestClient
+
+    from kvexport.runtime.server import build_app
+
+    c, worker = fake
+    with TestClient(build_app(c.app.state.server)) as big:  # 1 MiB bodies
+        for raw in (b"[" * 100_000 + b"]" * 100_000, b'{"prompt": [1' + b"0" * 5000 + b"]}"):
+            r = big.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+            assert r.status_code == 400 and "could not be parsed as JSON" in r.json()["error"]["message"]
+    r = c.request("TRACE", "/v1/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST" and "error" in r.json()
+
+    def boom(*a, **k):  # injected: a bug in the server
+        raise RuntimeError("secret internal detail")
+
+    worker.submit = boom
+    with TestClient(c.app, raise_server_exceptions=False) as c2:
+        r = c2.post("/v1/completions", json={"prompt": [3], "max_tokens": 1})
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    assert "secret" not in r.text and "Traceback" not in r.text
 
 
 def test_transport_errors_over_the_app(fake):
@@ -411,6 +522,15 @@ def test_openapi_schema_describes_the_bodies(fake):
     comps = schema["components"]["schemas"]
     assert {"CompletionRequest", "ChatCompletionRequest", "ChatMessage", "TextContentPart"} <= set(comps)
     assert "prompt" in comps["CompletionRequest"]["required"]
+    assert comps["CompletionRequest"]["additionalProperties"] is False  # unknown fields are refused
+    # every status a route answers is documented, with its body; validation errors are 400, not 422
+    post = schema["paths"]["/v1/completions"]["post"]["responses"]
+    assert set(post) == {"200", "400", "404", "413", "499", "500", "503"}
+    assert post["200"]["content"]["application/json"]["schema"]["$ref"].endswith("/CompletionResponse")
+    assert "text/event-stream" in post["200"]["content"]
+    assert post["400"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
+    assert "HTTPValidationError" not in comps and "422" not in json.dumps(schema["paths"])
+    assert schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"].keys() == {"text/plain"}
 
 
 def test_metrics_count_client_cancellations(fake):

@@ -40,7 +40,7 @@ TINY_PROMPTS = [[1, 5, 9, 3], [7, 7, 2, 11, 40, 41, 42], [100, 3]]
 @pytest.fixture(scope="module")
 def tiny_build(hf_folder, tmp_path_factory):
     out, _ = build(str(hf_folder("llama")), tmp_path_factory.mktemp("tt") / "tiny",
-                   BuildOptions(max_seq_len=128, validate=False))
+                   BuildOptions(max_seq_len=128, validate=False, attention=io.Attention.ONNX))
     return out
 
 
@@ -91,7 +91,7 @@ def test_copy_build_into_a_repository_inside_the_build(tiny_build, tmp_path):
     model_dir = write_repository(build, build / "triton", TritonRepoOptions(copy_build=True, name="m"))
     copied = model_dir / "build"
     assert (copied / "kvexport.json").exists() and not (copied / "triton").exists()
-    assert sorted(p.name for p in (build / "triton").iterdir()) == ["m"]
+    assert sorted(p.name for p in (build / "triton").iterdir()) == ["kvexport-triton.json", "m"]
     write_repository(build, build / "triton", TritonRepoOptions(copy_build=True, name="m", force=True))
     assert not (build / "triton" / "m" / "build" / "triton").exists()
 
@@ -175,6 +175,11 @@ def test_parse_request_validates_inputs():
             ({"input_ids": ids, "temperature": np.array([-1.0], np.float32)}, no_tok, "temperature")]:
         with pytest.raises(RequestError, match=msg):
             parse_request(arrays, parser)
+    # a /generate JSON field that is no input arrives as a request parameter: refused, not ignored
+    with pytest.raises(RequestError, match="unknown input.*'max_token'") as e:
+        parse_request({"input_ids": ids}, no_tok, {"max_token": 5})
+    assert e.value.param == "max_token"
+    assert parse_request({"input_ids": ids}, no_tok, {"triton_enable_empty_final_response": True})[0] == [1, 2, 3]
 
 
 # ---- the real server ----------------------------------------------------------------------------
@@ -398,6 +403,30 @@ def test_disconnected_generate_stream_client_frees_its_kv_blocks(server):
                         and m["kvexport_requests_cancelled_total"] > before["kvexport_requests_cancelled_total"])
     assert after["kvexport_kv_blocks_used"] == 0
     assert after["kvexport_requests_cancelled_total"] == before["kvexport_requests_cancelled_total"] + 1
+
+
+@pytest.mark.slow
+def test_cancelled_non_streaming_request_frees_its_kv_blocks(server):
+    """stream=false over a gRPC stream (one response at the end): cancelling the stream
+    aborts it too. NOTE: over HTTP, Triton 2.51 reports no cancellation for a request whose
+    response is not streamed (/generate; generate_stream with stream false) until it writes
+    the response, so such a request runs to max_tokens (docs/DEPLOYMENT.md)."""
+    before = wait_metric(server, "smol", lambda m: m.get("kvexport_kv_blocks_used") == 0)
+    s = Stream(server)
+    try:
+        s.send("smol", "whole", text_input=["Tell me a very long story about a dragon."],
+               max_tokens=np.array([400], np.int32), ignore_eos=[True], stream=[False])
+        busy = wait_metric(server, "smol", lambda m: m["kvexport_kv_blocks_used"] > 0
+                           and m["kvexport_generation_tokens_total"] > before["kvexport_generation_tokens_total"])
+        assert busy["kvexport_requests_running"] == 1
+    finally:
+        s.close(cancel=True)
+    after = wait_metric(server, "smol", lambda m: m["kvexport_kv_blocks_used"] == 0
+                        and m["kvexport_requests_cancelled_total"] > before["kvexport_requests_cancelled_total"],
+                        timeout=5)
+    assert after["kvexport_kv_blocks_used"] == 0 and after["kvexport_requests_running"] == 0
+    assert after["kvexport_requests_cancelled_total"] == before["kvexport_requests_cancelled_total"] + 1
+    assert after["kvexport_generation_tokens_total"] < before["kvexport_generation_tokens_total"] + 400
 
 
 def test_bad_requests_get_errors_and_the_server_stays_healthy(server):

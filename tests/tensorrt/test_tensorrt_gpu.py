@@ -46,7 +46,8 @@ def builds(hf_folder, tmp_path_factory):
     model = str(hf_folder("llama"))
     root = tmp_path_factory.mktemp("trt")
     fp16 = io.DType.FP16  # the plugin kernels take fp16/bf16 activations
-    ref, _ = build(model, root / "onnx", BuildOptions(validate=False, max_seq_len=128, dtype=fp16))
+    ref, _ = build(model, root / "onnx", BuildOptions(attention=io.Attention.ONNX, validate=False, max_seq_len=128,
+                                                      dtype=fp16))
     plug, _ = build(model, root / "plugin", BuildOptions(attention=io.Attention.PLUGIN, validate=False,
                                                          max_seq_len=128, dtype=fp16))
     add_engines(plug, EngineBuildOptions(max_num_seqs=8, max_num_batched_tokens=128, max_num_blocks=NUM_BLOCKS))

@@ -1,0 +1,23 @@
+"""The values build options may take: one definition, light to import (no torch), checked by
+exporter/build.py `BuildOptions`, and used by the CLI's options (click choices and ranges) and
+the recipe schema (recipes/__init__.py).
+
+NOTE: max_seq_len sizes the RoPE tables stored in the graphs (2 x tokens x head_dim float32)
+and calibration_tokens the calibration run, so both are capped far above any real use but
+below an allocation failure.
+"""
+
+from __future__ import annotations
+
+from kvexport import io
+
+# inclusive ranges of the numeric options
+RANGES: dict[str, tuple[int, int]] = {
+    "block_size": (1, 1024),  # tokens per KV block
+    "max_seq_len": (2, 1 << 18),  # tokens
+    "calibration_tokens": (16, 1 << 20),  # tokens
+    "validate_steps": (1, 1024),  # decode steps
+}
+DTYPES = (io.DType.FP32, io.DType.FP16)  # weights/activations
+KV_DTYPES = (io.DType.FP32, io.DType.FP16, io.DType.INT8)
+BACKENDS = ("onnxruntime", "tensorrt")  # the runtime's --backend names ("onnx": the old name of onnxruntime)
