@@ -150,7 +150,8 @@ def _start(model: Path, out: Path) -> subprocess.Popen:
     """`kvexport build` as its own process, validating (so it runs for seconds)."""
     return subprocess.Popen([sys.executable, "-m", "kvexport.cli", "build", str(model), "--out", str(out), "--force",
                              "--max-seq-len", "64", "--block-size", "4"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=out.parent)  # NOTE: not the checkout, whose kvexport/ would shadow the installed package
 
 
 def _wait_for_temp(p: subprocess.Popen, out: Path) -> None:
