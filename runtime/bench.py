@@ -105,7 +105,7 @@ def run_bench(build_dir: str | Path, config: EngineConfig, trace_name: str = "mi
     arrivals = arrival_times(len(reqs), arrival_rate, trace["seed"])
     engine = LLMEngine(build_dir, config)
     timed = _TimedBackend(engine.backend)
-    engine.backend = engine.runner.backend = timed
+    engine.runner.backend = timed
     prompts = trace_prompts(trace, reqs, engine.manifest.model.vocab_size)
     total_out = sum(r.output_len for r in reqs)
     max_len = engine.max_model_len

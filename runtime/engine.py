@@ -55,7 +55,6 @@ class LLMEngine:
         if backend is None:
             backend, config = create_backend(self.build_dir, self.manifest, config, num_blocks)
         self.config = config
-        self.backend = backend
         model = self.manifest.model
         self.vocab_size: int = model.vocab_size
         eos = model.eos_token_ids
@@ -72,6 +71,11 @@ class LLMEngine:
             self.tokenizer = AutoTokenizer.from_pretrained(self.build_dir / self.manifest.tokenizer)
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = 0
+
+    @property
+    def backend(self) -> Backend:
+        """The execution backend (the model runner owns it)."""
+        return self.runner.backend
 
     @property
     def max_model_len(self) -> int:

@@ -14,6 +14,7 @@ context length); `RequestParser.for_engine(engine)` builds it.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, fields as dc_fields
 from typing import Any, Mapping, Sequence
 
@@ -43,16 +44,12 @@ def check_token_ids(ids, vocab_size: int, param: str = "prompt") -> list[int]:
         raise RequestError(f"{param}: expected a list of token ids, got {type(ids).__name__}", param)
     out = []
     for t in ids:
-        if isinstance(t, bool) or not isinstance(t, int):
-            try:
-                import numpy as np
-
-                if isinstance(t, np.integer):
-                    t = int(t)
-                else:
-                    raise TypeError
-            except TypeError:
-                raise RequestError(f"{param}: token ids must be integers, got {t!r}", param) from None
+        try:  # int and numpy integers; not bool, float or str
+            if isinstance(t, bool):
+                raise TypeError
+            t = operator.index(t)
+        except TypeError:
+            raise RequestError(f"{param}: token ids must be integers, got {t!r}", param) from None
         if not 0 <= t < vocab_size:
             raise RequestError(f"{param}: token id {t} is outside this model's vocabulary [0, {vocab_size})", param)
         out.append(t)

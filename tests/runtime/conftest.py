@@ -6,6 +6,7 @@ the port bound."""
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -85,3 +86,19 @@ def serve_process(tmp_path):
     yield start
     for s in started:
         s.stop()
+
+
+@pytest.fixture(scope="session")
+def free_ports():
+    """free_ports(n): n distinct TCP ports free on 127.0.0.1 now."""
+    def get(n: int) -> list[int]:
+        socks = [socket.socket() for _ in range(n)]
+        try:
+            for s in socks:
+                s.bind(("127.0.0.1", 0))
+            return [s.getsockname()[1] for s in socks]
+        finally:
+            for s in socks:
+                s.close()
+
+    return get

@@ -8,7 +8,6 @@ Python-backend stub included) is left."""
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -65,17 +64,6 @@ def test_triton_serve_refuses_a_folder_that_is_not_a_repository(tmp_path):
 
 
 # ---- the real server ------------------------------------------------------------------------
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind((HOST, 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -102,13 +90,13 @@ def _descendants(pid: int) -> set[int]:
 
 
 @pytest.mark.slow
-def test_sigterm_ends_open_requests_and_leaves_no_process(smollm2_build, tmp_path):
+def test_sigterm_ends_open_requests_and_leaves_no_process(smollm2_build, tmp_path, free_ports):
     if not (TRITON_ENV / "bin" / "python3").exists():
         pytest.skip(f"no Triton execution environment at {TRITON_ENV}: run scripts/install.sh")
     grace = 2
     write_repository(smollm2_build, tmp_path / "repo", TritonRepoOptions(
         engine=EngineConfig(kv_cache_memory="64MiB", threads=2), name="smol", execution_env=str(TRITON_ENV)))
-    http, grpc, metrics = _free_ports(3)
+    http, grpc, metrics = free_ports(3)
     log = tmp_path / "triton-serve.log"
     with open(log, "w") as f:
         proc = subprocess.Popen([sys.executable, "-m", "kvexport.cli", "triton-serve", str(tmp_path / "repo"),

@@ -8,7 +8,6 @@ stays healthy."""
 import os
 import queue
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -183,19 +182,8 @@ def test_parse_request_validates_inputs():
 
 
 # ---- the real server ----------------------------------------------------------------------------
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind((HOST, 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 @pytest.fixture(scope="module")
-def server(tiny_build, tiny_plugin_build, smollm2_build, tmp_path_factory):
+def server(tiny_build, tiny_plugin_build, smollm2_build, tmp_path_factory, free_ports):
     from kvexport.runtime.triton_local import (Ports, ServerStartError, backend_dir, find_triton, python_version,
                                                server_command, wait_http_ready)
 
@@ -216,7 +204,7 @@ def server(tiny_build, tiny_plugin_build, smollm2_build, tmp_path_factory):
         write_repository(tiny_plugin_build, d / "repo3", TritonRepoOptions(
             engine=EngineConfig(kv_cache_memory="1MiB", threads=1), name="tinyp", execution_env=str(TRITON_ENV)))
         (d / "repo3" / "tinyp").rename(d / "repo" / "tinyp")
-    ports = Ports(*_free_ports(3))
+    ports = Ports(*free_ports(3))
     argv, env = server_command(triton, d / "repo", backend_dir(triton, python_version(TRITON_ENV), d / "backends"),
                                ports)
     log = d / "tritonserver.log"
