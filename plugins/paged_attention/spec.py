@@ -82,6 +82,7 @@ class PagedAttentionAttrs:
     scale: float  # softmax scale applied to q · k (usually head_dim ** -0.5)
     sliding_window: int = 0  # keys visible to a query, itself included; 0 = unlimited
     kv_dtype: str = "float32"  # element type of the pool: one of KV_DTYPES
+    logit_softcap: float = 0.0  # s = cap * tanh(s / cap) on scaled scores before softmax; 0 = off
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "num_kv_heads", "head_dim", "block_size"):
@@ -94,6 +95,8 @@ class PagedAttentionAttrs:
             raise ConfigError(f"PagedAttention: sliding_window must be >= 0, got {self.sliding_window}")
         if self.kv_dtype not in KV_DTYPES:
             raise ConfigError(f"PagedAttention: kv_dtype {self.kv_dtype!r} is not one of {KV_DTYPES}")
+        if not self.logit_softcap >= 0:
+            raise ConfigError(f"PagedAttention: logit_softcap must be >= 0, got {self.logit_softcap}")
         if not self.scale > 0:
             raise ConfigError(f"PagedAttention: scale must be > 0, got {self.scale}")
 
