@@ -5,8 +5,9 @@ Both layouts reduce to one core (`_attend`): queries grouped by KV head, keys/va
 from: the contiguous layout concatenates past and present; the paged layout gathers the
 sequence's blocks from the pool and appends this step's keys.
 
-Masks and index tensors depend only on the step's metadata, so `*_context()` builds them
-once per graph and every layer reuses them.
+Masks and index tensors depend only on the step's metadata and the layer's window, so
+`*_context()` builds them once per graph and window, and every layer with that window reuses
+them. Per layer (spec.py): the window, the scale (q arrives scaled) and the soft-cap.
 """
 
 from __future__ import annotations
@@ -58,23 +59,23 @@ def _to_bias(b: GraphBuilder, mask: str) -> str:
     return b.op("Unsqueeze", bias, b.const([1, 2]))
 
 
-def contiguous_context(b: GraphBuilder, spec: ModelSpec) -> AttnContext:
+def contiguous_context(b: GraphBuilder, spec: ModelSpec, window: int | None) -> AttnContext:
     """Mask for left-padded batches: key j is visible to query i (absolute index P + i,
-    P = past length) if attention_mask[j] = 1, j <= P + i and inside the window."""
-    b.scope = "/attn_mask"
+    P = past length) if attention_mask[j] = 1, j <= P + i and inside `window` (None: full)."""
+    b.scope = "/attn_mask" if window is None else f"/attn_mask_w{window}"
     total = b.op("Gather", b.op("Shape", io.ATTENTION_MASK), b.const(1), axis=0)  # scalar L
     seq = b.op("Gather", b.op("Shape", io.INPUT_IDS), b.const(1), axis=0)  # scalar S
     past = b.op("Sub", total, seq)
     k_pos = b.op("Range", b.const(0), total, b.const(1))  # [L]
     q_pos = b.op("Unsqueeze", b.op("Range", past, total, b.const(1)), b.const([1]))  # [S, 1]
     causal = b.op("LessOrEqual", k_pos, q_pos)  # [S, L]
-    window = _window_ok(b, q_pos, k_pos, spec.sliding_window)
+    window = _window_ok(b, q_pos, k_pos, window)
     keep = b.op("Unsqueeze", b.op("Cast", io.ATTENTION_MASK, to=9), b.const([1]))  # [B, 1, L]
     mask = _and(b, keep, causal, window)  # [B, S, L]
     return AttnContext(bias=_to_bias(b, mask))
 
 
-def paged_context(b: GraphBuilder, spec: ModelSpec, block_size: int) -> AttnContext:
+def paged_context(b: GraphBuilder, spec: ModelSpec, block_size: int, window: int | None) -> AttnContext:
     """Index tensors and mask for a packed ragged batch.
 
         query_start_loc ──> q_start, q_len ──> gather_idx [S, Qmax] (pads queries per seq)
@@ -82,8 +83,9 @@ def paged_context(b: GraphBuilder, spec: ModelSpec, block_size: int) -> AttnCont
         keys = [ pool blocks of the seq (Lc = max_blocks * block_size) | this step's Qmax ]
         cached key j visible  iff  j < ctx_len            (and inside the window)
         new key j' visible    iff  j' <= i                 (and inside the window)
+    `window`: the layers' sliding window (None: full attention).
     """
-    b.scope = "/attn_mask"
+    b.scope = "/attn_mask" if window is None else f"/attn_mask_w{window}"
     q_start = b.op("Slice", io.QUERY_START_LOC, b.const([0]), b.const([-1]))  # [S]
     q_end = b.op("Slice", io.QUERY_START_LOC, b.const([1]), b.const([np.iinfo(np.int64).max]))
     q_len = b.op("Sub", q_end, q_start)  # [S]
@@ -102,10 +104,10 @@ def paged_context(b: GraphBuilder, spec: ModelSpec, block_size: int) -> AttnCont
     ctx3 = b.op("Unsqueeze", ctx_len, b.const([1, 2]))  # [S, 1, 1]
     q_pos = b.op("Add", ctx3, b.op("Unsqueeze", i, b.const([1])))  # [S, Qmax, 1]
     cached_ok = _and(b, b.op("Less", k_cached, ctx3),
-                     _window_ok(b, q_pos, k_cached, spec.sliding_window))  # [S, Qmax, Lc]
+                     _window_ok(b, q_pos, k_cached, window))  # [S, Qmax, Lc]
     i_col = b.op("Unsqueeze", i, b.const([1]))  # [Qmax, 1]
     new_ok = _and(b, b.op("LessOrEqual", i, i_col),
-                  _window_ok(b, i_col, i, spec.sliding_window))  # [Qmax, Qmax]
+                  _window_ok(b, i_col, i, window))  # [Qmax, Qmax]
     s = b.op("Gather", b.op("Shape", io.SEQ_LENS), b.const(0), axis=0)
     new_ok = b.op("Expand", new_ok, b.op("Concat", b.op("Unsqueeze", s, b.const([0])),
                                          b.op("Shape", new_ok), axis=0))  # [S, Qmax, Qmax]
@@ -133,8 +135,15 @@ def paged_context(b: GraphBuilder, spec: ModelSpec, block_size: int) -> AttnCont
         probs_shape=b.op("Concat", b.const([spec.num_kv_heads]), s1, lc1, gq, axis=0))
 
 
+def _softcap(b: GraphBuilder, scores: str, cap: float | None) -> str:
+    """cap * tanh(scores / cap) on scaled scores, before the mask (transformers' order)."""
+    if cap is None:
+        return scores
+    return b.op("Mul", b.op("Tanh", b.op("Div", scores, b.const(cap, "float32"))), b.const(cap, "float32"))
+
+
 def _attend(b: GraphBuilder, spec: ModelSpec, q: str, k: str, v: str, bias: str) -> str:
-    """Core attention, GQA-aware.
+    """Core attention, GQA-aware; scores soft-capped by spec.attn_softcap.
 
         q    [N, Q, H, D] float32 (already scaled)
         k, v [N, kvH, L, D] float32
@@ -145,7 +154,7 @@ def _attend(b: GraphBuilder, spec: ModelSpec, q: str, k: str, v: str, bias: str)
     q = b.op("Reshape", q, b.const([0, 0, kvh, g, d]))  # [N, Q, kvH, G, D]
     q = b.op("Transpose", q, perm=[0, 2, 3, 1, 4])  # [N, kvH, G, Q, D]
     kt = b.op("Unsqueeze", b.op("Transpose", k, perm=[0, 1, 3, 2]), b.const([2]))  # [N, kvH, 1, D, L]
-    scores = b.op("Add", b.op("MatMul", q, kt), bias)  # [N, kvH, G, Q, L]
+    scores = b.op("Add", _softcap(b, b.op("MatMul", q, kt), spec.attn_softcap), bias)  # [N, kvH, G, Q, L]
     probs = b.op("Softmax", scores, axis=-1)
     out = b.op("MatMul", probs, b.op("Unsqueeze", v, b.const([2])))  # [N, kvH, G, Q, D]
     out = b.op("Transpose", out, perm=[0, 3, 1, 2, 4])  # [N, Q, kvH, G, D]
@@ -161,12 +170,12 @@ def contiguous_attention(b: GraphBuilder, spec: ModelSpec, layer: int, ctx: Attn
     kvh = spec.num_kv_heads
     k = b.op("Transpose", k, perm=[0, 2, 1, 3])  # [B, kvH, S, D]
     v = b.op("Transpose", v, perm=[0, 2, 1, 3])
-    k, v = to_kv(b, k, kv_dtype, ks, axis=1, heads=kvh), to_kv(b, v, kv_dtype, vs, axis=1, heads=kvh)
+    k, v = to_kv(b, k, kv_dtype, ks, axis=1, heads=kvh, rank=4), to_kv(b, v, kv_dtype, vs, axis=1, heads=kvh, rank=4)
     if has_past:
         k = b.op("Concat", io.past_key(layer), k, axis=2)  # [B, kvH, P+S, D]
         v = b.op("Concat", io.past_value(layer), v, axis=2)
-    out = _attend(b, spec, q, from_kv(b, k, kv_dtype, ks, axis=1, heads=kvh),
-                  from_kv(b, v, kv_dtype, vs, axis=1, heads=kvh), ctx.bias)
+    out = _attend(b, spec, q, from_kv(b, k, kv_dtype, ks, axis=1, heads=kvh, rank=4),
+                  from_kv(b, v, kv_dtype, vs, axis=1, heads=kvh, rank=4), ctx.bias)
     return out, k, v
 
 
@@ -196,19 +205,20 @@ def paged_attention(b: GraphBuilder, spec: ModelSpec, layer: int, ctx: AttnConte
     # the pool: each sequence's blocks, per head, in token order
     kc = b.op("Gather", io.key_cache(layer), io.BLOCK_TABLES, axis=1)  # [kvH, S, B, bs, D]
     vc = b.op("Gather", io.value_cache(layer), io.BLOCK_TABLES, axis=1)
-    kc = from_kv(b, b.op("Reshape", kc, ctx.keys_shape, allowzero=1), kv_dtype, ks, axis=0, heads=kvh)  # [kvH, S, Lc, D]
-    vc = from_kv(b, b.op("Reshape", vc, ctx.keys_shape, allowzero=1), kv_dtype, vs, axis=0, heads=kvh)
+    kc = from_kv(b, b.op("Reshape", kc, ctx.keys_shape, allowzero=1), kv_dtype, ks, axis=0, heads=kvh, rank=4)  # [kvH, S, Lc, D]
+    vc = from_kv(b, b.op("Reshape", vc, ctx.keys_shape, allowzero=1), kv_dtype, vs, axis=0, heads=kvh, rank=4)
     # NOTE: K·qᵀ, not q·Kᵀ: the big operand is then the GEMM's A side, which MLAS reads in
     # place, instead of the B side it would pack (copy) on every call (1.46x measured)
     qt = b.op("Transpose", q, perm=[0, 1, 3, 2])  # [kvH, S, D, G*Qmax]
     sc = b.op("MatMul", kc, qt)  # [kvH, S, Lc, G*Qmax]
-    sc = b.op("Add", b.op("Reshape", sc, ctx.scores_shape, allowzero=1), ctx.cached_bias)  # [kvH, S, Lc, G, Qmax]
+    sc = _softcap(b, b.op("Reshape", sc, ctx.scores_shape, allowzero=1), spec.attn_softcap)
+    sc = b.op("Add", sc, ctx.cached_bias)  # [kvH, S, Lc, G, Qmax]
     # this step's keys
     # NOTE: this step's keys are read as stored (rounded to kv_dtype), as the plugin reads them
     kn = b.op("Gather", from_kv(b, new_k, kv_dtype, ks, axis=1, heads=kvh), idx, axis=0)  # [S, Qmax, kvH, D]
     vn = b.op("Gather", from_kv(b, new_v, kv_dtype, vs, axis=1, heads=kvh), idx, axis=0)
     kn = b.op("Unsqueeze", b.op("Transpose", kn, perm=[2, 0, 3, 1]), b.const([2]))  # [kvH, S, 1, D, Qmax]
-    sn = b.op("Add", b.op("MatMul", q5, kn), ctx.bias)  # [kvH, S, G, Qmax, Qmax]
+    sn = b.op("Add", _softcap(b, b.op("MatMul", q5, kn), spec.attn_softcap), ctx.bias)  # [kvH, S, G, Qmax, Qmax]
     # one softmax over both key sets; [kvH, S, 1, G, Qmax] and [kvH, S, G, Qmax, 1] are the
     # same data, so moving between the two layouts is a free reshape
     to_col = b.const([kvh, 0, g, -1, 1])
@@ -242,8 +252,8 @@ def plugin_attention(b: GraphBuilder, spec: ModelSpec, layer: int, q: str, k: st
     """
     from kvexport.plugins.paged_attention.spec import PagedAttentionAttrs
 
-    attrs = PagedAttentionAttrs(spec.num_heads, spec.num_kv_heads, spec.head_dim, block_size,
-                                1.0 / float(np.sqrt(spec.head_dim)), spec.sliding_window or 0, kv_dtype)
+    attrs = PagedAttentionAttrs(spec.num_heads, spec.num_kv_heads, spec.head_dim, block_size, spec.scale,
+                                spec.window(layer) or 0, kv_dtype, logit_softcap=spec.attn_softcap or 0.0)
     # NOTE: float pools get ignored unit scales: the plugin has one 11-input signature (spec.py)
     ones = b.const(np.ones(spec.num_kv_heads), "float32")
     inputs = [q, k, v, io.key_cache(layer), io.value_cache(layer), io.BLOCK_TABLES, io.SEQ_LENS,
@@ -253,19 +263,36 @@ def plugin_attention(b: GraphBuilder, spec: ModelSpec, layer: int, q: str, k: st
     return out, kc, vc
 
 
-def to_kv(b: GraphBuilder, x: str, kv_dtype: str, scale: str | None, axis: int, heads: int) -> str:
-    """float32 -> what the pool stores: a cast, or for int8 QuantizeLinear with the per-head
-    `scale` along `axis` (round half to even, saturate; zero point 0)."""
+def _scale_for(b: GraphBuilder, scale: str, axis: int, rank: int) -> str:
+    """The per-channel scale [kvH, D] shaped to broadcast over x of `rank` dims whose KV-head
+    axis is `axis` and whose last axis is head_dim: [kvH, 1, .., 1, D]."""
+    between = rank - axis - 2  # axes between the head axis and head_dim
+    return scale if between == 0 else b.op("Unsqueeze", scale, b.const(list(range(1, 1 + between))))
+
+
+def to_kv(b: GraphBuilder, x: str, kv_dtype: str, scale: str | None, axis: int, heads: int, rank: int = 3) -> str:
+    """float32 x (`rank` dims, KV heads on `axis`, head_dim last) -> what the pool stores: a
+    cast, or for int8 QuantizeLinear by the per-channel `scale` [kvH, D] (round half to even,
+    saturate; zero point 0).
+
+        x ──Div(scale [kvH, 1.., D])──> x / scale ──QuantizeLinear(1, 0)──> int8
+
+    NOTE: Div then QuantizeLinear with a unit scale is QuantizeLinear(x, scale) bit for bit
+    (onnxruntime divides in float32, IEEE-rounded, as Div does; y / 1 is exact), and works for
+    any broadcast, which per-axis QuantizeLinear (one axis) does not. `heads` is unused since
+    per-channel scales; kept for the callers' signature."""
     if kv_dtype != "int8":
         return _cast(b, x, "float32", kv_dtype)
-    return b.op("QuantizeLinear", x, scale, b.const(np.zeros(heads), "int8"), axis=axis)
+    y = b.op("Div", x, _scale_for(b, scale, axis, rank))
+    return b.op("QuantizeLinear", y, b.const(1.0, "float32"), b.const(0, "int8"))
 
 
-def from_kv(b: GraphBuilder, x: str, kv_dtype: str, scale: str | None, axis: int, heads: int) -> str:
-    """What the pool stores -> float32 (DequantizeLinear for int8: q * scale)."""
+def from_kv(b: GraphBuilder, x: str, kv_dtype: str, scale: str | None, axis: int, heads: int, rank: int = 3) -> str:
+    """What the pool stores -> float32 (int8: code * scale, the per-channel `scale` [kvH, D]
+    broadcast as in to_kv; float32 products, as DequantizeLinear's)."""
     if kv_dtype != "int8":
         return _cast(b, x, kv_dtype, "float32")
-    return b.op("DequantizeLinear", x, scale, b.const(np.zeros(heads), "int8"), axis=axis)
+    return b.op("Mul", b.op("Cast", x, to=onnx_dtype("float32")), _scale_for(b, scale, axis, rank))
 
 
 def _cast(b: GraphBuilder, x: str, src: str, dst: str) -> str:

@@ -16,19 +16,26 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterator
 
+import numpy as np
+
 from kvexport import __version__, io, outputs
 from kvexport.errors import ConfigError, ValidationError
 from kvexport.manifest import EngineBuildOptions, GraphEntry, KVSpec, Manifest, ModelEntry, WeightsEntry, versions
 
-from . import source
+from . import interop, source
 from .families import FAMILIES, read_spec
-from .graph import DecoderGraph, GraphOptions, rope_tables
+from .graph import DecoderGraph, GraphOptions, model_rope_tables
 from .limits import BACKENDS, DTYPES, KV_DTYPES, RANGES
 from .onnx_builder import WeightStore, save_model
 from .samples import write_samples
 from .validate import fit_prompts, prompt_ids, validate, verdicts
 
 log = logging.getLogger(__name__)
+# what int8/int4 builds keep in the activation dtype, and why (the manifest records it)
+KEPT = {"lm_head": "int8 even in int4 builds (exporter/quantize.py HEAD_BITS): the logits are the most "
+                   "rounding-sensitive matmul; tied embeddings gather their rows from the same int8 codes",
+        "embeddings (untied)": "kept in the activation dtype: a Gather reads one row per token",
+        "norms, RoPE tables, biases": "tiny; float32 as transformers computes them"}
 MAX_ROPE_TABLE = 32768  # default cap on max_seq_len when the model allows more, tokens
 
 
@@ -53,6 +60,9 @@ class BuildOptions:
     # only) | "tensorrt" (also TensorRT engines; needs --attention plugin). "onnx" = onnxruntime
     backend: str = "onnxruntime"
     engines: EngineBuildOptions | None = None  # TensorRT engine limits / precision; None: the defaults
+    weights: str | None = None  # matmul weights: fp32 | fp16 | int8 | int4 (None: --dtype); exporter/quantize.py
+    weight_block_size: int | None = None  # int8/int4: rows of K per scale, 0 per output channel; None: per precision
+    quant_method: str = "rtn"  # int8/int4 weights from float ones: rtn | awq (calibration_text: its text)
 
     def __post_init__(self) -> None:
         for name, cls in (("layout", io.KVLayout), ("attention", io.Attention), ("dtype", io.DType),
@@ -95,8 +105,30 @@ class BuildOptions:
                               "as a TensorRT plugin)")
         if self.backend == "tensorrt" and self.dtype is not io.DType.FP16:
             raise ConfigError("--backend tensorrt needs --dtype fp16 (the plugin kernels take fp16/bf16 activations)")
-        if (self.calibration_text is not None or self.calibration_tokens != 2048) and self.kv_dtype is not io.DType.INT8:
-            raise ConfigError("--calibration-text / --calibration-tokens only apply to --kv-dtype int8")
+        if ((self.calibration_text is not None or self.calibration_tokens != 2048) and self.kv_dtype is not io.DType.INT8
+                and self.quant_method != "awq"):
+            raise ConfigError("--calibration-text / --calibration-tokens only apply to --kv-dtype int8 or "
+                              "--quant-method awq")
+        wq = self.weight_quantization()  # checks weights / weight_block_size / quant_method
+        if wq.precision == "fp16" and self.dtype is io.DType.FP32:
+            object.__setattr__(self, "dtype", io.DType.FP16)
+        elif wq.precision == "fp32" and self.dtype is io.DType.FP16 and self.weights is not None:
+            raise ConfigError("--weights fp32 contradicts --dtype fp16; drop one of them")
+        if not wq.quantized and (self.weight_block_size is not None or self.quant_method != "rtn"):
+            raise ConfigError("--weight-block-size / --quant-method only apply to --weights int8 or int4")
+        if self.backend == "tensorrt" and wq.quantized:  # what TensorRT's Q/DQ takes, before any work
+            from .tensorrt_build import weight_problems
+
+            problems = weight_problems(wq.bits, wq.block_size)
+            if problems:
+                raise ConfigError("--backend tensorrt: " + "; ".join(problems))
+
+    def weight_quantization(self):
+        """The matmul weights' quantization (exporter/quantize.py WeightQuantization)."""
+        from .quantize import WeightQuantization
+
+        precision = self.weights if self.weights is not None else self.dtype.value
+        return WeightQuantization(precision, self.weight_block_size, self.quant_method)
 
 
 Progress = Callable[[str], contextlib.AbstractContextManager]
@@ -173,10 +205,7 @@ def _build_into(d: Path, src: source.ModelSource, opts: BuildOptions, progress: 
     with progress("loading weights"):
         model = source.load_model(src)
         weights = FAMILIES[spec.family].weights(model.state_dict(), spec)
-        rope = None
-        if spec.position == "rope":
-            rot = model.model.rotary_emb
-            rope = rope_tables(spec, rot.inv_freq, float(rot.attention_scaling), max_len)
+        rope = model_rope_tables(spec, model.model.rotary_emb, max_len) if spec.position == "rope" else None
         tokenizer = source.load_tokenizer(src)
     scales = quantization = None
     if kv_dtype is io.DType.INT8:
@@ -190,12 +219,24 @@ def _build_into(d: Path, src: source.ModelSource, opts: BuildOptions, progress: 
             scales = calibrate.compute_scales(model, ids)
             quantization = calibrate.quantization_entry(scales, text.name if text else "random-ids", ids)
 
+    wq, qweights, wrecord = opts.weight_quantization(), None, None
+    if wq.quantized:
+        from .quantize import describe
+        from .weight_sources import quantized_weights
+
+        with progress(f"quantizing weights ({wq.precision}, {wq.method})"):
+            # NOTE: TensorRT dequantizes INT8 only per channel, so its builds' int8 head is per channel
+            weights, qweights, requantized, method_info = quantized_weights(
+                src, model, spec, weights, wq, tokenizer, opts.calibration_text, opts.calibration_tokens,
+                head_block=0 if opts.backend == "tensorrt" else None)
+            wrecord = describe(qweights, wq, opts.dtype.numpy_name, KEPT, requantized) | method_info
+
     store = WeightStore()
     graphs = {}
     for phase in (io.Phase.PREFILL, io.Phase.DECODE):
         with progress(f"exporting {phase.value} graph"):
             g = GraphOptions(opts.layout, phase, opts.dtype, kv_dtype, opts.block_size, max_len, opts.all_logits,
-                             opts.attention, scales)
+                             opts.attention, scales, qweights=qweights)
             dg = DecoderGraph(spec, weights, rope, g, store)
             graphs[phase] = (dg.build(), dg.io)
     with progress("writing graphs and weights"):
@@ -206,15 +247,18 @@ def _build_into(d: Path, src: source.ModelSource, opts: BuildOptions, progress: 
             save_model(builder.to_model(io.WEIGHTS_FILE, doc=f"kvexport {phase.value} graph"), str(d / name))
             entries[phase.value] = GraphEntry(name, gio.inputs, gio.outputs, (d / name).stat().st_size)
         tok_dir = None
-        if tokenizer is not None:
-            tokenizer.save_pretrained(d / io.TOKENIZER_DIR)
-            tok_dir = io.TOKENIZER_DIR
-    n_params = sum(a.size for k, a in store.arrays.items() if not k.startswith("rope."))
+        if tokenizer is not None:  # tokenizer/ and root copies any transformers >= 4.40 / onnxruntime-genai read
+            tok_dir = interop.write_tokenizer(tokenizer, d)
+    n_params = sum(int(np.prod(store.packed[k][1])) if k in store.packed else a.size for k, a in store.arrays.items()
+                   if not k.startswith("rope.") and not k.endswith((".scale", ".zero_point", ".offset")))
     del graphs, store
 
     notes = [attention_note] if attention_note else []
     if opts.dtype is io.DType.FP16:
         notes.append("fp16: matmul weights/activations in float16; norms, RoPE and attention in float32")
+    if wq.quantized:
+        notes.append(f"{wq.precision} weights ({wq.method}, blocks of {wq.block_size} along K): DequantizeLinear "
+                     f"-> MatMul (opset 21); LM head and tied embeddings int8 (weights.quantization)")
     if kv_dtype is io.DType.INT8:
         notes.append("int8 KV: static symmetric scales per layer and KV head (kv.quantization); "
                      "QuantizeLinear on write, DequantizeLinear on read")
@@ -230,7 +274,8 @@ def _build_into(d: Path, src: source.ModelSource, opts: BuildOptions, progress: 
                   spec.num_kv_heads, spec.head_dim,
                   io.kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, kv_dtype), max_len,
                   quantization),
-        graphs=entries, weights=WeightsEntry(io.WEIGHTS_FILE, weight_bytes, n_params), tokenizer=tok_dir,
+        graphs=entries, weights=WeightsEntry(io.WEIGHTS_FILE, weight_bytes, n_params, wq.precision, wrecord),
+        tokenizer=tok_dir,
         all_logits=opts.all_logits, validation=None, tools=versions(), notes=tuple(notes))
 
     with progress("writing sample inputs"):
@@ -242,5 +287,8 @@ def _build_into(d: Path, src: source.ModelSource, opts: BuildOptions, progress: 
         if not manifest.validation.passed:
             raise ValidationError("exported graphs disagree with transformers beyond the bounds "
                                   "(exporter/validate.py):\n" + "\n".join(verdicts(manifest)))
+    with progress("writing config.json, generation_config.json, genai_config.json"):
+        interop.write_side_files(d, manifest=manifest, config=config,
+                                 model_generation_config=getattr(model, "generation_config", None))
     manifest.save(d)
     return manifest

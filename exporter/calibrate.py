@@ -1,7 +1,15 @@
-"""INT8 KV calibration: static symmetric scales per layer and KV head.
+"""INT8 KV calibration: static symmetric scales per layer, KV head and channel.
 
     text ──tokenize──> chunks of `chunk` tokens ──transformers forward (use_cache)──> the
-    cache's post-RoPE keys / values per layer ──absmax over tokens and head_dim──> scale = absmax / 127
+    cache's post-RoPE keys / values per layer ──absmax over tokens──> scale = absmax / 127
+    [layers, 2 (key, value), kv_heads, head_dim]
+
+Per channel, not per head: some models' keys (Qwen2: q/k/v biases) have a few channels tens
+of times larger than the rest at every token; a per-head scale is then set by those channels
+and rounds the others to a few levels (plugins/paged_attention/spec.py, "why per channel").
+Builds made before per-channel scales hold per-head [kv_heads] initializers; `kvexport
+calibrate` keeps their shape (the per-channel absmax reduced over head_dim), so they keep
+working unchanged — rebuild them to get per-channel scales.
 
 The scales live in both graphs as the initializers `kv_scales.{i}.key/value` (kvexport/io.py)
 and in the manifest (`kv.quantization`). `kvexport build --kv-dtype int8` calibrates while it
@@ -35,7 +43,8 @@ from .limits import RANGES
 log = logging.getLogger(__name__)
 
 QMAX = 127.0
-SCHEME = "static-per-head-symmetric"
+SCHEME = "static-per-channel-symmetric"
+PER_HEAD_SCHEME = "static-per-head-symmetric"  # builds made before per-channel scales
 TEXT_DIR = Path(sys.prefix) / "share" / "kvexport" / "texts"
 CALIBRATION_TEXT = "hamlet.txt"
 EVALUATION_TEXT = "lear.txt"
@@ -69,8 +78,9 @@ def calibration_ids(tokenizer, vocab_size: int, text_path: Path | None, tokens: 
 
 
 def compute_scales(model, ids: list[int], chunk: int = 512) -> np.ndarray:
-    """Per-layer, per-KV-head absmax of the keys (after RoPE) and values that transformers
-    caches for `ids`, divided by 127: [layers, 2 (key, value), kv_heads] float32.
+    """Per-layer, per-KV-head, per-channel absmax of the keys (after RoPE) and values that
+    transformers caches for `ids`, divided by 127: [layers, 2 (key, value), kv_heads, head_dim]
+    float32.
     NOTE: one sequence, fed in chunks that continue the cache, so keys are seen at every
     position up to len(ids) (RoPE changes a key's per-element range with its position)."""
     import torch
@@ -82,8 +92,8 @@ def compute_scales(model, ids: list[int], chunk: int = 512) -> np.ndarray:
             cache = model(piece, cache=cache, use_cache=True).cache
             layers = []
             for layer in cache.layers:  # keys/values [1, kv_heads, seq, head_dim]
-                k = layer.keys.float().abs().amax(dim=(0, 2, 3))
-                v = layer.values.float().abs().amax(dim=(0, 2, 3))
+                k = layer.keys.float().abs().amax(dim=(0, 2))  # [kv_heads, head_dim]
+                v = layer.values.float().abs().amax(dim=(0, 2))
                 layers.append(torch.stack([k, v]))
             cur = torch.stack(layers).numpy()
             absmax = cur if absmax is None else np.maximum(absmax, cur)
@@ -91,16 +101,32 @@ def compute_scales(model, ids: list[int], chunk: int = 512) -> np.ndarray:
 
 
 def quantization_entry(scales: np.ndarray, text: str, ids: list[int]) -> dict:
-    """The manifest's kv.quantization record."""
-    return {"scheme": SCHEME, "qmax": QMAX,
+    """The manifest's kv.quantization record; `scales` [layers, 2, kv_heads, head_dim] (per
+    channel) or [layers, 2, kv_heads] (per head: recalibrated builds made before per channel)."""
+    return {"scheme": SCHEME if scales.ndim == 4 else PER_HEAD_SCHEME, "qmax": QMAX,
             "calibration": {"text": text, "tokens": len(ids),
                             "ids_sha256": hashlib.sha256(np.asarray(ids, np.int64).tobytes()).hexdigest()},
-            "scales": scales.tolist()}  # [layers][key, value][kv_heads]
+            "scales": scales.tolist()}  # [layers][key, value][kv_heads](, [head_dim])
+
+
+def graph_scale_shape(build_dir: Path, manifest: mf.Manifest) -> tuple[int, ...]:
+    """The shape of a build's kv_scales initializers: (kv_heads, head_dim), or (kv_heads,) in
+    builds made before per-channel scales."""
+    import onnx
+
+    entry = next(iter(manifest.graphs.values()))
+    model = onnx.load(str(build_dir / entry.file), load_external_data=False)
+    for t in model.graph.initializer:
+        if t.name == io.k_scale(0):
+            return tuple(t.dims)
+    raise KvExportError(f"{build_dir / entry.file} has no initializer {io.k_scale(0)}: not an int8 KV build "
+                        f"of this kvexport; rebuild it with `kvexport build MODEL --kv-dtype int8`")
 
 
 def rewrite_scales(build_dir: Path, manifest: mf.Manifest, scales: np.ndarray) -> None:
     """Replace the kv_scales initializers of every graph (each written to a temp file and
-    renamed over the old one, so a graph is always whole)."""
+    renamed over the old one, so a graph is always whole). `scales` [layers, 2, ...] in the
+    initializers' shape (graph_scale_shape)."""
     import onnx
     from onnx import numpy_helper
 
@@ -156,9 +182,16 @@ def calibrate(build_dir: str | Path, text: str | Path | None = None, tokens: int
         text_path = Path(text) if text else (default_text() if tokenizer is not None else None)
         ids = calibration_ids(tokenizer, manifest.model.vocab_size, text_path, tokens)
         scales = compute_scales(model, ids)
-    expected = (manifest.kv.num_layers, 2, manifest.kv.num_kv_heads)
+    expected = (manifest.kv.num_layers, 2, manifest.kv.num_kv_heads, manifest.kv.head_dim)
     if scales.shape != expected:
         raise KvExportError(f"scales of shape {scales.shape} do not fit the build ({expected}): wrong source model?")
+    if graph_scale_shape(build_dir, manifest) == (manifest.kv.num_kv_heads,):
+        # NOTE: a build made before per-channel scales: its onnx attention quantizes per head, so
+        # its scales stay per head (the channels' max); `kvexport build` again for per channel
+        log.warning("%s holds per-head int8 KV scales (built before per-channel scales): recalibrating per "
+                    "head; rebuild it with `kvexport build ... --kv-dtype int8` for per-channel scales, "
+                    "which hold on models with outlier key channels", build_dir)
+        scales = scales.max(axis=-1)
     if manifest.engines:
         # NOTE: the scales are baked into TensorRT engines: drop them (manifest first, so an
         # interrupted calibrate never leaves a manifest naming missing or stale engines)

@@ -17,20 +17,49 @@ from .spec import ModelSpec, RopeSpec
 
 @dataclass(slots=True)
 class LayerWeights:
-    """One decoder layer, matmul weights stored [in, out]."""
+    """One decoder layer, matmul weights stored [in, out]. Norm weights already include the
+    spec's norm_offset (Gemma's 1 + w)."""
 
-    ln1_w: np.ndarray  # [hidden]
+    ln1_w: np.ndarray | None  # [hidden] norm before attention (None: the layer has none, olmo2)
     ln1_b: np.ndarray | None  # [hidden] (layernorm only)
     qkv_w: np.ndarray  # [hidden, (heads + 2 * kv_heads) * head_dim], q | k | v
     qkv_b: np.ndarray | None  # [(heads + 2 * kv_heads) * head_dim]
     o_w: np.ndarray  # [heads * head_dim, hidden]
     o_b: np.ndarray | None  # [hidden]
-    ln2_w: np.ndarray  # [hidden]
+    ln2_w: np.ndarray | None  # [hidden] norm before the MLP (None: the layer has none)
     ln2_b: np.ndarray | None
     up_w: np.ndarray  # gated: [hidden, 2 * inter] (gate | up); else [hidden, inter]
     up_b: np.ndarray | None
     down_w: np.ndarray  # [inter, hidden]
     down_b: np.ndarray | None
+    post_attn_w: np.ndarray | None = None  # [hidden] norm of the attention output (post / sandwich norms)
+    post_mlp_w: np.ndarray | None = None  # [hidden] norm of the MLP output
+    q_norm_w: np.ndarray | None = None  # [head_dim] (qk_norm "head") or [heads * head_dim] ("all")
+    k_norm_w: np.ndarray | None = None  # [head_dim] or [kv_heads * head_dim]
+
+
+@dataclass(frozen=True, slots=True)
+class LayerNorms:
+    """Checkpoint names (under model.layers.{i}.) of a layer's norms; None: no norm there.
+    NOTE: the same name means different places in different families: llama's
+    post_attention_layernorm is the norm before the MLP, gemma2's and olmo2's normalizes the
+    attention output."""
+
+    pre_attn: str | None = "input_layernorm"
+    post_attn: str | None = None
+    pre_mlp: str | None = "post_attention_layernorm"
+    post_mlp: str | None = None
+
+    @property
+    def layout(self) -> str:  # spec.LAYER_NORMS
+        pre, post = self.pre_attn is not None, self.post_attn is not None
+        return "sandwich" if pre and post else ("post" if post else "pre")
+
+
+PRE_NORMS = LayerNorms()
+SANDWICH_NORMS = LayerNorms("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                            "post_feedforward_layernorm")
+POST_NORMS = LayerNorms(None, "post_attention_layernorm", None, "post_feedforward_layernorm")
 
 
 @dataclass(slots=True)
@@ -62,6 +91,18 @@ class Family:
     # config attribute -> values we implement; anything else is refused by name
     required: dict[str, tuple[Any, ...]] = field(default_factory=dict)
     recipe: str = ""  # recipe file shipped for this family
+    # ---- 2025 families: each a reusable feature, read from the config by read_spec
+    activation_field: str = "hidden_act"  # config attribute naming the MLP activation
+    norms: LayerNorms = PRE_NORMS  # where the layer's norms sit, by checkpoint name
+    qk_norm: str | None = None  # spec.QK_NORMS: RMSNorm of q and k (self_attn.q_norm / k_norm)
+    norm_offset: float = 0.0  # norms scale by (offset + w) (Gemma: 1)
+    embed_scale: bool = False  # embeddings scaled by sqrt(hidden) (Gemma)
+    windowed_layer_types: bool = False  # the window applies only to layers whose config.layer_types
+    # entry is "sliding_attention" (and only if config.use_sliding_window is not False)
+    local_rope: bool = False  # "sliding_attention" layers use rope_parameters["sliding_attention"] (gemma3)
+    nope_field: str | None = None  # config list, per layer 1 = RoPE, 0 = no RoPE (smollm3's no_rope_layers)
+    # RoPE types implemented for it (spec.ROPE_TYPES); longrope only where it is validated
+    rope_types: tuple[str, ...] = ("default", "linear", "llama3", "yarn")
 
 
 def _np(t) -> np.ndarray:
@@ -79,12 +120,23 @@ def _final(sd: dict, spec: ModelSpec, embed: np.ndarray, norm: str, head: str,
                         _opt(sd, f"{norm}.bias"), lm_head)
 
 
+def _norm_w(sd: dict, key: str | None, spec: ModelSpec) -> np.ndarray | None:
+    """A norm weight with the spec's offset folded in (float32, as transformers adds it)."""
+    if key is None or key not in sd:
+        return None
+    w = sd[key].detach().to("cpu").float()
+    return (w + spec.norm_offset).numpy() if spec.norm_offset else w.numpy()
+
+
 def split_linear_weights(sd: dict, spec: ModelSpec) -> ModelWeights:
-    """Llama-style checkpoints: q/k/v/o and gate/up/down are separate nn.Linear [out, in]."""
+    """Llama-style checkpoints: q/k/v/o and gate/up/down are separate nn.Linear [out, in];
+    the norms where the family's LayerNorms says, q/k norms as self_attn.q_norm / k_norm."""
+    norms = FAMILIES[spec.family].norms
     layers = []
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
+        n = lambda name: _norm_w(sd, p + name + ".weight" if name else None, spec)  # noqa: E731
         qkv_w = np.concatenate([_np(sd[a + f"{x}_proj.weight"]) for x in "qkv"], axis=0).T
         qkv_b = (np.concatenate([_np(sd[a + f"{x}_proj.bias"]) for x in "qkv"])
                  if spec.qkv_bias else None)
@@ -92,13 +144,17 @@ def split_linear_weights(sd: dict, spec: ModelSpec) -> ModelWeights:
         up_b = (np.concatenate([_np(sd[m + "gate_proj.bias"]), _np(sd[m + "up_proj.bias"])])
                 if spec.mlp_bias else None)
         layers.append(LayerWeights(
-            _np(sd[p + "input_layernorm.weight"]), None, np.ascontiguousarray(qkv_w), qkv_b,
+            n(norms.pre_attn), None, np.ascontiguousarray(qkv_w), qkv_b,
             np.ascontiguousarray(_np(sd[a + "o_proj.weight"]).T), _opt(sd, a + "o_proj.bias"),
-            _np(sd[p + "post_attention_layernorm.weight"]), None,
+            n(norms.pre_mlp), None,
             np.ascontiguousarray(up_w), up_b,
-            np.ascontiguousarray(_np(sd[m + "down_proj.weight"]).T), _opt(sd, m + "down_proj.bias")))
-    return _final(sd, spec, _np(sd["model.embed_tokens.weight"]), "model.norm", "lm_head.weight",
-                  None, layers)
+            np.ascontiguousarray(_np(sd[m + "down_proj.weight"]).T), _opt(sd, m + "down_proj.bias"),
+            n(norms.post_attn), n(norms.post_mlp),
+            n("self_attn.q_norm" if spec.qk_norm else None), n("self_attn.k_norm" if spec.qk_norm else None)))
+    weights = _final(sd, spec, _np(sd["model.embed_tokens.weight"]), "model.norm", "lm_head.weight",
+                     None, layers)
+    weights.final_norm_w = _norm_w(sd, "model.norm.weight", spec)
+    return weights
 
 
 def fused_linear_weights(sd: dict, spec: ModelSpec) -> ModelWeights:
@@ -159,13 +215,46 @@ register(Family(
 register(Family(
     name="phi3", model_types=("phi3",), gguf_archs=("phi3",), norm="rmsnorm",
     position="rope", gated_mlp=True, qkv_bias=False, o_bias=False, mlp_bias=False,
-    weights=fused_linear_weights, sliding_window_field="sliding_window", recipe="phi3.yaml"))
+    weights=fused_linear_weights, sliding_window_field="sliding_window", recipe="phi3.yaml",
+    rope_types=("default", "linear", "llama3", "yarn", "longrope")))
 register(Family(
     name="gpt2", model_types=("gpt2",), gguf_archs=("gpt2",), norm="layernorm",
     position="learned", gated_mlp=False, qkv_bias=True, o_bias=True, mlp_bias=True,
     weights=conv1d_weights, recipe="gpt2.yaml",
     required={"scale_attn_by_inverse_layer_idx": (False,), "scale_attn_weights": (True,),
               "add_cross_attention": (False,)}))
+
+
+register(Family(
+    name="qwen3", model_types=("qwen3",), gguf_archs=("qwen3",), norm="rmsnorm", position="rope",
+    gated_mlp=True, qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias=False,
+    weights=split_linear_weights, sliding_window_field="sliding_window", windowed_layer_types=True,
+    qk_norm="head", recipe="qwen3.yaml"))
+register(Family(
+    name="olmo2", model_types=("olmo2",), gguf_archs=(), norm="rmsnorm", position="rope",
+    gated_mlp=True, qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias=False,
+    weights=split_linear_weights, norms=POST_NORMS, qk_norm="all", recipe="olmo2.yaml"))
+register(Family(
+    name="gemma2", model_types=("gemma2",), gguf_archs=("gemma2",), norm="rmsnorm", position="rope",
+    gated_mlp=True, qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias=False,
+    weights=split_linear_weights, sliding_window_field="sliding_window", windowed_layer_types=True,
+    activation_field="hidden_activation", norms=SANDWICH_NORMS, norm_offset=1.0, embed_scale=True,
+    recipe="gemma2.yaml"))
+register(Family(
+    name="gemma3_text", model_types=("gemma3_text",), gguf_archs=(), norm="rmsnorm", position="rope",
+    gated_mlp=True, qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias=False,
+    weights=split_linear_weights, sliding_window_field="sliding_window", windowed_layer_types=True,
+    activation_field="hidden_activation", norms=SANDWICH_NORMS, norm_offset=1.0, embed_scale=True,
+    qk_norm="head", local_rope=True, required={"use_bidirectional_attention": (False, None)},
+    recipe="gemma3_text.yaml"))
+register(Family(
+    name="smollm3", model_types=("smollm3",), gguf_archs=(), norm="rmsnorm", position="rope",
+    gated_mlp=True, qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias="mlp_bias",
+    weights=split_linear_weights, sliding_window_field="sliding_window", windowed_layer_types=True,
+    nope_field="no_rope_layers", recipe="smollm3.yaml"))
+
+# transformers layer_types entries kvexport implements (anything else is refused by name)
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def supported_model_types() -> list[str]:
@@ -216,20 +305,40 @@ def read_spec(config) -> ModelSpec:
     inter = (_int(config, "intermediate_size") or _int(config, "n_inner") or 4 * hidden)
     eps = getattr(config, "rms_norm_eps", None) if fam.norm == "rmsnorm" else \
         getattr(config, "layer_norm_epsilon", None)
-    act = getattr(config, "hidden_act", None) or getattr(config, "activation_function", None)
-    rope = None
+    act = getattr(config, fam.activation_field, None) or getattr(config, "activation_function", None)
+    layer_types = _layer_types(config, fam)
+    rope = rope_local = layer_rope = None
     if fam.position == "rope":
         params = dict(getattr(config, "rope_parameters", None) or {})
-        if "rope_theta" not in params and getattr(config, "rope_theta", None) is not None:
-            params["rope_theta"] = config.rope_theta
-        rope_type = params.get("rope_type", params.get("type", "default"))
-        rope = RopeSpec(theta=float(params.get("rope_theta", 10000.0)), rope_type=rope_type,
-                        factor=params.get("factor"),
-                        partial_rotary_factor=float(params.get("partial_rotary_factor",
-                                                    getattr(config, "partial_rotary_factor", 1.0)) or 1.0))
-    window = None
+        if fam.local_rope:  # gemma3: {"full_attention": {...}, "sliding_attention": {...}}
+            rope_local = _rope(dict(params.get("sliding_attention") or {}), config)
+            params = dict(params.get("full_attention") or {})
+            layer_rope = tuple("local" if t == "sliding_attention" else "global" for t in layer_types)
+        rope = _rope(params, config)
+        if fam.nope_field:
+            use = getattr(config, fam.nope_field, None)
+            if not isinstance(use, (list, tuple)) or len(use) != len(layer_types):
+                raise ConfigError(f"config field {fam.nope_field!r} must list 0 or 1 for each of the "
+                                  f"{len(layer_types)} layers, got {use!r}")
+            layer_rope = tuple(k if u else "none" for k, u in zip(layer_rope or ("global",) * len(use), use))
+    window = layer_windows = None
     if fam.sliding_window_field:
         window = _int(config, fam.sliding_window_field)
+    if fam.windowed_layer_types:
+        if getattr(config, "use_sliding_window", True) is False:
+            window = None
+        layer_windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
+        if not any(layer_windows):
+            window = layer_windows = None
+        elif all(w == window for w in layer_windows):
+            layer_windows = None  # every layer windowed alike: the plain sliding_window says it
+    for where, r in (("rope_parameters", rope), ("rope_parameters.sliding_attention", rope_local)):
+        if r is not None and r.rope_type not in fam.rope_types:
+            raise UnsupportedModelError(
+                f"config field '{where}.rope_type' of a {fam.name} model is {r.rope_type!r}; supported values: "
+                f"{', '.join(fam.rope_types)}")
+    if layer_rope is not None and all(k == "global" for k in layer_rope):
+        layer_rope = None
     eos = getattr(config, "eos_token_id", None)
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
     return ModelSpec(
@@ -243,4 +352,55 @@ def read_spec(config) -> ModelSpec:
         o_bias=_flag(config, fam.o_bias), mlp_bias=_flag(config, fam.mlp_bias),
         position=fam.position, rope=rope, sliding_window=window,
         tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-        bos_token_id=getattr(config, "bos_token_id", None), eos_token_ids=eos_ids)
+        bos_token_id=getattr(config, "bos_token_id", None), eos_token_ids=eos_ids,
+        layer_windows=layer_windows, layer_rope=layer_rope, rope_local=rope_local,
+        layer_norms=fam.norms.layout, qk_norm=fam.qk_norm, norm_offset=fam.norm_offset,
+        embed_scale=float(hidden) ** 0.5 if fam.embed_scale else None,
+        attn_scale=_scale(config), attn_softcap=_float(config, "attn_logit_softcapping"),
+        final_softcap=_float(config, "final_logit_softcapping"))
+
+
+def _rope(params: dict, config) -> RopeSpec:
+    if "rope_theta" not in params and getattr(config, "rope_theta", None) is not None:
+        params["rope_theta"] = config.rope_theta
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    omax = None
+    if rope_type == "longrope":  # the factors themselves are read from transformers' rotary embedding
+        omax = params.get("original_max_position_embeddings", getattr(config, "original_max_position_embeddings", None))
+    return RopeSpec(theta=float(params.get("rope_theta", 10000.0)), rope_type=rope_type, factor=params.get("factor"),
+                    partial_rotary_factor=float(params.get("partial_rotary_factor",
+                                                           getattr(config, "partial_rotary_factor", 1.0)) or 1.0),
+                    original_max_positions=omax)
+
+
+def _layer_types(config, fam: Family) -> tuple[str, ...]:
+    """config.layer_types (what transformers itself derives from the family's pattern fields),
+    or full attention everywhere; a layer type kvexport lacks is refused by name."""
+    n = _int(config, "num_hidden_layers") or 0
+    types = getattr(config, "layer_types", None) if (fam.windowed_layer_types or fam.local_rope) else None
+    if types is None:
+        return ("full_attention",) * n
+    if not isinstance(types, (list, tuple)) or len(types) != n:
+        raise ConfigError(f"config field 'layer_types' must list one type for each of the {n} layers, got {types!r}")
+    for t in types:
+        if t not in LAYER_TYPES:
+            raise UnsupportedModelError(f"config field 'layer_types' has {t!r}, which kvexport does not support; "
+                                        f"supported values: {', '.join(LAYER_TYPES)}")
+    return tuple(types)
+
+
+def _float(config, name: str) -> float | None:
+    value = getattr(config, name, None)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"config field {name!r} must be a number or null, got {value!r}")
+    return float(value)
+
+
+def _scale(config) -> float | None:
+    """Gemma's query_pre_attn_scalar s: scores scale by s ** -0.5 instead of head_dim ** -0.5."""
+    s = _float(config, "query_pre_attn_scalar")
+    if s is not None and s <= 0:
+        raise ConfigError(f"config field 'query_pre_attn_scalar' must be > 0, got {s!r}")
+    return None if s is None else s ** -0.5

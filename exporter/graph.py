@@ -1,8 +1,11 @@
 """Builds one decoder graph (prefill or decode, either layout) from a ModelSpec and the
 model's canonical weights.
 
-    input_ids ─> embed (+ learned positions) ─> [ layer ] x N ─> final norm ─> lm_head ─> logits
-    layer:  x ─> norm1 ─> qkv ─> rope ─> attention (layout) ─> o_proj ─(+x)─> norm2 ─> mlp ─(+)─>
+    input_ids ─> embed (× embed_scale) (+ learned positions) ─> [ layer ] x N ─> final norm ─> lm_head
+        ─> (final soft-cap) ─> logits
+    layer ("pre" norms; "post" puts the norm after attention / MLP instead, "sandwich" both):
+        x ─> norm1 ─> qkv ─> (q/k norm) ─> rope of the layer's kind ─> attention (layout; the layer's
+        window, scale, soft-cap) ─> o_proj ─> (post norm) ─(+x)─> norm2 ─> mlp ─> (post norm) ─(+)─>
 
 Matmul weights are stored in the activation dtype; norms, RoPE and attention run in
 float32 (as transformers upcasts them), so fp16 builds only halve the matmul traffic.
@@ -20,6 +23,7 @@ from kvexport import io
 from . import attention as attn
 from .families import LayerWeights, ModelWeights
 from .onnx_builder import GraphBuilder, WeightStore, onnx_dtype
+from .quantize import CHANNEL, QUANTIZED_HEAD, QuantizedMatrix, stored_codes
 from .spec import ModelSpec
 
 
@@ -33,7 +37,12 @@ class GraphOptions:
     max_seq_len: int  # longest context the build serves; sizes the RoPE tables
     all_logits: bool  # prefill returns logits for every token, not just the last
     attention: io.Attention = io.Attention.ONNX  # paged only: standard ops or PagedAttention nodes
-    kv_scales: np.ndarray | None = None  # int8 KV: [layers, 2 (key, value), kv_heads] float32
+    kv_scales: np.ndarray | None = None  # int8 KV: [layers, 2 (key, value), kv_heads, head_dim] float32
+    # quantized matmul weights by graph weight name (exporter/quantize.py); None: all in `dtype`
+    qweights: dict[str, QuantizedMatrix] | None = None
+
+
+RopeTables = dict[str, tuple[np.ndarray, np.ndarray]]  # spec.ROPE_KINDS kind -> (cos, sin) [max_len, rot/2]
 
 
 def rope_tables(spec: ModelSpec, inv_freq: torch.Tensor, scaling: float, max_len: int) -> tuple[np.ndarray, np.ndarray]:
@@ -44,12 +53,46 @@ def rope_tables(spec: ModelSpec, inv_freq: torch.Tensor, scaling: float, max_len
     return (freqs.cos() * scaling).numpy(), (freqs.sin() * scaling).numpy()
 
 
+# RoPE kind -> the transformers layer type whose buffers hold it, for rotary embeddings that keep
+# one set per layer type (gemma3: full_attention_inv_freq, sliding_attention_inv_freq)
+HF_ROPE_LAYER_TYPE = {"global": "full_attention", "local": "sliding_attention"}
+
+
+def model_rope_tables(spec: ModelSpec, rotary_emb, max_len: int) -> RopeTables:
+    """The cos/sin tables of every RoPE kind the spec's layers use, from the transformers
+    model's rotary embedding (`model.model.rotary_emb`) buffers."""
+    tables: RopeTables = {}
+    for kind in sorted({spec.rope_kind(i) for i in range(spec.num_layers)} - {"none"}):
+        layer_type = HF_ROPE_LAYER_TYPE[kind]
+        prefix = layer_type + "_"
+        if getattr(rotary_emb, prefix + "inv_freq", None) is None:
+            prefix, layer_type = "", None  # one set for all layers
+        # NOTE: the short set: the buffers as initialized (`original_inv_freq`, which a forward
+        # pass of a longrope model never overwrites; `inv_freq` may hold the long set after one)
+        inv = getattr(rotary_emb, prefix + "original_inv_freq", None)
+        inv = inv if inv is not None else getattr(rotary_emb, prefix + "inv_freq")
+        scaling = float(getattr(rotary_emb, prefix + "attention_scaling"))
+        tables[kind] = rope_tables(spec, inv, scaling, max_len)
+        rope = spec.rope_local if kind == "local" else spec.rope
+        if rope is not None and rope.rope_type == "longrope":
+            # the long set, as transformers' dynamic_rope_update computes it (same attention factor)
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            kw = {"layer_type": layer_type} if layer_type else {}
+            long_inv, _ = ROPE_INIT_FUNCTIONS["longrope"](rotary_emb.config, None,
+                                                          seq_len=rope.original_max_positions + 1, **kw)
+            tables[kind + "_long"] = rope_tables(spec, long_inv, scaling, max_len)
+    return tables
+
+
 class DecoderGraph:
     """Emits the nodes of one graph into a GraphBuilder."""
 
-    def __init__(self, spec: ModelSpec, weights: ModelWeights, rope: tuple[np.ndarray, np.ndarray] | None,
-                 opts: GraphOptions, store: WeightStore):
-        self.spec, self.w, self.rope, self.opts = spec, weights, rope, opts
+    def __init__(self, spec: ModelSpec, weights: ModelWeights,
+                 rope: RopeTables | tuple[np.ndarray, np.ndarray] | None, opts: GraphOptions, store: WeightStore):
+        if isinstance(rope, tuple):  # one table: every RoPE layer's
+            rope = {"global": rope}
+        self.spec, self.w, self.rope, self.opts = spec, weights, rope or {}, opts
         self.b = GraphBuilder(f"kvexport_{opts.phase.value}", store)
         self.act = opts.dtype.numpy_name
         self.kv = opts.kv_dtype.numpy_name
@@ -62,6 +105,10 @@ class DecoderGraph:
         self.plugin = self.paged and opts.attention is io.Attention.PLUGIN
         if (opts.kv_dtype is io.DType.INT8) != (opts.kv_scales is not None):
             raise ValueError("int8 KV needs kv_scales, and only int8 KV takes them")
+        self.qweights = opts.qweights or {}
+        self._offsets: dict[str, tuple[str, int]] = {}  # dequantized weight -> (block offsets, block size)
+        if self.qweights:
+            self.b.opset = io.QDQ_OPSET
 
     # ---- weights -------------------------------------------------------------------
     def _weight(self, name: str, arr: np.ndarray | None, dtype: str) -> str | None:
@@ -73,8 +120,47 @@ class DecoderGraph:
         return self.b.weight(name, self.b.weights.arrays[name])
 
     def _mat(self, name: str, arr: np.ndarray | None) -> str | None:
-        """Matmul weights and biases run in the activation dtype."""
+        """Matmul weights and biases run in the activation dtype; a quantized weight is its
+        block-wise DequantizeLinear's output (the portable QDQ form MatMul consumes)."""
+        if name in self.qweights:
+            return self._dequantized(name, self.qweights[name])
         return self._weight(name, arr, self.act)
+
+    def _dequantized(self, name: str, qm: QuantizedMatrix) -> str:
+        """codes [K, N] int4/int8 ─> DequantizeLinear(axis=0, block_size=B) ─> [K, N] act dtype;
+        per-channel codes (CHANNEL) ─> DequantizeLinear(axis=1, scale [N]) ─> [K, N].
+        NOTE: onnxruntime fuses block-wise DQ -> MatMul into MatMulNBits; the per-channel int8
+        form is rewritten at session load (runtime/ort_quant.py); TensorRT reads both as
+        weight-only quantization."""
+        ins = self._codes(name, qm)
+        if qm.block_size == CHANNEL:
+            return self.b.op("DequantizeLinear", *ins, axis=1)  # [K, N]
+        w = self.b.op("DequantizeLinear", *ins, axis=0, block_size=qm.block_size)  # [K, N]
+        if qm.offset is not None:
+            store = self.b.weights
+            self._offsets[w] = (self.b.weight(name + ".offset", store.arrays[name + ".offset"]), qm.block_size)
+        return w
+
+    def _codes(self, name: str, qm: QuantizedMatrix) -> list[str]:
+        """[codes, scales(, zero points)] of a quantized weight, stored once per build."""
+        store = self.b.weights
+        if name + ".q" not in store.arrays:
+            codes, dt = stored_codes(qm.q, qm.bits)
+            store.add(name + ".q", codes, (dt, qm.q.shape))
+            per_channel = qm.block_size == CHANNEL  # per-axis DQ: scale (zero point) [N]
+            scale = qm.scale[0] if per_channel else qm.scale
+            store.add(name + ".scale", scale.astype(self.act))
+            if qm.zero_point is not None:
+                zpq = qm.zero_point[0] if per_channel else qm.zero_point
+                zp, zdt = stored_codes(zpq, qm.bits)
+                store.add(name + ".zero_point", zp, (zdt, zpq.shape))
+            if qm.offset is not None:
+                store.add(name + ".offset", qm.offset.astype(self.act))
+        ins = [self.b.weight(name + ".q", store.arrays[name + ".q"]),
+               self.b.weight(name + ".scale", store.arrays[name + ".scale"])]
+        if qm.zero_point is not None:
+            ins.append(self.b.weight(name + ".zero_point", store.arrays[name + ".zero_point"]))
+        return ins
 
     def _f32(self, name: str, arr: np.ndarray | None) -> str | None:
         """Norm weights and RoPE tables stay float32."""
@@ -82,21 +168,42 @@ class DecoderGraph:
 
     # ---- building blocks -------------------------------------------------------------
     def linear(self, x: str, w: str, bias: str | None) -> str:
-        y = self.b.op("MatMul", x, w)
-        return self.b.op("Add", y, bias) if bias else y
+        """x [..., K] @ w [K, N] (+ bias). A weight with per-block offsets (GGUF Q4_1 minimums)
+        adds them exactly as a second, 1/B-sized product:
+
+            x [.., K] ─> Reshape [.., K/B, B] ─> ReduceSum ─> [.., K/B] ─> MatMul offset [K/B, N] ─(+)─>
+        """
+        b = self.b
+        y = b.op("MatMul", x, w)
+        if w in self._offsets:
+            offset, block = self._offsets[w]
+            lead = [0] if self.paged else [0, 0]
+            xb = b.op("Reshape", x, b.const(lead + [-1, block]))  # [.., K/B, B]
+            sums = b.op("ReduceSum", xb, b.const([-1]), keepdims=0)  # [.., K/B]
+            y = b.op("Add", y, b.op("MatMul", sums, offset))
+        return b.op("Add", y, bias) if bias else y
 
     def norm(self, x: str, w: np.ndarray, bias: np.ndarray | None, name: str) -> str:
         """float32 normalization; returns the activation dtype."""
+        return self._to(self.norm_f32(self._to(x, self.act, "float32"), w, bias, name), "float32", self.act)
+
+    def norm_f32(self, x: str, w: np.ndarray, bias: np.ndarray | None, name: str) -> str:
+        """Normalization over the last axis, float32 in and out (w already holds norm_offset)."""
         b = self.b
-        x = self._to(x, self.act, "float32")
         wn, bn = self._f32(name + ".weight", w), self._f32(name + ".bias", bias)
         if self.spec.norm == "layernorm":
-            y = b.op("LayerNormalization", x, wn, bn, axis=-1, epsilon=self.spec.norm_eps)
-        else:  # x / sqrt(mean(x^2) + eps) * w — the pattern onnxruntime fuses to SimplifiedLayerNorm
-            var = b.op("ReduceMean", b.op("Pow", x, b.const(2.0, "float32")), b.const([-1]), keepdims=1)
-            y = b.op("Div", x, b.op("Sqrt", b.op("Add", var, b.const(self.spec.norm_eps, "float32"))))
-            y = b.op("Mul", y, wn)
-        return self._to(y, "float32", self.act)
+            return b.op("LayerNormalization", x, wn, bn, axis=-1, epsilon=self.spec.norm_eps)
+        # x / sqrt(mean(x^2) + eps) * w — the pattern onnxruntime fuses to SimplifiedLayerNorm
+        var = b.op("ReduceMean", b.op("Pow", x, b.const(2.0, "float32")), b.const([-1]), keepdims=1)
+        y = b.op("Div", x, b.op("Sqrt", b.op("Add", var, b.const(self.spec.norm_eps, "float32"))))
+        return b.op("Mul", y, wn)
+
+    def softcap(self, x: str, cap: float | None, dtype: str) -> str:
+        """cap * tanh(x / cap) (Gemma's soft-capping); x unchanged when cap is None."""
+        if cap is None:
+            return x
+        b = self.b
+        return b.op("Mul", b.op("Tanh", b.op("Div", x, b.const(cap, dtype))), b.const(cap, dtype))
 
     def activation(self, x: str) -> str:
         b, a = self.b, self.spec.activation
@@ -134,30 +241,38 @@ class DecoderGraph:
             b.input(t)
         pos = io.POSITIONS if self.paged else io.POSITION_IDS
         b.scope = "/embed"
-        h = b.op("Gather", self._mat("model.embed_tokens.weight", self.w.embed), io.INPUT_IDS, axis=0)
+        h = self.embed(io.INPUT_IDS)
+        if spec.embed_scale is not None:  # in the activation dtype, as transformers scales it
+            h = b.op("Mul", h, b.const(spec.embed_scale, self.act))
         if spec.position == "learned":
             h = b.op("Add", h, b.op("Gather", self._mat("model.embed_positions.weight", self.w.pos_embed), pos, axis=0))
-            cos = sin = None
-        else:
-            cos_t, sin_t = self.rope
-            cos = b.op("Unsqueeze", b.op("Gather", self._f32("rope.cos", cos_t), pos, axis=0), b.const([-2]))
-            sin = b.op("Unsqueeze", b.op("Gather", self._f32("rope.sin", sin_t), pos, axis=0), b.const([-2]))
-        if self.plugin:
-            ctx = None  # the plugin node reads the step's metadata itself
-        elif self.paged:
-            ctx = attn.paged_context(b, spec, o.block_size)
-        else:
-            ctx = attn.contiguous_context(b, spec)
+        # cos/sin [.., 1, rot/2] per RoPE kind the layers use ("global" keeps the old weight names)
+        rope: dict[str, tuple[str, str]] = {}
+        for kind in sorted({spec.rope_kind(i) for i in range(spec.num_layers)} - {"none"}):
+            pre = "rope" if kind == "global" else f"rope.{kind}"
+            cs = [b.op("Gather", self._f32(f"{pre}.{n}", t), pos, axis=0) for n, t in zip(("cos", "sin"), self.rope[kind])]
+            if kind + "_long" in self.rope:  # longrope: per sequence, the short or the long set
+                use_long = self.longrope_select((spec.rope_local if kind == "local" else spec.rope).original_max_positions)
+                cs = [b.op("Where", use_long, b.op("Gather", self._f32(f"{pre}.long.{n}", t), pos, axis=0), c)
+                      for n, t, c in zip(("cos", "sin"), self.rope[kind + "_long"], cs)]
+            rope[kind] = tuple(b.op("Unsqueeze", c, b.const([-2])) for c in cs)  # [.., 1, rot/2]
+        # masks per distinct window (the plugin node reads the step's metadata itself)
+        ctxs: dict[int | None, attn.AttnContext] = {}
+        if not self.plugin:
+            for w in sorted({spec.window(i) for i in range(spec.num_layers)}, key=lambda w: w or 0):
+                ctxs[w] = (attn.paged_context(b, spec, o.block_size, w) if self.paged
+                           else attn.contiguous_context(b, spec, w))
 
         kv_out: list[tuple[str, str]] = []
         for i, lw in enumerate(self.w.layers):
-            h, k, v = self.layer(i, lw, h, cos, sin, ctx)
+            cos, sin = rope.get(spec.rope_kind(i), (None, None))
+            h, k, v = self.layer(i, lw, h, cos, sin, ctxs.get(spec.window(i)))
             kv_out.append((k, v))
 
         b.scope = "/lm_head"
         h = self.select_logit_rows(h)
         h = self.norm(h, self.w.final_norm_w, self.w.final_norm_b, "model.norm")
-        logits = self.lm_head(h)
+        logits = self.softcap(self.lm_head(h), spec.final_softcap, self.act)
         outputs = iter(self.io.outputs)
         b.output(logits, next(outputs))
         for k, v in kv_out:
@@ -165,32 +280,63 @@ class DecoderGraph:
             b.output(v, next(outputs))
         return b
 
+    def longrope_select(self, original_max: int) -> str:
+        """Which rows take longrope's long factors: those of sequences that hold more than
+        `original_max` tokens after this step (transformers' rule, max(position_ids) + 1 >
+        original_max_position_embeddings, applied per sequence). Keys already in the cache keep
+        the rotation they were stored with, as in transformers (README "longrope").
+
+            paged:      token t ─> its sequence s (query_start_loc) ─> seq_lens[s] > original_max   [T, 1]
+            contiguous: row b ─> sum(attention_mask[b]) > original_max                              [B, 1, 1]
+        """
+        b = self.b
+        if not self.paged:
+            total = b.op("ReduceSum", io.ATTENTION_MASK, b.const([1]), keepdims=1)  # [B, 1]
+            return b.op("Unsqueeze", b.op("Greater", total, b.const(original_max)), b.const([2]))  # [B, 1, 1]
+        n_tok = b.op("Gather", b.op("Shape", io.INPUT_IDS), b.const(0), axis=0)
+        tok = b.op("Unsqueeze", b.op("Range", b.const(0), n_tok, b.const(1)), b.const([1]))  # [T, 1]
+        q_end = b.op("Unsqueeze", b.op("Slice", io.QUERY_START_LOC, b.const([1]),
+                                       b.const([np.iinfo(np.int64).max])), b.const([0]))  # [1, S]
+        seq = b.op("ReduceSum", b.op("Cast", b.op("GreaterOrEqual", tok, q_end), to=onnx_dtype("int64")),
+                   b.const([1]), keepdims=0)  # [T]: sequences that end at or before t
+        last = b.op("Sub", b.op("Gather", b.op("Shape", io.SEQ_LENS), b.const(0), axis=0), b.const(1))
+        seq = b.op("Min", seq, last)  # NOTE: tokens past the last sequence (none today) read its flag
+        long_seq = b.op("Greater", io.SEQ_LENS, b.const(original_max))  # [S]
+        return b.op("Unsqueeze", b.op("Gather", long_seq, seq, axis=0), b.const([1]))  # [T, 1]
+
     def layer(self, i: int, lw: LayerWeights, x: str, cos, sin, ctx) -> tuple[str, str, str]:
         b, spec = self.b, self.spec
         b.scope = f"/layers.{i}"
         p = f"model.layers.{i}."
-        hn = self.norm(x, lw.ln1_w, lw.ln1_b, p + "input_layernorm")
+        pre = spec.layer_norms != "post"
+        hn = self.norm(x, lw.ln1_w, lw.ln1_b, p + "input_layernorm") if pre else x
         qkv = self.linear(hn, self._mat(p + "attn.qkv.weight", lw.qkv_w), self._mat(p + "attn.qkv.bias", lw.qkv_b))
         qkv = self._to(qkv, self.act, "float32")
         h, kvh, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
         q, k, v = b.op("Split", qkv, b.const([h * d, kvh * d, kvh * d]), axis=-1, outputs=3)
+        if spec.qk_norm == "all":  # olmo2: over all heads' q (k) at once, before the head split
+            q = self.norm_f32(q, lw.q_norm_w, None, p + "attn.q_norm")
+            k = self.norm_f32(k, lw.k_norm_w, None, p + "attn.k_norm")
         lead = [0] if self.paged else [0, 0]  # [T] or [B, S] leading axes
         q = b.op("Reshape", q, b.const(lead + [h, d]))
         k = b.op("Reshape", k, b.const(lead + [kvh, d]))
         v = b.op("Reshape", v, b.const(lead + [kvh, d]))
+        if spec.qk_norm == "head":  # qwen3, gemma3: per head, over head_dim
+            q = self.norm_f32(q, lw.q_norm_w, None, p + "attn.q_norm")  # [.., H, D]
+            k = self.norm_f32(k, lw.k_norm_w, None, p + "attn.k_norm")  # [.., kvH, D]
         if cos is not None:
             q, k = self.apply_rope(q, cos, sin), self.apply_rope(k, cos, sin)
         scales = None
-        if self.opts.kv_scales is not None:
-            scales = (b.named_const(io.k_scale(i), self.opts.kv_scales[i, 0].astype(np.float32)),
-                      b.named_const(io.v_scale(i), self.opts.kv_scales[i, 1].astype(np.float32)))
+        if self.opts.kv_scales is not None:  # per channel [kvH, D]; per-head [kvH] broadcast to it
+            sc = np.broadcast_to(self.opts.kv_scales[i].reshape(2, kvh, -1), (2, kvh, d)).astype(np.float32)
+            scales = (b.named_const(io.k_scale(i), sc[0]), b.named_const(io.v_scale(i), sc[1]))
         if self.plugin:  # the node takes activation-dtype q/k/v, q unscaled (scale is an attribute)
             q, k, v = (self._to(t, "float32", self.act) for t in (q, k, v))
             a, k_out, v_out = attn.plugin_attention(b, spec, i, q, k, v, block_size=self.opts.block_size,
                                                     kv_dtype=self.kv, scales=scales)
             a = b.op("Reshape", a, b.const([0, h * d]))  # [T, H*D]
         else:
-            q = b.op("Mul", q, b.const(1.0 / np.sqrt(d), "float32"))
+            q = b.op("Mul", q, b.const(spec.scale, "float32"))
             if self.paged:
                 a, k_out, v_out = attn.paged_attention(b, spec, i, ctx, q, k, v, kv_dtype=self.kv, scales=scales)
             else:
@@ -199,8 +345,10 @@ class DecoderGraph:
                                                             kv_dtype=self.kv, scales=scales)
             a = self._to(a, "float32", self.act)
         a = self.linear(a, self._mat(p + "attn.o.weight", lw.o_w), self._mat(p + "attn.o.bias", lw.o_b))
+        if lw.post_attn_w is not None:
+            a = self.norm(a, lw.post_attn_w, None, p + "post_attn_norm")
         x = b.op("Add", x, a)
-        hn = self.norm(x, lw.ln2_w, lw.ln2_b, p + "post_attention_layernorm")
+        hn = self.norm(x, lw.ln2_w, lw.ln2_b, p + "post_attention_layernorm") if pre else x
         up = self.linear(hn, self._mat(p + "mlp.up.weight", lw.up_w), self._mat(p + "mlp.up.bias", lw.up_b))
         if spec.gated_mlp:
             inter = spec.intermediate_size
@@ -209,6 +357,8 @@ class DecoderGraph:
         else:
             m = self.activation(up)
         m = self.linear(m, self._mat(p + "mlp.down.weight", lw.down_w), self._mat(p + "mlp.down.bias", lw.down_b))
+        if lw.post_mlp_w is not None:
+            m = self.norm(m, lw.post_mlp_w, None, p + "post_mlp_norm")
         return b.op("Add", x, m), k_out, v_out
 
     def select_logit_rows(self, h: str) -> str:
@@ -223,9 +373,37 @@ class DecoderGraph:
             return b.op("Gather", h, last, axis=0)  # [S, hidden]
         return b.op("Slice", h, b.const([-1]), b.const([np.iinfo(np.int64).max]), b.const([1]))  # [B, 1, hidden]
 
-    def lm_head(self, h: str) -> str:
-        """[..., hidden] -> [..., vocab] with Gemm(transB) so a tied head reuses the embedding."""
+    def embed(self, ids: str) -> str:
+        """Token embeddings [..., hidden]. With a quantized head tied to them, the rows are read
+        from a copy of the head's int8 codes [hidden, vocab]:
+
+            codes, scales ─> Gather(axis=1) ─> DequantizeLinear(axis=0) [hidden, ...] ─> Transpose
+            per-channel:     Gather(axis=1) ─> Cast × Gather(scale [vocab]) [hidden, ...] ─> Transpose
+        """
         b = self.b
+        qm = self.qweights.get(QUANTIZED_HEAD)
+        if qm is None or not self.spec.tie_embeddings:
+            return b.op("Gather", self._mat("model.embed_tokens.weight", self.w.embed), ids, axis=0)
+        # NOTE: a second copy of the codes under its own name: onnxruntime fuses DQ -> MatMul into
+        # MatMulNBits only when the codes feed nothing else (shared with this Gather, the head was
+        # dequantized in full on every step)
+        codes, scales = self._codes("model.embed_tokens.quantized", qm)[:2]  # symmetric int8: no zero point
+        q = b.op("Gather", codes, ids, axis=1)  # [hidden, ...ids]
+        rank = 1 if self.paged else 2
+        if qm.block_size == CHANNEL:
+            s = b.op("Gather", scales, ids, axis=0)  # [...ids]
+            w = b.op("Mul", self._to(q, "int8", self.act), s)  # [hidden, ...ids]
+        else:
+            s = b.op("Gather", scales, ids, axis=1)  # [hidden / B, ...ids]
+            w = b.op("DequantizeLinear", q, s, axis=0, block_size=qm.block_size)  # [hidden, ...ids]
+        return b.op("Transpose", w, perm=list(range(1, rank + 1)) + [0])  # [...ids, hidden]
+
+    def lm_head(self, h: str) -> str:
+        """[..., hidden] -> [..., vocab] with Gemm(transB) so a tied head reuses the embedding;
+        a quantized head (its own [hidden, vocab] codes, QUANTIZED_HEAD) is a linear."""
+        b = self.b
+        if QUANTIZED_HEAD in self.qweights:
+            return self.linear(h, self._mat(QUANTIZED_HEAD, None), None)
         name = "model.embed_tokens.weight" if self.spec.tie_embeddings else "lm_head.weight"
         w = self._mat(name, self.w.lm_head)
         if self.paged:

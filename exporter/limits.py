@@ -21,3 +21,11 @@ RANGES: dict[str, tuple[int, int]] = {
 DTYPES = (io.DType.FP32, io.DType.FP16)  # weights/activations
 KV_DTYPES = (io.DType.FP32, io.DType.FP16, io.DType.INT8)
 BACKENDS = ("onnxruntime", "tensorrt")  # the runtime's --backend names ("onnx": the old name of onnxruntime)
+# matmul weights (exporter/quantize.py): --weights, --weight-block-size (rows of K per scale), --quant-method
+WEIGHT_PRECISIONS = ("fp32", "fp16", "int8", "int4")
+WEIGHT_BLOCK_SIZES = (0, 32, 64, 128)  # 0: one scale per output channel (CLI `channel`)
+# the default per precision (None given), from bench/weight_quality.py and bench/quant_linear.py:
+# int8 per channel (onnxruntime runs it as dynamic int8 GEMMs, runtime/ort_quant.py), int4 blocks
+# of 32 (GGUF Q4_0 / Q4_1 map exactly; onnxruntime fuses them to MatMulNBits)
+DEFAULT_WEIGHT_BLOCK = {"int8": 0, "int4": 32}
+QUANT_METHODS = ("rtn", "awq")

@@ -28,12 +28,16 @@ class WeightStore:
 
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
     locations: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (offset, length)
+    # packed arrays (int4 codes, two per byte): name -> (ONNX data type, logical dims)
+    packed: dict[str, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
 
-    def add(self, name: str, array: np.ndarray) -> str:
+    def add(self, name: str, array: np.ndarray, packed_as: tuple[int, tuple[int, ...]] | None = None) -> str:
         if name in self.arrays:
             assert self.arrays[name] is array or np.array_equal(self.arrays[name], array), name
         else:
             self.arrays[name] = np.ascontiguousarray(array)
+            if packed_as is not None:
+                self.packed[name] = packed_as
         return name
 
     def write(self, path: str) -> int:
@@ -53,7 +57,8 @@ class WeightStore:
 
     def tensor(self, name: str, data_file: str) -> TensorProto:
         arr = self.arrays[name]
-        t = TensorProto(name=name, data_type=onnx_dtype(str(arr.dtype)), dims=list(arr.shape))
+        data_type, dims = self.packed[name] if name in self.packed else (onnx_dtype(str(arr.dtype)), arr.shape)
+        t = TensorProto(name=name, data_type=data_type, dims=list(dims))
         offset, length = self.locations[name]
         t.data_location = TensorProto.EXTERNAL
         for key, value in (("location", data_file), ("offset", str(offset)), ("length", str(length))):
@@ -77,6 +82,7 @@ class GraphBuilder:
         self._const_cache: dict[tuple, str] = {}
         self._counter = 0
         self.scope = ""
+        self.opset = io.ONNX_OPSET  # raised to io.QDQ_OPSET by graphs with block-wise DequantizeLinear
 
     def _fresh(self, hint: str) -> str:
         self._counter += 1
@@ -136,7 +142,7 @@ class GraphBuilder:
         initializers = list(self.constants)
         initializers += [self.weights.tensor(n, data_file) for n in self.used_weights]
         graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, initializers)
-        opsets = [helper.make_opsetid("", io.ONNX_OPSET)]
+        opsets = [helper.make_opsetid("", self.opset)]
         if any(n.domain == io.PLUGIN_DOMAIN for n in self.nodes):
             opsets.append(helper.make_opsetid(io.PLUGIN_DOMAIN, int(io.PLUGIN_VERSION)))
         model = helper.make_model(graph, opset_imports=opsets, producer_name="kvexport", doc_string=doc)

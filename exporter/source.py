@@ -146,10 +146,17 @@ def load_config(src: ModelSource):
 
 
 def load_model(src: ModelSource):
-    """transformers model in float32 on CPU, eval mode. Never trusts remote code."""
+    """transformers model in float32 on CPU, eval mode. Never trusts remote code. An AWQ/GPTQ
+    checkpoint is read by exporter/prequantized.py (its codes dequantized exactly, no kernels)."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    if src.kind == "hf":
+        from . import prequantized
+
+        pq = prequantized.config_of(src.directory)
+        if pq is not None:
+            return prequantized.load_model(src, pq)
     kwargs = dict(dtype=torch.float32, trust_remote_code=False, low_cpu_mem_usage=True)
     if src.gguf_file:
         kwargs["gguf_file"] = src.gguf_file

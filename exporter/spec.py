@@ -4,23 +4,30 @@ read it; nothing downstream looks at a HF config again."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import math
+from dataclasses import MISSING, asdict, dataclass, fields
 
 from kvexport.errors import ConfigError, KvExportError, UnsupportedModelError
 
 NORMS = ("rmsnorm", "layernorm")
 ACTIVATIONS = ("silu", "gelu_new", "gelu_pytorch_tanh", "gelu")
 POSITIONS = ("rope", "learned")
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 ACTIVATION_FIELD = {"gpt2": "activation_function"}  # family -> config field; default "hidden_act"
+LAYER_NORMS = ("pre", "post", "sandwich")  # norms before / after / around attention and MLP
+QK_NORMS = ("head", "all")  # RMSNorm of q and k per head (qwen3, gemma3) or over all heads (olmo2)
+ROPE_KINDS = ("global", "local", "none")  # per layer: the model's RoPE, the local layers' RoPE, no RoPE
 
 
 @dataclass(frozen=True, slots=True)
 class RopeSpec:
     theta: float  # base of the inverse frequencies
-    rope_type: str  # one of ROPE_TYPES; all are static (no length-dependent switching)
+    rope_type: str  # one of ROPE_TYPES; all static except longrope (short / long factor sets)
     factor: float | None  # scaling factor of linear/llama3/yarn, None for default
     partial_rotary_factor: float  # fraction of head_dim that is rotated (1.0 = all)
+    # longrope: a step uses the long factors when its sequence holds more tokens than this after
+    # the step (README "longrope"); None for every other type (and left out of the JSON)
+    original_max_positions: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +55,19 @@ class ModelSpec:
     tie_embeddings: bool  # lm_head shares the embedding matrix
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    # ---- per-layer attention and layer structure (2025 families); defaults = llama-style.
+    # NOTE: to_json() leaves out fields at their default, so the manifests of families that
+    # do not use them stay byte-identical to those of builds made before the fields existed
+    layer_windows: tuple[int | None, ...] | None = None  # window per layer; None: `sliding_window` for all
+    layer_rope: tuple[str, ...] | None = None  # per layer one of ROPE_KINDS; None: "global" for all
+    rope_local: RopeSpec | None = None  # RoPE of "local" layers (gemma3's rope_local_base_freq)
+    layer_norms: str = "pre"  # one of LAYER_NORMS
+    qk_norm: str | None = None  # one of QK_NORMS, None: no q/k norms
+    norm_offset: float = 0.0  # norms scale by (offset + w): 1.0 for Gemma; folded into the weights when read
+    embed_scale: float | None = None  # embeddings multiplied by it (Gemma: sqrt(hidden)); None: 1
+    attn_scale: float | None = None  # softmax scale of q·k (Gemma: query_pre_attn_scalar ** -0.5); None: head_dim ** -0.5
+    attn_softcap: float | None = None  # scores = cap * tanh(scores / cap) before the mask; None: off
+    final_softcap: float | None = None  # logits = cap * tanh(logits / cap); None: off
 
     def __post_init__(self) -> None:
         # ConfigError: a malformed value; UnsupportedModelError: a valid option kvexport lacks
@@ -77,6 +97,29 @@ class ModelSpec:
                  f"must rotate an even number of dims, got {self.rope.partial_rotary_factor}")
         if self.sliding_window is not None:
             need(self.sliding_window > 0, "sliding_window", f"must be > 0, got {self.sliding_window}")
+        for field, per_layer in (("layer_types", self.layer_windows), ("layer_types", self.layer_rope)):
+            if per_layer is not None:
+                need(len(per_layer) == self.num_layers, field,
+                     f"must list {self.num_layers} layers (num_hidden_layers), got {len(per_layer)}")
+        for w in self.layer_windows or ():
+            need(w is None or (isinstance(w, int) and w > 0), "sliding_window", f"must be > 0, got {w}")
+        for kind in self.layer_rope or ():
+            need(kind in ROPE_KINDS, "layer_types", f"RoPE kinds must be one of {ROPE_KINDS}, got {kind!r}")
+            need(kind != "local" or self.rope_local is not None, "rope_local_base_freq", "is missing")
+        if self.rope is not None and self.rope.rope_type == "longrope":
+            omax = self.rope.original_max_positions
+            need(isinstance(omax, int) and omax > 0, "original_max_position_embeddings",
+                 f"must be a positive integer for longrope, got {omax!r}")
+        if self.rope_local is not None:
+            need(self.rope_local.rope_type in ROPE_TYPES, "rope_parameters.sliding_attention.rope_type",
+                 f"is {self.rope_local.rope_type!r}; supported values: {', '.join(ROPE_TYPES)}", UnsupportedModelError)
+            need(kind == "none" or self.position == "rope", "position", "has no RoPE for a RoPE layer")
+        need(self.layer_norms in LAYER_NORMS, "layer norms", f"must be one of {LAYER_NORMS}, got {self.layer_norms!r}")
+        need(self.qk_norm in QK_NORMS + (None,), "q/k norm", f"must be one of {QK_NORMS} or None, got {self.qk_norm!r}")
+        for field, value in (("attn_logit_softcapping", self.attn_softcap),
+                             ("final_logit_softcapping", self.final_softcap),
+                             ("query_pre_attn_scalar", self.attn_scale), ("embed scale", self.embed_scale)):
+            need(value is None or value > 0, field, f"must be > 0 or null, got {value!r}")
 
     @property
     def group_size(self) -> int:
@@ -87,7 +130,41 @@ class ModelSpec:
         assert self.rope is not None
         return int(self.head_dim * self.rope.partial_rotary_factor)
 
+    @property
+    def scale(self) -> float:
+        """Softmax scale of q·k, the same for every layer."""
+        return self.attn_scale if self.attn_scale is not None else 1.0 / math.sqrt(self.head_dim)
+
+    def window(self, layer: int) -> int | None:
+        """Tokens a query of `layer` may look back, itself included; None = full attention."""
+        return self.layer_windows[layer] if self.layer_windows is not None else self.sliding_window
+
+    def rope_kind(self, layer: int) -> str:
+        """Which RoPE `layer` applies: one of ROPE_KINDS ("none" for learned positions too)."""
+        if self.position != "rope":
+            return "none"
+        return self.layer_rope[layer] if self.layer_rope is not None else "global"
+
+    @property
+    def uniform_window(self) -> int | None:
+        """The window when every layer has the same one (what lets the runtime free blocks),
+        else None (full attention somewhere: every block stays needed)."""
+        windows = {self.window(i) for i in range(self.num_layers)}
+        return windows.pop() if len(windows) == 1 else None
+
     def to_json(self) -> dict:
         d = asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)
+        for f in _OPTIONAL:  # see the NOTE on the fields
+            if getattr(self, f.name) == f.default:
+                del d[f.name]
+        for name in ("layer_windows", "layer_rope"):
+            if name in d:
+                d[name] = list(d[name])
+        for name in ("rope", "rope_local"):
+            if isinstance(d.get(name), dict) and d[name]["original_max_positions"] is None:
+                del d[name]["original_max_positions"]
         return d
+
+
+_OPTIONAL = [f for f in fields(ModelSpec) if f.default is not MISSING]

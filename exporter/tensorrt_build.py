@@ -20,7 +20,10 @@ typing TensorRT may put a cast in front of a plugin input; for the aliased KV po
 turn the in-place write into a write to a copy. So `precision` must equal the graphs' dtype,
 and since the plugin kernels take fp16/bf16 activations, that is an fp16 graph today (fp32
 builds are refused; `tf32` is kept for fp32 matmuls should fp32 plugin kernels come); bf16
-needs a bf16 graph. A mismatch raises ConfigError saying what to rebuild.
+needs a bf16 graph. A mismatch raises ConfigError saying what to rebuild. Quantized weights
+(`--weights int4`) pass to TensorRT the same way, by type: the graphs' block-wise INT4
+DequantizeLinear -> MatMul become weight-only INT4 GEMMs; what TensorRT's Q/DQ cannot take
+(zero points, int8 blocks, other block sizes) is refused first (engine_quantization).
 
 NOTE: this glue follows the TensorRT Python API documentation and is type-checked against
 `tensorrt-stubs` (tests/tensorrt/test_typecheck.py); it has never run against a real TensorRT
@@ -32,7 +35,7 @@ from __future__ import annotations
 import importlib
 import logging
 import shutil
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
@@ -46,8 +49,9 @@ from kvexport.tensorrt_env import cuda_device, plugin_module, require_tensorrt, 
 if TYPE_CHECKING:  # typed by tensorrt-stubs; imported for real only inside functions
     import tensorrt as trt
 
-__all__ = ["EngineBuildOptions", "ShapeRange", "TensorRTUnavailableError", "add_engines", "axis_ranges",
-           "build_engines", "check_buildable", "profile_shapes", "write_atomically"]
+__all__ = ["EngineBuildOptions", "EngineQuantization", "ShapeRange", "TensorRTUnavailableError", "add_engines",
+           "axis_ranges", "build_engines", "check_buildable", "engine_quantization", "profile_shapes",
+           "weight_problems", "write_atomically"]
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +136,71 @@ def check_buildable(manifest: Manifest, opts: EngineBuildOptions) -> str:
         raise ConfigError(f"engine precision {precision} differs from the graphs' dtype {manifest.dtype}: engines are "
                           f"strongly typed, so the precision comes from the ONNX graph; rebuild it with "
                           f"`kvexport build MODEL --attention plugin --dtype {precision}`")
+    engine_quantization(manifest.weights)  # ConfigError for weights TensorRT's Q/DQ cannot take
     return precision
+
+
+# ---- quantized weights (pure Python) ---------------------------------------------------------------
+# NOTE: what TensorRT's explicit quantization takes (TensorRT 10 docs, "Quantization Schemes" and the
+# Dequantize operator): symmetric codes only (a zero point must be all zeros); block-wise scales for
+# INT4 only, in blocks of 64 or 128 along one of the last two axes; INT8 per-tensor or per-channel.
+# With strong typing no builder flag enables them (BuilderFlag.INT8/INT4 are deprecated since 10.12,
+# "superseded by strong typing"): the ONNX initializers' INT4/INT8 types make the DequantizeLayers,
+# and a DQ that feeds only a MatMul's weight input is weight-only quantization.
+TRT_INT4_BLOCKS = (64, 128)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineQuantization:
+    """How the engines run a build's matmul weights (engine_quantization)."""
+
+    weights: str  # the build's matmul weights: fp32 | fp16 | int8 | int4
+    mode: str  # "none" (float weights) | "weight-only" (DQ -> MatMul, activations in the graph dtype)
+    block_size: int | None  # rows of K per scale, 0 per output channel; None for float weights
+    builder_flags: tuple[str, ...] = ()  # BuilderFlag names to set: none, strong typing decides
+
+
+def weight_problems(bits: int, block_size: int, symmetric: bool = True, offsets: bool = False,
+                    head_block_size: int | None = None) -> list[str]:
+    """Why TensorRT cannot take weights quantized so (empty: it can); each reason says what to
+    do. block_size 0 is per output channel (exporter/quantize.py CHANNEL); head_block_size is the
+    int8 LM head's (None: no quantized head)."""
+    out = []
+    if bits == 8 and block_size:
+        out.append(f"int8 weights in blocks of {block_size}: TensorRT dequantizes INT8 only per tensor or per "
+                   f"channel; rebuild with --weight-block-size channel")
+    elif bits == 4 and block_size not in TRT_INT4_BLOCKS:
+        what = "per channel" if not block_size else f"in blocks of {block_size}"
+        out.append(f"int4 weights {what}: TensorRT's INT4 blocks are {' or '.join(map(str, TRT_INT4_BLOCKS))}; "
+                   f"rebuild with --weight-block-size 64 or 128")
+    if not symmetric:
+        out.append("the codes have zero points (AWQ/GPTQ asymmetric checkpoints, GGUF Q4_1), and TensorRT takes only "
+                   "symmetric ones: build from the float checkpoint (round-to-nearest and --quant-method awq are "
+                   "symmetric) or from a GPTQ sym=true checkpoint")
+    if offsets:
+        out.append("the matrices carry per-block offsets (GGUF Q4_1 minimums): build from a float checkpoint")
+    if head_block_size:
+        out.append(f"the int8 LM head is in blocks of {head_block_size} (an onnxruntime build): rebuild with "
+                   f"--backend tensorrt, which quantizes it per channel")
+    return out
+
+
+def engine_quantization(weights: mf.WeightsEntry) -> EngineQuantization:
+    """The quantization the engines take from a build's QDQ graphs, checked before TensorRT is
+    touched; ConfigError listing every reason TensorRT cannot take it otherwise."""
+    q = weights.quantization
+    if q is None:
+        return EngineQuantization(weights.precision or "fp16", "none", None)
+    block = lambda b: 0 if b == "channel" else int(b)  # noqa: E731 - the manifest writes CHANNEL as "channel"
+    head = None
+    if "lm_head.quantized" in str(q.get("quantized", {}).get("names", "")):  # builds before the record: blocks
+        head = block((q.get("lm_head") or {}).get("block_size", q["block_size"]))
+    problems = weight_problems(int(q["bits"]), block(q["block_size"]), bool(q.get("symmetric", True)),
+                               bool(q.get("block_offsets", False)), head)
+    if problems:
+        raise ConfigError(f"TensorRT cannot build engines from these {q['precision']} weights:\n  - "
+                          + "\n  - ".join(problems))
+    return EngineQuantization(q["precision"], "weight-only", block(q["block_size"]))
 
 
 # ---- writing engines/ atomically ---------------------------------------------------------------
@@ -228,6 +296,9 @@ def build_engines(build_dir: str | Path, manifest: Manifest,
     import torch
 
     torch.cuda.set_device(opts.device)
+    quant = engine_quantization(manifest.weights)
+    log.info("engine weights: %s (%s%s)", quant.weights, quant.mode,
+             f", blocks of {quant.block_size}" if quant.block_size else "")
     plugin = plugin_module()
     plugin.register()
     kernel_configs = _kernel_configs(plugin)

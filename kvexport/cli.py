@@ -18,7 +18,8 @@ import click
 from rich.console import Console
 from rich.markup import escape
 
-from kvexport.exporter.limits import BACKENDS, DTYPES, KV_DTYPES, RANGES
+from kvexport.exporter.limits import (BACKENDS, DTYPES, KV_DTYPES, QUANT_METHODS, RANGES, WEIGHT_BLOCK_SIZES,
+                                      WEIGHT_PRECISIONS)
 
 from . import io
 from .errors import KvExportError
@@ -239,7 +240,7 @@ def _new_path(ctx, param, value: str | None) -> str | None:
                    "TensorRT), or standard ONNX ops for tools without kvexport's op [plugin; onnx for contiguous "
                    "builds, or with a warning when the native CPU op is not built].")
 @click.option("--kv-dtype", type=click.Choice([d.value for d in KV_DTYPES]),
-              help="KV-cache dtype [same as --dtype]; int8 uses calibrated per-head scales.")
+              help="KV-cache dtype [same as --dtype]; int8 uses calibrated per-channel scales.")
 @click.option("--calibration-text", type=_Path(exists=True, dir_okay=False, readable=True),
               help="int8 KV: text to calibrate the scales on [bundled Shakespeare: Hamlet].")
 @click.option("--calibration-tokens", type=_range("calibration_tokens"),
@@ -256,8 +257,15 @@ def _new_path(ctx, param, value: str | None) -> str | None:
 @click.option("--allow-pickle", is_flag=True, help="Accept pickled *.bin weights (loaded with weights_only=True).")
 @click.option("--force", is_flag=True, help="Replace an earlier kvexport build at --out (never anything else).")
 @click.option("--no-validate", is_flag=True, help="Skip the comparison with transformers.")
+@click.option("--weights", type=click.Choice(WEIGHT_PRECISIONS),
+              help="Matmul weights: fp32/fp16, or int8/int4 block-wise QDQ [--dtype].")
+@click.option("--weight-block-size", type=click.Choice([str(b) if b else "channel" for b in WEIGHT_BLOCK_SIZES]),
+              help="int8/int4 weights: input rows per scale, or one scale per output channel "
+                   "[int8: channel, int4: 32].")
+@click.option("--quant-method", type=click.Choice(QUANT_METHODS),
+              help="int8/int4 from float weights: round-to-nearest or AWQ scales on --calibration-text [rtn].")
 def build(model, out, layout, dtype, attention, kv_dtype, calibration_text, calibration_tokens, backend, block_size,
-          max_seq_len, all_logits, recipe, allow_pickle, force, no_validate):
+          max_seq_len, all_logits, recipe, allow_pickle, force, no_validate, weights, weight_block_size, quant_method):
     """Export a model (HF folder, .gguf file or alias) into a validated build directory."""
     from kvexport.exporter.build import BuildOptions, build as run_build
     from kvexport.exporter.source import DEFAULT_MODEL
@@ -270,7 +278,9 @@ def build(model, out, layout, dtype, attention, kv_dtype, calibration_text, cali
     kw = r.options()
     given = {"layout": layout, "dtype": dtype, "attention": attention, "kv_dtype": kv_dtype,
              "calibration_text": calibration_text, "calibration_tokens": calibration_tokens, "backend": backend,
-             "block_size": block_size, "max_seq_len": max_seq_len, "all_logits": all_logits}
+             "block_size": block_size, "max_seq_len": max_seq_len, "all_logits": all_logits, "weights": weights,
+             "weight_block_size": None if weight_block_size is None else int(weight_block_size.replace("channel", "0")),
+             "quant_method": quant_method}
     kw.update({k: v for k, v in given.items() if v is not None})
     if no_validate:
         kw["validate"] = False
@@ -329,7 +339,7 @@ def engines(build_dir, max_num_seqs, max_num_batched_tokens, max_num_blocks, max
 @click.option("--model", "model_source", help="Source model [the one recorded in the manifest].")
 @click.option("--no-validate", is_flag=True, help="Skip re-validating against transformers.")
 def calibrate(build_dir, text, tokens, model_source, no_validate):
-    """Recompute an int8-KV build's per-head scales from a text and rewrite them in place."""
+    """Recompute an int8-KV build's per-channel scales from a text and rewrite them in place."""
     from kvexport.exporter.calibrate import calibrate as run
 
     manifest = run(build_dir, text, tokens, model_source, validate=not no_validate, progress=_rich_progress())
@@ -341,10 +351,18 @@ def calibrate(build_dir, text, tokens, model_source, no_validate):
 
 @main.command()
 @click.argument("build_dir", type=_Path(exists=True, file_okay=False))
-def inspect(build_dir):
-    """Print a build's manifest: graph I/O, parameters, KV bytes per token, validation."""
-    from kvexport.inspect import render
+@click.option("--json", "as_json", is_flag=True,
+              help="Print a machine-readable summary (JSON on stdout) instead of the tables.")
+def inspect(build_dir, as_json):
+    """Print a build's manifest: graph I/O, parameters, KV bytes per token, validation, and the
+    polygraphy / trtexec command lines for it."""
+    from kvexport.inspect import render, summary
 
+    if as_json:
+        import json
+
+        click.echo(json.dumps(summary(build_dir), indent=2))
+        return
     render(build_dir, Console(soft_wrap=True, emoji=False))
 
 

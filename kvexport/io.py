@@ -15,7 +15,10 @@ Layouts
     present.{i}.key/value [batch, kv_heads, total_seq, head_dim]
 
     Prompts in one batch are left-padded; ``attention_mask`` marks real tokens.
-    The prefill graph has no ``past_key_values`` inputs.
+    The prefill graph has no ``past_key_values`` inputs and returns the last token's logits
+    (every token's with all_logits). The decode graph takes any ``seq`` (1 per step; the
+    whole prompt with ``past_seq`` 0 when a tool runs it as its only graph) and returns
+    logits for every token it is given.
 
 ``paged`` (production): tokens of all sequences are packed (no padding)::
 
@@ -41,9 +44,10 @@ aliases the input) and reads everything back from it, so ``block_tables`` must c
 
     -> logits, key_cache_out.{i}/value_cache_out.{i} [kv_heads, num_blocks, block_size, head_dim]
 
-int8 KV: static symmetric scales per layer and KV head (``kvexport calibrate``), stored in
-both graphs as float32 initializers ``kv_scales.{i}.key/value`` [kv_heads] and in the
-manifest; pools hold ``saturate(round_half_even(x / scale))`` (ONNX QuantizeLinear).
+int8 KV: static symmetric scales per layer, KV head and channel (``kvexport calibrate``),
+stored in both graphs as float32 initializers ``kv_scales.{i}.key/value`` [kv_heads, head_dim]
+([kv_heads] in builds made before per-channel scales) and in the manifest; pools hold
+``saturate(round_half_even(x / scale))`` (ONNX QuantizeLinear).
 """
 
 from __future__ import annotations
@@ -57,12 +61,19 @@ WEIGHTS_FILE = "weights.data"
 TOKENIZER_DIR = "tokenizer"
 PREFILL_GRAPH = "prefill.onnx"
 DECODE_GRAPH = "decode.onnx"
+# side files for other tools (exporter/interop.py): optimum / transformers, onnxruntime-genai
+HF_CONFIG = "config.json"
+GENERATION_CONFIG = "generation_config.json"
+GENAI_CONFIG = "genai_config.json"  # contiguous builds only
+ROOT_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # copies of tokenizer/'s, for onnxruntime-genai
+INTEROP_FILES = (HF_CONFIG, GENERATION_CONFIG, GENAI_CONFIG, *ROOT_TOKENIZER_FILES)
 
 # Block 0 of every pool is never handed out; padded block-table entries point to it
 # so a gather stays in bounds. Its contents are always masked out.
 PAD_BLOCK_ID = 0
 
 ONNX_OPSET = 18
+QDQ_OPSET = 21  # quantized-weight builds: block-wise DequantizeLinear (opset 21) with INT4/INT8 weights
 PLUGIN_DOMAIN = "kvexport"
 PLUGIN_OP = "PagedAttention"
 PLUGIN_VERSION = "1"
@@ -82,7 +93,7 @@ class DType(str, enum.Enum):
     FP32 = "fp32"
     FP16 = "fp16"
     BF16 = "bf16"  # reserved for GPU engines
-    INT8 = "int8"  # KV only, with static per-head scales
+    INT8 = "int8"  # KV only, with static per-channel scales
 
     @property
     def numpy_name(self) -> str:
@@ -209,7 +220,11 @@ def graph_io(
     """Every input and output of one graph, in order. The exporter declares exactly
     these; the runtime feeds exactly these."""
     if layout is KVLayout.CONTIGUOUS:
-        seq = SEQ if phase is Phase.PREFILL else 1
+        # NOTE: decode's sequence axis is dynamic too (one token per step in the runtime): the decode
+        # graph is then also a single "decoder with past" that optimum's ORTModelForCausalLM and
+        # onnxruntime-genai's `decoder` type run on the prompt (empty past) and every step; its
+        # attention mask is causal over past + new tokens already, so nothing else changes
+        seq = SEQ
         inputs = [
             TensorSpec(INPUT_IDS, "int64", (BATCH, seq)),
             TensorSpec(ATTENTION_MASK, "int64", (BATCH, TOTAL_SEQ)),

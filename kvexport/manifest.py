@@ -55,7 +55,8 @@ class KVSpec:
     head_dim: int  # elements per head
     bytes_per_token: int  # io.kv_bytes_per_token(...), bytes
     max_seq_len: int  # longest context (prompt + output) the build serves, tokens
-    quantization: dict | None = None  # int8 KV: scheme, calibration, scales [layers][k, v][kv_heads]
+    quantization: dict | None = None  # int8 KV: scheme, calibration, scales [layers][k, v][kv_heads][head_dim]
+    # (per-head schemes, builds before per-channel scales: [layers][k, v][kv_heads])
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +73,11 @@ _MODEL_FIELDS: dict[str, Any] = {
     "num_kv_heads": int, "head_dim": int, "vocab_size": int, "max_positions": int,
     "sliding_window": int | None, "tie_embeddings": bool, "bos_token_id": int | None,
     "eos_token_ids": tuple[int, ...],
+}
+# Fields a spec has only where they differ from their default (exporter/spec.py ModelSpec.to_json):
+# checked when present; absent in the manifests of builds made before they existed.
+_OPTIONAL_MODEL_FIELDS: dict[str, Any] = {
+    "layer_windows": tuple[int | None, ...],
 }
 
 
@@ -91,6 +97,12 @@ class ModelEntry:
             if name not in self.spec:
                 raise _FieldError(f"model.{name}", "is missing")
             _decode(tp, self.spec[name], f"model.{name}")
+        for name, tp in _OPTIONAL_MODEL_FIELDS.items():
+            if name in self.spec:
+                _decode(tp, self.spec[name], f"model.{name}")
+        windows = self.spec.get("layer_windows")
+        if windows is not None and len(windows) != self.num_layers:
+            raise _FieldError("model.layer_windows", f"must list {self.num_layers} layers, got {len(windows)}")
 
     @property
     def family(self) -> str:  # registry name, e.g. "llama"
@@ -133,6 +145,19 @@ class ModelEntry:
         return self.spec["sliding_window"]
 
     @property
+    def layer_windows(self) -> tuple[int | None, ...]:  # each layer's window (None: full attention)
+        windows = self.spec.get("layer_windows")
+        return tuple(windows) if windows is not None else (self.sliding_window,) * self.num_layers
+
+    @property
+    def uniform_window(self) -> int | None:
+        """The window when every layer has the same one, else None. NOTE: the runtime keeps one
+        block table for all layers, so it may free the blocks behind a window only when every
+        layer is windowed alike (mistral); with any full-attention layer (gemma2/3) all stay."""
+        windows = set(self.layer_windows)
+        return windows.pop() if len(windows) == 1 else None
+
+    @property
     def tie_embeddings(self) -> bool:  # lm_head shares the embedding matrix
         return self.spec["tie_embeddings"]
 
@@ -150,6 +175,9 @@ class WeightsEntry:
     file: str  # the external-data file every graph's initializers live in (io.WEIGHTS_FILE)
     bytes: int  # its size, bytes (checked by load(): a truncated copy is refused)
     parameters: int  # model parameters stored in it (RoPE tables not counted)
+    precision: str | None = None  # matmul weights: fp32 | fp16 | int8 | int4 (None: builds before; = dtype)
+    # int8/int4: what is quantized and how (exporter/quantize.py describe()); None: float weights
+    quantization: dict | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,7 +49,7 @@ TRITON_MARKER = "kvexport-triton.json"  # at the root of a Triton repository kve
 # what a build may hold besides the paths its manifest names (older schemas; engines/ added by
 # `kvexport engines`); "samples" and "engines" are exporter/samples.py's and tensorrt_build.ENGINES_DIR
 _BUILD_NAMES = frozenset({io.MANIFEST_NAME, io.WEIGHTS_FILE, io.PREFILL_GRAPH, io.DECODE_GRAPH, io.TOKENIZER_DIR,
-                          "samples", "engines"})
+                          "samples", "engines", *io.INTEROP_FILES})
 _CACHE_DIR = "__pycache__"  # Python writes it when Triton's backend imports 1/model.py
 _TEMP = re.compile(r"(?P<kind>tmp|old)-[0-9a-f]{8}")  # after the ".OUT." prefix
 _STEM_BYTES = 240  # NAME_MAX (255) less ".", ".tmp-XXXXXXXX"

@@ -19,7 +19,8 @@ import yaml
 
 from kvexport import io
 from kvexport.errors import ConfigError
-from kvexport.exporter.limits import BACKENDS, DTYPES, KV_DTYPES, RANGES
+from kvexport.exporter.limits import (BACKENDS, DTYPES, KV_DTYPES, QUANT_METHODS, RANGES, WEIGHT_BLOCK_SIZES,
+                                      WEIGHT_PRECISIONS)
 from kvexport.manifest_engines import PRECISIONS, EngineBuildOptions
 
 RECIPE_DIR = Path(__file__).resolve().parent
@@ -43,6 +44,9 @@ class Recipe:
     all_logits: bool | None = None
     validate: bool | None = None
     validate_steps: int | None = None
+    weights: str | None = None  # matmul weights: "fp32" | "fp16" | "int8" | "int4" (None: dtype)
+    weight_block_size: int | None = None  # int8/int4: rows of K per scale (0 = per output channel | 32 | 64 | 128)
+    quant_method: str | None = None  # int8/int4 from float weights: "rtn" | "awq"
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -59,7 +63,8 @@ class Recipe:
 
 CHOICES = {"layout": tuple(e.value for e in io.KVLayout), "attention": tuple(e.value for e in io.Attention),
            "dtype": tuple(d.value for d in DTYPES), "kv_dtype": tuple(d.value for d in KV_DTYPES),
-           "backend": (*BACKENDS, "onnx"), "engines.precision": PRECISIONS}
+           "backend": (*BACKENDS, "onnx"), "engines.precision": PRECISIONS, "weights": WEIGHT_PRECISIONS,
+           "weight_block_size": WEIGHT_BLOCK_SIZES, "quant_method": QUANT_METHODS}
 
 
 @functools.cache
@@ -95,7 +100,7 @@ def _check(key: str, value: Any, tp: Any) -> None:
         raise ConfigError(f"{key} must be a non-empty string without NUL characters, got {_got(value)}")
     choices = CHOICES.get(key)
     if choices is not None and value not in choices:
-        raise ConfigError(f"{key} must be one of {', '.join(choices)}, got {_got(value)}")
+        raise ConfigError(f"{key} must be one of {', '.join(map(str, choices))}, got {_got(value)}")
     if key in RANGES:
         lo, hi = RANGES[key]
         if not lo <= value <= hi:

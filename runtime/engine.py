@@ -62,7 +62,7 @@ class LLMEngine:
         self.kv = KVCacheManager(self.pool)
         max_model_len = min(config.max_model_len or kv.max_seq_len, kv.max_seq_len)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len,
-                                                   model.sliding_window, eos), self.kv)
+                                                   model.uniform_window, eos), self.kv)
         self.runner = ModelRunner(backend, kv.block_size, eos)
         self.tokenizer = None
         if self.manifest.tokenizer:

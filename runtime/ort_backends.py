@@ -42,6 +42,9 @@ from .model_input import ModelInput
 log = logging.getLogger(__name__)
 
 ORT_KINDS = ("auto", "onnx", "native", "reference")
+# onnxruntime's accuracy level for the MatMulNBits it fuses from block-wise int4/int8 weights:
+# 4 = int8 activations (fast), 0 = float (bench/weight_quality.py measures both)
+MATMULNBITS_ACCURACY_LEVEL = 4
 
 
 def _providers() -> list[str]:
@@ -107,6 +110,11 @@ class _OrtBackend:
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         so.intra_op_num_threads = self.threads or (os.cpu_count() or 1)
         so.inter_op_num_threads = 1
+        if self.manifest.weights.precision in ("int8", "int4"):
+            # NOTE: int8 compute in the MatMulNBits that onnxruntime fuses from block-wise
+            # DequantizeLinear -> MatMul (bench/quant_linear.py: the default accuracy level
+            # dequantizes to float first and is slower)
+            so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(MATMULNBITS_ACCURACY_LEVEL))
         if self.profile_prefix:
             so.enable_profiling = True
             so.profile_file_prefix = self.profile_prefix
@@ -115,7 +123,26 @@ class _OrtBackend:
     def _open(self, path: Path):
         import onnxruntime as ort
 
-        return ort.InferenceSession(str(path), self.session_options(), providers=self.providers)
+        so = self.session_options()
+        model = self._cpu_model(path, so)
+        return ort.InferenceSession(model, so, providers=self.providers)
+
+    def _cpu_model(self, path: Path, so) -> str | bytes:
+        """The graph to open: its path, or for per-channel int8 weights on the CPU provider the
+        dynamic-int8 form derived from it in memory (runtime/ort_quant.py), as bytes whose
+        external weights resolve against the build folder (the codes stay int8 on disk)."""
+        q = self.manifest.weights.quantization or {}
+        if q.get("block_size") != "channel" or q.get("bits") != 8 or self.providers != ["CPUExecutionProvider"]:
+            return str(path)
+        import onnx
+
+        from .ort_quant import int8_dynamic
+
+        model = onnx.load(str(path), load_external_data=False)
+        if not int8_dynamic(model):
+            return str(path)
+        so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(path.parent))
+        return model.SerializeToString()
 
     @property
     def pool_bytes(self) -> int:

@@ -36,7 +36,7 @@ class SchedulerConfig:
     max_num_seqs: int = 64  # sequences per step
     max_num_batched_tokens: int = 512  # tokens per step (prompt chunks + decodes)
     max_model_len: int = 2048  # prompt + output tokens per sequence
-    sliding_window: int | None = None  # free blocks that fall entirely outside it
+    sliding_window: int | None = None  # every layer's window: free blocks entirely outside it (None: keep all)
     eos_token_ids: tuple[int, ...] = ()  # a sampled one finishes the request ("stop") unless ignore_eos
 
     def __post_init__(self) -> None:

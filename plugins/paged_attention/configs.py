@@ -46,17 +46,22 @@ class Shape:
     group: int  # query heads per KV head
     head_dim: int
     block_size: int  # tokens per KV block
-    sliding_window: int = 0
+    sliding_window: int = 0  # tokens; 0 = none
+    logit_softcap: float = 0.0  # attention-logit soft-cap; 0 = off
+    scale: float = 0.0  # softmax scale; 0 = head_dim ** -0.5
 
     def attrs(self, kv_dtype: str) -> PagedAttentionAttrs:
         return PagedAttentionAttrs(self.num_kv_heads * self.group, self.num_kv_heads, self.head_dim,
-                                   self.block_size, self.head_dim ** -0.5, self.sliding_window, kv_dtype)
+                                   self.block_size, self.scale or self.head_dim ** -0.5, self.sliding_window,
+                                   kv_dtype, self.logit_softcap)
 
 
 # Representative shapes every configuration is compiled for in CI.
 SHAPES = (Shape("llama3-8b", 8, 4, 128, 16),  # GQA, head_dim 128
           Shape("smollm2-135m", 3, 3, 64, 16),  # group 3: not a power of 2
-          Shape("mistral-window", 8, 4, 128, 16, 4096))  # sliding window
+          Shape("mistral-window", 8, 4, 128, 16, 4096),  # sliding window
+          # Gemma-2-9B local layers: window, soft-capped logits, query_pre_attn_scalar 256
+          Shape("gemma2-9b-local", 8, 2, 256, 16, 4096, logit_softcap=50.0, scale=256 ** -0.5))
 
 
 def pow2(n: int) -> int:
@@ -118,16 +123,21 @@ def _pointer_types(act: str, kv: str) -> dict:
     return dict(zip(_IN, types)), dict(zip(_OUT, (a, k, k)))
 
 
-def _attn_constexprs(attrs: PagedAttentionAttrs, block_m: int, tile: TileConfig) -> dict:
+def attn_constexprs(attrs: PagedAttentionAttrs, block_m: int, block_n: int,
+                    per_channel_scales: bool = True) -> dict:
+    """The attention kernels' constexprs for one layer. per_channel_scales: int8 scales are
+    [kv_heads, head_dim] (False: per-head [kv_heads], builds calibrated before them)."""
     return dict(NUM_KV_HEADS=attrs.num_kv_heads, GROUP=attrs.group_size, HEAD_DIM=attrs.head_dim,
                 BLOCK_SIZE=attrs.block_size, SCALE=float(attrs.scale), WINDOW=attrs.sliding_window,
-                KV_INT8=attrs.quantized, BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_D=pow2(attrs.head_dim))
+                KV_INT8=attrs.quantized, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=pow2(attrs.head_dim),
+                SOFTCAP=float(attrs.logit_softcap), SCALES_PER_CHANNEL=per_channel_scales)
 
 
-def prefill_source(attrs: PagedAttentionAttrs, act: str, tile: TileConfig) -> KernelSource:
+def prefill_source(attrs: PagedAttentionAttrs, act: str, tile: TileConfig,
+                   per_channel_scales: bool = True) -> KernelSource:
     """prefill_kernel(11 inputs, num_seqs, max_blocks, num_blocks, 3 outputs) — the AOT kernel."""
     ins, outs = _pointer_types(act, attrs.kv_dtype)
-    const = _attn_constexprs(attrs, block_m_for(tile, attrs.group_size), tile)
+    const = attn_constexprs(attrs, block_m_for(tile, attrs.group_size), tile.block_n, per_channel_scales)
     sig = {**ins, "num_seqs": "i32", "max_blocks": "i32", "num_blocks": "i32", **outs,
            **{k: "constexpr" for k in const}}
     return KernelSource("prefill", sig, const, tile.num_warps, tile.num_stages)
@@ -135,7 +145,7 @@ def prefill_source(attrs: PagedAttentionAttrs, act: str, tile: TileConfig) -> Ke
 
 def decode_source(attrs: PagedAttentionAttrs, act: str, tile: TileConfig, split: bool) -> KernelSource:
     ins, outs = _pointer_types(act, attrs.kv_dtype)
-    const = _attn_constexprs(attrs, block_m_for(tile, attrs.group_size), tile)
+    const = attn_constexprs(attrs, block_m_for(tile, attrs.group_size), tile.block_n)
     const["SPLIT"] = split
     sig = {**ins, "max_blocks": "i32", "num_blocks": "i32", "partition": "i32", **outs,
            "part_out_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
@@ -159,8 +169,8 @@ def all_sources() -> list[KernelSource]:
     activations × (fp16, int8) pools × every tile of the prefill (AOT) kernel, of the decode
     kernel with and without split-K, and the reduce kernel; bf16 the same with the first
     tiles (a TensorRT build may still pick any tactic for bf16); for the other shapes
-    (group 3 / head_dim 64, sliding window), fp16 × both pool kinds × the first tiles of the
-    prefill and split decode kernels. fp32 activations are a CPU (interpreter) mode only."""
+    (group 3 / head_dim 64, sliding window, Gemma-2 window + soft-cap + scale, head_dim 256),
+    fp16 × both pool kinds × the first tiles of the prefill and split decode kernels. fp32 activations are a CPU (interpreter) mode only."""
     out: dict[tuple, KernelSource] = {}
 
     def add(src: KernelSource) -> None:  # the reduce kernel does not depend on the pool dtype

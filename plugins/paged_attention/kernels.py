@@ -22,10 +22,16 @@ read the pool" bit for bit, with no ordering between programs. Tokens with slot 
 stored but still attend to their own K/V (the `onnx` attention does the same).
 
 INT8 KV: attention reads the int8 codes as exact small integers in the compute dtype and
-folds the per-head scales into the softmax scale (k) and the output (v): no rounding in the
-dequantisation. Quantisation is x / scale divided in float32 with IEEE rounding (div_rn, as
-onnxruntime's QuantizeLinear does), then rounded half to even and saturated to [-128, 127],
-so pools match the reference and the `onnx` attention bit for bit.
+folds the per-channel scales [kv_heads, head_dim] into the query (k: s = sum_d (q_d k_scale_d)
+code_d) and into the output (v: out_d = v_scale_d sum_j p_j code_jd). Legacy per-head scales
+[kv_heads] load as the same vector, broadcast (SCALES_PER_CHANNEL False). Quantisation is
+x / scale divided in float32 with IEEE rounding (div_rn, as onnxruntime's QuantizeLinear
+does), then rounded half to even and saturated to [-128, 127], so pools match the reference
+and the `onnx` attention bit for bit.
+
+Soft-capping (SOFTCAP > 0, Gemma 2): scores s = SCALE q·k become SOFTCAP tanh(s / SOFTCAP)
+before the mask and softmax; in the log2 domain the kernels work in that is
+C tanh(s' / C) with s' = s log2(e), C = SOFTCAP log2(e).
 """
 
 import triton
@@ -47,10 +53,19 @@ def _quantize(x, scale):
 
 
 @triton.jit
+def _tanh(x):
+    """tanh in float32 from exp2 (no libdevice: the interpreter runs it too); |error| < 1e-7."""
+    t = tl.exp2(-2.0 * LOG2E * tl.abs(x))  # in (0, 1]
+    r = (1.0 - t) / (1.0 + t)
+    return tl.where(x < 0, -r, r)
+
+
+@triton.jit
 def _store_rows(k_ptr, v_ptr, slot_ptr, kc_out_ptr, vc_out_ptr, k_scale, v_scale, tok, row_ok, kvh,
                 head_base, d, d_ok, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                 KV_INT8: tl.constexpr):
-    """Pools <- this step's K/V of tokens `tok` [BLOCK_M] (rows with row_ok) for KV head kvh."""
+    """Pools <- this step's K/V of tokens `tok` [BLOCK_M] (rows with row_ok) for KV head kvh;
+    k_scale / v_scale [BLOCK_D] (int8)."""
     slot = tl.load(slot_ptr + tok, mask=row_ok, other=-1)  # [BLOCK_M] int64
     ok = (row_ok & (slot >= 0))[:, None] & d_ok[None, :]
     src = (tok * NUM_KV_HEADS + kvh)[:, None] * HEAD_DIM + d[None, :]  # [BLOCK_M, BLOCK_D]
@@ -58,8 +73,8 @@ def _store_rows(k_ptr, v_ptr, slot_ptr, kc_out_ptr, vc_out_ptr, k_scale, v_scale
     kx = tl.load(k_ptr + src, mask=ok, other=0.0)
     vx = tl.load(v_ptr + src, mask=ok, other=0.0)
     if KV_INT8:
-        kx = _quantize(kx, k_scale)
-        vx = _quantize(vx, v_scale)
+        kx = _quantize(kx, k_scale[None, :])
+        vx = _quantize(vx, v_scale[None, :])
     tl.store(kc_out_ptr + dst, kx.to(tl.float32).to(kc_out_ptr.dtype.element_ty), mask=ok)
     tl.store(vc_out_ptr + dst, vx.to(tl.float32).to(vc_out_ptr.dtype.element_ty), mask=ok)
 
@@ -80,7 +95,7 @@ def _kv_tile(cache_ptr, new_ptr, bt_row_ptr, scale, pos, lim, ctx, q_start, kvh,
         src = (tok * NUM_KV_HEADS + kvh)[:, None] * HEAD_DIM + d[None, :]
         x = tl.load(new_ptr + src, mask=ok, other=0.0)
         if KV_INT8:
-            x = _quantize(x, scale).to(CDT)
+            x = _quantize(x, scale[None, :]).to(CDT)
         else:
             x = x.to(tl.float32).to(cache_ptr.dtype.element_ty).to(CDT)  # rounded as stored
     return x
@@ -89,7 +104,7 @@ def _kv_tile(cache_ptr, new_ptr, bt_row_ptr, scale, pos, lim, ctx, q_start, kvh,
 @triton.jit
 def _attend_step(acc, m_i, l_i, q, j0, kc_ptr, vc_ptr, k_ptr, v_ptr, bt_row_ptr, k_scale, v_scale, hi,
                  ctx, q_start, qpos, kvh, head_base, d, d_ok, qk_scale,
-                 FROM_POOL: tl.constexpr, KV_INT8: tl.constexpr, WINDOW: tl.constexpr,
+                 FROM_POOL: tl.constexpr, KV_INT8: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
                  BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                  BLOCK_N: tl.constexpr, CDT: tl.constexpr, PREC: tl.constexpr):
     """Online-softmax update of (acc [BLOCK_M, BLOCK_D], m_i, l_i [BLOCK_M]) with the keys at
@@ -100,6 +115,8 @@ def _attend_step(acc, m_i, l_i, q, j0, kc_ptr, vc_ptr, k_ptr, v_ptr, bt_row_ptr,
     v = _kv_tile(vc_ptr, v_ptr, bt_row_ptr, v_scale, pos, hi, ctx, q_start, kvh, head_base, d, d_ok,
                  FROM_POOL, KV_INT8, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, CDT)
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # [BLOCK_M, BLOCK_N]
+    if SOFTCAP > 0:
+        s = (SOFTCAP * LOG2E) * _tanh(s / (SOFTCAP * LOG2E))
     vis = (pos[None, :] <= qpos[:, None]) & (pos < hi)[None, :]
     if WINDOW > 0:
         vis = vis & (qpos[:, None] - pos[None, :] < WINDOW)
@@ -116,7 +133,7 @@ def _attend_step(acc, m_i, l_i, q, j0, kc_ptr, vc_ptr, k_ptr, v_ptr, bt_row_ptr,
 @triton.jit
 def _attend(acc, m_i, l_i, q, kc_ptr, vc_ptr, k_ptr, v_ptr, bt_row_ptr, k_scale, v_scale, lo, hi,
             ctx, q_start, qpos, kvh, head_base, d, d_ok, qk_scale,
-            FROM_POOL: tl.constexpr, KV_INT8: tl.constexpr, WINDOW: tl.constexpr,
+            FROM_POOL: tl.constexpr, KV_INT8: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
             BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
             BLOCK_N: tl.constexpr, CDT: tl.constexpr, PREC: tl.constexpr, INTERPRET: tl.constexpr):
     """`_attend_step` over the keys at positions [lo, hi).
@@ -128,15 +145,15 @@ def _attend(acc, m_i, l_i, q, kc_ptr, vc_ptr, k_ptr, v_ptr, bt_row_ptr, k_scale,
         while j0 < hi:
             acc, m_i, l_i = _attend_step(acc, m_i, l_i, q, j0, kc_ptr, vc_ptr, k_ptr, v_ptr, bt_row_ptr,
                                          k_scale, v_scale, hi, ctx, q_start, qpos, kvh, head_base, d, d_ok,
-                                         qk_scale, FROM_POOL, KV_INT8, WINDOW, BLOCK_SIZE, NUM_KV_HEADS,
-                                         HEAD_DIM, BLOCK_N, CDT, PREC)
+                                         qk_scale, FROM_POOL, KV_INT8, WINDOW, SOFTCAP, BLOCK_SIZE,
+                                         NUM_KV_HEADS, HEAD_DIM, BLOCK_N, CDT, PREC)
             j0 += BLOCK_N
     else:
         for j0 in range(lo, hi, BLOCK_N):
             acc, m_i, l_i = _attend_step(acc, m_i, l_i, q, j0, kc_ptr, vc_ptr, k_ptr, v_ptr, bt_row_ptr,
                                          k_scale, v_scale, hi, ctx, q_start, qpos, kvh, head_base, d, d_ok,
-                                         qk_scale, FROM_POOL, KV_INT8, WINDOW, BLOCK_SIZE, NUM_KV_HEADS,
-                                         HEAD_DIM, BLOCK_N, CDT, PREC)
+                                         qk_scale, FROM_POOL, KV_INT8, WINDOW, SOFTCAP, BLOCK_SIZE,
+                                         NUM_KV_HEADS, HEAD_DIM, BLOCK_N, CDT, PREC)
     return acc, m_i, l_i
 
 
@@ -164,25 +181,39 @@ def _find_seq(qsl_ptr, num_seqs, q_block, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _kv_head(ks_ptr, vs_ptr, kvh, num_blocks, KV_INT8: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+def _kv_head(ks_ptr, vs_ptr, kvh, num_blocks, KV_INT8: tl.constexpr, SCALES_PER_CHANNEL: tl.constexpr,
+             BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     """What a program needs of its KV head: the head_dim lanes and their mask, the head's
-    offset in the pool, and its int8 scales (1.0 for float pools)."""
+    offset in the pool, and its int8 scales as [BLOCK_D] float32 vectors (ones for float
+    pools and masked lanes; a per-head scale repeated when not SCALES_PER_CHANNEL)."""
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     head_base = kvh.to(tl.int64) * num_blocks * BLOCK_SIZE * HEAD_DIM
-    k_scale = 1.0
-    v_scale = 1.0
+    k_scale = tl.full([BLOCK_D], 1.0, dtype=tl.float32)
+    v_scale = tl.full([BLOCK_D], 1.0, dtype=tl.float32)
     if KV_INT8:
-        k_scale = tl.load(ks_ptr + kvh)
-        v_scale = tl.load(vs_ptr + kvh)
+        if SCALES_PER_CHANNEL:
+            at = kvh * HEAD_DIM + d  # [kv_heads, head_dim] row-major
+        else:
+            at = kvh + d * 0
+        k_scale = tl.load(ks_ptr + at, mask=d_ok, other=1.0)
+        v_scale = tl.load(vs_ptr + at, mask=d_ok, other=1.0)
     return d, d_ok, head_base, k_scale, v_scale
+
+
+@triton.jit
+def _fold_k_scale(q, k_scale, KV_INT8: tl.constexpr):
+    """int8: q [BLOCK_M, BLOCK_D] times the per-channel key scales, in float32 (the key
+    codes then stay exact integers in the dot)."""
+    if KV_INT8:
+        q = q.to(tl.float32) * k_scale[None, :]
+    return q
 
 
 @triton.jit
 def _attend_pool_then_step(q, kc_ptr, vc_ptr, k_ptr, v_ptr, bt_row, k_scale, v_scale, lo, hi, ctx, q_start, qpos,
                            kvh, head_base, d, d_ok, qk_scale, KV_INT8: tl.constexpr, WINDOW: tl.constexpr,
-                           BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                           SOFTCAP: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                            CDT: tl.constexpr, PREC: tl.constexpr, INTERPRET: tl.constexpr):
     """Online softmax over keys [lo, hi): those before `ctx` from the pool, the rest (this
@@ -192,11 +223,11 @@ def _attend_pool_then_step(q, kc_ptr, vc_ptr, k_ptr, v_ptr, bt_row, k_scale, v_s
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc, m_i, l_i = _attend(acc, m_i, l_i, q, kc_ptr, vc_ptr, k_ptr, v_ptr, bt_row, k_scale, v_scale,
                             lo, tl.minimum(hi, ctx), ctx, q_start, qpos, kvh, head_base, d, d_ok,
-                            qk_scale, True, KV_INT8, WINDOW, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM,
+                            qk_scale, True, KV_INT8, WINDOW, SOFTCAP, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM,
                             BLOCK_N, CDT, PREC, INTERPRET)
     acc, m_i, l_i = _attend(acc, m_i, l_i, q, kc_ptr, vc_ptr, k_ptr, v_ptr, bt_row, k_scale, v_scale,
                             tl.maximum(lo, ctx), hi, ctx, q_start, qpos, kvh, head_base, d, d_ok,
-                            qk_scale, False, KV_INT8, WINDOW, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM,
+                            qk_scale, False, KV_INT8, WINDOW, SOFTCAP, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM,
                             BLOCK_N, CDT, PREC, INTERPRET)
     return acc, m_i, l_i
 
@@ -207,7 +238,8 @@ def prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qs
                    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, SCALE: tl.constexpr, WINDOW: tl.constexpr,
                    KV_INT8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr = False):
+                   BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr = 0.0, SCALES_PER_CHANNEL: tl.constexpr = True,
+                   INTERPRET: tl.constexpr = False):
     """Argument order = the AOT plugin's: the 11 inputs, the int32 extras, the 3 outputs."""
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
     CDT: tl.constexpr = _compute_dtype(q_ptr.dtype.element_ty, INTERPRET)
@@ -225,25 +257,26 @@ def prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qs
         row_ok = (rows < BLOCK_Q * GROUP) & (tok_i < q_len)
         tok = q_start + tok_i
         head = kvh * GROUP + rows % GROUP
-        d, d_ok, head_base, k_scale, v_scale = _kv_head(ks_ptr, vs_ptr, kvh, num_blocks, KV_INT8, BLOCK_SIZE,
-                                                        HEAD_DIM, BLOCK_D)
+        d, d_ok, head_base, k_scale, v_scale = _kv_head(ks_ptr, vs_ptr, kvh, num_blocks, KV_INT8,
+                                                        SCALES_PER_CHANNEL, BLOCK_SIZE, HEAD_DIM, BLOCK_D)
         _store_rows(k_ptr, v_ptr, slot_ptr, kc_out_ptr, vc_out_ptr, k_scale, v_scale, tok,
                     row_ok & (rows % GROUP == 0), kvh, head_base, d, d_ok, NUM_KV_HEADS, HEAD_DIM, KV_INT8)
         q_off = (tok * (NUM_KV_HEADS * GROUP) + head)[:, None] * HEAD_DIM + d[None, :]
-        q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(CDT)  # [BLOCK_M, BLOCK_D]
+        q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+        q = _fold_k_scale(q, k_scale, KV_INT8).to(CDT)
         qpos = ctx + tok_i  # [BLOCK_M] absolute positions
         hi = ctx + tl.minimum(q_len, tile0 + BLOCK_Q)  # keys after the tile's last token are invisible
         lo = 0
         if WINDOW > 0:
             lo = tl.maximum(ctx + tile0 - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
-        qk_scale = SCALE * LOG2E * k_scale
+        qk_scale = SCALE * LOG2E
         bt_row = bt_ptr + s.to(tl.int64) * max_blocks
         acc, m_i, l_i = _attend_pool_then_step(q, kc_ptr, vc_ptr, k_ptr, v_ptr, bt_row, k_scale, v_scale, lo, hi, ctx,
                                                q_start, qpos, kvh, head_base, d, d_ok, qk_scale, KV_INT8, WINDOW,
-                                               BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, CDT,
+                                               SOFTCAP, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, CDT,
                                                PREC, INTERPRET)
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
-        out = acc * (v_scale / l_i)[:, None]  # [BLOCK_M, BLOCK_D]
+        out = acc * (1.0 / l_i)[:, None] * v_scale[None, :]  # [BLOCK_M, BLOCK_D]
         tl.store(out_ptr + q_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
@@ -254,7 +287,8 @@ def decode_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl
                   NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                   BLOCK_SIZE: tl.constexpr, SCALE: tl.constexpr, WINDOW: tl.constexpr,
                   KV_INT8: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr = False):
+                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr = 0.0,
+                  SCALES_PER_CHANNEL: tl.constexpr = True, INTERPRET: tl.constexpr = False):
     """One new token per sequence (q_len 0: nothing to do). `partition` (a multiple of
     BLOCK_N) context positions per split; part_* [S, H, splits(, D)] float32 when SPLIT."""
     CDT: tl.constexpr = _compute_dtype(q_ptr.dtype.element_ty, INTERPRET)
@@ -271,26 +305,27 @@ def decode_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl
         rows = tl.arange(0, BLOCK_M)
         row_ok = rows < GROUP
         head = kvh * GROUP + rows  # [BLOCK_M]
-        d, d_ok, head_base, k_scale, v_scale = _kv_head(ks_ptr, vs_ptr, kvh, num_blocks, KV_INT8, BLOCK_SIZE,
-                                                        HEAD_DIM, BLOCK_D)
+        d, d_ok, head_base, k_scale, v_scale = _kv_head(ks_ptr, vs_ptr, kvh, num_blocks, KV_INT8,
+                                                        SCALES_PER_CHANNEL, BLOCK_SIZE, HEAD_DIM, BLOCK_D)
         tok = q_start + rows * 0  # [BLOCK_M] all rows are the same token
         if split == 0:
             _store_rows(k_ptr, v_ptr, slot_ptr, kc_out_ptr, vc_out_ptr, k_scale, v_scale, tok, rows == 0,
                         kvh, head_base, d, d_ok, NUM_KV_HEADS, HEAD_DIM, KV_INT8)
         q_off = (tok * (NUM_KV_HEADS * GROUP) + head)[:, None] * HEAD_DIM + d[None, :]
-        q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(CDT)  # [BLOCK_M, BLOCK_D]
+        q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+        q = _fold_k_scale(q, k_scale, KV_INT8).to(CDT)
         qpos = ctx + rows * 0
         lo = split * partition
         hi = tl.minimum(lo + partition, total)
         if WINDOW > 0:
             lo = tl.maximum(lo, tl.maximum(total - WINDOW, 0) // BLOCK_N * BLOCK_N)
-        qk_scale = SCALE * LOG2E * k_scale
+        qk_scale = SCALE * LOG2E
         bt_row = bt_ptr + s.to(tl.int64) * max_blocks
         acc, m_i, l_i = _attend_pool_then_step(q, kc_ptr, vc_ptr, k_ptr, v_ptr, bt_row, k_scale, v_scale, lo, hi, ctx,
                                                q_start, qpos, kvh, head_base, d, d_ok, qk_scale, KV_INT8, WINDOW,
-                                               BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, CDT,
+                                               SOFTCAP, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, CDT,
                                                PREC, INTERPRET)
-        out = acc * (v_scale / tl.where(l_i == 0.0, 1.0, l_i))[:, None]  # [BLOCK_M, BLOCK_D]
+        out = acc * (1.0 / tl.where(l_i == 0.0, 1.0, l_i))[:, None] * v_scale[None, :]  # [BLOCK_M, BLOCK_D]
         if SPLIT:
             idx = (s * (NUM_KV_HEADS * GROUP) + head) * num_splits + split  # [BLOCK_M]
             tl.store(part_m_ptr + idx, m_i, mask=row_ok)

@@ -66,6 +66,11 @@ def _check(query, key, value, key_cache, value_cache, k_scale, v_scale, attrs: P
         raise ValueError(f"pools must be {attrs.kv_dtype} (attrs.kv_dtype), got {key_cache.dtype}/{value_cache.dtype}")
     if attrs.quantized and (k_scale is None or v_scale is None):
         raise ValueError("int8 KV needs k_scale and v_scale")
+    if attrs.quantized:
+        shapes = {(attrs.num_kv_heads, attrs.head_dim), (attrs.num_kv_heads,)}
+        if tuple(k_scale.shape) not in shapes or v_scale.shape != k_scale.shape:
+            raise ValueError(f"k_scale/v_scale must both be [num_kv_heads, head_dim] (or per head [num_kv_heads]), "
+                             f"got {tuple(k_scale.shape)}/{tuple(v_scale.shape)}")
     for name, t in (("query", query), ("key", key), ("value", value), ("key_cache", key_cache),
                     ("value_cache", value_cache)):
         if not t.is_contiguous():
@@ -96,11 +101,10 @@ def paged_attention_triton(query, key, value, key_cache, value_cache, block_tabl
     query_start_loc, slot_mapping = query_start_loc.contiguous(), slot_mapping.contiguous()
     if not attrs.quantized:  # the kernels take scale pointers either way; never read
         k_scale = v_scale = torch.ones(attrs.num_kv_heads, dtype=torch.float32, device=query.device)
+    k_scale, v_scale = k_scale.float().contiguous(), v_scale.float().contiguous()
     p = plan(attrs, num_seqs, max_q_len, max_seq_len, query.device, num_splits=num_splits, tile=tile)
-    const = dict(NUM_KV_HEADS=attrs.num_kv_heads, GROUP=attrs.group_size, HEAD_DIM=attrs.head_dim,
-                 BLOCK_SIZE=attrs.block_size, SCALE=float(attrs.scale), WINDOW=attrs.sliding_window,
-                 KV_INT8=attrs.quantized, BLOCK_M=configs.block_m_for(p.tile, attrs.group_size),
-                 BLOCK_N=p.tile.block_n, BLOCK_D=configs.pow2(attrs.head_dim),
+    const = dict(configs.attn_constexprs(attrs, configs.block_m_for(p.tile, attrs.group_size), p.tile.block_n,
+                                         per_channel_scales=k_scale.dim() == 2),
                  INTERPRET=_interpreting(), num_warps=p.tile.num_warps, num_stages=p.tile.num_stages)
     ins = (query, key, value, key_cache, value_cache, block_tables, seq_lens, query_start_loc, slot_mapping,
            k_scale, v_scale)

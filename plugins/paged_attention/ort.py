@@ -26,7 +26,7 @@ from .spec import NUM_INPUTS, PagedAttentionAttrs
 
 _REGISTERED: set[str] = set()
 _ATTR_TYPES = {"num_heads": "int", "num_kv_heads": "int", "head_dim": "int", "block_size": "int",
-               "scale": "float", "sliding_window": "int", "kv_dtype": "str",
+               "scale": "float", "sliding_window": "int", "kv_dtype": "str", "logit_softcap": "float",
                "plugin_namespace": "str", "plugin_version": "str"}
 
 

@@ -18,21 +18,22 @@ def torch_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
-def quantize(x: torch.Tensor, scale: torch.Tensor, head_axis: int) -> torch.Tensor:
-    """x / scale rounded half to even, saturated to int8 (ONNX QuantizeLinear, zero point 0);
-    `scale` [kv_heads] broadcast along `head_axis` of x.
+def channel_scales(scale: torch.Tensor, attrs: PagedAttentionAttrs) -> torch.Tensor:
+    """int8 scales as [kv_heads, head_dim] float32: per-channel scales as given, a per-head
+    vector [kv_heads] (builds calibrated before per-channel scales) broadcast along head_dim."""
+    scale = scale.float()
+    if scale.dim() == 1:
+        scale = scale[:, None].expand(attrs.num_kv_heads, attrs.head_dim)
+    return scale
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [..., kv_heads, head_dim] / scale [kv_heads, head_dim] rounded half to even,
+    saturated to int8 (ONNX QuantizeLinear, zero point 0).
     NOTE: the division is in float32, as onnxruntime's QuantizeLinear does it (dividing in
     float64 rounds ~1 value in a million differently, near ties)."""
-    shape = [1] * x.dim()
-    shape[head_axis] = -1
-    q = torch.round(x.float() / scale.float().reshape(shape))
+    q = torch.round(x.float() / scale.float())
     return q.clamp(-128, 127).to(torch.int8)
-
-
-def dequantize(q: torch.Tensor, scale: torch.Tensor, head_axis: int) -> torch.Tensor:
-    shape = [1] * q.dim()
-    shape[head_axis] = -1
-    return q.double() * scale.double().reshape(shape)
 
 
 def store_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, new: torch.Tensor, attrs: PagedAttentionAttrs,
@@ -41,7 +42,7 @@ def store_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, new: torch.Tensor,
     keep = slot_mapping >= 0
     slots, new = slot_mapping[keep], new[keep]
     if attrs.quantized:
-        vals = quantize(new, scale, head_axis=1)
+        vals = quantize(new, channel_scales(scale, attrs))  # [T, kvH, D]
     else:  # rounded to the pool's declared dtype even when handed a wider buffer (ort.py)
         vals = new.to(torch_dtype(attrs.kv_dtype)).to(cache.dtype)
     cache[:, slots // attrs.block_size, slots % attrs.block_size, :] = vals.transpose(0, 1)
@@ -52,7 +53,9 @@ def read_kv(cache: torch.Tensor, table: torch.Tensor, n: int, attrs: PagedAttent
     """The first n tokens of one sequence: [kvH, n, D] float64."""
     pos = torch.arange(n, device=cache.device)
     x = cache[:, table[pos // attrs.block_size], pos % attrs.block_size, :]  # [kvH, n, D]
-    return dequantize(x, scale, head_axis=0) if attrs.quantized else x.double()
+    if attrs.quantized:  # q * scale, exact in float64
+        return x.double() * channel_scales(scale, attrs).double()[:, None, :]
+    return x.double()
 
 
 def paged_attention(query, key, value, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
@@ -76,6 +79,8 @@ def paged_attention(query, key, value, key_cache, value_cache, block_tables, seq
         k, v = k.repeat_interleave(g, dim=0), v.repeat_interleave(g, dim=0)  # [H, L, D]
         q = query[start:end].double().transpose(0, 1)  # [H, q_len, D]
         scores = attrs.scale * (q @ k.transpose(1, 2))  # [H, q_len, L]
+        if attrs.logit_softcap:  # Gemma 2: soft-capped before the mask and softmax
+            scores = attrs.logit_softcap * torch.tanh(scores / attrs.logit_softcap)
         qpos = ctx + torch.arange(q_len, device=query.device)[:, None]
         kpos = torch.arange(total, device=query.device)[None, :]
         visible = kpos <= qpos
@@ -89,16 +94,20 @@ def paged_attention(query, key, value, key_cache, value_cache, block_tables, seq
 def make_case(*, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, q_lens: list[int],
               ctx_lens: list[int], num_blocks: int | None = None, kv_dtype: str = "float32",
               act_dtype: str = "float32", sliding_window: int = 0, shared_prefix_blocks: int = 0,
+              scale: float | None = None, logit_softcap: float = 0.0, per_head_scales: bool = False,
               seed: int = 0, device: str = "cpu") -> tuple[dict, PagedAttentionAttrs]:
     """A random ragged batch: sequence s has ctx_lens[s] tokens already in the pool and
     q_lens[s] new ones. Block ids are shuffled (tables have holes: unused ids in between);
     the first `shared_prefix_blocks` full blocks of every sequence are the same physical
     blocks (a shared prompt prefix, as prefix caching produces; their contents must then
     be equal across sequences, which holds because they are only written once).
+    scale: the softmax scale (None: head_dim ** -0.5). int8 scales are per channel
+    [kv_heads, head_dim], or per head [kv_heads] with `per_head_scales` (older builds).
     Returns (inputs by spec.INPUTS name, attrs)."""
     gen = torch.Generator().manual_seed(seed)
-    attrs = PagedAttentionAttrs(num_heads, num_kv_heads, head_dim, block_size, head_dim ** -0.5,
-                                sliding_window, kv_dtype)
+    attrs = PagedAttentionAttrs(num_heads, num_kv_heads, head_dim, block_size,
+                                head_dim ** -0.5 if scale is None else scale, sliding_window, kv_dtype,
+                                logit_softcap)
     totals = [c + q for c, q in zip(ctx_lens, q_lens)]
     blocks_per = [-(-t // block_size) for t in totals]
     shared = min([shared_prefix_blocks] + [c // block_size for c in ctx_lens]) if shared_prefix_blocks else 0
@@ -119,8 +128,9 @@ def make_case(*, num_heads: int, num_kv_heads: int, head_dim: int, block_size: i
     if kv_dtype == "int8":
         key_cache = torch.randint(-127, 128, pool_shape, generator=gen, dtype=torch.int8)
         value_cache = torch.randint(-127, 128, pool_shape, generator=gen, dtype=torch.int8)
-        k_scale = (torch.rand(kvh, generator=gen) * 0.02 + 0.01)
-        v_scale = (torch.rand(kvh, generator=gen) * 0.02 + 0.01)
+        scale_shape = (kvh,) if per_head_scales else (kvh, d)
+        k_scale = (torch.rand(scale_shape, generator=gen) * 0.02 + 0.01)
+        v_scale = (torch.rand(scale_shape, generator=gen) * 0.02 + 0.01)
     else:
         key_cache = torch.randn(pool_shape, generator=gen, dtype=f).to(pool_dtype)
         value_cache = torch.randn(pool_shape, generator=gen, dtype=f).to(pool_dtype)

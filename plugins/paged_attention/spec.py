@@ -14,7 +14,12 @@ Semantics (the reference in `reference.py` is the executable definition):
          j = 0..p of s (and only p - j < sliding_window when sliding_window > 0), key j at
          block_tables[s, j // block_size], offset j % block_size — read back from the pool,
          so this step's keys are seen exactly as stored (rounded to kv_dtype);
-         out = softmax(scale * q · k) · v, query head h reading KV head h // (H / kvH).
+         s = scale * q · k; when logit_softcap > 0, s = logit_softcap * tanh(s / logit_softcap)
+         (Gemma 2/3: on the scaled scores, before the mask and softmax, as transformers'
+         eager attention does); out = softmax(s) · v, query head h reading KV head h // (H / kvH).
+
+    sliding_window, logit_softcap and scale are per node, so per layer: a model whose layers
+    differ (Gemma 2/3: local windowed layers and global ones) has nodes that differ.
 
 Inputs (in order)::
 
@@ -27,8 +32,10 @@ Inputs (in order)::
     6 seq_lens        [num_seqs] int64               KV length after this step
     7 query_start_loc [num_seqs + 1] int64           cumulative new-token offsets
     8 slot_mapping    [num_tokens] int64
-    9 k_scale         [num_kv_heads] float32         int8: x ≈ q * scale (static, per head);
-   10 v_scale         [num_kv_heads] float32         float pools: present but ignored (ones)
+    9 k_scale         [num_kv_heads, head_dim] float32  int8: x ≈ code * scale (static, per channel);
+   10 v_scale         [num_kv_heads, head_dim] float32  float pools: present but ignored (ones)
+                      ([num_kv_heads]: per-head scales of builds made before per-channel ones;
+                      still accepted, broadcast along head_dim)
 
     NOTE: always 11 inputs: `tensorrt.plugin` has no optional inputs, so float-pool graphs
     carry two ignored scale vectors rather than a second plugin signature.
@@ -39,10 +46,17 @@ Outputs::
     1 key_cache       aliased to input 3 (updated in place)
     2 value_cache     aliased to input 4 (updated in place)
 
-INT8 KV: static symmetric scales per KV head (from `kvexport calibrate`); stored value
-q = saturate_int8(round_half_even(x / scale)), x / scale computed in float32 with IEEE
-rounding — exactly onnxruntime's QuantizeLinear with a zero point of 0 — and read back as q * scale, so the `onnx` attention (QuantizeLinear /
-DequantizeLinear) and the plugin agree bit for bit on what the pool holds.
+INT8 KV: static symmetric scales per KV head *and channel* (from `kvexport calibrate`: the
+calibration text's absmax of each key / value channel, / 127); stored value
+code = saturate_int8(round_half_even(x / scale)), x / scale computed in float32 with IEEE
+rounding — exactly onnxruntime's QuantizeLinear with a zero point of 0 — and read back as
+code * scale, so the `onnx` attention (Div + QuantizeLinear / DequantizeLinear + Mul, see
+exporter/attention.py `to_kv`) and the plugin agree bit for bit on what the pool holds.
+NOTE (why per channel): keys of models with q/k biases (Qwen2) carry a few channels tens of
+times larger than the rest, at fixed channels for every token (the KIVI observation); one
+scale per head spends the int8 range on them and rounds every other channel of the head to
+a handful of levels. A scale per channel costs nothing at run time (the key scales fold into
+the query, the value scales into the output) and keeps the pool a plain int8 tensor.
 """
 
 from __future__ import annotations

@@ -54,9 +54,10 @@ def tactic_tile(tactic: int) -> configs.TileConfig:
                                    "another kvexport version; rebuild it")
 
 
-def aot_kernel(attrs: PagedAttentionAttrs, act: str, tactic: int, capability: Union[int, None] = None):
+def aot_kernel(attrs: PagedAttentionAttrs, act: str, tactic: int, capability: Union[int, None] = None,
+               per_channel_scales: bool = True):
     """(KernelSource, CompiledKernel) of the AOT kernel; capability None = the current GPU."""
-    src = configs.prefill_source(attrs, act, tactic_tile(tactic))
+    src = configs.prefill_source(attrs, act, tactic_tile(tactic), per_channel_scales)
     return src, src.compile(capability)
 
 
@@ -91,7 +92,7 @@ def _define(dtype_names: Dict[Any, str]) -> None:
     def paged_attention_desc(query: TD, key: TD, value: TD, key_cache: TD, value_cache: TD, block_tables: TD,
                              seq_lens: TD, query_start_loc: TD, slot_mapping: TD, k_scale: TD, v_scale: TD,
                              num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, scale: float,
-                             sliding_window: int, kv_dtype: str) -> Tuple[TD, TD, TD]:
+                             sliding_window: int, kv_dtype: str, logit_softcap: float) -> Tuple[TD, TD, TD]:
         # output [T, H, D] like the query; the pools are updated in place (spec.ALIASES)
         return query.like(), key_cache.aliased(), value_cache.aliased()
 
@@ -107,14 +108,16 @@ def _define(dtype_names: Dict[Any, str]) -> None:
     def paged_attention_aot(query: TD, key: TD, value: TD, key_cache: TD, value_cache: TD, block_tables: TD,
                             seq_lens: TD, query_start_loc: TD, slot_mapping: TD, k_scale: TD, v_scale: TD,
                             num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, scale: float,
-                            sliding_window: int, kv_dtype: str, outputs: Tuple[TD, TD, TD], tactic: int
+                            sliding_window: int, kv_dtype: str, logit_softcap: float,
+                            outputs: Tuple[TD, TD, TD], tactic: int
                             ) -> Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams, trtp.SymExprs]:
         attrs = PagedAttentionAttrs(num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window,
-                                    kv_dtype.decode() if isinstance(kv_dtype, bytes) else kv_dtype)
+                                    kv_dtype.decode() if isinstance(kv_dtype, bytes) else kv_dtype, logit_softcap)
         act, pool = dtype_names[query.dtype], dtype_names[key_cache.dtype]
         if pool != attrs.kv_dtype:
             raise KvExportError(f"PagedAttention: pool dtype {pool} != kv_dtype attribute {attrs.kv_dtype}")
-        src, kernel = aot_kernel(attrs, act, tactic)
+        # int8 scales [kvH, head_dim] (per channel) or [kvH] (per head: builds before per-channel)
+        src, kernel = aot_kernel(attrs, act, tactic, per_channel_scales=k_scale.ndim == 2)
         block_q = src.constexprs["BLOCK_M"] // attrs.group_size
         num_tokens = query.shape_expr[0]  # [T, H, D]
         num_seqs = seq_lens.shape_expr[0]  # [S]

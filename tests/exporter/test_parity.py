@@ -38,7 +38,16 @@ def test_parity(hf_folder, tmp_path, family, variant, overrides, layout):
 
 
 def test_every_family_has_a_parity_case():
-    assert set(CASES) == set(FAMILIES), "add parity cases for every registered family"
+    import importlib.util
+    from pathlib import Path
+
+    # the 2025-26 families have their own module (per-layer features, runtime serving)
+    path = Path(__file__).with_name("test_families_2025.py")
+    spec = importlib.util.spec_from_file_location("test_families_2025", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert not set(CASES) & set(module.CASES)
+    assert set(CASES) | set(module.CASES) == set(FAMILIES), "add parity cases for every registered family"
 
 
 def test_sliding_window_is_shorter_than_the_test_sequence(hf_folder, tmp_path):

@@ -52,6 +52,18 @@ CASES = {
     "int8-window": dict(num_heads=2, num_kv_heads=1, head_dim=48, block_size=8, q_lens=[9, 1], ctx_lens=[13, 40],
                         kv_dtype="int8", sliding_window=10),
     "empty-sequence": dict(num_heads=2, num_kv_heads=2, head_dim=16, block_size=16, q_lens=[0, 3, 0], ctx_lens=[5, 2, 40]),
+    "int8-per-head-scales": dict(num_heads=6, num_kv_heads=2, head_dim=64, block_size=16, q_lens=[1, 21, 1],
+                                 ctx_lens=[50, 4, 0], kv_dtype="int8", per_head_scales=True),  # builds before per-channel
+}
+
+# Per-layer attributes (Gemma 2/3-style layers): each case's output must differ from the same
+# inputs with default attributes, so the attribute provably reaches the computation.
+PER_LAYER = dict(num_heads=6, num_kv_heads=2, head_dim=32, block_size=8, q_lens=[1, 19, 1, 9], ctx_lens=[40, 0, 6, 17])
+PER_LAYER_CASES = {
+    "sliding_window": dict(sliding_window=7),
+    "logit_softcap": dict(logit_softcap=1.5, scale=0.4),
+    "scale": dict(scale=0.0625),  # e.g. query_pre_attn_scalar ** -0.5 != head_dim ** -0.5
+    "all": dict(sliding_window=5, logit_softcap=2.0, scale=0.3),
 }
 
 
@@ -66,6 +78,30 @@ def test_matches_reference(lib, name):
     np.testing.assert_array_equal(v, want_v)
     # the inputs were not touched: outputs were separate buffers here
     np.testing.assert_array_equal(feeds["key_cache"], case["key_cache"].numpy())
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
+@pytest.mark.parametrize("name", sorted(PER_LAYER_CASES))
+def test_per_layer_attributes_match_reference(lib, name, kv_dtype):
+    case, attrs = make_case(**PER_LAYER, **PER_LAYER_CASES[name], kv_dtype=kv_dtype, seed=5)
+    plain, plain_attrs = make_case(**PER_LAYER, kv_dtype=kv_dtype, seed=5)
+    want_out = reference(case, attrs)[0]
+    assert np.abs(want_out - reference(plain, plain_attrs)[0]).max() > 1e-2  # the attribute matters here
+    out, k, v = session(lib, one_node_model(attrs, kv_dtype)).run(None, feeds_of(case))
+    assert np.abs(out - want_out).max() <= TOLERANCE["float32"]
+    ref_out, ref_k, ref_v = reference(case, attrs)
+    np.testing.assert_array_equal(k, ref_k)
+    np.testing.assert_array_equal(v, ref_v)
+
+
+def test_graphs_without_logit_softcap_still_run(lib):
+    """Plugin graphs exported before the attribute existed: no soft-capping."""
+    case, attrs = make_case(**PER_LAYER, seed=2)
+    model = one_node_model(attrs, "float32")
+    node = model.graph.node[0]
+    node.attribute.remove(next(a for a in node.attribute if a.name == "logit_softcap"))
+    out = session(lib, model).run(None, feeds_of(case))[0]
+    assert np.abs(out - reference(case, attrs)[0]).max() <= TOLERANCE["float32"]
 
 
 def test_pools_update_in_place_when_bound_to_the_inputs(lib):
@@ -105,6 +141,7 @@ def test_bad_metadata_is_a_clear_error_and_writes_nothing(lib, corrupt, message)
     ("kv_dtype", "float16", "runs only as a TensorRT plugin"),
     ("sliding_window", -1, "sliding_window"),
     ("scale", 0.0, "scale"),
+    ("logit_softcap", -1.0, "logit_softcap"),
 ])
 def test_bad_attributes_are_refused_when_the_session_opens(lib, attr, value, message):
     _, attrs = make_case(**CASES["decode-gqa"], seed=1)

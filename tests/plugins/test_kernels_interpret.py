@@ -94,11 +94,15 @@ def test_slot_minus_one_padding_is_not_stored():
     assert torch.isfinite(out[t:]).all()  # the pad token attends to its own K/V (not stored)
 
 
-def test_int8_store_rounds_half_to_even_and_saturates():
+@pytest.mark.parametrize("per_head", [False, True])
+def test_int8_store_rounds_half_to_even_and_saturates(per_head):
     # keys exactly on .5 ties and far out of range: the pool must hold QuantizeLinear's codes
+    # (per-channel scales, and the per-head [kv_heads] scales of older builds)
     inputs, attrs = reference.make_case(num_heads=2, num_kv_heads=2, head_dim=16, block_size=4,
-                                        q_lens=[1, 1], ctx_lens=[3, 6], kv_dtype="int8", seed=2)
-    inputs["k_scale"] = torch.tensor([0.5, 0.25])
+                                        q_lens=[1, 1], ctx_lens=[3, 6], kv_dtype="int8", seed=2,
+                                        per_head_scales=per_head)
+    inputs["k_scale"] = torch.tensor([0.5, 0.25]) if per_head else torch.tensor([[0.5] * 8 + [0.25] * 8] * 2)
+    inputs["v_scale"] = inputs["v_scale"][..., :1].expand_as(inputs["k_scale"]).contiguous()
     ties = torch.tensor([0.25, 0.75, -0.25, -0.75, 1.25, 100.0, -100.0, 0.0] * 2)  # / 0.5 -> .5 ties
     inputs["key"] = ties.repeat(2, 2, 1)  # [T=2, kvH=2, D=16]
     ref_in = {k: (v.clone() if v is not None else None) for k, v in inputs.items()}
@@ -106,8 +110,9 @@ def test_int8_store_rounds_half_to_even_and_saturates():
     reference.paged_attention(**ref_in, attrs=attrs)
     assert torch.equal(inputs["key_cache"], ref_in["key_cache"])
     slot = int(inputs["slot_mapping"][0])
-    stored = inputs["key_cache"][0, slot // 4, slot % 4, :8].tolist()
-    assert stored == [0, 2, 0, -2, 2, 127, -128, 0]
+    stored = inputs["key_cache"][0, slot // 4, slot % 4].tolist()
+    assert stored[:8] == [0, 2, 0, -2, 2, 127, -128, 0]
+    assert stored[8:] == ([0, 2, 0, -2, 2, 127, -128, 0] if per_head else [1, 3, -1, -3, 5, 127, -128, 0])
 
 
 def test_plan_split_heuristic():
@@ -120,3 +125,29 @@ def test_plan_split_heuristic():
     assert p.num_splits == 8 and p.partition == 512 and p.partition % p.tile.block_n == 0
     assert plan_(1, 4096, num_splits=1000).num_splits <= configs.MAX_SPLITS
     # NOTE: the automatic split count reads the GPU's SM count: only scripts/gpu_check.sh runs it
+
+
+# Per-layer attributes (Gemma 2/3-style layers), each on its own and together: the output
+# must differ from default attributes (the attribute reaches the kernel) and match the reference.
+PER_LAYER_CASES = {
+    "sliding_window": dict(sliding_window=6),
+    "logit_softcap": dict(logit_softcap=1.5, scale=0.4),
+    "scale": dict(scale=0.0625),  # e.g. query_pre_attn_scalar ** -0.5 != head_dim ** -0.5
+    "all": dict(sliding_window=5, logit_softcap=2.0, scale=0.3),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PER_LAYER_CASES))
+@pytest.mark.parametrize("act,kv", [("float32", "float32"), ("float32", "int8"), ("float16", "float16"),
+                                    ("float16", "int8")])
+@pytest.mark.parametrize("phase", ["prefill", "decode-split"])
+def test_per_layer_attributes(name, act, kv, phase):
+    q_lens, ctx_lens = ([5, 12, 1], [0, 9, 14]) if phase == "prefill" else ([1, 1, 1], [3, 18, 33])
+    case = dict(num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, q_lens=q_lens, ctx_lens=ctx_lens,
+                act_dtype=act, kv_dtype=kv, seed=4)
+    inputs, attrs = _run(**case, **PER_LAYER_CASES[name], num_splits=2 if phase != "prefill" else None)
+    plain, plain_attrs = reference.make_case(**case)
+    with_attr, _ = reference.make_case(**case, **PER_LAYER_CASES[name])
+    diff = (reference.paged_attention(**with_attr, attrs=attrs).double()
+            - reference.paged_attention(**plain, attrs=plain_attrs).double()).abs().max().item()
+    assert diff > 1e-2

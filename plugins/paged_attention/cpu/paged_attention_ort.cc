@@ -22,10 +22,6 @@
 #include "onnxruntime_cxx_api.h"
 #undef ORT_API_MANUAL_INIT
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -36,78 +32,16 @@
 #include <string>
 #include <vector>
 
+#include "paged_attention_simd.h"
+
 namespace {
 
 constexpr int kInputs = 11;
 constexpr int64_t kTileTokens = 16;  // query tokens per task (x G query heads = rows)
 constexpr int W = 16;                // keys scored at once (one vector of scores)
 
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
+using namespace kvexport_simd;
 
-inline v16f load16(const float* p) {
-  v16f v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-// NOTE: intrinsics here: GCC turns __builtin_convertvector(int8 x16 -> float x16) into 16
-// scalar conversions.
-inline v16f load16(const int8_t* p) {
-#if defined(__AVX512F__)
-  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  v16f v;
-  std::memcpy(&v, &f, sizeof v);
-  return v;
-#elif defined(__AVX2__)
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-  const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
-  v16f v;
-  std::memcpy(&v, &lo, 32);
-  std::memcpy(reinterpret_cast<char*>(&v) + 32, &hi, 32);
-  return v;
-#else
-  v16f v;
-  for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(p[i]);
-  return v;
-#endif
-}
-inline void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof v); }
-inline float hsum(v16f v) {  // log-step horizontal sum
-  v16f t = v + __builtin_shuffle(v, v16i{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-  t += __builtin_shuffle(t, v16i{4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3});
-  t += __builtin_shuffle(t, v16i{2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1});
-  return t[0] + t[1];
-}
-inline v16f splat(float x) { return v16f{} + x; }
-inline v16f vmax(v16f a, v16f b) { return a > b ? a : b; }
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// exp(x) for x <= 0 (scores minus their running max); x < -87 (and -inf) gives 0.
-// Range reduction x = n ln2 + r, |r| <= ln2/2, then a degree-6 polynomial (Cephes expf).
-inline v16f exp16(v16f x) {
-  const v16f lo = splat(-87.0f);
-  v16i under = x < lo;
-  x = x < lo ? lo : x;
-  v16f t = x * 1.44269504088896341f + 12582912.0f;  // round to nearest via 1.5 * 2^23
-  v16f n = t - 12582912.0f;
-  v16f r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  v16f p = splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  v16i e = (__builtin_convertvector(n, v16i) + 127) << 23;
-  v16f two_n;
-  std::memcpy(&two_n, &e, sizeof e);
-  v16f y = p * two_n;
-  return under ? splat(0.f) : y;
-}
-
-inline float to_f(float x) { return x; }
-inline float to_f(int8_t x) { return static_cast<float>(x); }
 
 // Ask for the next block of the sequence while this one is scored: blocks are scattered in
 // the pool, so the hardware prefetcher cannot guess them. n = elements to fetch.
@@ -162,7 +96,7 @@ inline void accumulate(float* acc, float alpha, const float* p, int64_t stride, 
 
 struct Attrs {
   int64_t num_heads, num_kv_heads, head_dim, block_size, sliding_window;
-  float scale;
+  float scale, logit_softcap;  // logit_softcap 0: off
   bool int8;
 };
 
@@ -176,7 +110,7 @@ struct Step {
   float* out;
   void *key_cache, *value_cache;  // the output pools (already holding this step's K/V)
   const int64_t *tables, *seq_lens, *qsl;
-  const float *k_scale, *v_scale;
+  const float *k_scale, *v_scale;  // int8: [kvH, D] per-channel scales
   int64_t num_blocks, max_blocks;
   std::vector<Task> tasks;
 };
@@ -184,7 +118,7 @@ struct Step {
 // What one task sees: rows r = (token i0 + r / g, query head kv_head * g + r % g).
 struct Tile {
   int64_t d, g, rows, ctx, q_start, first, last;  // keys [first, last] may be visible
-  float q_scale, v_scale;
+  const float *k_scale, *v_scale;  // int8: this head's [D] scales; nullptr for float pools
   Tile(const Step& st, const Task& t) {
     const Attrs& a = st.a;
     d = a.head_dim;
@@ -194,8 +128,17 @@ struct Tile {
     ctx = st.seq_lens[t.seq] - (st.qsl[t.seq + 1] - q_start);
     last = ctx + t.i1 - 1;
     first = a.sliding_window > 0 ? std::max<int64_t>(0, ctx + t.i0 - a.sliding_window + 1) : 0;
-    q_scale = a.scale * (a.int8 ? st.k_scale[t.kv_head] : 1.f);  // int8: k = code * k_scale
-    v_scale = a.int8 ? st.v_scale[t.kv_head] : 1.f;
+    k_scale = a.int8 ? st.k_scale + t.kv_head * d : nullptr;
+    v_scale = a.int8 ? st.v_scale + t.kv_head * d : nullptr;
+  }
+  // int8: k = code * k_scale, so q_i * scale * k_scale_i meets the codes as exact integers
+  void load_query(const float* src, float* dst, int64_t stride, float scale) const {
+    for (int64_t i = 0; i < d; ++i) dst[i * stride] = src[i] * scale * (k_scale ? k_scale[i] : 1.f);
+  }
+  // out_i = v_scale_i * acc_i / l (int8: v = code * v_scale)
+  void store_output(const float* acc, float* dst, float l) const {
+    const float f = l > 0.f ? 1.f / l : 0.f;
+    for (int64_t i = 0; i < d; ++i) dst[i] = acc[i] * f * (v_scale ? v_scale[i] : 1.f);
   }
   int64_t token(const Task& t, int64_t r) const { return q_start + t.i0 + r / g; }
   int64_t head(const Task& t, int64_t r) const { return t.kv_head * g + r % g; }
@@ -215,8 +158,7 @@ void attend_dots(const Step& st, const Task& t) {
   float* m = acc + rows * d;
   float* l = m + rows;
   for (int64_t r = 0; r < rows; ++r) {
-    const float* src = st.query + (tl.token(t, r) * a.num_heads + tl.head(t, r)) * d;
-    for (int64_t i = 0; i < d; ++i) q[r * d + i] = src[i] * tl.q_scale;
+    tl.load_query(st.query + (tl.token(t, r) * a.num_heads + tl.head(t, r)) * d, q + r * d, 1, a.scale);
     std::fill(acc + r * d, acc + (r + 1) * d, 0.f);
     m[r] = kNegInf;
     l[r] = 0.f;
@@ -238,12 +180,11 @@ void attend_dots(const Step& st, const Task& t) {
         const int64_t lo = a.sliding_window > 0 ? pos - a.sliding_window + 1 : 0;
         const int64_t j_lo = std::max(lo, c0), j_hi = std::min({pos, c0 + W - 1, end - 1});  // visible
         if (j_lo > j_hi) continue;
-        float mx = kNegInf;
-        for (int64_t j = j_lo; j <= j_hi; ++j) {
-          s[j - j_lo] = dot<NV>(q + r * d, kb + (j - c0) * d, d);
-          mx = std::max(mx, s[j - j_lo]);
-        }
+        for (int64_t j = j_lo; j <= j_hi; ++j) s[j - j_lo] = dot<NV>(q + r * d, kb + (j - c0) * d, d);
         const int64_t n = j_hi - j_lo + 1;
+        if (a.logit_softcap > 0.f) store16(s, softcap16(load16(s), a.logit_softcap));  // lanes >= n: reset below
+        float mx = kNegInf;
+        for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[j]);
         for (int64_t j = n; j < W; ++j) s[j] = kNegInf;
         const float m_new = std::max(m[r], mx);
         const float alpha = std::exp(m[r] - m_new);  // 0 on the first visible block
@@ -255,11 +196,8 @@ void attend_dots(const Step& st, const Task& t) {
       }
     }
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    float* dst = st.out + (tl.token(t, r) * a.num_heads + tl.head(t, r)) * d;
-    const float f = l[r] > 0.f ? tl.v_scale / l[r] : 0.f;
-    for (int64_t i = 0; i < d; ++i) dst[i] = acc[r * d + i] * f;
-  }
+  for (int64_t r = 0; r < rows; ++r)
+    tl.store_output(acc + r * d, st.out + (tl.token(t, r) * a.num_heads + tl.head(t, r)) * d, l[r]);
 }
 
 // Many rows (prompt tiles): scores are computed 16 rows at a time, vectorised over rows
@@ -285,8 +223,8 @@ void attend_rows(const Step& st, const Task& t) {
   std::fill(l, l + groups * 16, 0.f);
   alignas(64) int32_t posv[16];
   for (int64_t r = 0; r < rows; ++r) {
-    const float* src = st.query + (tl.token(t, r) * a.num_heads + tl.head(t, r)) * d;
-    for (int64_t i = 0; i < d; ++i) qt[((r / 16) * d + i) * 16 + r % 16] = src[i] * tl.q_scale;
+    tl.load_query(st.query + (tl.token(t, r) * a.num_heads + tl.head(t, r)) * d, qt + (r / 16) * d * 16 + r % 16,
+                  16, a.scale);
   }
   const KV* kpool = static_cast<const KV*>(st.key_cache);
   const KV* vpool = static_cast<const KV*>(st.value_cache);
@@ -336,6 +274,7 @@ void attend_rows(const Step& st, const Task& t) {
         v16f mx = splat(kNegInf);
 #pragma GCC unroll 16
         for (int j = 0; j < W; ++j) {  // key c0 + j is visible to a row at pos iff j <= pos (and window)
+          if (a.logit_softcap > 0.f) sc[j] = softcap16(sc[j], a.logit_softcap);
           v16i vis = rp >= j;
           if (j >= n) vis = v16i{};
           if (a.sliding_window > 0) vis &= (rp - j) < static_cast<int32_t>(a.sliding_window);
@@ -360,11 +299,8 @@ void attend_rows(const Step& st, const Task& t) {
       }
     }
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    float* dst = st.out + (tl.token(t, r) * a.num_heads + tl.head(t, r)) * d;
-    const float f = l[r] > 0.f ? tl.v_scale / l[r] : 0.f;
-    for (int64_t i = 0; i < d; ++i) dst[i] = acc[r * d + i] * f;
-  }
+  for (int64_t r = 0; r < rows; ++r)
+    tl.store_output(acc + r * d, st.out + (tl.token(t, r) * a.num_heads + tl.head(t, r)) * d, l[r]);
 }
 
 constexpr int64_t kRowsMin = 8;  // tasks with fewer rows take the dot-product path
@@ -410,6 +346,11 @@ struct Kernel {
     a.block_size = ki.GetAttribute<int64_t>("block_size");
     a.sliding_window = ki.GetAttribute<int64_t>("sliding_window");
     a.scale = ki.GetAttribute<float>("scale");
+    a.logit_softcap = 0.f;  // optional: graphs exported before soft-capping lack it
+    if (OrtStatus* missing = Ort::GetApi().KernelInfoGetAttribute_float(info, "logit_softcap", &a.logit_softcap)) {
+      Ort::GetApi().ReleaseStatus(missing);
+      a.logit_softcap = 0.f;
+    }
     const std::string kv = ki.GetAttribute<std::string>("kv_dtype");
     if (kv != "float32" && kv != "int8")
       fail("kv_dtype " + kv + " runs only as a TensorRT plugin; the CPU op takes float32 or int8 pools");
@@ -419,6 +360,7 @@ struct Kernel {
     if (a.sliding_window < 0 || a.sliding_window > std::numeric_limits<int32_t>::max())
       fail("sliding_window must be in [0, 2^31)");
     if (!(a.scale > 0.f)) fail("scale must be > 0");
+    if (!(a.logit_softcap >= 0.f) || std::isinf(a.logit_softcap)) fail("logit_softcap must be finite and >= 0 (0 = off)");
   }
 
   OrtStatusPtr ComputeV2(OrtKernelContext* context) {
@@ -450,8 +392,10 @@ struct Kernel {
     if (bt.size() != 2 || sl.size() != 1 || bt[0] != sl[0] || ql != std::vector<int64_t>{sl[0] + 1} || sm != std::vector<int64_t>{T})
       fail("block_tables [S, max_blocks], seq_lens [S], query_start_loc [S+1], slot_mapping [T] disagree");
     const int64_t S = sl[0], NB = ps[1], MB = bt[1], bs = a.block_size;
-    for (int j = 9; j < 11; ++j)
-      if (shape_of(ctx.GetInput(j)) != std::vector<int64_t>{kvH}) fail("k_scale/v_scale must be [num_kv_heads]");
+    const auto kss = shape_of(ctx.GetInput(9));
+    const bool per_head = kss == std::vector<int64_t>{kvH};  // builds calibrated before per-channel scales
+    if ((!per_head && kss != std::vector<int64_t>{kvH, D}) || shape_of(ctx.GetInput(10)) != kss)
+      fail("k_scale/v_scale must both be [num_kv_heads, head_dim] (per channel) or [num_kv_heads] (per head)");
 
     Step st;
     st.a = a;
@@ -461,6 +405,17 @@ struct Kernel {
     st.qsl = ctx.GetInput(7).GetTensorData<int64_t>();
     st.k_scale = ctx.GetInput(9).GetTensorData<float>();
     st.v_scale = ctx.GetInput(10).GetTensorData<float>();
+    std::vector<float> expanded;  // per-head scales repeated along head_dim: one layout below
+    if (a.int8 && per_head) {
+      expanded.resize(static_cast<size_t>(2 * kvH * D));
+      for (int64_t h = 0; h < kvH; ++h)
+        for (int64_t i = 0; i < D; ++i) {
+          expanded[h * D + i] = st.k_scale[h];
+          expanded[(kvH + h) * D + i] = st.v_scale[h];
+        }
+      st.k_scale = expanded.data();
+      st.v_scale = expanded.data() + kvH * D;
+    }
     st.num_blocks = NB;
     st.max_blocks = MB;
     const int64_t* slots = ctx.GetInput(8).GetTensorData<int64_t>();
@@ -480,8 +435,8 @@ struct Kernel {
     for (int64_t t = 0; t < T; ++t)
       if (slots[t] >= NB * bs) fail("slot_mapping points past the pool");
     if (a.int8)
-      for (int64_t h = 0; h < kvH; ++h)
-        if (!(st.k_scale[h] > 0.f) || !(st.v_scale[h] > 0.f)) fail("int8 scales must be > 0");
+      for (int64_t i = 0; i < kvH * D; ++i)
+        if (!(st.k_scale[i] > 0.f) || !(st.v_scale[i] > 0.f)) fail("int8 scales must be > 0");
 
     Ort::UnownedValue out = ctx.GetOutput(0, qs);
     Ort::UnownedValue kc_out = ctx.GetOutput(1, ps), vc_out = ctx.GetOutput(2, ps);
@@ -509,8 +464,8 @@ struct Kernel {
           int8_t* kp = static_cast<int8_t*>(kdst) + at;
           int8_t* vp = static_cast<int8_t*>(vdst) + at;
           for (int64_t i = 0; i < D; ++i) {
-            kp[i] = quantize(ksrc[i], st.k_scale[h]);
-            vp[i] = quantize(vsrc[i], st.v_scale[h]);
+            kp[i] = quantize(ksrc[i], st.k_scale[h * D + i]);
+            vp[i] = quantize(vsrc[i], st.v_scale[h * D + i]);
           }
         } else {
           std::memcpy(static_cast<float*>(kdst) + at, ksrc, D * sizeof(float));

@@ -1,0 +1,122 @@
+"""Tokens/s of onnxruntime-genai and optimum running a kvexport contiguous build against each
+tool's own export of the same model (docs/INTEROP.md, "Speed"). Greedy, batch 1, the same
+prompt and number of new tokens for every model, EOS masked until then; the models of one tool
+are loaded in one process and timed in turns (A B A B ...), so a busy machine slows all alike.
+
+    # onnxruntime-genai (main venv): our build (its genai_config.json: decoder-pipeline), our
+    # build run as a single `decoder` (decode.onnx alone, a config overlay), its builder's export
+    .venv/bin/python bench/interop_speed.py genai build/smollm2-contig bench/.cache/smollm2-ortgenai-fp32-cpu
+    # optimum (.venv-optimum): our decode.onnx, `optimum-cli export onnx` of the same HF folder
+    .venv-optimum/bin/python bench/interop_speed.py optimum build/smollm2-contig OPTIMUM_EXPORT_DIR
+
+Reports per model: end-to-end tokens/s (new tokens / time of the whole generate call) and
+decode tokens/s ((N-1) / (time for N tokens - time for 1 token): the per-token loop without
+the prompt). Prints JSON. Needs only the tool (and `tokenizers`), not kvexport.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+PROMPT = ("The old lighthouse keeper climbed the spiral stairs every evening to light the lamp. "
+          "One night, as a storm rolled in from the sea, he noticed a small boat struggling against "
+          "the waves. Without hesitation, he")
+
+
+def prompt_ids(build_dir: str) -> list[int]:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(os.path.join(build_dir, "tokenizer.json")).encode(PROMPT).ids
+
+
+def genai_models(ours: str, theirs: str):
+    import onnxruntime_genai as og
+
+    def load(path, overlay=None):
+        cfg = og.Config(path)
+        if overlay:
+            cfg.overlay(json.dumps(overlay))
+        return og.Model(cfg)
+
+    def run(model, ids, n):
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=len(ids) + n, min_length=len(ids) + n, do_sample=False)
+        gen = og.Generator(model, params)
+        gen.append_tokens(ids)
+        out = []
+        while not gen.is_done():
+            gen.generate_next_token()
+            out.append(int(gen.get_next_tokens()[0]))
+        return out
+
+    single = {"model": {"type": _genai_type(ours), "decoder": {"filename": "decode.onnx"}}}
+    return {"kvexport (decoder-pipeline)": (load(ours), run),
+            "kvexport (decoder, decode.onnx alone)": (load(ours, single), run),
+            "onnxruntime-genai builder": (load(theirs), run)}, og.__version__
+
+
+def _genai_type(build_dir: str) -> str:
+    with open(os.path.join(build_dir, "config.json"), encoding="utf-8") as f:
+        return json.load(f)["model_type"]
+
+
+def optimum_models(ours: str, theirs: str):
+    import optimum.version
+    import torch
+    from optimum.onnxruntime import ORTModelForCausalLM
+
+    def run(model, ids, n):
+        x = torch.tensor([ids])
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False)
+        return out[0, len(ids):].tolist()
+
+    return {"kvexport decode.onnx": (ORTModelForCausalLM.from_pretrained(ours, file_name="decode.onnx"), run),
+            "optimum-cli export": (ORTModelForCausalLM.from_pretrained(theirs), run)}, optimum.version.__version__
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("tool", choices=["genai", "optimum"])
+    ap.add_argument("ours", help="a kvexport --layout contiguous build")
+    ap.add_argument("theirs", help="the tool's own export of the same model")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
+    ids = prompt_ids(args.ours)
+    models, version = (genai_models if args.tool == "genai" else optimum_models)(args.ours, args.theirs)
+    tokens = {}
+    for name, (model, run) in models.items():  # warm-up, and every model must give the same tokens
+        tokens[name] = run(model, ids, args.new_tokens)
+    times: dict[str, dict[int, list[float]]] = {name: {1: [], args.new_tokens: []} for name in models}
+    for rep in range(args.repeats):
+        order = list(models) if rep % 2 == 0 else list(models)[::-1]
+        for n in (1, args.new_tokens):
+            for name in order:
+                model, run = models[name]
+                t = time.perf_counter()
+                run(model, ids, n)
+                times[name][n].append(time.perf_counter() - t)
+    n = args.new_tokens
+    result = {"tool": args.tool, "version": version, "prompt_tokens": len(ids), "new_tokens": n,
+              "repeats": args.repeats, "machine": f"{platform.processor() or platform.machine()}, "
+                                                  f"{os.cpu_count()} logical CPUs (shared: timings are noisy)",
+              "same_tokens_as_first": {k: v == next(iter(tokens.values())) for k, v in tokens.items()},
+              "models": {}}
+    for name, t in times.items():
+        t1, tn = statistics.median(t[1]), statistics.median(t[n])
+        result["models"][name] = {"end_to_end_tok_s": round(n / tn, 1), "decode_tok_s": round((n - 1) / (tn - t1), 1),
+                                  "first_token_s": round(t1, 4), "runs_s": [round(x, 3) for x in t[n]]}
+    json.dump(result, sys.stdout, indent=2)
+    print()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,318 @@
+"""The 2025-26 families (qwen3, olmo2, gemma2, gemma3_text, smollm3) against transformers on
+tiny random models: both KV layouts, `onnx` and `plugin` attention, fp32 greedy tokens
+identical over 16 steps on prompts of 5..30 tokens (longer than the 8-token windows), fp16
+within its tolerance, and served by the runtime with chunked prefill and preemption.
+
+Each family's tiny config switches on the spec features it brings (exporter/spec.py):
+per-layer windows and RoPE kinds, q/k norms, post/sandwich norms, (1 + w) norms, embedding
+scale, attention and final soft-caps, query_pre_attn_scalar, NoPE layers."""
+
+import importlib.util
+import types
+from pathlib import Path
+
+import pytest
+
+from kvexport import LLM, SamplingParams, io
+from kvexport.errors import ConfigError, UnsupportedModelError
+from kvexport.exporter import source
+from kvexport.exporter.build import BuildOptions, build
+from kvexport.exporter.families import read_spec
+from kvexport.exporter.validate import TOLERANCE, prompt_ids, reference
+from kvexport import manifest as manifest_mod
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+# family -> tiny-config overrides (on top of tests/conftest.py's tiny_config); every feature on
+CASES = {
+    "qwen3": dict(head_dim=24),  # explicit head_dim != hidden / heads; per-head q/k norms
+    "olmo2": {},  # post norms only, q/k norms over all heads
+    # windows on layers 0, 2; soft-caps small enough to change the result; scale 24 ** -0.5
+    "gemma2": dict(query_pre_attn_scalar=24, attn_logit_softcapping=2.0, final_logit_softcapping=5.0),
+    # 3 local : 1 global; local RoPE base 1e4, global 1e6 with linear scaling 2
+    "gemma3_text": dict(num_hidden_layers=4, sliding_window_pattern=4, query_pre_attn_scalar=24,
+                        final_logit_softcapping=5.0,
+                        rope_parameters={FULL: dict(rope_type="linear", factor=2.0, rope_theta=1e6),
+                                         SLIDING: dict(rope_type="default", rope_theta=1e4)}),
+    "smollm3": dict(num_hidden_layers=4, no_rope_layer_interval=2),  # NoPE on layers 1, 3
+}
+# what read_spec must make of them (spec field -> value)
+EXPECTED = {
+    "qwen3": dict(qk_norm="head", head_dim=24, layer_norms="pre", layer_windows=None),
+    "olmo2": dict(qk_norm="all", layer_norms="post"),
+    "gemma2": dict(layer_norms="sandwich", norm_offset=1.0, embed_scale=8.0, attn_scale=24 ** -0.5,
+                   attn_softcap=2.0, final_softcap=5.0, sliding_window=8, layer_windows=(8, None),
+                   activation="gelu_pytorch_tanh"),
+    "gemma3_text": dict(qk_norm="head", layer_norms="sandwich", norm_offset=1.0, layer_windows=(8, 8, 8, None),
+                        layer_rope=("local", "local", "local", "global"), final_softcap=5.0),
+    "smollm3": dict(layer_rope=("global", "none", "global", "none")),
+}
+BUILDS = [("paged", "onnx"), ("contiguous", "onnx"), ("paged", "plugin")]
+
+
+def _sibling(path: str):
+    """A helper module of the test suite, by path (pytest runs with --import-mode=importlib)."""
+    spec = importlib.util.spec_from_file_location(Path(path).stem, Path(__file__).parent / path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+engine_parity = _sibling("../runtime/test_engine_parity.py")
+
+
+@pytest.fixture(scope="module")
+def folder(hf_folder):
+    """folder(family, **extra overrides) -> saved tiny HF model with the family's CASES config."""
+    return lambda family, **extra: hf_folder(family, **{**CASES[family], **extra})
+
+
+@pytest.mark.parametrize("family", CASES)
+def test_spec_reads_the_family_features(folder, family):
+    spec = read_spec(source.load_config(source.resolve(str(folder(family)))))  # through config.json
+    for name, want in EXPECTED[family].items():
+        got = getattr(spec, name)
+        if name == "layer_windows" and want is not None and len(want) < spec.num_layers:  # alternating
+            want = tuple(want[i % len(want)] for i in range(spec.num_layers))
+        assert got == (pytest.approx(want) if isinstance(want, float) else want), name
+
+
+PARAMS = [(f, lay, att) for f in CASES for lay, att in BUILDS]
+
+
+@pytest.mark.parametrize("family,layout,attention", PARAMS, ids=[f"{f}-{l}-{a}" for f, l, a in PARAMS])
+def test_parity_fp32(folder, tmp_path, family, layout, attention, request):
+    if attention == "plugin":
+        request.getfixturevalue("cpu_op")
+    _, m = build(str(folder(family)), tmp_path / "b",
+                 BuildOptions(layout=io.KVLayout(layout), attention=io.Attention(attention), block_size=4,
+                              max_seq_len=64))
+    v = m.validation
+    assert v.passed and v.greedy_identical, v
+    assert v.max_abs_diff <= TOLERANCE["fp32"]
+    assert v.steps == 16 and len(v.prompt_lengths) == 4
+    if m.model.sliding_window:  # the windows only prove something if sequences outgrow them
+        assert max(v.prompt_lengths) > m.model.sliding_window
+    if v.cross_check is not None:
+        assert v.cross_check.passed, v.cross_check
+
+
+@pytest.mark.parametrize("family", CASES)
+def test_parity_fp16(folder, tmp_path, family):
+    _, m = build(str(folder(family)), tmp_path / "b",
+                 BuildOptions(dtype=io.DType.FP16, block_size=4, max_seq_len=64, attention=io.Attention.ONNX))
+    assert m.kv.dtype == "fp16" and m.validation.passed, m.validation
+    assert m.validation.max_abs_diff <= TOLERANCE["fp16"]
+
+
+@pytest.fixture(scope="module")
+def served(folder, tmp_path_factory):
+    cache = {}
+
+    def get(family, attention, **extra):
+        key = (family, attention, tuple(sorted(extra.items())))
+        if key not in cache:
+            src = folder(family, **extra)
+            out, m = build(str(src), tmp_path_factory.mktemp("rt") / family,
+                           BuildOptions(block_size=4, max_seq_len=128, validate=False,
+                                        attention=io.Attention(attention)))
+            cache[key] = (out, m, source.load_model(source.resolve(str(src))))
+        return cache[key]
+
+    return get
+
+
+# family, extra overrides, the window the scheduler frees blocks behind (None: keeps them all)
+SERVED = [("qwen3", {}, None), ("olmo2", {}, None), ("gemma2", {}, None), ("gemma3_text", {}, None),
+          ("smollm3", {}, None),
+          # every layer windowed alike: blocks behind the window are freed while serving
+          ("qwen3", dict(use_sliding_window=True, sliding_window=8, max_window_layers=0), 8),
+          # windows on some layers only: the full-attention layer needs every block
+          ("qwen3", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1), None)]
+SERVED_PARAMS = [(f, ov, w, a) for f, ov, w in SERVED for a in ("onnx", "plugin")]
+
+
+@pytest.mark.parametrize("family,extra,window,attention", SERVED_PARAMS,
+                         ids=[f"{f}{'-w' + str(ov['max_window_layers']) if ov else ''}-{a}"
+                              for f, ov, _, a in SERVED_PARAMS])
+def test_served_with_chunked_prefill_and_preemption(served, family, extra, window, attention, request):
+    if attention == "plugin":
+        request.getfixturevalue("cpu_op")
+    out, m, model = served(family, attention, **extra)
+    prompts = engine_parity.random_prompts(6, 128, 10, 31, seed=1)  # 10..30 tokens: past the 8-token windows
+    # 13 usable 4-token blocks = 52 tokens for 6 sequences of up to 46: preemption; 8-token budget: chunks
+    llm = LLM(out, kv_cache_memory=14 * 4 * m.kv.bytes_per_token, max_num_batched_tokens=8)
+    assert llm.engine.scheduler.config.sliding_window == window
+    got = llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in got] == engine_parity.hf_greedy(model, prompts, 16)
+    assert llm.engine.pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("attention", ["onnx", "plugin"])
+def test_prefix_cache_hits_with_local_and_global_layers(served, attention, request):
+    """gemma3_text (3 local : 1 global, window 8): prompts sharing a 17-token prefix, served one
+    at a time so later ones find it cached, still match transformers exactly."""
+    if attention == "plugin":
+        request.getfixturevalue("cpu_op")
+    out, _, model = served("gemma3_text", attention)
+    prefix = engine_parity.random_prompts(1, 128, 17, 18, seed=5)[0]
+    prompts = engine_parity.random_prompts(4, 128, 2, 9, seed=2, prefix=prefix)
+    llm = LLM(out, kv_cache_memory="1MiB", max_num_seqs=1)
+    got = llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
+    assert [o.token_ids for o in got] == engine_parity.hf_greedy(model, prompts, 16)
+    assert all(o.num_cached_prompt_tokens == 16 for o in got[1:])
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "qwen3"])
+@pytest.mark.parametrize("attention", ["onnx", "plugin"])
+def test_int8_kv_validates(folder, tmp_path, family, attention, request):
+    """int8 KV (calibrated scales) on q/k-normed keys and per-layer windows: the build's own
+    validation (int8 bound: |Δ| <= 3, >= 75% greedy agreement) passes."""
+    if attention == "plugin":
+        request.getfixturevalue("cpu_op")
+    _, m = build(str(folder(family)), tmp_path / "b",
+                 BuildOptions(kv_dtype=io.DType.INT8, attention=io.Attention(attention), block_size=4,
+                              max_seq_len=64, calibration_tokens=256))
+    assert m.kv.dtype == "int8" and m.validation.passed, m.validation
+
+
+def test_soft_caps_change_the_result(folder):
+    """Sanity of the test itself: gemma2's small soft-caps must move transformers' logits, or
+    the parity above would not pin them."""
+    import numpy as np
+
+    capped = source.load_model(source.resolve(str(folder("gemma2"))))
+    loose = source.load_model(source.resolve(str(folder("gemma2", attn_logit_softcapping=1e6,
+                                                        final_logit_softcapping=1e6))))
+    prompts = prompt_ids(None, 128)
+    _, a = reference(capped, prompts, 1)
+    _, b = reference(loose, prompts, 1)
+    assert max(float(np.abs(x - y).max()) for x, y in zip(a, b)) > 1e-1
+
+
+def test_new_fields_stay_out_of_older_families_manifests(folder, hf_folder, tmp_path):
+    """Fields at their default are left out of the spec: a llama manifest keeps the keys it
+    had before the 2025 families; a gemma2 one records its per-layer windows and loads back."""
+    _, llama = build(str(hf_folder("llama")), tmp_path / "l", BuildOptions(block_size=4, max_seq_len=64,
+                                                                           validate=False))
+    assert set(llama.model.spec) == {
+        "family", "model_type", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
+        "intermediate_size", "vocab_size", "max_positions", "norm", "norm_eps", "activation", "gated_mlp",
+        "qkv_bias", "o_bias", "mlp_bias", "position", "rope", "sliding_window", "tie_embeddings",
+        "bos_token_id", "eos_token_ids"}
+    out, gemma = build(str(folder("gemma2")), tmp_path / "g", BuildOptions(block_size=4, max_seq_len=64,
+                                                                          validate=False))
+    loaded = manifest_mod.load(out)
+    assert loaded.model.layer_windows == (8, None) and loaded.model.uniform_window is None
+    assert loaded.model.spec == gemma.model.spec
+
+
+def _config(**fields):
+    base = dict(model_type="gemma3_text", hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, num_hidden_layers=2, intermediate_size=96, vocab_size=128, max_position_embeddings=64,
+                rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh", sliding_window=8,
+                layer_types=[SLIDING, FULL], rope_parameters={FULL: {"rope_theta": 1e6}, SLIDING: {"rope_theta": 1e4}})
+    return types.SimpleNamespace(**{**base, **fields})
+
+
+def test_unsupported_options_are_refused_by_name():
+    assert read_spec(_config()).layer_windows == (8, None)
+    with pytest.raises(UnsupportedModelError, match="'layer_types' has 'chunked_attention'.*full_attention, "
+                                                    "sliding_attention"):
+        read_spec(_config(layer_types=[SLIDING, "chunked_attention"]))
+    with pytest.raises(UnsupportedModelError, match="use_bidirectional_attention"):
+        read_spec(_config(use_bidirectional_attention=True))
+    with pytest.raises(UnsupportedModelError, match="rope_type.*'dynamic'"):
+        read_spec(_config(rope_parameters={FULL: {"rope_type": "dynamic", "factor": 2.0}, SLIDING: {}}))
+    with pytest.raises(ConfigError, match="'layer_types' must list one type for each of the 2 layers"):
+        read_spec(_config(layer_types=[SLIDING]))
+    with pytest.raises(ConfigError, match="'query_pre_attn_scalar' must be > 0"):
+        read_spec(_config(query_pre_attn_scalar=0))
+    with pytest.raises(ConfigError, match="'no_rope_layers' must list 0 or 1"):
+        read_spec(types.SimpleNamespace(**{**vars(_config(model_type="smollm3", hidden_act="silu")),
+                                           "no_rope_layers": [1]}))
+
+
+# ---- phi3 with longrope (Phi-3-mini-128k, Phi-3.5-mini, Phi-4-mini) -----------------------
+def _longrope(original_max: int, **extra) -> dict:
+    rope = dict(rope_type="longrope", short_factor=[1.0 + 0.1 * i for i in range(8)],
+                long_factor=[1.0 + 0.5 * i for i in range(8)], **extra)
+    return dict(original_max_position_embeddings=original_max, rope_parameters=rope)
+
+
+# short: no validation sequence (<= 46 tokens) outgrows 64, so the short factors throughout;
+# long: past 1 token from the first prefill chunk on, so the long factors throughout (an explicit
+# attention_factor: transformers' default divides by log(original_max) = 0)
+LONGROPE = {"short": _longrope(64), "long": _longrope(1, attention_factor=1.2)}
+LR_PARAMS = [(k, lay, att) for k in LONGROPE for lay, att in BUILDS]
+
+
+@pytest.mark.parametrize("which,layout,attention", LR_PARAMS, ids=[f"{k}-{l}-{a}" for k, l, a in LR_PARAMS])
+def test_longrope_parity(hf_folder, tmp_path, which, layout, attention, request):
+    if attention == "plugin":
+        request.getfixturevalue("cpu_op")
+    _, m = build(str(hf_folder("phi3", **LONGROPE[which])), tmp_path / "b",
+                 BuildOptions(layout=io.KVLayout(layout), attention=io.Attention(attention), block_size=4,
+                              max_seq_len=64))
+    v = m.validation
+    assert m.model.spec["rope"]["rope_type"] == "longrope"
+    assert v.passed and v.greedy_identical and v.max_abs_diff <= TOLERANCE["fp32"], v
+
+
+def test_longrope_fp16(hf_folder, tmp_path):
+    _, m = build(str(hf_folder("phi3", **LONGROPE["long"])), tmp_path / "b",
+                 BuildOptions(dtype=io.DType.FP16, block_size=4, max_seq_len=64, attention=io.Attention.ONNX))
+    assert m.validation.passed and m.validation.max_abs_diff <= TOLERANCE["fp16"], m.validation
+
+
+def test_longrope_factor_sets_change_the_result(hf_folder):
+    """Sanity of the tests above: the short and the long factors give different logits."""
+    import numpy as np
+
+    short = source.load_model(source.resolve(str(hf_folder("phi3", **_longrope(64, attention_factor=1.2)))))
+    long = source.load_model(source.resolve(str(hf_folder("phi3", **LONGROPE["long"]))))
+    _, a = reference(short, prompt_ids(None, 128), 1)
+    _, b = reference(long, prompt_ids(None, 128), 1)
+    assert max(float(np.abs(x - y).max()) for x, y in zip(a, b)) > 1e-1
+
+
+def _cached_greedy(model, prompts: list[list[int]], steps: int) -> list[list[int]]:
+    """Greedy tokens from transformers' forward with its cache carried step to step (no
+    `generate`): keys keep the rotation they were computed with."""
+    import torch
+
+    out_tokens = []
+    with torch.no_grad():
+        for p in prompts:
+            out, toks = model(torch.tensor([p]), use_cache=True), []
+            for _ in range(steps):
+                toks.append(int(out.logits[0, -1].argmax()))
+                out = model(torch.tensor([[toks[-1]]]), cache=out.past_key_values, use_cache=True)
+            out_tokens.append(toks)
+    return out_tokens
+
+
+@pytest.mark.parametrize("attention", ["onnx", "plugin"])
+def test_longrope_sequences_crossing_original_max(hf_folder, tmp_path, attention, request):
+    """Prompts of 20..30 tokens, 16 greedy steps, original_max 32: every sequence switches to the
+    long factors during decode. Served with chunked prefill (8-token budget), the tokens equal
+    transformers' forward with its cache carried along (short-rotated keys stay in the cache).
+    transformers' `generate` instead drops the cache of a Phi-3 sequence when it first outgrows
+    original_max and recomputes it with the long factors (Phi3ForCausalLM.prepare_inputs_for_
+    generation): its tokens are those of the full recompute, and differ (README "longrope")."""
+    from kvexport.exporter.validate import reference
+
+    if attention == "plugin":
+        request.getfixturevalue("cpu_op")
+    src = hf_folder("phi3", **_longrope(32))
+    out, _ = build(str(src), tmp_path / "b", BuildOptions(block_size=4, max_seq_len=64, validate=False,
+                                                          attention=io.Attention(attention)))
+    model = source.load_model(source.resolve(str(src)))
+    prompts = engine_parity.random_prompts(6, 128, 20, 31, seed=1)
+    assert max(map(len, prompts)) <= 32 < min(map(len, prompts)) + 16
+    llm = LLM(out, kv_cache_memory="1MiB", max_num_batched_tokens=8)
+    got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))]
+    assert got == _cached_greedy(model, prompts, 16)
+    generate = engine_parity.hf_greedy(model, prompts, 16)
+    assert generate == [t[:16] for t in reference(model, prompts, 16)[0]]  # generate = full recompute
+    assert generate != got

@@ -1,0 +1,165 @@
+"""int8 / int4 weights (exporter/quantize.py, weight_sources.py, awq.py): the stored codes, the
+QDQ graphs (block-wise DequantizeLinear -> MatMul, opset 21) in every layout, the manifest,
+GGUF blocks read exactly, AWQ against round-to-nearest, and refused options."""
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from kvexport import io
+from kvexport.errors import ConfigError
+from kvexport.exporter import quantize as qz
+from kvexport.exporter.build import BuildOptions, build
+from kvexport.exporter.validate import MIN_AGREEMENT, TOLERANCE
+from kvexport.manifest import Manifest, WeightsEntry, load
+from kvexport.runtime.ort_quant import int8_dynamic
+
+OPTS = dict(block_size=4, max_seq_len=64)
+
+
+def test_int4_packing_is_onnx_int4():
+    """pack_int4 writes what onnx itself reads back as INT4 (low nibble first), odd counts too."""
+    q = np.random.default_rng(0).integers(-8, 8, size=(5, 7)).astype(np.int8)
+    t = helper.make_tensor("q", TensorProto.INT4, list(q.shape), qz.pack_int4(q).tobytes(), raw=True)
+    np.testing.assert_array_equal(numpy_helper.to_array(t).astype(np.int8), q)
+    np.testing.assert_array_equal(qz.unpack_int4(qz.pack_int4(q), q.shape), q)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("block", [32, 64])
+def test_rtn_error_within_half_a_step(bits, block):
+    w = np.random.default_rng(1).standard_normal((100, 12)).astype(np.float32)  # K not a multiple of B
+    m = qz.quantize_rtn(w, bits, block)
+    assert m.scale.shape == (-(-100 // block), 12) and m.q.shape == w.shape
+    assert np.abs(m.q).max() <= qz.QMAX[bits]
+    step = np.repeat(m.scale, block, axis=0)[:100]
+    assert np.all(np.abs(m.dequantize() - w) <= step / 2 + 1e-6)
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1"])
+def test_gguf_blocks_map_exactly(kind):
+    """Blocks made by the gguf package's own quantizer read back, code for code, as its own
+    dequantizer sees them (Q4_1: int4 codes, zero point -8 and the block minimum as offset)."""
+    import gguf
+    from gguf import quants
+
+    from kvexport.exporter.weight_sources import read_gguf_block
+
+    w = np.random.default_rng(2).standard_normal((6, 96)).astype(np.float32)  # [out, in]
+    qt = gguf.GGMLQuantizationType[kind]
+    raw = quants.quantize(w, qt)
+    m = read_gguf_block(kind, raw, 96)
+    assert m.q.shape == (96, 6) and m.block_size == 32 and m.bits == (8 if kind == "Q8_0" else 4)
+    np.testing.assert_array_equal(m.dequantize(), quants.dequantize(raw, qt).T)
+    assert read_gguf_block("Q6_K", raw, 96) is None  # not block-32: re-quantized instead
+
+
+@pytest.mark.parametrize("layout,attention", [("contiguous", "onnx"), ("paged", "onnx"), ("paged", "plugin")])
+@pytest.mark.parametrize("weights,block", [("int8", None), ("int8", 32), ("int4", None)])
+def test_quantized_build_validates_in_every_layout(hf_folder, tmp_path, layout, attention, weights, block, cpu_op):
+    """Defaults: int8 per output channel (DQ axis=1), int4 blocks of 32 along K (DQ axis=0).
+    Paged builds validate as served (per-channel int8 rewritten to dynamic int8 at session
+    load), contiguous ones in their portable QDQ form."""
+    src = str(hf_folder("llama", num_key_value_heads=2))
+    out, m = build(src, tmp_path / "b", BuildOptions(layout=io.KVLayout(layout), attention=io.Attention(attention),
+                                                     weights=weights, weight_block_size=block, **OPTS))
+    v = m.validation
+    key = f"{weights}_weights"
+    assert v.passed and v.max_abs_diff <= TOLERANCE[key] and v.token_agreement >= MIN_AGREEMENT[key], v
+    assert v.max_abs_diff > TOLERANCE["fp32"]  # the graphs really compute with rounded weights
+    g = onnx.load(str(out / io.DECODE_GRAPH), load_external_data=False)
+    assert {o.version for o in g.opset_import if o.domain == ""} == {io.QDQ_OPSET}
+    dq = [n for n in g.graph.node if n.op_type == "DequantizeLinear" and n.input[0].endswith(".weight.q")]
+    assert len(dq) == 4 * m.model.num_layers + 1  # q|k|v, o, gate|up, down per layer; the int8 LM head
+    channel = weights == "int8" and block is None
+    attrs = {"axis": 1} if channel else {"axis": 0, "block_size": 32}
+    assert all({a.name: a.i for a in n.attribute} == attrs for n in dq)
+    code_type = {i.name: i.data_type for i in g.graph.initializer}[dq[0].input[0]]
+    assert code_type == (TensorProto.INT4 if weights == "int4" else TensorProto.INT8)
+    assert m.weights.precision == weights
+    q = m.weights.quantization
+    assert (q["bits"], q["block_size"], q["method"], q["symmetric"]) == (qz.BITS[weights], "channel" if channel
+                                                                         else 32, "rtn", True)
+    assert int8_dynamic(g) == (len(dq) if channel else 0)  # what a CPU session derives from it
+    assert "lm_head" in q["kept"] and q["quantized"]["matrices"] == 4 * m.model.num_layers + 1
+    head = {i.name: i.data_type for i in g.graph.initializer}[qz.QUANTIZED_HEAD + ".q"]
+    assert head == TensorProto.INT8  # the head stays int8 in int4 builds (HEAD_BITS)
+
+
+@pytest.mark.parametrize("layout,attention", [("contiguous", "onnx"), ("paged", "plugin")])
+@pytest.mark.parametrize("weights", ["int4", "int8"])  # head blocks of 32 / per channel
+def test_tied_embeddings_read_the_int8_head_codes(hf_folder, tmp_path, layout, attention, weights, cpu_op):
+    """Tied models store the int8 [hidden, vocab] codes twice (the head's MatMul and the embedding
+    Gather on axis 1 each read their own, so onnxruntime can fuse the head); no float table."""
+    src = str(hf_folder("llama", num_key_value_heads=2, tie_word_embeddings=True))
+    out, m = build(src, tmp_path / "b", BuildOptions(layout=io.KVLayout(layout), attention=io.Attention(attention),
+                                                     weights=weights, **OPTS))
+    assert m.validation.passed, m.validation
+    g = onnx.load(str(out / io.PREFILL_GRAPH), load_external_data=False)
+    names = {i.name for i in g.graph.initializer}
+    assert "model.embed_tokens.weight" not in names and qz.QUANTIZED_HEAD + ".q" in names
+    gathers = [n for n in g.graph.node if n.op_type == "Gather" and n.input[0] == "model.embed_tokens.quantized.q"]
+    assert len(gathers) == 1 and gathers[0].attribute[0].i == 1
+
+
+def test_int4_weights_file_is_smaller(hf_folder, tmp_path):
+    """Linear weights shrink to 4 bits + a float32 scale per 32: on the tiny model (whose
+    fp32 embeddings and 4 KiB-aligned tensors dominate) the file still halves."""
+    src = str(hf_folder("llama", num_key_value_heads=2))
+    _, m32 = build(src, tmp_path / "fp32", BuildOptions(validate=False, **OPTS))
+    _, m4 = build(src, tmp_path / "int4", BuildOptions(weights="int4", validate=False, **OPTS))
+    assert m4.weights.bytes < 0.55 * m32.weights.bytes
+    assert m4.weights.parameters == m32.weights.parameters  # logical elements, not packed bytes
+
+
+def test_awq_beats_rtn_on_its_own_objective():
+    """The alpha grid includes 0 (plain rounding), so the chosen scales never do worse on the
+    calibration activations; with a few loud input channels they do clearly better."""
+    from kvexport.exporter.awq import best_scale
+
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((256, 64)).astype(np.float32)
+    x[:, :4] *= 30  # outlier input channels
+    w = rng.standard_normal((64, 48)).astype(np.float32)
+    s, alpha, err = best_scale(x, w, 4, 32)
+    rtn = qz.quantize_rtn(w, 4, 32).dequantize()
+    rtn_err = float(((x @ rtn - x @ w) ** 2).sum() / ((x @ w) ** 2).sum())
+    assert alpha > 0 and err < 0.8 * rtn_err
+
+
+def test_awq_build_folds_scales_and_validates(hf_folder, tmp_path):
+    src = str(hf_folder("llama", num_key_value_heads=2))
+    _, m = build(src, tmp_path / "awq", BuildOptions(weights="int4", quant_method="awq", calibration_tokens=64,
+                                                    **OPTS))
+    q = m.weights.quantization
+    assert m.validation.passed and q["method"] == "awq" and q["calibration"]["tokens"] == 64
+    assert q["scaled_matrices"] > 0
+
+
+@pytest.mark.parametrize("kw,field", [
+    (dict(weights="int3"), "--weights"), (dict(weights="int4", weight_block_size=48), "--weight-block-size"),
+    (dict(weights="int4", quant_method="gptq"), "--quant-method"),
+    (dict(quant_method="awq"), "--weight-block-size / --quant-method"),
+    (dict(weights="fp32", dtype=io.DType.FP16), "--weights fp32"),
+])
+def test_bad_weight_options_name_the_field(kw, field):
+    with pytest.raises(ConfigError, match=field.replace("/", ".")):
+        BuildOptions(**kw)
+
+
+def test_weights_fp16_means_dtype_fp16():
+    assert BuildOptions(weights="fp16").dtype is io.DType.FP16
+
+
+def test_manifest_of_earlier_builds_still_loads(hf_folder, tmp_path):
+    """Manifests written before weights.precision/quantization existed load with None."""
+    out, _ = build(str(hf_folder("llama", num_key_value_heads=2)), tmp_path / "b", BuildOptions(validate=False, **OPTS))
+    d = json.loads((out / io.MANIFEST_NAME).read_text())
+    for k in ("precision", "quantization"):
+        d["weights"].pop(k, None)
+    m = Manifest.from_json(d)
+    assert m.weights == WeightsEntry(d["weights"]["file"], d["weights"]["bytes"], d["weights"]["parameters"])
+    assert load(out).weights.precision == "fp32"

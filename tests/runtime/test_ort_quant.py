@@ -1,0 +1,62 @@
+"""runtime/ort_quant.py: the per-channel int8 QDQ matmul (DequantizeLinear axis=1 -> MatMul) is
+rewritten for onnxruntime's CPU into dynamic int8 GEMMs that onnxruntime fuses; other weight
+forms are left alone."""
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from kvexport.exporter import quantize as qz
+from kvexport.runtime.ort_quant import int8_dynamic
+
+K, N = 64, 48
+
+
+def _linear(w: np.ndarray, block: int, scale_dtype=np.float32, extra_consumer: bool = False) -> onnx.ModelProto:
+    """x [M, K] @ DequantizeLinear(int8 codes of w) (per channel: axis=1, else blocks along K)."""
+    qm = qz.quantize_rtn(w, 8, block)
+    scale = (qm.scale[0] if block == qz.CHANNEL else qm.scale).astype(scale_dtype)
+    attrs = dict(axis=1) if block == qz.CHANNEL else dict(axis=0, block_size=block)
+    nodes = [helper.make_node("DequantizeLinear", ["wq", "s"], ["wd"], **attrs),
+             helper.make_node("MatMul", ["x", "wd"], ["y"], name="mm")]
+    outs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", N])]
+    if extra_consumer:  # the dequantized weight also feeds something else: not rewritten
+        nodes.append(helper.make_node("Identity", ["wd"], ["w_out"]))
+        outs.append(helper.make_tensor_value_info("w_out", TensorProto.FLOAT, [K, N]))
+    g = helper.make_graph(nodes, "lin", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", K])], outs,
+                          [numpy_helper.from_array(qm.q, "wq"), numpy_helper.from_array(scale, "s")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
+    m.ir_version = 9
+    return m
+
+
+def test_rewritten_linear_is_fused_and_close(tmp_path):
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((K, N)).astype(np.float32)
+    m = _linear(w, qz.CHANNEL)
+    assert int8_dynamic(m) == 1
+    onnx.checker.check_model(m)
+    assert [n.op_type for n in m.graph.node][:2] == ["DynamicQuantizeLinear", "MatMulInteger"]
+    so = ort.SessionOptions()
+    so.optimized_model_filepath = str(tmp_path / "opt.onnx")
+    so.log_severity_level = 3
+    sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    assert [n.op_type for n in onnx.load(so.optimized_model_filepath).graph.node] == ["DynamicQuantizeMatMul"]
+    x = rng.standard_normal((5, K)).astype(np.float32)
+    ref = x @ qz.quantize_rtn(w, 8, qz.CHANNEL).dequantize()
+    got = sess.run(None, {"x": x})[0]
+    # x rounded to uint8 over its whole range (one step = (max - min) / 255), times |W| summed over K
+    step = (x.max() - min(x.min(), 0)) / 255
+    assert np.abs(got - ref).max() <= step / 2 * np.abs(w).sum(axis=0).max()
+    assert np.abs(got - ref).max() > 0  # the activations really were rounded
+
+
+@pytest.mark.parametrize("case", ["block32", "fp16 scale", "shared weight"])
+def test_other_forms_are_left_alone(case):
+    w = np.random.default_rng(1).standard_normal((K, N)).astype(np.float32)
+    m = {"block32": lambda: _linear(w, 32), "fp16 scale": lambda: _linear(w, qz.CHANNEL, np.float16),
+         "shared weight": lambda: _linear(w, qz.CHANNEL, extra_consumer=True)}[case]()
+    before = m.SerializeToString()
+    assert int8_dynamic(m) == 0 and m.SerializeToString() == before
