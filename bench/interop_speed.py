@@ -3,15 +3,20 @@ tool's own export of the same model (docs/INTEROP.md, "Speed"). Greedy, batch 1,
 prompt and number of new tokens for every model, EOS masked until then; the models of one tool
 are loaded in one process and timed in turns (A B A B ...), so a busy machine slows all alike.
 
+    # the tools' own exports of the same model, from the GGUF dequantized to fp32 and saved as a
+    # Hugging Face folder (main venv; optimum-cli runs in .venv-optimum); under bench/.cache/
+    .venv/bin/python bench/interop_speed.py prepare build/smollm2-contig
     # onnxruntime-genai (main venv): our build (its genai_config.json: decoder-pipeline), our
     # build run as a single `decoder` (decode.onnx alone, a config overlay), its builder's export
-    .venv/bin/python bench/interop_speed.py genai build/smollm2-contig bench/.cache/smollm2-ortgenai-fp32-cpu
+    .venv/bin/python bench/interop_speed.py genai build/smollm2-contig bench/.cache/interop/ortgenai
     # optimum (.venv-optimum): our decode.onnx, `optimum-cli export onnx` of the same HF folder
-    .venv-optimum/bin/python bench/interop_speed.py optimum build/smollm2-contig OPTIMUM_EXPORT_DIR
+    .venv-optimum/bin/python bench/interop_speed.py optimum build/smollm2-contig bench/.cache/interop/optimum
 
 Reports per model: end-to-end tokens/s (new tokens / time of the whole generate call) and
 decode tokens/s ((N-1) / (time for N tokens - time for 1 token): the per-token loop without
-the prompt). Prints JSON. Needs only the tool (and `tokenizers`), not kvexport.
+the prompt), both from median times, and the median over repeats of the tool's own export's time
+over this model's in the same repeat (> 1: faster than the tool's export). Prints JSON. The
+measuring runs need only the tool (and `tokenizers`), not kvexport.
 """
 
 from __future__ import annotations
@@ -81,7 +86,42 @@ def optimum_models(ours: str, theirs: str):
             "optimum-cli export": (ORTModelForCausalLM.from_pretrained(theirs), run)}, optimum.version.__version__
 
 
+def prepare(build_dir: str) -> None:
+    """The tools' own exports under bench/.cache/interop/: the HF folder (bench/compare_ortgenai.py's
+    prepare_hf), onnxruntime-genai's builder (-p fp32 -e cpu), and for optimum a copy of the HF
+    folder that transformers 4.57 reads (config.json with rope_theta, the build's tokenizer files)
+    exported by `optimum-cli export onnx --task text-generation-with-past` in .venv-optimum."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import compare_ortgenai as c
+
+    c.offline_env()
+    cache = Path(__file__).parent / ".cache" / "interop"
+    hf = c.prepare_hf(cache / "hf")
+    c.build_onnx(hf, cache / "ortgenai", cache / "builder-cache")
+    hf4 = cache / "hf-transformers4"
+    hf4.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((hf / "config.json").read_text())
+    cfg["rope_theta"], cfg["torch_dtype"] = cfg["rope_parameters"]["rope_theta"], "float32"
+    (hf4 / "config.json").write_text(json.dumps(cfg, indent=1))
+    for f in ("model.safetensors", "generation_config.json"):
+        shutil.copyfile(hf / f, hf4 / f)
+    for f in Path(build_dir, "tokenizer").iterdir():
+        shutil.copyfile(f, hf4 / f.name)
+    cli = Path(__file__).resolve().parents[1] / ".venv-optimum" / "bin" / "optimum-cli"
+    cmd = [str(cli), "export", "onnx", "--model", str(hf4), "--task", "text-generation-with-past",
+           str(cache / "optimum")]
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+
+
 def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "prepare":
+        prepare(sys.argv[2])
+        return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("tool", choices=["genai", "optimum"])
     ap.add_argument("ours", help="a kvexport --layout contiguous build")
@@ -110,10 +150,14 @@ def main() -> None:
                                                   f"{os.cpu_count()} logical CPUs (shared: timings are noisy)",
               "same_tokens_as_first": {k: v == next(iter(tokens.values())) for k, v in tokens.items()},
               "models": {}}
+    theirs = times[list(models)[-1]][n]  # the tool's own export is listed last
     for name, t in times.items():
         t1, tn = statistics.median(t[1]), statistics.median(t[n])
-        result["models"][name] = {"end_to_end_tok_s": round(n / tn, 1), "decode_tok_s": round((n - 1) / (tn - t1), 1),
-                                  "first_token_s": round(t1, 4), "runs_s": [round(x, 3) for x in t[n]]}
+        result["models"][name] = {
+            "end_to_end_tok_s": round(n / tn, 1), "decode_tok_s": round((n - 1) / (tn - t1), 1),
+            "first_token_s": round(t1, 4), "runs_s": [round(x, 3) for x in t[n]],
+            # paired: the same repeat's run of the tool's own export over this one's (> 1: this is faster)
+            "paired_speed_vs_own_export": round(statistics.median(b / a for a, b in zip(t[n], theirs)), 3)}
     json.dump(result, sys.stdout, indent=2)
     print()
 

@@ -2,6 +2,12 @@
 text, greedy-token agreement over a prompt set, and KV bytes per token for each dtype.
 
     .venv/bin/python bench/kv_quality.py [--tokens 2048] [--out bench/results/kv_quality.json]
+    .venv/bin/python bench/kv_quality.py --grid [--builds DIR] [--out bench/results/kv_quality_grid.json]
+
+--grid: weight precision (fp32 / int8 / int4, exporter/quantize.py defaults) x KV precision (fp32 /
+int8): perplexity, relative increase over fp32 x fp32, greedy agreement with the fp32 x fp32 build
+and weights file size of each, with the build options of bench/weight_quality.py (its CONFIGS:
+fp32, int8, int4 and their +kv8 twins), so the two reports measure the same builds.
 
 Builds (paged, fp32 weights, --all-logits): fp32 KV and int8 KV (scales calibrated on
 Hamlet, 2048 tokens). Perplexity text: King Lear (never seen by calibration), evaluated in
@@ -82,18 +88,93 @@ def nll_transformers(model, ids: list[int], window: int) -> tuple[float, int]:
     return total, count
 
 
+def agreement(ref: list[list[int]], got: list[list[int]]) -> dict:
+    """Greedy agreement of `got` with `ref` (same prompts, same token counts)."""
+    n = len(ref[0])
+    same_pos = [sum(x == y for x, y in zip(f, q)) for f, q in zip(ref, got)]
+    first_div = [next((i for i, (x, y) in enumerate(zip(f, q)) if x != y), len(f)) for f, q in zip(ref, got)]
+    return {"identical_sequences": sum(d == n for d in first_div),
+            "position_agreement": round(sum(same_pos) / (len(ref) * n), 4),
+            "mean_tokens_before_first_divergence": round(float(np.mean(first_div)), 2)}
+
+
+GRID = ("fp32", "int8", "int4", "fp32+kv8", "int8+kv8", "int4+kv8")  # bench/weight_quality.py CONFIGS names
+
+
+def grid(a, ids: list[int], model, tok) -> dict:
+    """The weight precision x KV precision report (--grid)."""
+    from kvexport import LLM, SamplingParams, io
+    from kvexport import manifest as mf
+    from kvexport.exporter.build import BuildOptions, build
+
+    from weight_quality import CONFIGS  # noqa: E402 - bench/ sibling: one definition of the builds
+
+    root = Path(a.builds or tempfile.mkdtemp(prefix="kvq-grid-"))
+    prompts = [tok(p)["input_ids"] for p in PROMPTS]
+    params = SamplingParams(max_tokens=a.max_tokens, ignore_eos=True)
+    s, n = nll_transformers(model, ids, a.window)
+    rows, gen = {}, {}
+    for name in GRID:
+        kw = dict(CONFIGS[name])
+        if "kv_dtype" in kw:
+            kw["kv_dtype"] = io.DType(kw["kv_dtype"])
+        out, t0 = root / name, time.time()
+        if not (out / io.MANIFEST_NAME).is_file():  # --builds: reused when present
+            build("smollm2-135m", out, BuildOptions(all_logits=True, max_seq_len=1024, validate=False, **kw))
+        m = mf.load(out)
+        s_, n_ = nll_paged(out, ids, a.window, a.chunk)
+        gen[name] = [o.token_ids for o in LLM(out).generate(prompts, params)]
+        q = m.weights.quantization or {}
+        rows[name] = {"weights": m.weights.precision or m.dtype, "kv": m.kv.dtype,
+                      "block_size": q.get("block_size"), "attention": m.kv.attention,
+                      "weights_bytes": m.weights.bytes, "perplexity": round(math.exp(s_ / n_), 4),
+                      "wall_s": round(time.time() - t0, 1)}
+        print(name, rows[name], flush=True)
+    base = rows["fp32"]["perplexity"]
+    for name, r in rows.items():
+        r["perplexity_vs_fp32"] = round(r["perplexity"] / base - 1, 5)
+        r["greedy_vs_fp32"] = agreement(gen["fp32"], gen[name])
+    return {"perplexity_transformers_fp32": round(math.exp(s / n), 4),
+            "greedy": {"prompts": len(prompts), "tokens_per_prompt": a.max_tokens,
+                       "reference": "the fp32-weights fp32-KV build"},
+            "rows": rows}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--grid", action="store_true", help="weight precision x KV precision (see the docstring)")
+    ap.add_argument("--builds", help="--grid: keep the builds in this folder (reused when present)")
     ap.add_argument("--tokens", type=int, default=2048, help="tokens of King Lear evaluated")
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--chunk", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt")
-    ap.add_argument("--out", default="bench/results/kv_quality.json")
+    ap.add_argument("--out", default=None, help="default bench/results/kv_quality.json (--grid: kv_quality_grid.json)")
     a = ap.parse_args()
+    a.out = a.out or f"bench/results/kv_quality{'_grid' if a.grid else ''}.json"
 
     from kvexport import LLM, SamplingParams, io
     from kvexport.exporter import calibrate, source
     from kvexport.exporter.build import BuildOptions, build
+
+    if a.grid:
+        src = source.resolve("smollm2-135m")
+        model, tok = source.load_model(src), source.load_tokenizer(src)
+        ids = tok(calibrate.read_text(calibrate.default_text(calibrate.EVALUATION_TEXT)),
+                  add_special_tokens=False)["input_ids"][:a.tokens]
+        t0 = time.time()
+        result = {"date": datetime.date.today().isoformat(),
+                  "machine": f"{platform.machine()}, {os.cpu_count()} cores, CPU only (onnxruntime CPU EP)",
+                  "command": "python bench/kv_quality.py --grid " + " ".join(
+                      f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items()
+                      if k in ("tokens", "window", "chunk", "max_tokens")),
+                  "model": "smollm2-135m (GGUF Q4_1; fp32 = dequantized, int4 block 32 = its blocks exactly)",
+                  "evaluation_text": f"King Lear, {len(ids)} tokens, windows of {a.window}, "
+                                     f"prefill chunks of {a.chunk}",
+                  **grid(a, ids, model, tok), "wall_s": round(time.time() - t0, 1)}
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
+        print(json.dumps(result, indent=2))
+        return
 
     tmp = Path(tempfile.mkdtemp(prefix="kvq-"))
     builds, t0 = {}, time.time()
@@ -116,9 +197,6 @@ def main() -> None:
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
     params = SamplingParams(max_tokens=a.max_tokens, ignore_eos=True)
     gen = {kv: [o.token_ids for o in LLM(out).generate(prompts, params)] for kv, (out, _) in builds.items()}
-    same_pos = [sum(x == y for x, y in zip(f, q)) for f, q in zip(gen["fp32"], gen["int8"])]
-    first_div = [next((i for i, (x, y) in enumerate(zip(f, q)) if x != y), len(f))
-                 for f, q in zip(gen["fp32"], gen["int8"])]
     m8 = builds["int8"][1]
     result = {
         "date": datetime.date.today().isoformat(),
@@ -134,9 +212,7 @@ def main() -> None:
         "goal_relative_increase_below": 0.01,
         "goal_met": bool(rel < 0.01),
         "greedy": {"prompts": len(prompts), "tokens_per_prompt": a.max_tokens,
-                   "identical_sequences": sum(d == a.max_tokens for d in first_div),
-                   "position_agreement": round(sum(same_pos) / (len(prompts) * a.max_tokens), 4),
-                   "mean_tokens_before_first_divergence": round(float(np.mean(first_div)), 2)},
+                   **agreement(gen["fp32"], gen["int8"])},
         "kv_bytes_per_token": {d: io.kv_bytes_per_token(m8.kv.num_layers, m8.kv.num_kv_heads, m8.kv.head_dim,
                                                         io.DType(d)) for d in ("fp32", "fp16", "int8")},
         "wall_s": round(time.time() - t0, 1),

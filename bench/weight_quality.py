@@ -30,11 +30,11 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
 
-CONFIGS = {  # name -> BuildOptions keywords (+ "accuracy_level", "float_head": see RUNTIME_KNOBS)
+CONFIGS = {  # name -> BuildOptions keywords (+ "accuracy", "float_head": see RUNTIME_KNOBS)
     "fp32": {}, "int8": dict(weights="int8"), "int4": dict(weights="int4"),
     "int8-b32": dict(weights="int8", weight_block_size=32),
-    "int8-b32-acc0": dict(weights="int8", weight_block_size=32, accuracy_level=0),
-    "int4-acc0": dict(weights="int4", accuracy_level=0),
+    "int8-b32-float": dict(weights="int8", weight_block_size=32, accuracy="float"),
+    "int4-float": dict(weights="int4", accuracy="float"),
     "int4-fphead": dict(weights="int4", float_head=True), "int8-fphead": dict(weights="int8", float_head=True),
     "int4-awq": dict(weights="int4", quant_method="awq"),
     "int4-b64": dict(weights="int4", weight_block_size=64),
@@ -44,11 +44,10 @@ CONFIGS = {  # name -> BuildOptions keywords (+ "accuracy_level", "float_head": 
 }
 
 
-# "accuracy_level": onnxruntime's session.qdq_matmulnbits_accuracy_level for the MatMulNBits it
-# fuses from block-wise weights (runtime/ort_backends.py MATMULNBITS_ACCURACY_LEVEL; 4 = int8
-# activations, 0 = float); "float_head": the LM head (and tied embeddings) kept in float instead of
+# "accuracy": EngineConfig.weight_matmul_accuracy, onnxruntime's MatMulNBits accuracy level for
+# block-wise weights (runtime/ort_backends.py ACCURACY_LEVELS: "int8" = level 4, "float" = 0); "float_head": the LM head (and tied embeddings) kept in float instead of
 # int8 (exporter/quantize.py HEAD_BITS), to measure what the int8 head costs
-RUNTIME_KNOBS = ("accuracy_level", "float_head")
+RUNTIME_KNOBS = ("accuracy", "float_head")
 
 
 def _float_head_build(name, out, opts):
@@ -70,10 +69,10 @@ def _float_head_build(name, out, opts):
         weight_sources.quantized_weights = orig
 
 
-def decode_ms(build_dir: Path, prompt: list[int], n: int, threads: int) -> float:
+def decode_ms(build_dir: Path, prompt: list[int], n: int, threads: int, accuracy: str = "int8") -> float:
     from kvexport import LLM, SamplingParams
 
-    llm = LLM(build_dir, threads=threads, kv_cache_memory="256MiB")
+    llm = LLM(build_dir, threads=threads, kv_cache_memory="256MiB", weight_matmul_accuracy=accuracy)
     def run(k: int) -> float:
         t = time.perf_counter()
         llm.generate([prompt], SamplingParams(max_tokens=k, ignore_eos=True))
@@ -102,7 +101,7 @@ def main() -> None:
 
     from kv_quality import nll_paged  # noqa: E402 - bench/ sibling
 
-    default_level = ort_backends.MATMULNBITS_ACCURACY_LEVEL
+    default_accuracy = ort_backends.DEFAULT_ACCURACY
     root = Path(a.builds or tempfile.mkdtemp(prefix="wq-"))
     src = source.resolve("smollm2-135m")
     tok = source.load_tokenizer(src)
@@ -113,10 +112,10 @@ def main() -> None:
     for name in a.configs.split(","):
         kw = dict(CONFIGS[name])
         knobs = {k: kw.pop(k) for k in RUNTIME_KNOBS if k in kw}
-        ort_backends.MATMULNBITS_ACCURACY_LEVEL = knobs.get("accuracy_level", default_level)
+        ort_backends.DEFAULT_ACCURACY = knobs.get("accuracy", default_accuracy)
         if "kv_dtype" in kw:
             kw["kv_dtype"] = io.DType(kw["kv_dtype"])
-        base = {k: v for k, v in CONFIGS[name].items() if k != "accuracy_level"}
+        base = {k: v for k, v in CONFIGS[name].items() if k != "accuracy"}
         out = root / next(n for n, c in CONFIGS.items() if c == base)  # one build per set of build options
         t0 = time.time()
         if not (out / io.MANIFEST_NAME).is_file():
@@ -128,8 +127,8 @@ def main() -> None:
         m = mf.load(out)
         s, n = nll_paged(out, ids, a.window, a.chunk)
         rows[name] = {"weights_bytes": m.weights.bytes, "perplexity": round(math.exp(s / n), 4),
-                      "matmulnbits_accuracy_level": ort_backends.MATMULNBITS_ACCURACY_LEVEL,
-                      "decode_ms_per_token": round(decode_ms(out, prompt, a.decode_tokens, a.threads), 2),
+                      "weight_matmul_accuracy": ort_backends.DEFAULT_ACCURACY,
+                      "decode_ms_per_token": round(decode_ms(out, prompt, a.decode_tokens, a.threads, ort_backends.DEFAULT_ACCURACY), 2),
                       "attention": m.kv.attention, "wall_s": round(time.time() - t0, 1)}
         print(name, rows[name], flush=True)
     base = rows.get("fp32")

@@ -250,9 +250,11 @@ class DecoderGraph:
         rope: dict[str, tuple[str, str]] = {}
         for kind in sorted({spec.rope_kind(i) for i in range(spec.num_layers)} - {"none"}):
             pre = "rope" if kind == "global" else f"rope.{kind}"
-            cs = [b.op("Gather", self._f32(f"{pre}.{n}", t), pos, axis=0) for n, t in zip(("cos", "sin"), self.rope[kind])]
+            cs = [b.op("Gather", self._f32(f"{pre}.{n}", t), pos, axis=0)
+                  for n, t in zip(("cos", "sin"), self.rope[kind])]  # [.., rot/2]
             if kind + "_long" in self.rope:  # longrope: per sequence, the short or the long set
-                use_long = self.longrope_select((spec.rope_local if kind == "local" else spec.rope).original_max_positions)
+                omax = (spec.rope_local if kind == "local" else spec.rope).original_max_positions
+                use_long = self.longrope_select(omax)
                 cs = [b.op("Where", use_long, b.op("Gather", self._f32(f"{pre}.long.{n}", t), pos, axis=0), c)
                       for n, t, c in zip(("cos", "sin"), self.rope[kind + "_long"], cs)]
             rope[kind] = tuple(b.op("Unsqueeze", c, b.const([-2])) for c in cs)  # [.., 1, rot/2]

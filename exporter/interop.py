@@ -51,7 +51,9 @@ _GENAI_SEARCH = {"do_sample": False, "num_beams": 1, "num_return_sequences": 1, 
 
 def write_tokenizer(tokenizer, d: Path) -> str:
     """Save `tokenizer` into d/tokenizer/ with a tokenizer_config.json transformers >= 4.40 and
-    onnxruntime-genai read, and copy tokenizer.json + tokenizer_config.json to `d`. Returns the folder's name relative to `d`."""
+    onnxruntime-genai read, and copy tokenizer.json + tokenizer_config.json to `d` (copies, not hard
+    links: a build stays a folder of plain files, see docs/INTEROP.md "Links, copies and weights.data").
+    Returns the folder's name relative to `d`."""
     folder = d / io.TOKENIZER_DIR
     tokenizer.save_pretrained(folder)
     if not (folder / "tokenizer.json").is_file():

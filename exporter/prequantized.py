@@ -92,13 +92,14 @@ def parse(qc: dict, where: str = "config.json") -> Prequantized | None:
     bits = qc.get("bits", qc.get("w_bit", 4))
     if bits not in BITS[method]:
         raise ConfigError(f"{field}.bits is {bits!r}; kvexport maps {method.upper()} checkpoints of "
-                          f"{' or '.join(map(str, BITS[method]))} bits exactly: use one of those, or a float checkpoint")
+                          f"{' or '.join(map(str, BITS[method]))} bits exactly: use one of those, or a float "
+                          f"checkpoint")
     group = qc.get("group_size", qc.get("q_group_size", 128))
-    group = qz.CHANNEL if group == -1 else group  # -1: one scale per output column, over all of K
-    if isinstance(group, bool) or group not in WEIGHT_BLOCK_SIZES:
+    if isinstance(group, bool) or group not in (-1,) + tuple(b for b in WEIGHT_BLOCK_SIZES if b):
         raise ConfigError(f"{field}.group_size is {group!r}; the build's blocks are -1 (per channel) or one of "
                           f"{', '.join(str(b) for b in WEIGHT_BLOCK_SIZES if b)} input features: use a checkpoint "
                           f"quantized with one of those, or a float checkpoint")
+    group = qz.CHANNEL if group == -1 else group  # -1: one scale per output column, over all of K
     if method == "awq":
         fmt = str(qc.get("version", qc.get("format", "gemm"))).lower()
         if str(qc.get("backend", "")).lower() == "llm-awq":
@@ -189,29 +190,35 @@ def read_matrix(pq: Prequantized, t: dict[str, np.ndarray], name: str) -> qz.Qua
 
 
 # ---- the checkpoint -----------------------------------------------------------------------
-def _tensors(directory: Path) -> dict[str, np.ndarray]:
+QUANT_TENSORS = ("qweight", "qzeros", "scales", "g_idx")  # per quantized linear, `prefix.<name>`
+
+
+def _tensors(directory: Path, quantized_only: bool = False) -> dict[str, np.ndarray]:
     from safetensors import safe_open
 
     out = {}
     for f in sorted(Path(directory).glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as fh:  # pt: bf16 tensors too
             for key in fh.keys():
+                if quantized_only and key.rsplit(".", 1)[-1] not in QUANT_TENSORS:
+                    continue
                 t = fh.get_tensor(key)
                 out[key] = t.float().numpy() if t.is_floating_point() else t.numpy()
     return out
 
 
-def read_checkpoint(directory: Path, pq: Prequantized) -> tuple[dict[str, qz.QuantizedMatrix], dict[str, np.ndarray]]:
+def read_checkpoint(directory: Path, pq: Prequantized, quantized_only: bool = False
+                    ) -> tuple[dict[str, qz.QuantizedMatrix], dict[str, np.ndarray]]:
     """(module prefix -> QuantizedMatrix [K, N] of every quantized linear, every other tensor
-    in float32 by its state-dict name)."""
-    tensors = _tensors(directory)
+    in float32 by its state-dict name; none with quantized_only)."""
+    tensors = _tensors(directory, quantized_only)
     prefixes = sorted(k[: -len(".qweight")] for k in tensors if k.endswith(".qweight"))
     if not prefixes:
         raise SourceError(f"{directory}: config.json says {pq.method.upper()} but no *.qweight tensor is in its "
                           f"safetensors files; the checkpoint does not match its config")
     mats = {}
     for p in prefixes:
-        parts = {s: tensors.pop(f"{p}.{s}") for s in ("qweight", "qzeros", "scales", "g_idx") if f"{p}.{s}" in tensors}
+        parts = {s: tensors.pop(f"{p}.{s}") for s in QUANT_TENSORS if f"{p}.{s}" in tensors}
         missing = {"qweight", "qzeros", "scales"} - set(parts)
         if missing:
             raise SourceError(f"{p} lacks {', '.join(sorted(missing))}; the checkpoint is incomplete")
@@ -254,9 +261,9 @@ def presets(src, spec, pq: Prequantized, wq: qz.WeightQuantization) -> dict[str,
                           f"(its codes are used as they are)")
     if (wq.bits, wq.block_size) != (pq.bits, pq.group_size):
         raise ConfigError(f"{src.name} holds {pq.bits}-bit codes in groups of {pq.group_size or 'all K'}, not "
-                          f"{wq.precision} blocks of {wq.block_size or 'all K'}: pass {pq.flags} to keep them exactly, or --weights fp32/fp16 "
-                          f"to build from their dequantized values")
-    mats, _ = read_checkpoint(src.directory, pq)
+                          f"{wq.precision} blocks of {wq.block_size or 'all K'}: pass {pq.flags} to keep them "
+                          f"exactly, or --weights fp32/fp16 to build from their dequantized values")
+    mats, _ = read_checkpoint(src.directory, pq, quantized_only=True)
     out = {}
     for i in range(spec.num_layers):
         for short, alternatives in HF_PARTS.items():

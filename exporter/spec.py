@@ -65,7 +65,8 @@ class ModelSpec:
     qk_norm: str | None = None  # one of QK_NORMS, None: no q/k norms
     norm_offset: float = 0.0  # norms scale by (offset + w): 1.0 for Gemma; folded into the weights when read
     embed_scale: float | None = None  # embeddings multiplied by it (Gemma: sqrt(hidden)); None: 1
-    attn_scale: float | None = None  # softmax scale of q·k (Gemma: query_pre_attn_scalar ** -0.5); None: head_dim ** -0.5
+    # softmax scale of q·k (Gemma: query_pre_attn_scalar ** -0.5); None: head_dim ** -0.5
+    attn_scale: float | None = None
     attn_softcap: float | None = None  # scores = cap * tanh(scores / cap) before the mask; None: off
     final_softcap: float | None = None  # logits = cap * tanh(logits / cap); None: off
 

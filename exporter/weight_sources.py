@@ -120,7 +120,8 @@ def quantized_weights(src, model, spec, weights, wq: qz.WeightQuantization, toke
         presets = prequantized.presets(src, spec, pq, wq)
         floats = qz.float_linears(weights)  # the reference model was loaded from the same codes
         assert all(_matches(m, floats[n]) for n, m in presets.items()), "prequantized codes != loaded weights"
-        method_info = {"source": pq.to_json() | {"exact_matrices": len(presets)}}
+        method_info = {"method": f"{pq.origin} (pre-quantized codes, mapped exactly)",
+                       "source": pq.to_json() | {"exact_matrices": len(presets)}}
     elif src.gguf_file and wq.method == "rtn":
         presets, kinds = gguf_presets(str(src.directory / src.gguf_file), weights, spec)
     elif src.gguf_file:

@@ -33,4 +33,5 @@ def create_backend(build_dir: Path, manifest: Manifest, config: EngineConfig, nu
         return backend, config
     from .ort_backends import ort_backend
 
-    return ort_backend(build_dir, manifest, num_blocks, config.threads, ort_kind), config
+    return (ort_backend(build_dir, manifest, num_blocks, config.threads, ort_kind,
+                        accuracy=config.weight_matmul_accuracy), config)

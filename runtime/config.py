@@ -18,7 +18,9 @@ from kvexport.errors import ConfigError
 from .memory import parse_budget
 
 BACKENDS = ("onnxruntime", "tensorrt")
-CHOICES = {"backend": BACKENDS}  # settings with a fixed set of values
+# onnxruntime CPU, int4 / block-wise int8 weights: the MatMulNBits accuracy level (ort_backends.py)
+WEIGHT_MATMUL_ACCURACY = ("int8", "float")
+CHOICES = {"backend": BACKENDS, "weight_matmul_accuracy": WEIGHT_MATMUL_ACCURACY}  # settings with a fixed set of values
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,10 +34,14 @@ class EngineConfig:
     backend: str = "onnxruntime"  # "onnxruntime" | "tensorrt" (the build's engines)
     cuda_graph_batch_sizes: tuple[int, ...] = ()  # tensorrt: decode batch sizes captured as CUDA graphs
     max_sequences_per_request: int = 64  # sequences one front-end request may submit (prompts x n), max
+    weight_matmul_accuracy: str = "int8"  # block-wise int4/int8 weights on onnxruntime: "int8" | "float" activations
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.weight_matmul_accuracy not in WEIGHT_MATMUL_ACCURACY:
+            raise ConfigError(f"weight_matmul_accuracy must be one of {', '.join(WEIGHT_MATMUL_ACCURACY)}, "
+                              f"got {self.weight_matmul_accuracy!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_sequences_per_request"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -111,6 +117,9 @@ SETTINGS: dict[str, str] = {
     "threads": "onnxruntime intra-op threads [all cores].",
     "backend": "Execution backend: onnxruntime, or tensorrt (the build's engines; needs TensorRT and a GPU).",
     "cuda_graph_batch_sizes": "tensorrt: decode batch sizes to capture as CUDA graphs, comma-separated (e.g. 1,2,4,8).",
+    "weight_matmul_accuracy": "int4 / block-wise int8 weights on onnxruntime: int8 rounds the activations to int8 "
+                              "per block (fastest; smollm2 int4 perplexity +1.9%), float computes with the "
+                              "stored weights exactly (slower decode).",
     "max_sequences_per_request": "Sequences one request may ask for (prompts x n), max; more is refused with 400. "
                                  "Requests share the engine in turn, so a large one cannot starve the others.",
 }

@@ -42,9 +42,12 @@ from .model_input import ModelInput
 log = logging.getLogger(__name__)
 
 ORT_KINDS = ("auto", "onnx", "native", "reference")
-# onnxruntime's accuracy level for the MatMulNBits it fuses from block-wise int4/int8 weights:
-# 4 = int8 activations (fast), 0 = float (bench/weight_quality.py measures both)
-MATMULNBITS_ACCURACY_LEVEL = 4
+# onnxruntime's accuracy level for the MatMulNBits it fuses from block-wise int4/int8 weights, by
+# EngineConfig.weight_matmul_accuracy: 4 = int8 activations (per block of K), 0 = float. Measured
+# on smollm2-135m (bench/weight_quality.py): int4 perplexity 55.64 (int8) vs 54.617 (float, = the
+# Q4_1 source), decode ~14x slower with float (its int8 LM head dequantizes in full each step)
+ACCURACY_LEVELS = {"int8": 4, "float": 0}
+DEFAULT_ACCURACY = "int8"  # when ort_backend() is not given one
 
 
 def _providers() -> list[str]:
@@ -79,7 +82,8 @@ class _OrtBackend:
     attention_impl = ""
 
     def __init__(self, build_dir: str | Path, manifest: Manifest, num_blocks: int, threads: int | None = None,
-                 providers: list[str] | None = None, profile_prefix: str | None = None, both_graphs: bool = False):
+                 providers: list[str] | None = None, profile_prefix: str | None = None, both_graphs: bool = False,
+                 accuracy: str | None = None):
         if manifest.kv.layout != io.KVLayout.PAGED.value:
             raise KvExportError(f"the runtime serves paged builds; {build_dir} has layout "
                                 f"{manifest.kv.layout!r}: rebuild with `--layout paged`")
@@ -88,6 +92,7 @@ class _OrtBackend:
         self.build_dir, self.manifest, self.num_blocks = Path(build_dir), manifest, num_blocks
         self.kv = kv = manifest.kv
         self.threads = threads
+        self.accuracy = accuracy or DEFAULT_ACCURACY  # key of ACCURACY_LEVELS
         self.profile_prefix = profile_prefix  # onnxruntime profiling of every run, to files with this prefix
         self.providers = providers or _providers()
         dtype = np.dtype(io.DType(kv.dtype).numpy_name)
@@ -114,7 +119,7 @@ class _OrtBackend:
             # NOTE: int8 compute in the MatMulNBits that onnxruntime fuses from block-wise
             # DequantizeLinear -> MatMul (bench/quant_linear.py: the default accuracy level
             # dequantizes to float first and is slower)
-            so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(MATMULNBITS_ACCURACY_LEVEL))
+            so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(ACCURACY_LEVELS[self.accuracy]))
         if self.profile_prefix:
             so.enable_profiling = True
             so.profile_file_prefix = self.profile_prefix
@@ -202,11 +207,11 @@ class NativeOpBackend(_PluginBackend):
     attention_impl = "plugin (native CPU op)"
 
     def __init__(self, build_dir, manifest, num_blocks, threads=None, providers=None, profile_prefix=None,
-                 both_graphs=False, *, library: Path):
+                 both_graphs=False, accuracy=None, *, library: Path):
         self.library = Path(library)
         # the op is a CPU kernel and the pools live in host memory
         super().__init__(build_dir, manifest, num_blocks, threads, ["CPUExecutionProvider"], profile_prefix,
-                         both_graphs)
+                         both_graphs, accuracy)
         import onnxruntime as ort
 
         self._pool_values = [ort.OrtValue.ortvalue_from_numpy(p) for p in self.pools]
@@ -258,7 +263,7 @@ class ReferenceOpBackend(_PluginBackend):
 
 def ort_backend(build_dir: str | Path, manifest: Manifest, num_blocks: int, threads: int | None = None,
                 kind: str = "auto", providers: list[str] | None = None, profile_prefix: str | None = None,
-                both_graphs: bool = False) -> _OrtBackend:
+                both_graphs: bool = False, accuracy: str | None = None) -> _OrtBackend:
     """The onnxruntime backend for a build. kind "auto": the `onnx` attention's backend, or
     for plugin builds the native CPU op when it is built and covers the build's dtypes,
     else the reference op (with a warning). "onnx" / "native" / "reference" force one
@@ -270,11 +275,11 @@ def ort_backend(build_dir: str | Path, manifest: Manifest, num_blocks: int, thre
         if kind not in ("auto", "onnx"):
             raise KvExportError(f"{build_dir} uses the `onnx` attention; the {kind!r} PagedAttention op needs a "
                                 f"`--attention plugin` build")
-        return OnnxAttentionBackend(build_dir, manifest, num_blocks, threads, providers, profile_prefix, both_graphs)
+        return OnnxAttentionBackend(build_dir, manifest, num_blocks, threads, providers, profile_prefix, both_graphs, accuracy)
     if kind == "onnx":
         raise KvExportError(f"{build_dir} is a `--attention plugin` build: it runs with the native or the reference op")
     if kind == "reference":
-        return ReferenceOpBackend(build_dir, manifest, num_blocks, threads, providers, profile_prefix, both_graphs)
+        return ReferenceOpBackend(build_dir, manifest, num_blocks, threads, providers, profile_prefix, both_graphs, accuracy)
     from kvexport.plugins.paged_attention import native
 
     lib, why_not = native.library_for(manifest)
@@ -282,5 +287,5 @@ def ort_backend(build_dir: str | Path, manifest: Manifest, num_blocks: int, thre
         if kind == "native":
             raise KvExportError(f"the native CPU PagedAttention op cannot run {build_dir}: {why_not}")
         log.warning("running the plugin graphs of %s with the reference PagedAttention (slow): %s", build_dir, why_not)
-        return ReferenceOpBackend(build_dir, manifest, num_blocks, threads, providers, profile_prefix, both_graphs)
-    return NativeOpBackend(build_dir, manifest, num_blocks, threads, None, profile_prefix, both_graphs, library=lib)
+        return ReferenceOpBackend(build_dir, manifest, num_blocks, threads, providers, profile_prefix, both_graphs, accuracy)
+    return NativeOpBackend(build_dir, manifest, num_blocks, threads, None, profile_prefix, both_graphs, accuracy, library=lib)

@@ -22,17 +22,18 @@ bench/weight_quality.py.
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
-DOMAIN_OPSET = 11  # DynamicQuantizeLinear / MatMulInteger: opset 10-11, unchanged through 21
+PER_ROW = True  # one activation scale per row (token), not per tensor: see the module NOTE
 
 
 def _attrs(node: onnx.NodeProto) -> dict:
     return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 
 
-def int8_dynamic(model: onnx.ModelProto) -> int:
+def int8_dynamic(model: onnx.ModelProto, per_row: bool = PER_ROW) -> int:
     """Rewrite, in place, every float32 MatMul whose weight is a per-channel int8
     DequantizeLinear of an initializer (axis=1, scale [N], no or zero zero point) into the
     dynamic-int8 form above. Returns how many MatMuls were rewritten (0: model unchanged)."""
@@ -70,17 +71,54 @@ def int8_dynamic(model: onnx.ModelProto) -> int:
             zero_points[n_out] = f"kvexport.int8_zero_point.{n_out}"
             g.initializer.append(helper.make_tensor(zero_points[n_out], TensorProto.INT8, [n_out], bytes(n_out), raw=True))
         p = n.name or n.output[0]
-        xq, xs, xz = f"{p}/xq", f"{p}/xs", f"{p}/xz"
-        nodes += [
-            helper.make_node("DynamicQuantizeLinear", [n.input[0]], [xq, xs, xz], name=f"{p}/DynamicQuantizeLinear"),
-            helper.make_node("MatMulInteger", [xq, d.input[0], xz, zero_points[n_out]], [f"{p}/acc"],
-                             name=f"{p}/MatMulInteger"),  # [.., N] int32
-            helper.make_node("Cast", [f"{p}/acc"], [f"{p}/accf"], name=f"{p}/Cast", to=TensorProto.FLOAT),
-            helper.make_node("Mul", [xs, d.input[1]], [f"{p}/scale"], name=f"{p}/ScaleMul"),  # [N]
-            helper.make_node("Mul", [f"{p}/accf", f"{p}/scale"], list(n.output), name=f"{p}/Mul"),
-        ]
+        nodes += (_per_row if per_row else _per_tensor)(p, n.input[0], d.input[0], d.input[1], zero_points[n_out],
+                                                        n.output[0])
         count += 1
     if count:
         del g.node[:]
         g.node.extend(nodes)
+        if per_row:
+            for name, value in ((ROW_EPS, np.float32(1e-12 * 127)), (ROW_QMAX, np.float32(127)),
+                                (ROW_SHIFT, np.float32(128)), (ROW_ZERO, np.uint8(128)),
+                                (ROW_AXES, np.array([-1], np.int64))):
+                g.initializer.append(numpy_helper.from_array(np.asarray(value), name))
     return count
+
+
+ROW_EPS, ROW_QMAX, ROW_SHIFT, ROW_ZERO, ROW_AXES = (f"kvexport.int8_rows.{n}" for n in ("eps", "qmax", "shift", "zero", "axes"))
+
+
+def _per_tensor(p: str, x: str, codes: str, scale: str, wzp: str, y: str) -> list[onnx.NodeProto]:
+    """x ─> DynamicQuantizeLinear (one uint8 scale for the whole tensor) ─> MatMulInteger ─> × xs × scale."""
+    xq, xs, xz = f"{p}/xq", f"{p}/xs", f"{p}/xz"
+    return [
+        helper.make_node("DynamicQuantizeLinear", [x], [xq, xs, xz], name=f"{p}/DynamicQuantizeLinear"),
+        helper.make_node("MatMulInteger", [xq, codes, xz, wzp], [f"{p}/acc"], name=f"{p}/MatMulInteger"),  # [.., N] int32
+        helper.make_node("Cast", [f"{p}/acc"], [f"{p}/accf"], name=f"{p}/Cast", to=TensorProto.FLOAT),
+        helper.make_node("Mul", [xs, scale], [f"{p}/scale"], name=f"{p}/ScaleMul"),  # [N]
+        helper.make_node("Mul", [f"{p}/accf", f"{p}/scale"], [y], name=f"{p}/Mul"),
+    ]
+
+
+def _per_row(p: str, x: str, codes: str, scale: str, wzp: str, y: str) -> list[onnx.NodeProto]:
+    """One symmetric int8 scale per row (token), stored as uint8 + 128 (onnxruntime's MatMulInteger
+    takes one scalar activation zero point):
+
+        x [.., K] ─> s = max|x| / 127 [.., 1] ─> round(x / s) + 128 ─> uint8 ─> MatMulInteger ─> × s × scale [N]
+    """
+    mk = helper.make_node
+    t = lambda n: f"{p}/{n}"  # noqa: E731
+    return [
+        mk("Abs", [x], [t("abs")], name=t("Abs")),
+        mk("ReduceMax", [t("abs"), ROW_AXES], [t("amax")], name=t("ReduceMax"), keepdims=1),  # [.., 1]
+        mk("Div", [t("amax"), ROW_QMAX], [t("xs0")], name=t("ScaleDiv")),
+        mk("Max", [t("xs0"), ROW_EPS], [t("xs")], name=t("ScaleMax")),  # all-zero rows: any scale
+        mk("Div", [x, t("xs")], [t("xn")], name=t("Div")),
+        mk("Round", [t("xn")], [t("xr")], name=t("Round")),
+        mk("Add", [t("xr"), ROW_SHIFT], [t("xu")], name=t("Shift")),
+        mk("Cast", [t("xu")], [t("xq")], name=t("CastU8"), to=TensorProto.UINT8),
+        mk("MatMulInteger", [t("xq"), codes, ROW_ZERO, wzp], [t("acc")], name=t("MatMulInteger")),  # [.., N] int32
+        mk("Cast", [t("acc")], [t("accf")], name=t("Cast"), to=TensorProto.FLOAT),
+        mk("Mul", [t("accf"), t("xs")], [t("rows")], name=t("RowMul")),
+        mk("Mul", [t("rows"), scale], [y], name=t("Mul")),
+    ]

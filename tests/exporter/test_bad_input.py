@@ -80,7 +80,8 @@ def test_missing_model_type(hf_folder, tmp_path):
     cfg = json.loads((d / "config.json").read_text())
     del cfg["model_type"]
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(UnsupportedModelError, match=r"'model_type' is None.*supported values: gemma2, gemma3_text, gpt2, llama"):
+    with pytest.raises(UnsupportedModelError,
+                       match=r"'model_type' is None.*supported values: gemma2, gemma3_text, gpt2, llama"):
         source.resolve(str(d))
 
 
@@ -520,7 +521,8 @@ def test_cli_reports_errors_without_traceback(hf_folder, tmp_path):
     assert r.exit_code == 2, r.output
     text = words(r.output)
     assert text.startswith("error: ")
-    assert "config field 'model_type' is 'mamba'" in text and "supported values: gemma2, gemma3_text, gpt2, llama, mistral, olmo2, phi3, qwen2, qwen3, smollm3" in text
+    assert "config field 'model_type' is 'mamba'" in text
+    assert "supported values: gemma2, gemma3_text, gpt2, llama, mistral, olmo2, phi3, qwen2, qwen3, smollm3" in text
     assert "Traceback" not in r.output
     assert isinstance(r.exception, SystemExit)
     assert_nothing_left(out)

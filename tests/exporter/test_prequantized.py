@@ -162,6 +162,7 @@ def test_prequantized_build_maps_codes_exactly(hf_folder, tmp_path, case, cpu_op
     n_layers = m.model.num_layers
     assert q["quantized"]["origins"] == {f"{method}:{fmt}": 4 * n_layers, "rtn": 1}  # + the int8 LM head
     assert q["symmetric"] is sym and q["source"]["exact_matrices"] == 4 * n_layers
+    assert q["method"].startswith(f"{method}:{fmt} (pre-quantized")
     # every decoder matmul the graph dequantizes is, bit for bit, the checkpoint's
     got = graph_weights(out)
     for i in range(n_layers):
@@ -188,7 +189,8 @@ def test_awq_unpack_inverts_the_documented_packing():
     ({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemv"}, "version"),
     ({"quant_method": "awq", "bits": 4, "group_size": 32, "backend": "llm-awq"}, "version"),
     ({"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": False}, "zero_point"),
-    ({"quant_method": "gptq", "bits": 4, "group_size": -1}, "group_size"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 16}, "group_size"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 0}, "group_size"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 32, "checkpoint_format": "marlin"}, "checkpoint_format"),
 ])
 def test_unmappable_configs_are_refused_by_field(qc, field):

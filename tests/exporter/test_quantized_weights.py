@@ -163,3 +163,18 @@ def test_manifest_of_earlier_builds_still_loads(hf_folder, tmp_path):
     m = Manifest.from_json(d)
     assert m.weights == WeightsEntry(d["weights"]["file"], d["weights"]["bytes"], d["weights"]["parameters"])
     assert load(out).weights.precision == "fp32"
+
+
+def test_weight_matmul_accuracy_sets_the_session_level(hf_folder, tmp_path):
+    """EngineConfig.weight_matmul_accuracy picks onnxruntime's MatMulNBits accuracy level
+    (int8 activations = 4, float = 0); a bad value names the setting and its choices."""
+    from kvexport.runtime.config import EngineConfig
+    from kvexport.runtime.ort_backends import ort_backend
+
+    out, m = build(str(hf_folder("llama", num_key_value_heads=2)), tmp_path / "b",
+                   BuildOptions(attention=io.Attention.ONNX, weights="int4", validate=False, **OPTS))
+    for accuracy, level in (("int8", "4"), ("float", "0")):
+        so = ort_backend(out, m, 4, accuracy=accuracy).session_options()
+        assert so.get_session_config_entry("session.qdq_matmulnbits_accuracy_level") == level
+    with pytest.raises(ConfigError, match="weight_matmul_accuracy must be one of int8, float"):
+        EngineConfig(weight_matmul_accuracy="fp8")

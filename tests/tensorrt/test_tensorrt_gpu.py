@@ -87,3 +87,25 @@ def test_greedy_tokens_match_onnxruntime(builds, graph_sizes):
     expected = _greedy(ref, lambda d, m: ort_backend(d, m, NUM_BLOCKS))
     got = _greedy(plug, lambda d, m: TensorRTBackend(d, m, NUM_BLOCKS, cuda_graph_batch_sizes=graph_sizes))
     assert got == expected
+
+
+def test_int4_weight_only_engines(hf_folder, tmp_path):
+    """`--weights int4 --backend tensorrt`: the QDQ graphs (INT4 blocks of 64, per-channel INT8
+    head) build weight-only engines whose greedy tokens follow onnxruntime on the same int4
+    options (identical tokens not required: fp16 GEMMs on the GPU, int8 activations on the CPU)."""
+    from kvexport.runtime.ort_backends import ort_backend
+    from kvexport.runtime.trt_backend import TensorRTBackend
+
+    model = str(hf_folder("llama"))
+    common = dict(validate=False, max_seq_len=128, dtype=io.DType.FP16, weights="int4", weight_block_size=64)
+    ref, _ = build(model, tmp_path / "onnx", BuildOptions(attention=io.Attention.ONNX, **common))
+    trt, m = build(model, tmp_path / "trt", BuildOptions(backend="tensorrt", **common,
+                                                         engines=EngineBuildOptions(max_num_seqs=8,
+                                                                                    max_num_batched_tokens=128,
+                                                                                    max_num_blocks=NUM_BLOCKS)))
+    assert m.engines is not None and m.weights.precision == "int4"
+    expected = _greedy(ref, lambda d, m: ort_backend(d, m, NUM_BLOCKS))
+    got = _greedy(trt, lambda d, m: TensorRTBackend(d, m, NUM_BLOCKS))
+    assert [g[0] for g in got] == [e[0] for e in expected]
+    same = sum(a == b for g, e in zip(got, expected) for a, b in zip(g, e))
+    assert same >= 0.75 * sum(len(e) for e in expected), (got, expected)
