@@ -40,11 +40,13 @@ def prompt_ids(build_dir: str) -> list[int]:
     return Tokenizer.from_file(os.path.join(build_dir, "tokenizer.json")).encode(PROMPT).ids
 
 
-def genai_models(ours: str, theirs: str):
+def genai_models(ours: str, theirs: str, threads: int):
     import onnxruntime_genai as og
 
     def load(path, overlay=None):
         cfg = og.Config(path)
+        if threads:
+            cfg.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
         if overlay:
             cfg.overlay(json.dumps(overlay))
         return og.Model(cfg)
@@ -71,10 +73,16 @@ def _genai_type(build_dir: str) -> str:
         return json.load(f)["model_type"]
 
 
-def optimum_models(ours: str, theirs: str):
+def optimum_models(ours: str, theirs: str, threads: int):
+    import onnxruntime as ort
     import optimum.version
     import torch
     from optimum.onnxruntime import ORTModelForCausalLM
+
+    so = ort.SessionOptions()
+    if threads:
+        so.intra_op_num_threads = threads
+        torch.set_num_threads(threads)
 
     def run(model, ids, n):
         x = torch.tensor([ids])
@@ -82,8 +90,10 @@ def optimum_models(ours: str, theirs: str):
                              do_sample=False)
         return out[0, len(ids):].tolist()
 
-    return {"kvexport decode.onnx": (ORTModelForCausalLM.from_pretrained(ours, file_name="decode.onnx"), run),
-            "optimum-cli export": (ORTModelForCausalLM.from_pretrained(theirs), run)}, optimum.version.__version__
+    return {"kvexport decode.onnx": (ORTModelForCausalLM.from_pretrained(ours, file_name="decode.onnx",
+                                                                         session_options=so), run),
+            "optimum-cli export": (ORTModelForCausalLM.from_pretrained(theirs, session_options=so), run)}, \
+        optimum.version.__version__
 
 
 def prepare(build_dir: str) -> None:
@@ -128,24 +138,30 @@ def main() -> None:
     ap.add_argument("theirs", help="the tool's own export of the same model")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=0,
+                    help="onnxruntime intra-op threads (0: its default, all cores); with 1, CPU seconds "
+                         "per token are a fair comparison on a busy machine")
     args = ap.parse_args()
     os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
     ids = prompt_ids(args.ours)
-    models, version = (genai_models if args.tool == "genai" else optimum_models)(args.ours, args.theirs)
+    models, version = (genai_models if args.tool == "genai" else optimum_models)(args.ours, args.theirs, args.threads)
     tokens = {}
     for name, (model, run) in models.items():  # warm-up, and every model must give the same tokens
         tokens[name] = run(model, ids, args.new_tokens)
     times: dict[str, dict[int, list[float]]] = {name: {1: [], args.new_tokens: []} for name in models}
+    cpu: dict[str, dict[int, list[float]]] = {name: {1: [], args.new_tokens: []} for name in models}
     for rep in range(args.repeats):
         order = list(models) if rep % 2 == 0 else list(models)[::-1]
         for n in (1, args.new_tokens):
             for name in order:
                 model, run = models[name]
-                t = time.perf_counter()
+                t, c = time.perf_counter(), time.process_time()
                 run(model, ids, n)
                 times[name][n].append(time.perf_counter() - t)
+                cpu[name][n].append(time.process_time() - c)
     n = args.new_tokens
     result = {"tool": args.tool, "version": version, "prompt_tokens": len(ids), "new_tokens": n,
+              "intra_op_threads": args.threads or "onnxruntime default",
               "repeats": args.repeats, "machine": f"{platform.processor() or platform.machine()}, "
                                                   f"{os.cpu_count()} logical CPUs (shared: timings are noisy)",
               "same_tokens_as_first": {k: v == next(iter(tokens.values())) for k, v in tokens.items()},
@@ -157,7 +173,9 @@ def main() -> None:
             "end_to_end_tok_s": round(n / tn, 1), "decode_tok_s": round((n - 1) / (tn - t1), 1),
             "first_token_s": round(t1, 4), "runs_s": [round(x, 3) for x in t[n]],
             # paired: the same repeat's run of the tool's own export over this one's (> 1: this is faster)
-            "paired_speed_vs_own_export": round(statistics.median(b / a for a, b in zip(t[n], theirs)), 3)}
+            "paired_speed_vs_own_export": round(statistics.median(b / a for a, b in zip(t[n], theirs)), 3),
+            # CPU seconds of the process per generated token (all threads; robust to other load when threads=1)
+            "cpu_s_per_token": round(statistics.median(cpu[name][n]) / n, 4)}
     json.dump(result, sys.stdout, indent=2)
     print()
 

@@ -50,9 +50,10 @@ def forms(w: np.ndarray):
     inits = [numpy_helper.from_array(qm.q, "wq"), numpy_helper.from_array(qm.scale[0], "s")]
     m = _model(nodes, inits, k, n, 21)
     yield "int8 channel DQ(axis=1)->MatMul (portable)", m, {}
-    m = onnx.ModelProto.FromString(m.SerializeToString())
-    assert int8_dynamic(m) == 1
-    yield "int8 channel, dynamic (ort_quant rewrite)", m, {}
+    for per_row in (False, True):
+        d = onnx.ModelProto.FromString(m.SerializeToString())
+        assert int8_dynamic(d, per_row=per_row) == 1
+        yield f"int8 channel, dynamic per {'row' if per_row else 'tensor'} (ort_quant)", d, {}
 
 
 def main() -> None:

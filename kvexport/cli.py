@@ -261,7 +261,8 @@ def _new_path(ctx, param, value: str | None) -> str | None:
               help="Matmul weights: fp32/fp16, or int8/int4 block-wise QDQ [--dtype].")
 @click.option("--weight-block-size", type=click.Choice([str(b) if b else "channel" for b in WEIGHT_BLOCK_SIZES]),
               help="int8/int4 weights: input rows per scale, or one scale per output channel "
-                   "[int8: channel, int4: 32].")
+                   "[32]; channel: onnxruntime runs int8 as dynamic int8 GEMMs (fast prefill, "
+                   "perplexity +2.4% on smollm2).")
 @click.option("--quant-method", type=click.Choice(QUANT_METHODS),
               help="int8/int4 from float weights: round-to-nearest or AWQ scales on --calibration-text [rtn].")
 def build(model, out, layout, dtype, attention, kv_dtype, calibration_text, calibration_tokens, backend, block_size,

@@ -9,15 +9,16 @@ A build's per-channel int8 matmul (exporter/graph.py `_dequantized`, `--weights 
 onnxruntime runs that form by dequantizing the whole weight on every call (slower than fp32).
 Its fast int8 path takes int8 *activations* too, which TensorRT's weight-only engines do not, so
 the build cannot store it. `int8_dynamic()` rewrites the loaded ModelProto (weights stay
-external, codes stay int8) before the InferenceSession is made:
+external, codes stay int8) before the InferenceSession is made, per row (PER_ROW, default):
 
-    x [.., K] ─> DynamicQuantizeLinear ─> xq uint8, xs, xz ─> MatMulInteger(xq, codes, xz, 0) [.., N] int32
-        ─> Cast float ─> Mul(xs * scale [N]) ─> [.., N]
+    x [.., K] ─> s = max|x| / 127 per row ─> uint8(round(x / s) + 128) ─> MatMulInteger(·, codes) [.., N] int32
+        ─> Cast float ─> × s × scale [N]
 
-which onnxruntime fuses to DynamicQuantizeMatMul (bench/quant_linear.py: ~3x fp32 at M >= 64).
-NOTE: DynamicQuantizeLinear takes one scale for the whole activation tensor (asymmetric uint8),
-so a row's rounding depends on the other rows of the step; perplexity is measured in
-bench/weight_quality.py.
+or per tensor: DynamicQuantizeLinear ─> MatMulInteger ─> Cast ─> Mul(xs * scale), which
+onnxruntime fuses to DynamicQuantizeMatMul (bench/quant_linear.py: ~3x fp32 at M >= 64).
+NOTE: per tensor, one scale covers every row of the step, so a row's rounding depends on the
+other sequences in the batch, and smollm2's perplexity rose +29% (70.6 vs 54.6); per row
++2.4% (55.9; per-channel weights alone, float activations: +1.0%). bench/weight_quality.py.
 """
 
 from __future__ import annotations

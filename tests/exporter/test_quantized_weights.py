@@ -58,9 +58,9 @@ def test_gguf_blocks_map_exactly(kind):
 
 
 @pytest.mark.parametrize("layout,attention", [("contiguous", "onnx"), ("paged", "onnx"), ("paged", "plugin")])
-@pytest.mark.parametrize("weights,block", [("int8", None), ("int8", 32), ("int4", None)])
+@pytest.mark.parametrize("weights,block", [("int8", None), ("int8", 0), ("int4", None)])
 def test_quantized_build_validates_in_every_layout(hf_folder, tmp_path, layout, attention, weights, block, cpu_op):
-    """Defaults: int8 per output channel (DQ axis=1), int4 blocks of 32 along K (DQ axis=0).
+    """Default blocks of 32 along K (DQ axis=0); int8 block 0 = per output channel (DQ axis=1).
     Paged builds validate as served (per-channel int8 rewritten to dynamic int8 at session
     load), contiguous ones in their portable QDQ form."""
     src = str(hf_folder("llama", num_key_value_heads=2))
@@ -74,7 +74,7 @@ def test_quantized_build_validates_in_every_layout(hf_folder, tmp_path, layout, 
     assert {o.version for o in g.opset_import if o.domain == ""} == {io.QDQ_OPSET}
     dq = [n for n in g.graph.node if n.op_type == "DequantizeLinear" and n.input[0].endswith(".weight.q")]
     assert len(dq) == 4 * m.model.num_layers + 1  # q|k|v, o, gate|up, down per layer; the int8 LM head
-    channel = weights == "int8" and block is None
+    channel = block == 0
     attrs = {"axis": 1} if channel else {"axis": 0, "block_size": 32}
     assert all({a.name: a.i for a in n.attribute} == attrs for n in dq)
     code_type = {i.name: i.data_type for i in g.graph.initializer}[dq[0].input[0]]
@@ -90,13 +90,13 @@ def test_quantized_build_validates_in_every_layout(hf_folder, tmp_path, layout, 
 
 
 @pytest.mark.parametrize("layout,attention", [("contiguous", "onnx"), ("paged", "plugin")])
-@pytest.mark.parametrize("weights", ["int4", "int8"])  # head blocks of 32 / per channel
-def test_tied_embeddings_read_the_int8_head_codes(hf_folder, tmp_path, layout, attention, weights, cpu_op):
+@pytest.mark.parametrize("weights,block", [("int4", None), ("int8", 0)])  # head blocks of 32 / per channel
+def test_tied_embeddings_read_the_int8_head_codes(hf_folder, tmp_path, layout, attention, weights, block, cpu_op):
     """Tied models store the int8 [hidden, vocab] codes twice (the head's MatMul and the embedding
     Gather on axis 1 each read their own, so onnxruntime can fuse the head); no float table."""
     src = str(hf_folder("llama", num_key_value_heads=2, tie_word_embeddings=True))
     out, m = build(src, tmp_path / "b", BuildOptions(layout=io.KVLayout(layout), attention=io.Attention(attention),
-                                                     weights=weights, **OPTS))
+                                                     weights=weights, weight_block_size=block, **OPTS))
     assert m.validation.passed, m.validation
     g = onnx.load(str(out / io.PREFILL_GRAPH), load_external_data=False)
     names = {i.name for i in g.graph.initializer}
