@@ -111,3 +111,47 @@ def test_tokenizer_files_every_reader_takes(contiguous_build):
         assert tok("Hello, world!").input_ids == original("Hello, world!").input_ids
         assert tok.apply_chat_template(chat, tokenize=False) == original.apply_chat_template(chat, tokenize=False)
         assert tok.eos_token == original.eos_token == "<|im_end|>"
+
+
+def test_decode_graph_of_an_older_build_with_sequence_one_still_loads(tiny_contig, tmp_path):
+    """Builds made before decode's sequence axis became dynamic declare it as 1: their
+    manifest and graphs still load (`kvexport inspect`, polygraphy, the tools) and decode one
+    token as before; a graph that declares another fixed size is still refused."""
+    import shutil
+
+    import onnx
+
+    from kvexport import manifest as mf
+    from kvexport.errors import ManifestError
+
+    out, _ = tiny_contig
+    old = tmp_path / "old"
+    shutil.copytree(out, old)
+    graph = onnx.load(old / io.DECODE_GRAPH, load_external_data=False)
+    for vi in (*graph.graph.input, *graph.graph.output):
+        for d in vi.type.tensor_type.shape.dim:
+            if d.dim_param == io.SEQ:
+                d.Clear()
+                d.dim_value = 1
+    onnx.save(graph, old / io.DECODE_GRAPH)
+    manifest = json.loads((old / io.MANIFEST_NAME).read_text())
+    for t in (*manifest["graphs"]["decode"]["inputs"], *manifest["graphs"]["decode"]["outputs"]):
+        t["shape"] = [1 if d == io.SEQ else d for d in t["shape"]]
+    (old / io.MANIFEST_NAME).write_text(json.dumps(manifest, indent=2))
+
+    m = mf.load(old)
+    assert [d for t in m.graphs["decode"].inputs if t.name == io.INPUT_IDS for d in t.shape] == [io.BATCH, 1]
+    feeds = {io.INPUT_IDS: np.array([[5]], np.int64), io.ATTENTION_MASK: np.ones((1, 4), np.int64),
+             io.POSITION_IDS: np.array([[3]], np.int64)}
+    for t in m.graphs["decode"].inputs:
+        if t.name not in feeds:  # past KV: [batch, kv_heads, 3, head_dim]
+            feeds[t.name] = np.zeros([1, t.shape[1], 3, t.shape[3]], np.float32)
+    for d in (out, old):
+        logits = ort.InferenceSession(str(d / io.DECODE_GRAPH)).run([io.LOGITS], feeds)[0]
+        assert logits.shape[:2] == (1, 1)
+    for vi in graph.graph.input:
+        if vi.name == io.INPUT_IDS:
+            vi.type.tensor_type.shape.dim[1].dim_value = 2
+    onnx.save(graph, old / io.DECODE_GRAPH)
+    with pytest.raises(ManifestError, match="input_ids"):
+        mf.load(old)
