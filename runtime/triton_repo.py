@@ -8,7 +8,7 @@ generation of config.pbtxt; the model's code is `triton_model.py`.
         config.pbtxt     ModelConfig built as a protobuf message (tritonclient's
                          model_config_pb2), printed with text_format, parsed back to check it
         1/model.py       re-exports kvexport.runtime.triton_model.TritonPythonModel
-        build/           the build itself with --copy-build (hard links where possible);
+        build/           the build itself with --copy-build (real copies: see NOTE in write_repository);
                          otherwise the parameter build_dir points at it (relative path)
 
 config.pbtxt's `parameters` are `build_dir` and every field of the engine's EngineConfig
@@ -117,13 +117,6 @@ def _check_build(build_dir: Path, backend: str) -> mf.Manifest:
     return manifest
 
 
-def _link_or_copy(src: str, dst: str) -> None:
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
-
-
 def write_repository(build_dir: str | Path, out: str | Path, opts: TritonRepoOptions = TritonRepoOptions()) -> Path:
     """Write a Triton model repository serving `build_dir` at `out`; returns the model's folder.
     `force` replaces only a repository kvexport wrote (kvexport/outputs.py), never the build."""
@@ -147,7 +140,9 @@ def write_repository(build_dir: str | Path, out: str | Path, opts: TritonRepoOpt
             siblings = outputs.sibling_prefix(out)
             ignore = (lambda d, names: [n for n in names if Path(d) == out.parent and
                                         (n == out.name or n.startswith(siblings))])
-            shutil.copytree(build_dir, model_dir / COPIED_BUILD, copy_function=_link_or_copy, ignore=ignore)
+            # NOTE: real copies, not hard links: onnx's checker (polygraphy inspect) refuses an external
+            # data file with several links, on either side (docs/INTEROP.md)
+            shutil.copytree(build_dir, model_dir / COPIED_BUILD, ignore=ignore)
             build_ref = COPIED_BUILD
         else:
             # relative to the model's folder once the repository is in place
