@@ -36,6 +36,7 @@ class AttnContext:
     keys_shape: str | None = None  # [kvH, S, Lc, D]
     scores_shape: str | None = None  # [kvH, S, Lc, G, Qmax] (pool scores are kept key-major)
     probs_shape: str | None = None  # [kvH, S, Lc, G * Qmax]
+    block_tables: str = io.BLOCK_TABLES  # the block-table input of the layers' KV cache group
 
 
 def _window_ok(b: GraphBuilder, q_pos: str, k_pos: str, window: int | None) -> str | None:
@@ -75,7 +76,8 @@ def contiguous_context(b: GraphBuilder, spec: ModelSpec, window: int | None) -> 
     return AttnContext(bias=_to_bias(b, mask))
 
 
-def paged_context(b: GraphBuilder, spec: ModelSpec, block_size: int, window: int | None) -> AttnContext:
+def paged_context(b: GraphBuilder, spec: ModelSpec, block_size: int, window: int | None,
+                  group: str = io.FULL_GROUP) -> AttnContext:
     """Index tensors and mask for a packed ragged batch.
 
         query_start_loc ──> q_start, q_len ──> gather_idx [S, Qmax] (pads queries per seq)
@@ -83,7 +85,8 @@ def paged_context(b: GraphBuilder, spec: ModelSpec, block_size: int, window: int
         keys = [ pool blocks of the seq (Lc = max_blocks * block_size) | this step's Qmax ]
         cached key j visible  iff  j < ctx_len            (and inside the window)
         new key j' visible    iff  j' <= i                 (and inside the window)
-    `window`: the layers' sliding window (None: full attention).
+    `window`: the layers' sliding window (None: full attention); `group`: their KV cache
+    group (kvexport/io.py), whose block table they read.
     """
     b.scope = "/attn_mask" if window is None else f"/attn_mask_w{window}"
     q_start = b.op("Slice", io.QUERY_START_LOC, b.const([0]), b.const([-1]))  # [S]
@@ -98,7 +101,8 @@ def paged_context(b: GraphBuilder, spec: ModelSpec, block_size: int, window: int
     valid = b.op("Less", i, b.op("Unsqueeze", q_len, b.const([1])))  # [S, Qmax]
     valid = b.op("Reshape", valid, b.const([-1]))
 
-    n_blocks = b.op("Gather", b.op("Shape", io.BLOCK_TABLES), b.const(1), axis=0)
+    tables = io.block_tables(group)
+    n_blocks = b.op("Gather", b.op("Shape", tables), b.const(1), axis=0)
     lc = b.op("Mul", n_blocks, b.const(block_size))
     k_cached = b.op("Range", b.const(0), lc, b.const(1))  # [Lc]
     ctx3 = b.op("Unsqueeze", ctx_len, b.const([1, 2]))  # [S, 1, 1]
@@ -129,7 +133,7 @@ def paged_context(b: GraphBuilder, spec: ModelSpec, block_size: int, window: int
     return AttnContext(
         bias=b.op("Unsqueeze", b.op("Where", new_ok, b.const(0.0, "float32"), b.const(NEG, "float32")),
                   b.const([0, 2])),  # [1, S, 1, Qmax, Qmax]
-        gather_idx=gather_idx, valid=valid, cached_bias=cached,
+        gather_idx=gather_idx, valid=valid, cached_bias=cached, block_tables=tables,
         keys_shape=b.op("Concat", b.const([spec.num_kv_heads]), s1, lc1, b.const([d]), axis=0),
         scores_shape=b.op("Concat", b.const([spec.num_kv_heads]), s1, lc1, b.const([g]), q_max1, axis=0),
         probs_shape=b.op("Concat", b.const([spec.num_kv_heads]), s1, lc1, gq, axis=0))
@@ -203,8 +207,8 @@ def paged_attention(b: GraphBuilder, spec: ModelSpec, layer: int, ctx: AttnConte
     q = b.op("Reshape", q5, b.const([kvh, 0, -1, d]))  # [kvH, S, G*Qmax, D]
 
     # the pool: each sequence's blocks, per head, in token order
-    kc = b.op("Gather", io.key_cache(layer), io.BLOCK_TABLES, axis=1)  # [kvH, S, B, bs, D]
-    vc = b.op("Gather", io.value_cache(layer), io.BLOCK_TABLES, axis=1)
+    kc = b.op("Gather", io.key_cache(layer), ctx.block_tables, axis=1)  # [kvH, S, B, bs, D]
+    vc = b.op("Gather", io.value_cache(layer), ctx.block_tables, axis=1)
     kc = from_kv(b, b.op("Reshape", kc, ctx.keys_shape, allowzero=1), kv_dtype, ks, axis=0, heads=kvh, rank=4)  # [kvH, S, Lc, D]
     vc = from_kv(b, b.op("Reshape", vc, ctx.keys_shape, allowzero=1), kv_dtype, vs, axis=0, heads=kvh, rank=4)
     # NOTE: K·qᵀ, not q·Kᵀ: the big operand is then the GEMM's A side, which MLAS reads in
@@ -242,11 +246,13 @@ def paged_attention(b: GraphBuilder, spec: ModelSpec, layer: int, ctx: AttnConte
 
 
 def plugin_attention(b: GraphBuilder, spec: ModelSpec, layer: int, q: str, k: str, v: str, *,
-                     block_size: int, kv_dtype: str, scales: tuple[str, str] | None = None) -> tuple[str, str, str]:
+                     block_size: int, kv_dtype: str, scales: tuple[str, str] | None = None,
+                     group: str = io.FULL_GROUP) -> tuple[str, str, str]:
     """One kvexport::PagedAttention node (plugins/paged_attention/spec.py):
 
         q [T, H, D], k/v [T, kvH, D] (activation dtype, rotated, q NOT scaled)
         key_cache.{i}, value_cache.{i}, block_tables, seq_lens, query_start_loc, slot_mapping
+          (block_tables.local / slot_mapping.local for a layer of the local KV cache group)
         kv_scales.{i}.key/value (int8; float pools: unit scales, ignored)
           ──> out [T, H, D], key_cache_out.{i}, value_cache_out.{i} (the pools, updated in place)
     """
@@ -256,8 +262,8 @@ def plugin_attention(b: GraphBuilder, spec: ModelSpec, layer: int, q: str, k: st
                                 spec.window(layer) or 0, kv_dtype, logit_softcap=spec.attn_softcap or 0.0)
     # NOTE: float pools get ignored unit scales: the plugin has one 11-input signature (spec.py)
     ones = b.const(np.ones(spec.num_kv_heads), "float32")
-    inputs = [q, k, v, io.key_cache(layer), io.value_cache(layer), io.BLOCK_TABLES, io.SEQ_LENS,
-              io.QUERY_START_LOC, io.SLOT_MAPPING, *(scales or (ones, ones))]
+    inputs = [q, k, v, io.key_cache(layer), io.value_cache(layer), io.block_tables(group), io.SEQ_LENS,
+              io.QUERY_START_LOC, io.slot_mapping(group), *(scales or (ones, ones))]
     out, kc, vc = b.op(io.PLUGIN_OP, *inputs, outputs=3, domain=io.PLUGIN_DOMAIN,
                        name=f"/layers.{layer}/attn/{io.PLUGIN_OP}", **attrs.onnx_attributes())
     return out, kc, vc

@@ -231,12 +231,18 @@ def _build_into(d: Path, src: source.ModelSource, opts: BuildOptions, progress: 
                 head_block=0 if opts.backend == "tensorrt" else None)
             wrecord = describe(qweights, wq, opts.dtype.numpy_name, KEPT, requantized) | method_info
 
+    # paged builds of full-attention + windowed layers: the windowed layers' KV is its own cache
+    # group (kvexport/io.py), released behind the window by the runtime
+    groups = io.kv_groups(spec.window(i) for i in range(spec.num_layers))
+    local_window = (max(w for i in range(spec.num_layers) if (w := spec.window(i)) is not None)
+                    if opts.layout is io.KVLayout.PAGED and io.LOCAL_GROUP in groups else None)
+    layer_groups = groups if local_window is not None else None
     store = WeightStore()
     graphs = {}
     for phase in (io.Phase.PREFILL, io.Phase.DECODE):
         with progress(f"exporting {phase.value} graph"):
             g = GraphOptions(opts.layout, phase, opts.dtype, kv_dtype, opts.block_size, max_len, opts.all_logits,
-                             opts.attention, scales, qweights=qweights)
+                             opts.attention, scales, qweights=qweights, layer_groups=layer_groups)
             dg = DecoderGraph(spec, weights, rope, g, store)
             graphs[phase] = (dg.build(), dg.io)
     with progress("writing graphs and weights"):
@@ -273,7 +279,7 @@ def _build_into(d: Path, src: source.ModelSource, opts: BuildOptions, progress: 
                   opts.block_size if opts.layout is io.KVLayout.PAGED else 0, spec.num_layers,
                   spec.num_kv_heads, spec.head_dim,
                   io.kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, kv_dtype), max_len,
-                  quantization),
+                  quantization, local_window),
         graphs=entries, weights=WeightsEntry(io.WEIGHTS_FILE, weight_bytes, n_params, wq.precision, wrecord),
         tokenizer=tok_dir,
         all_logits=opts.all_logits, validation=None, tools=versions(), notes=tuple(notes))

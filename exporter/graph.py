@@ -40,6 +40,8 @@ class GraphOptions:
     kv_scales: np.ndarray | None = None  # int8 KV: [layers, 2 (key, value), kv_heads, head_dim] float32
     # quantized matmul weights by graph weight name (exporter/quantize.py); None: all in `dtype`
     qweights: dict[str, QuantizedMatrix] | None = None
+    # paged: each layer's KV cache group (io.kv_groups) when the build has a local group; None: one group
+    layer_groups: tuple[str, ...] | None = None
 
 
 RopeTables = dict[str, tuple[np.ndarray, np.ndarray]]  # spec.ROPE_KINDS kind -> (cos, sin) [max_len, rot/2]
@@ -101,7 +103,8 @@ class DecoderGraph:
                               num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
                               vocab_size=spec.vocab_size, block_size=opts.block_size,
                               act_dtype=self.act, kv_dtype=self.kv, all_logits=opts.all_logits,
-                              attention=opts.attention)
+                              attention=opts.attention, layer_groups=opts.layer_groups)
+        self.groups = opts.layer_groups or (io.FULL_GROUP,) * spec.num_layers
         self.plugin = self.paged and opts.attention is io.Attention.PLUGIN
         if (opts.kv_dtype is io.DType.INT8) != (opts.kv_scales is not None):
             raise ValueError("int8 KV needs kv_scales, and only int8 KV takes them")
@@ -261,8 +264,9 @@ class DecoderGraph:
         # masks per distinct window (the plugin node reads the step's metadata itself)
         ctxs: dict[int | None, attn.AttnContext] = {}
         if not self.plugin:
-            for w in sorted({spec.window(i) for i in range(spec.num_layers)}, key=lambda w: w or 0):
-                ctxs[w] = (attn.paged_context(b, spec, o.block_size, w) if self.paged
+            group_of = {spec.window(i): self.groups[i] for i in range(spec.num_layers)}  # one group per window
+            for w in sorted(group_of, key=lambda w: w or 0):
+                ctxs[w] = (attn.paged_context(b, spec, o.block_size, w, group_of[w]) if self.paged
                            else attn.contiguous_context(b, spec, w))
 
         kv_out: list[tuple[str, str]] = []
@@ -335,7 +339,7 @@ class DecoderGraph:
         if self.plugin:  # the node takes activation-dtype q/k/v, q unscaled (scale is an attribute)
             q, k, v = (self._to(t, "float32", self.act) for t in (q, k, v))
             a, k_out, v_out = attn.plugin_attention(b, spec, i, q, k, v, block_size=self.opts.block_size,
-                                                    kv_dtype=self.kv, scales=scales)
+                                                    kv_dtype=self.kv, scales=scales, group=self.groups[i])
             a = b.op("Reshape", a, b.const([0, h * d]))  # [T, H*D]
         else:
             q = b.op("Mul", q, b.const(spec.scale, "float32"))

@@ -37,7 +37,9 @@ def sample_feeds(manifest, phase: io.Phase, seed: int = 0) -> dict[str, np.ndarr
     per_seq = max(math.ceil((c + q) / bs) for c, q in zip(ctx, q_lens))
     chunks = [chunk(str(s), ids(q).tolist(), c, [1 + s * per_seq + j for j in range(per_seq)], bs)
               for s, (c, q) in enumerate(zip(ctx, q_lens))]
-    feeds = pack(chunks, bs, full_tables=kv.attention == io.Attention.PLUGIN.value).feeds()
+    # a build with a local KV cache group: its tables mirror the full group's (pools of equal size)
+    groups = sorted(set(manifest.layer_groups or ()) - {io.FULL_GROUP})
+    feeds = pack(chunks, bs, full_tables=kv.attention == io.Attention.PLUGIN.value, groups=groups).feeds()
     shape = io.paged_pool_shape(1 + 2 * per_seq, kv.num_kv_heads, bs, kv.head_dim)
     for i in range(kv.num_layers):
         for name in (io.key_cache(i), io.value_cache(i)):

@@ -148,8 +148,8 @@ class ModelSpec:
 
     @property
     def uniform_window(self) -> int | None:
-        """The window when every layer has the same one (what lets the runtime free blocks),
-        else None (full attention somewhere: every block stays needed)."""
+        """The window when every layer has the same one (one KV cache group, freed behind it),
+        else None (paged builds then give the windowed layers a local group: kvexport/io.py)."""
         windows = {self.window(i) for i in range(self.num_layers)}
         return windows.pop() if len(windows) == 1 else None
 

@@ -95,6 +95,8 @@ def axis_ranges(manifest: Manifest, opts: EngineBuildOptions, phase: io.Phase) -
         io.MAX_BLOCKS: (1, _cdiv(opt_len, kv.block_size), max_blocks),
         io.NUM_BLOCKS: (2, opts.max_num_blocks, opts.max_num_blocks),
     }
+    if manifest.layer_groups is not None:  # the local KV cache group's pools (kvexport/io.py): as many at most
+        ranges[io.num_blocks_axis(io.LOCAL_GROUP)] = (2, opts.max_num_blocks, opts.max_num_blocks)
     if phase is io.Phase.PREFILL:
         ranges[io.NUM_TOKENS] = (1, tokens, tokens)
     return ranges

@@ -97,7 +97,8 @@ def check_graph_io(m: Manifest, phase: io.Phase, inputs: tuple[io.TensorSpec, ..
     dtypes = {_ACT: ("dtype", io.DType(m.dtype).numpy_name), _KV: ("kv.dtype", io.DType(kv.dtype).numpy_name)}
     template = io.graph_io(layout=io.KVLayout(kv.layout), phase=phase, num_layers=kv.num_layers,
                            num_kv_heads=_HEADS, head_dim=_HEAD_DIM, vocab_size=_VOCAB, block_size=_BLOCK,
-                           act_dtype=_ACT, kv_dtype=_KV, all_logits=m.all_logits, attention=io.Attention(kv.attention))
+                           act_dtype=_ACT, kv_dtype=_KV, all_logits=m.all_logits, attention=io.Attention(kv.attention),
+                           layer_groups=m.layer_groups)
     build = f"a {kv.layout} build with {kv.attention} attention{' and all logits' if m.all_logits else ''}"
     pairs = (("input", template.inputs, inputs), ("output", template.outputs, outputs))
     for kind, want, got in pairs:  # names first: a wrong layout or attention shows as a missing tensor

@@ -44,6 +44,19 @@ aliases the input) and reads everything back from it, so ``block_tables`` must c
 
     -> logits, key_cache_out.{i}/value_cache_out.{i} [kv_heads, num_blocks, block_size, head_dim]
 
+KV cache groups (paged builds of models whose layers differ in window: gemma2, gemma3,
+qwen3 with max_window_layers): the windowed layers keep their KV in a second group,
+``local``, with its own, smaller pools and block tables, so the runtime can release its
+blocks behind the window while the full-attention layers (group ``full``, today's names)
+keep every block::
+
+    block_tables.local [num_seqs, max_blocks] int64, slot_mapping.local [num_tokens] int64
+    key_cache.{i}/value_cache.{i} of a windowed layer [kv_heads, num_blocks.local, block_size, head_dim]
+
+    Block ``j`` of a local table still means positions ``j*block_size..``; blocks the window
+    released are PAD_BLOCK_ID. seq_lens, query_start_loc and positions are shared. Builds whose
+    layers all have the same window (or none) have one group and exactly the I/O above.
+
 int8 KV: static symmetric scales per layer, KV head and channel (``kvexport calibrate``),
 stored in both graphs as float32 initializers ``kv_scales.{i}.key/value`` [kv_heads, head_dim]
 ([kv_heads] in builds made before per-channel scales) and in the manifest; pools hold
@@ -121,6 +134,33 @@ QUERY_START_LOC = "query_start_loc"
 SEQ_LENS = "seq_lens"
 BLOCK_TABLES = "block_tables"
 SLOT_MAPPING = "slot_mapping"
+# KV cache groups (see the module docstring): the full group uses the names above
+FULL_GROUP = "full"
+LOCAL_GROUP = "local"
+
+
+def kv_groups(layer_windows) -> tuple[str, ...]:
+    """Each layer's KV cache group: LOCAL_GROUP for windowed layers of a model that also has
+    full-attention layers, else FULL_GROUP (one group: uniform windows, or differing windows
+    with no full-attention layer, whose blocks are all kept)."""
+    windows = tuple(layer_windows)
+    hybrid = None in windows and any(w is not None for w in windows)
+    return tuple(LOCAL_GROUP if hybrid and w is not None else FULL_GROUP for w in windows)
+
+
+def block_tables(group: str) -> str:
+    """The block-table input of a KV cache group."""
+    return BLOCK_TABLES if group == FULL_GROUP else f"{BLOCK_TABLES}.{group}"
+
+
+def slot_mapping(group: str) -> str:
+    """The slot-mapping input of a KV cache group."""
+    return SLOT_MAPPING if group == FULL_GROUP else f"{SLOT_MAPPING}.{group}"
+
+
+def num_blocks_axis(group: str) -> str:
+    """The dynamic pool axis of a KV cache group's layers."""
+    return NUM_BLOCKS if group == FULL_GROUP else f"{NUM_BLOCKS}.{group}"
 
 
 def past_key(i: int) -> str:
@@ -216,9 +256,11 @@ def graph_io(
     kv_dtype: str,
     all_logits: bool,
     attention: Attention = Attention.ONNX,
+    layer_groups: tuple[str, ...] | None = None,
 ) -> GraphIO:
     """Every input and output of one graph, in order. The exporter declares exactly
-    these; the runtime feeds exactly these."""
+    these; the runtime feeds exactly these. `layer_groups`: each layer's KV cache group
+    (`kv_groups`; paged only); None: every layer in FULL_GROUP."""
     if layout is KVLayout.CONTIGUOUS:
         # NOTE: decode's sequence axis is dynamic too (one token per step in the runtime): the decode
         # graph is then also a single "decoder with past" that optimum's ORTModelForCausalLM and
@@ -250,15 +292,20 @@ def graph_io(
         TensorSpec(BLOCK_TABLES, "int64", (NUM_SEQS, MAX_BLOCKS)),
         TensorSpec(SLOT_MAPPING, "int64", (ntok,)),
     ]
+    groups = layer_groups or (FULL_GROUP,) * num_layers
+    if len(groups) != num_layers:
+        raise ValueError(f"layer_groups lists {len(groups)} layers, the graph has {num_layers}")
+    for g in sorted(set(groups) - {FULL_GROUP}):
+        inputs += [TensorSpec(block_tables(g), "int64", (NUM_SEQS, MAX_BLOCKS)), TensorSpec(slot_mapping(g), "int64", (ntok,))]
+    pools = [paged_pool_shape(num_blocks_axis(g), num_kv_heads, block_size, head_dim) for g in groups]
     for i in range(num_layers):
         for name in (key_cache(i), value_cache(i)):
-            inputs.append(TensorSpec(name, kv_dtype, paged_pool_shape(NUM_BLOCKS, num_kv_heads, block_size, head_dim)))
+            inputs.append(TensorSpec(name, kv_dtype, pools[i]))
     logits_rows = ntok if all_logits else NUM_SEQS
     outputs = [TensorSpec(LOGITS, act_dtype, (logits_rows, vocab_size))]
     for i in range(num_layers):
         if attention is Attention.PLUGIN:
-            pool = paged_pool_shape(NUM_BLOCKS, num_kv_heads, block_size, head_dim)
-            outputs += [TensorSpec(key_cache_out(i), kv_dtype, pool), TensorSpec(value_cache_out(i), kv_dtype, pool)]
+            outputs += [TensorSpec(key_cache_out(i), kv_dtype, pools[i]), TensorSpec(value_cache_out(i), kv_dtype, pools[i])]
         else:
             for name in (new_key(i), new_value(i)):
                 outputs.append(TensorSpec(name, kv_dtype, (ntok, num_kv_heads, head_dim)))
@@ -290,3 +337,11 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_dty
     head_dim x bytes. The runtime and every planner use exactly this formula.
     NOTE: int8 scales are static (per layer and head, not per token), so they add nothing here."""
     return 2 * num_layers * num_kv_heads * head_dim * kv_dtype.itemsize
+
+
+def kv_bytes_per_token_by_group(layer_groups: tuple[str, ...], num_kv_heads: int, head_dim: int,
+                                kv_dtype: DType) -> dict[str, int]:
+    """`kv_bytes_per_token` of each KV cache group's layers (group -> bytes); they sum to
+    the model's bytes per token."""
+    return {g: kv_bytes_per_token(layer_groups.count(g), num_kv_heads, head_dim, kv_dtype)
+            for g in dict.fromkeys(layer_groups)}

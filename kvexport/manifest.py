@@ -57,6 +57,11 @@ class KVSpec:
     max_seq_len: int  # longest context (prompt + output) the build serves, tokens
     quantization: dict | None = None  # int8 KV: scheme, calibration, scales [layers][k, v][kv_heads][head_dim]
     # (per-head schemes, builds before per-channel scales: [layers][k, v][kv_heads])
+    # paged builds of models with full-attention and windowed layers: the windowed layers' KV is
+    # its own cache group (io.LOCAL_GROUP; layers io.kv_groups(model.layer_windows)) whose blocks
+    # behind this window (tokens, the largest of those layers') are released; None: one group
+    # NOTE: left out of the JSON when None, so one-group manifests stay exactly as before it existed
+    local_window: int | None = field(default=None, metadata={"omit_if_none": True})
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,9 +156,10 @@ class ModelEntry:
 
     @property
     def uniform_window(self) -> int | None:
-        """The window when every layer has the same one, else None. NOTE: the runtime keeps one
-        block table for all layers, so it may free the blocks behind a window only when every
-        layer is windowed alike (mistral); with any full-attention layer (gemma2/3) all stay."""
+        """The window when every layer has the same one, else None. NOTE: a build with one KV
+        cache group frees the blocks behind a window only when every layer is windowed alike
+        (mistral); builds with a local group (`kv.local_window`, gemma2/3) free the windowed
+        layers' blocks in that group."""
         windows = set(self.layer_windows)
         return windows.pop() if len(windows) == 1 else None
 
@@ -243,6 +249,12 @@ class Manifest:
 
     def to_json(self) -> dict:
         return _to_json(self)
+
+    @property
+    def layer_groups(self) -> tuple[str, ...] | None:
+        """Each layer's KV cache group (io.kv_groups) in a build with a local group, else None
+        (one group: every layer's KV in the pools of `kv.block_size` blocks named as before)."""
+        return io.kv_groups(self.model.layer_windows) if self.kv.local_window is not None else None
 
     def save(self, build_dir: Path) -> None:
         """Write kvexport.json atomically (temp file + rename: never half-written, and a
@@ -358,6 +370,13 @@ def _check_values(m: Manifest) -> None:
     if kv.bytes_per_token != per_token:
         raise _FieldError("kv.bytes_per_token", f"is {kv.bytes_per_token}, but the kv spec gives {per_token} "
                                                 f"(2 x layers x kv_heads x head_dim x bytes)")
+    if kv.local_window is not None:
+        groups = io.kv_groups(m.model.layer_windows)
+        windows = [w for w, g in zip(m.model.layer_windows, groups) if g == io.LOCAL_GROUP]
+        if not paged or not windows or kv.local_window != max(windows):
+            want = max(windows) if paged and windows else None
+            raise _FieldError("kv.local_window", f"is {kv.local_window}, but the model's layer windows give {want} "
+                                                 f"(a paged build of full-attention and windowed layers only)")
     if (v := m.validation) is not None:
         ops = {"validation.op": v.op, "validation.cross_check.op": v.cross_check.op if v.cross_check else None}
         for path, op in ops.items():
@@ -478,7 +497,8 @@ def _to_json(x: Any) -> Any:
     if isinstance(x, ModelEntry):
         return _to_json(x.spec)
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        return {f.name: _to_json(getattr(x, f.name)) for f in dataclasses.fields(x)}
+        return {f.name: _to_json(getattr(x, f.name)) for f in dataclasses.fields(x)
+                if not (f.metadata.get("omit_if_none") and getattr(x, f.name) is None)}
     if isinstance(x, (list, tuple)):
         return [_to_json(v) for v in x]
     if isinstance(x, dict):

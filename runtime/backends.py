@@ -15,9 +15,10 @@ from .model_input import Backend
 
 
 def create_backend(build_dir: Path, manifest: Manifest, config: EngineConfig, num_blocks: int,
-                   ort_kind: str = "auto") -> tuple[Backend, EngineConfig]:
+                   ort_kind: str = "auto", local_num_blocks: int | None = None) -> tuple[Backend, EngineConfig]:
     """(backend, settings it accepts). TensorRT engines cap the batch limits, the context
-    and the pool at their optimization profiles (manifest `engines.limits`)."""
+    and the pool at their optimization profiles (manifest `engines.limits`).
+    `local_num_blocks`: blocks of the local KV cache group's pools (builds with one)."""
     if config.backend == "tensorrt":
         from .trt_backend import TensorRTBackend
 
@@ -28,10 +29,11 @@ def create_backend(build_dir: Path, manifest: Manifest, config: EngineConfig, nu
         config = replace(config, max_num_seqs=min(config.max_num_seqs, lim.max_num_seqs),
                          max_num_batched_tokens=min(config.max_num_batched_tokens, lim.max_num_batched_tokens),
                          max_model_len=min(config.max_model_len or lim.max_seq_len, lim.max_seq_len))
+        local = min(local_num_blocks, lim.max_num_blocks) if local_num_blocks else None
         backend = TensorRTBackend(build_dir, manifest, min(num_blocks, lim.max_num_blocks),
-                                  cuda_graph_batch_sizes=config.cuda_graph_batch_sizes)
+                                  cuda_graph_batch_sizes=config.cuda_graph_batch_sizes, local_num_blocks=local)
         return backend, config
     from .ort_backends import ort_backend
 
     return (ort_backend(build_dir, manifest, num_blocks, config.threads, ort_kind,
-                        accuracy=config.weight_matmul_accuracy), config)
+                        accuracy=config.weight_matmul_accuracy, local_num_blocks=local_num_blocks), config)

@@ -181,6 +181,12 @@ class BlockPool:
         self._hits += len(out)
         return out
 
+    def count_lookup(self, queries: int, hits: int) -> None:
+        """Count a lookup made with `get_cached_block` (a caller that decides the hits itself,
+        e.g. runtime/hybrid_kv_cache_manager.py) in `stats`, as `lookup` counts its own."""
+        self._queries += queries
+        self._hits += hits
+
     def touch(self, block_ids: Sequence[int]) -> None:
         """Add one reference to each block (a prefix-cache hit). An evictable block
         leaves the eviction queue. Raises, changing nothing, for a block that is free

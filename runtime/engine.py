@@ -22,6 +22,7 @@ from kvexport.errors import ConfigError, KvExportError
 from .backends import create_backend
 from .block_pool import BlockPool
 from .config import EngineConfig
+from .hybrid_kv_cache_manager import HybridKVCacheManager, split_budget
 from .kv_cache_manager import KVCacheManager
 from .memory import num_blocks_for_budget, parse_budget, physical_memory
 from .model_input import Backend
@@ -51,18 +52,33 @@ class LLMEngine:
                               f"this machine's memory ({physical_memory() / 2**30:.1f} GiB): give a smaller size, or "
                               f"a share of the free memory such as 30%")
         # the pad block is counted inside the budget
-        num_blocks = num_blocks_for_budget(budget, kv.bytes_per_token, kv.block_size)
+        groups = self.manifest.layer_groups  # None: one KV cache group
+        local_blocks = None
+        if groups is None:
+            num_blocks = num_blocks_for_budget(budget, kv.bytes_per_token, kv.block_size)
+        else:  # the windowed layers' group gets what its window needs, the full group the rest
+            per_token = io.kv_bytes_per_token_by_group(groups, kv.num_kv_heads, kv.head_dim, io.DType(kv.dtype))
+            sizes = split_budget(budget, kv.block_size, per_token[io.FULL_GROUP], per_token[io.LOCAL_GROUP],
+                                 kv.local_window, config.max_num_seqs, config.max_num_batched_tokens)
+            num_blocks, local_blocks = sizes.full_blocks, sizes.local_blocks
         if backend is None:
-            backend, config = create_backend(self.build_dir, self.manifest, config, num_blocks)
+            backend, config = create_backend(self.build_dir, self.manifest, config, num_blocks,
+                                             local_num_blocks=local_blocks)
         self.config = config
         model = self.manifest.model
         self.vocab_size: int = model.vocab_size
         eos = model.eos_token_ids
+        window = model.uniform_window
         self.pool = BlockPool(backend.num_blocks, kv.block_size, enable_prefix_caching=config.enable_prefix_caching)
-        self.kv = KVCacheManager(self.pool)
+        self.kv: KVCacheManager | HybridKVCacheManager = KVCacheManager(self.pool)
+        if groups is not None:  # two KV cache groups (kvexport/io.py): windowed layers freed behind the window
+            local = BlockPool(getattr(backend, "local_num_blocks", None) or backend.num_blocks, kv.block_size,
+                              enable_prefix_caching=config.enable_prefix_caching)
+            window = kv.local_window
+            self.kv = HybridKVCacheManager(self.pool, local, window)
         max_model_len = min(config.max_model_len or kv.max_seq_len, kv.max_seq_len)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len,
-                                                   model.uniform_window, eos), self.kv)
+                                                   window, eos), self.kv)
         self.runner = ModelRunner(backend, kv.block_size, eos)
         self.tokenizer = None
         if self.manifest.tokenizer:

@@ -50,6 +50,16 @@ class ComputedBlocks:
         return cls(block_ids=(), num_computed_tokens=0, block_hashes=(), salt=salt)
 
 
+@dataclass(frozen=True, slots=True)
+class GroupBlocks:
+    """A request's blocks in a KV cache group other than the full one (kvexport/io.py),
+    for the runner: its block table and the slots of the step's tokens."""
+
+    group: str  # io.LOCAL_GROUP
+    block_table: tuple[int, ...]  # PAD_BLOCK_ID where the window released a block
+    slot_mapping: tuple[int, ...]  # one slot per token of the step
+
+
 @dataclass(slots=True)
 class _RequestBlocks:
     block_ids: list[int]  # block table; PAD_BLOCK_ID where a sliding window released a block
@@ -168,13 +178,18 @@ class KVCacheManager:
                 f"allocate_slots({request_id!r}, computed_blocks=...): the request already holds "
                 "blocks; append without computed_blocks, or free() it first"
             )
+        # NOTE: PAD_BLOCK_ID hits: blocks a sliding window no longer needs (a hybrid build's
+        # local group, runtime/hybrid_kv_cache_manager.py): kept as released, never touched
         hits = list(computed.block_ids)
+        held = [b for b in hits if b != PAD_BLOCK_ID]
         if computed.num_computed_tokens != len(hits) * self.block_size:
             raise KVCacheError(
                 f"allocate_slots({request_id!r}): computed_blocks holds {len(hits)} blocks but "
                 f"claims {computed.num_computed_tokens} tokens; pass get_computed_blocks()'s result unchanged"
             )
         for i, block_id in enumerate(hits):
+            if block_id == PAD_BLOCK_ID:
+                continue
             if i >= len(computed.block_hashes) or self.pool.block_hash(block_id) != computed.block_hashes[i]:
                 raise KVCacheError(
                     f"allocate_slots({request_id!r}): cached block {block_id} was evicted after "
@@ -184,10 +199,9 @@ class KVCacheManager:
         num_needed = _cdiv(total, self.block_size) - len(hits)
         # Touching an evictable hit takes it out of the free count, so it cannot pay
         # for the new blocks too.
-        num_evictable_hits = sum(1 for b in hits if self.pool.ref_count(b) == 0)
-        if num_needed > self.pool.num_free_blocks - num_evictable_hits:
+        if num_needed > self.num_free_after_hits(held):
             return None
-        self.pool.touch(hits)
+        self.pool.touch(held)
         new = self.pool.get_new_blocks(num_needed)
         assert new is not None, "free count was checked above"
         self._reqs[request_id] = _RequestBlocks(
@@ -198,6 +212,11 @@ class KVCacheManager:
             num_cached_blocks=len(hits),
         )
         return new
+
+    def num_free_after_hits(self, hit_block_ids: Sequence[int]) -> int:
+        """Blocks still free for new allocations once the prefix-cache hits `hit_block_ids`
+        (no pad block) are referenced: touching an evictable hit takes it out of the free count."""
+        return self.pool.num_free_blocks - sum(1 for b in hit_block_ids if self.pool.ref_count(b) == 0)
 
     def free(self, request_id: str) -> None:
         """Release every block of the request (finished, aborted or preempted), tail
@@ -260,6 +279,11 @@ class KVCacheManager:
                 req.block_ids[i] = PAD_BLOCK_ID
         self.pool.free_blocks(reversed(released))
         return released
+
+    def extra_groups(self, request_id: str, start_pos: int, num_tokens: int) -> tuple[GroupBlocks, ...]:
+        """The request's blocks in other KV cache groups: none (one group; see
+        runtime/hybrid_kv_cache_manager.py)."""
+        return ()
 
     def slot_mapping(self, request_id: str, start_pos: int, num_tokens: int) -> list[int]:
         """Slot of each position ``start_pos .. start_pos+num_tokens-1`` of the request:

@@ -26,6 +26,8 @@ class ModelInput:
     seq_lens: np.ndarray  # [S] int64, KV length after this step
     block_tables: np.ndarray  # [S, max_blocks] int64, padded with io.PAD_BLOCK_ID
     slot_mapping: np.ndarray  # [T] int64
+    # other KV cache groups (hybrid builds, kvexport/io.py): (group, block_tables [S, max_blocks], slot_mapping [T])
+    groups: tuple[tuple[str, np.ndarray, np.ndarray], ...] = ()
 
     @property
     def is_decode(self) -> bool:
@@ -38,15 +40,23 @@ class ModelInput:
 
     def feeds(self) -> dict[str, np.ndarray]:
         """The graphs' metadata inputs by name (kvexport/io.py), int64 and contiguous."""
-        return {io.INPUT_IDS: self.token_ids, io.POSITIONS: self.positions,
-                io.QUERY_START_LOC: self.query_start_loc, io.SEQ_LENS: self.seq_lens,
-                io.BLOCK_TABLES: self.block_tables, io.SLOT_MAPPING: self.slot_mapping}
+        feeds = {io.INPUT_IDS: self.token_ids, io.POSITIONS: self.positions,
+                 io.QUERY_START_LOC: self.query_start_loc, io.SEQ_LENS: self.seq_lens,
+                 io.BLOCK_TABLES: self.block_tables, io.SLOT_MAPPING: self.slot_mapping}
+        for group, tables, slots in self.groups:
+            feeds[io.block_tables(group)], feeds[io.slot_mapping(group)] = tables, slots
+        return feeds
+
+    def group_slots(self, group: str) -> np.ndarray:
+        """slot_mapping of a KV cache group (io.FULL_GROUP: `slot_mapping`)."""
+        return next((slots for g, _, slots in self.groups if g == group), self.slot_mapping)
 
 
 class Backend(Protocol):
     """What the model runner needs from an execution backend (onnxruntime, TensorRT)."""
 
-    num_blocks: int  # blocks in each pool, the pad block included
+    num_blocks: int  # blocks in each pool (of the full KV cache group), the pad block included
+    groups: tuple[str, ...]  # KV cache groups besides the full one whose inputs the graphs take (io.LOCAL_GROUP)
     full_block_tables: bool  # plugin attention: tables cover this step's blocks too (kvexport/io.py)
     pads_queries: bool  # a call costs its longest query chunk times its sequences (`onnx` attention)
     attention_impl: str  # what runs the attention, for reports ("onnx", "plugin (native CPU op)", ...)

@@ -53,9 +53,13 @@ def chunk(request_id: str, token_ids: Sequence[int], start_pos: int, block_table
     return ScheduledRequest(request_id, tuple(token_ids), start_pos, tuple(block_table), slots, samples)
 
 
-def pack(chunks: Sequence[ScheduledRequest], block_size: int, full_tables: bool) -> ModelInput:
+def pack(chunks: Sequence[ScheduledRequest], block_size: int, full_tables: bool,
+         groups: Sequence[str] = ()) -> ModelInput:
     """Scheduled chunks -> the graphs' packed inputs. Block tables become a padded int64
-    tensor only here, padded with io.PAD_BLOCK_ID.
+    tensor only here, padded with io.PAD_BLOCK_ID. `groups`: the other KV cache groups the
+    graphs take (kvexport/io.py); each gets its tables and slots from the chunk's
+    `group_blocks`, or, for a chunk without them (validation, samples: callers that keep one
+    table per sequence), the chunk's own, which the group's pools must then be large enough for.
 
     NOTE: the `onnx` attention reads from the pool only the KV of tokens computed in earlier
     steps (this step's keys come from the step itself), so its tables are cut to the blocks
@@ -76,7 +80,18 @@ def pack(chunks: Sequence[ScheduledRequest], block_size: int, full_tables: bool)
         assert len(s.block_table) >= used, "a block table must cover the blocks the step reads"
         tables[r, :used] = s.block_table[:used]
     a = lambda x: np.asarray(x, np.int64)  # noqa: E731
-    return ModelInput(a(ids), a(pos), a(qsl), a(lens), tables, a(slots))
+    extra = []
+    for g in groups:
+        g_tables = np.full((len(chunks), width), io.PAD_BLOCK_ID, np.int64)  # [S, max_blocks]
+        g_slots: list[int] = []
+        for r, s in enumerate(chunks):
+            gb = next((x for x in s.group_blocks if x.group == g), None)
+            table, slot = (gb.block_table, gb.slot_mapping) if gb is not None else (s.block_table, s.slot_mapping)
+            used = -(-end(s) // block_size)
+            g_tables[r, :used] = table[:used]
+            g_slots.extend(slot)
+        extra.append((g, g_tables, a(g_slots)))
+    return ModelInput(a(ids), a(pos), a(qsl), a(lens), tables, a(slots), tuple(extra))
 
 
 def _groups(q_len: list[int], slack: float) -> list[list[int]]:
@@ -113,12 +128,13 @@ class ModelRunner:
         extra tokens; on the mixed-64 trace this cut prefill time from 32.6 s to ~25-29 s.
         Splitting decodes by context length the same way measured no better."""
         b = self.backend
+        kv_groups = getattr(b, "groups", ())  # NOTE: backends predating KV cache groups (test doubles) lack it
         groups = _groups([len(s.token_ids) for s in chunks], QUERY_PAD_SLACK) if b.pads_queries else []
         if all_tokens or len(groups) <= 1:
-            return b.execute(pack(chunks, self.block_size, b.full_block_tables), all_tokens=all_tokens)
+            return b.execute(pack(chunks, self.block_size, b.full_block_tables, kv_groups), all_tokens=all_tokens)
         out = None
         for g in groups:
-            part = b.execute(pack([chunks[i] for i in g], self.block_size, b.full_block_tables))
+            part = b.execute(pack([chunks[i] for i in g], self.block_size, b.full_block_tables, kv_groups))
             if out is None:
                 out = np.empty((len(chunks), part.shape[1]), part.dtype)
             out[g] = part

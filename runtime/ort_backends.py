@@ -83,7 +83,7 @@ class _OrtBackend:
 
     def __init__(self, build_dir: str | Path, manifest: Manifest, num_blocks: int, threads: int | None = None,
                  providers: list[str] | None = None, profile_prefix: str | None = None, both_graphs: bool = False,
-                 accuracy: str | None = None):
+                 accuracy: str | None = None, local_num_blocks: int | None = None):
         if manifest.kv.layout != io.KVLayout.PAGED.value:
             raise KvExportError(f"the runtime serves paged builds; {build_dir} has layout "
                                 f"{manifest.kv.layout!r}: rebuild with `--layout paged`")
@@ -96,9 +96,19 @@ class _OrtBackend:
         self.profile_prefix = profile_prefix  # onnxruntime profiling of every run, to files with this prefix
         self.providers = providers or _providers()
         dtype = np.dtype(io.DType(kv.dtype).numpy_name)
-        shape = io.paged_pool_shape(num_blocks, kv.num_kv_heads, kv.block_size, kv.head_dim)
-        # [K_0, V_0, K_1, V_1, ...], each [kv_heads, num_blocks, block_size, head_dim]
-        self.pools = [_zeros_small_pages(shape, dtype) for _ in range(2 * kv.num_layers)]
+        # KV cache groups (kvexport/io.py): a layer of the local group has `local_num_blocks`
+        # blocks (default: as many as the full group's, for callers with one table per sequence)
+        layer_groups = manifest.layer_groups or (io.FULL_GROUP,) * kv.num_layers
+        self.groups = tuple(sorted(set(layer_groups) - {io.FULL_GROUP}))
+        self.local_num_blocks = local_num_blocks or num_blocks if self.groups else None
+        if self.local_num_blocks is not None and self.local_num_blocks < 2:
+            raise KvExportError(f"the local KV pool needs at least 2 blocks (one is the pad block), got "
+                                f"{self.local_num_blocks}")
+        self.layer_groups = layer_groups
+        blocks = {io.FULL_GROUP: num_blocks, io.LOCAL_GROUP: self.local_num_blocks}
+        shapes = [io.paged_pool_shape(blocks[g], kv.num_kv_heads, kv.block_size, kv.head_dim) for g in layer_groups]
+        # [K_0, V_0, K_1, V_1, ...], each [kv_heads, num_blocks (of the layer's group), block_size, head_dim]
+        self.pools = [_zeros_small_pages(shapes[i // 2], dtype) for i in range(2 * kv.num_layers)]
         self._pool_names = [n for i in range(kv.num_layers) for n in (io.key_cache(i), io.value_cache(i))]
         prefill, decode = io.Phase.PREFILL.value, io.Phase.DECODE.value
         self.sessions = {prefill: self._open(self.build_dir / manifest.graphs[prefill].file)}
@@ -185,8 +195,9 @@ class OnnxAttentionBackend(_OrtBackend):
         feeds = inp.feeds()
         feeds.update(zip(self._pool_names, self.pools))
         outs = sess.run(self._out_names, feeds)
-        for pool, new in zip(self.pools, outs[1:]):
-            io.store_paged_kv(pool, inp.slot_mapping, new)
+        slots = {g: inp.group_slots(g) for g in set(self.layer_groups)}
+        for i, (pool, new) in enumerate(zip(self.pools, outs[1:])):
+            io.store_paged_kv(pool, slots[self.layer_groups[i // 2]], new)
         return outs[0]
 
 
@@ -207,11 +218,11 @@ class NativeOpBackend(_PluginBackend):
     attention_impl = "plugin (native CPU op)"
 
     def __init__(self, build_dir, manifest, num_blocks, threads=None, providers=None, profile_prefix=None,
-                 both_graphs=False, accuracy=None, *, library: Path):
+                 both_graphs=False, accuracy=None, local_num_blocks=None, *, library: Path):
         self.library = Path(library)
         # the op is a CPU kernel and the pools live in host memory
         super().__init__(build_dir, manifest, num_blocks, threads, ["CPUExecutionProvider"], profile_prefix,
-                         both_graphs, accuracy)
+                         both_graphs, accuracy, local_num_blocks)
         import onnxruntime as ort
 
         self._pool_values = [ort.OrtValue.ortvalue_from_numpy(p) for p in self.pools]
@@ -263,11 +274,13 @@ class ReferenceOpBackend(_PluginBackend):
 
 def ort_backend(build_dir: str | Path, manifest: Manifest, num_blocks: int, threads: int | None = None,
                 kind: str = "auto", providers: list[str] | None = None, profile_prefix: str | None = None,
-                both_graphs: bool = False, accuracy: str | None = None) -> _OrtBackend:
+                both_graphs: bool = False, accuracy: str | None = None,
+                local_num_blocks: int | None = None) -> _OrtBackend:
     """The onnxruntime backend for a build. kind "auto": the `onnx` attention's backend, or
     for plugin builds the native CPU op when it is built and covers the build's dtypes,
     else the reference op (with a warning). "onnx" / "native" / "reference" force one
-    (an error when it cannot run this build)."""
+    (an error when it cannot run this build). `local_num_blocks`: blocks of each pool of the
+    local KV cache group (builds with one, kvexport/io.py; default `num_blocks`)."""
     if kind not in ORT_KINDS:
         raise KvExportError(f"onnxruntime backend kind must be one of {ORT_KINDS}, got {kind!r}")
     plugin = manifest.kv.attention == io.Attention.PLUGIN.value
@@ -275,11 +288,13 @@ def ort_backend(build_dir: str | Path, manifest: Manifest, num_blocks: int, thre
         if kind not in ("auto", "onnx"):
             raise KvExportError(f"{build_dir} uses the `onnx` attention; the {kind!r} PagedAttention op needs a "
                                 f"`--attention plugin` build")
-        return OnnxAttentionBackend(build_dir, manifest, num_blocks, threads, providers, profile_prefix, both_graphs, accuracy)
+        return OnnxAttentionBackend(build_dir, manifest, num_blocks, threads, providers, profile_prefix, both_graphs, accuracy,
+                                    local_num_blocks)
     if kind == "onnx":
         raise KvExportError(f"{build_dir} is a `--attention plugin` build: it runs with the native or the reference op")
     if kind == "reference":
-        return ReferenceOpBackend(build_dir, manifest, num_blocks, threads, providers, profile_prefix, both_graphs, accuracy)
+        return ReferenceOpBackend(build_dir, manifest, num_blocks, threads, providers, profile_prefix, both_graphs, accuracy,
+                                  local_num_blocks)
     from kvexport.plugins.paged_attention import native
 
     lib, why_not = native.library_for(manifest)
@@ -287,5 +302,7 @@ def ort_backend(build_dir: str | Path, manifest: Manifest, num_blocks: int, thre
         if kind == "native":
             raise KvExportError(f"the native CPU PagedAttention op cannot run {build_dir}: {why_not}")
         log.warning("running the plugin graphs of %s with the reference PagedAttention (slow): %s", build_dir, why_not)
-        return ReferenceOpBackend(build_dir, manifest, num_blocks, threads, providers, profile_prefix, both_graphs, accuracy)
-    return NativeOpBackend(build_dir, manifest, num_blocks, threads, None, profile_prefix, both_graphs, accuracy, library=lib)
+        return ReferenceOpBackend(build_dir, manifest, num_blocks, threads, providers, profile_prefix, both_graphs, accuracy,
+                                  local_num_blocks)
+    return NativeOpBackend(build_dir, manifest, num_blocks, threads, None, profile_prefix, both_graphs, accuracy,
+                           local_num_blocks, library=lib)

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING
 
 from kvexport.errors import KvExportError
 
-from .kv_cache_manager import KVCacheManager
+from .hybrid_kv_cache_manager import HybridKVCacheManager
+from .kv_cache_manager import GroupBlocks, KVCacheManager
 from .sampling import SamplerState, SamplingParams
 
 if TYPE_CHECKING:
@@ -36,7 +37,9 @@ class SchedulerConfig:
     max_num_seqs: int = 64  # sequences per step
     max_num_batched_tokens: int = 512  # tokens per step (prompt chunks + decodes)
     max_model_len: int = 2048  # prompt + output tokens per sequence
-    sliding_window: int | None = None  # every layer's window: free blocks entirely outside it (None: keep all)
+    # the window of the layers whose blocks are freed once entirely outside it: every layer's
+    # (one KV group), or the windowed layers' (a HybridKVCacheManager's local group); None: keep all
+    sliding_window: int | None = None
     eos_token_ids: tuple[int, ...] = ()  # a sampled one finishes the request ("stop") unless ignore_eos
 
     def __post_init__(self) -> None:
@@ -96,6 +99,7 @@ class ScheduledRequest:
     samples: bool  # the chunk reaches the end of the sequence: sample a token
     sampler: SamplerState | None = None  # the request's sampling state (when samples)
     num_output_tokens: int = 0  # tokens generated before this step (min_tokens, penalties)
+    group_blocks: tuple[GroupBlocks, ...] = ()  # tables and slots in other KV cache groups (hybrid builds)
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,7 +123,7 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager | HybridKVCacheManager):
         self.config, self.kv = config, kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -211,7 +215,8 @@ class Scheduler:
                 req.request_id, tuple(req.token_ids[start:start + n]), start,
                 tuple(self.kv.block_table(req.request_id)),
                 tuple(self.kv.slot_mapping(req.request_id, start, n)),
-                samples, req.sampler if samples else None, req.num_output_tokens))
+                samples, req.sampler if samples else None, req.num_output_tokens,
+                self.kv.extra_groups(req.request_id, start, n)))
         return SchedulerOutput(tuple(out), self.config.max_num_batched_tokens - budget, tuple(preempted))
 
     def update_from_output(self, output: SchedulerOutput, result: "ModelRunnerOutput") -> list[EngineCoreOutput]:

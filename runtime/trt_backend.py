@@ -92,8 +92,13 @@ def pad_decode(inp: ModelInput, batch: int, width: int) -> ModelInput:
     tables: np.ndarray = np.full((batch, width), io.PAD_BLOCK_ID, np.int64)
     tables[:s, :w] = inp.block_tables
     cat = lambda a, v: np.concatenate([a, np.full(pad, v, np.int64)])  # noqa: E731
+    groups: list[tuple[str, np.ndarray, np.ndarray]] = []
+    for g, g_tables, g_slots in inp.groups:  # other KV cache groups: padded alike
+        padded: np.ndarray = np.full((batch, width), io.PAD_BLOCK_ID, np.int64)
+        padded[:s, :w] = g_tables
+        groups.append((g, padded, cat(g_slots, -1)))
     return ModelInput(cat(inp.token_ids, 0), cat(inp.positions, 0), np.arange(batch + 1, dtype=np.int64),
-                      cat(inp.seq_lens, 1), tables, cat(inp.slot_mapping, -1))
+                      cat(inp.seq_lens, 1), tables, cat(inp.slot_mapping, -1), tuple(groups))
 
 
 def _torch_dtype(trt_dtype: trt.DataType) -> Any:
@@ -161,9 +166,7 @@ class _Phase:
         """Copy the step's arrays into the static buffers (on the stream); set ctx's shapes."""
         import torch
 
-        feeds = {io.INPUT_IDS: inp.token_ids, io.POSITIONS: inp.positions, io.QUERY_START_LOC: inp.query_start_loc,
-                 io.SEQ_LENS: inp.seq_lens, io.BLOCK_TABLES: inp.block_tables, io.SLOT_MAPPING: inp.slot_mapping}
-        for name, arr in feeds.items():
+        for name, arr in inp.feeds().items():  # the metadata of every KV cache group (kvexport/io.py)
             self.buffers[name][:arr.size].copy_(torch.from_numpy(np.ascontiguousarray(arr).reshape(-1)),
                                                 non_blocking=True)
             ctx.set_input_shape(name, arr.shape)
@@ -184,11 +187,16 @@ class TensorRTBackend:
     attention_impl = "plugin (TensorRT)"
 
     def __init__(self, build_dir: str | Path, manifest: Manifest, num_blocks: int, *, device: int = 0,
-                 cuda_graph_batch_sizes: Sequence[int] = (), verify_checksums: bool = False):
+                 cuda_graph_batch_sizes: Sequence[int] = (), verify_checksums: bool = False,
+                 local_num_blocks: int | None = None):
         self.build_dir, self.manifest, self.num_blocks = Path(build_dir), manifest, num_blocks
+        # KV cache groups (kvexport/io.py): the local group's pools have `local_num_blocks` blocks
+        layer_groups = manifest.layer_groups or (io.FULL_GROUP,) * manifest.kv.num_layers
+        self.groups = tuple(sorted(set(layer_groups) - {io.FULL_GROUP}))
+        self.local_num_blocks = (local_num_blocks or num_blocks) if self.groups else None
         entry = engines_entry(manifest, self.build_dir)
         limits = entry.limits
-        if not 2 <= num_blocks <= limits.max_num_blocks:
+        if not 2 <= num_blocks <= limits.max_num_blocks or not 2 <= (local_num_blocks or 2) <= limits.max_num_blocks:
             raise KvExportError(f"a KV pool of {num_blocks} blocks does not fit the engines (2..{limits.max_num_blocks} "
                                 f"blocks); lower the KV memory budget, or rebuild the engines with a larger "
                                 f"max_num_blocks")
@@ -213,9 +221,10 @@ class TensorRTBackend:
         kv = manifest.kv
         pool_dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
                       "int8": torch.int8}[kv.dtype]
-        shape = io.paged_pool_shape(num_blocks, kv.num_kv_heads, kv.block_size, kv.head_dim)
-        # [K_0, V_0, K_1, V_1, ...], each [kv_heads, num_blocks, block_size, head_dim]
-        self.pools = [torch.zeros(shape, dtype=pool_dtype, device="cuda") for _ in range(2 * kv.num_layers)]
+        blocks = {io.FULL_GROUP: num_blocks, io.LOCAL_GROUP: self.local_num_blocks or num_blocks}
+        shapes = [io.paged_pool_shape(blocks[g], kv.num_kv_heads, kv.block_size, kv.head_dim) for g in layer_groups]
+        # [K_0, V_0, K_1, V_1, ...], each [kv_heads, num_blocks (of the layer's group), block_size, head_dim]
+        self.pools = [torch.zeros(shapes[i // 2], dtype=pool_dtype, device="cuda") for i in range(2 * kv.num_layers)]
         pool_names = [n for i in range(kv.num_layers) for n in (io.key_cache(i), io.value_cache(i))]
         self.stream = torch.cuda.Stream()
         self.phases = {p: _Phase(self._runtime, self.build_dir / e.file, e.profile, pool_names, self.pools,
@@ -243,7 +252,8 @@ class TensorRTBackend:
         dec = self.phases[io.Phase.DECODE.value]
         width = self.limits.max_blocks_per_seq
         none: np.ndarray = np.zeros(0, np.int64)
-        empty = ModelInput(none, none, np.zeros(1, np.int64), none, np.zeros((0, 1), np.int64), none)
+        empty = ModelInput(none, none, np.zeros(1, np.int64), none, np.zeros((0, 1), np.int64), none,
+                           tuple((g, np.zeros((0, 1), np.int64), none) for g in self.groups))
         with torch.cuda.stream(self.stream):
             for b in self._graph_sizes:
                 ctx = dec.new_context(self._scratch)

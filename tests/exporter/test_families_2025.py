@@ -8,13 +8,14 @@ per-layer windows and RoPE kinds, q/k norms, post/sandwich norms, (1 + w) norms,
 scale, attention and final soft-caps, query_pre_attn_scalar, NoPE layers."""
 
 import importlib.util
+import json
 import types
 from pathlib import Path
 
 import pytest
 
 from kvexport import LLM, SamplingParams, io
-from kvexport.errors import ConfigError, UnsupportedModelError
+from kvexport.errors import ConfigError, ManifestError, UnsupportedModelError
 from kvexport.exporter import source
 from kvexport.exporter.build import BuildOptions, build
 from kvexport.exporter.families import read_spec
@@ -118,6 +119,103 @@ def test_plugin_nodes_carry_each_layers_attention(folder, tmp_path):
     assert scopes == {"attn_mask", "attn_mask_w8"}
 
 
+def test_paged_builds_of_windowed_and_full_layers_take_a_local_kv_group(folder, hf_folder, tmp_path):
+    """gemma2 (window 8 on layers 0 and 2): the windowed layers read `block_tables.local` /
+    `slot_mapping.local` and have pools on the `num_blocks.local` axis, in both attentions; the
+    manifest records the local group's window. A one-window model's graphs keep today's I/O."""
+    import onnx
+
+    src = folder("gemma2", num_hidden_layers=4)
+    local_pool = [2, "num_blocks.local", 4, 16]
+    for attention in (io.Attention.ONNX, io.Attention.PLUGIN):
+        out, m = build(str(src), tmp_path / attention.value,
+                       BuildOptions(attention=attention, block_size=4, max_seq_len=64, validate=False))
+        assert m.kv.local_window == 8 and m.layer_groups == ("local", "full", "local", "full")
+        inputs = {t.name: list(t.shape) for t in m.graphs["decode"].inputs}
+        assert [n for n in inputs][:8] == ["input_ids", "positions", "query_start_loc", "seq_lens", "block_tables",
+                                           "slot_mapping", "block_tables.local", "slot_mapping.local"]
+        assert inputs["key_cache.0"] == inputs["value_cache.2"] == local_pool
+        assert inputs["key_cache.1"] == [2, "num_blocks", 4, 16]
+        g = onnx.load(str(out / io.DECODE_GRAPH), load_external_data=False)
+        if attention is io.Attention.PLUGIN:
+            reads = {n.input[3]: (n.input[5], n.input[8]) for n in g.graph.node if n.domain == io.PLUGIN_DOMAIN}
+            assert reads == {"key_cache.0": ("block_tables.local", "slot_mapping.local"),
+                             "key_cache.1": ("block_tables", "slot_mapping"),
+                             "key_cache.2": ("block_tables.local", "slot_mapping.local"),
+                             "key_cache.3": ("block_tables", "slot_mapping")}
+        else:
+            gathers = {n.input[0]: n.input[1] for n in g.graph.node if n.op_type == "Gather"
+                       and n.input[0].startswith("key_cache.")}
+            assert gathers == {"key_cache.0": "block_tables.local", "key_cache.1": "block_tables",
+                               "key_cache.2": "block_tables.local", "key_cache.3": "block_tables"}
+        assert "local_window" in (out / io.MANIFEST_NAME).read_text()
+    d = json.loads((out / io.MANIFEST_NAME).read_text())
+    with pytest.raises(ManifestError, match="'kv.local_window' is 5, but the model's layer windows give 8"):
+        manifest_mod.Manifest.from_json({**d, "kv": {**d["kv"], "local_window": 5}})
+    del d["kv"]["local_window"]  # read as one group: the graphs then do not match
+    (out / io.MANIFEST_NAME).write_text(json.dumps(d))
+    with pytest.raises(ManifestError, match="block_tables.local"):
+        manifest_mod.load(out)
+    out, c = build(str(src), tmp_path / "c", BuildOptions(layout=io.KVLayout.CONTIGUOUS, max_seq_len=64,
+                                                          validate=False))
+    assert c.kv.local_window is None and c.layer_groups is None
+    out, llama = build(str(hf_folder("llama")), tmp_path / "l", BuildOptions(block_size=4, max_seq_len=64,
+                                                                             validate=False))
+    assert llama.kv.local_window is None and "local_window" not in (out / io.MANIFEST_NAME).read_text()
+    assert [t.name for t in llama.graphs["prefill"].inputs][:6] == [
+        "input_ids", "positions", "query_start_loc", "seq_lens", "block_tables", "slot_mapping"]
+    assert not any("local" in str(t.shape) + t.name for t in llama.graphs["prefill"].inputs)
+
+
+@pytest.mark.parametrize("attention", ["onnx", "plugin"])
+def test_windowed_layers_hold_only_the_window_while_serving(served, attention, request):
+    """gemma3_text (3 local : 1 global, window 8): while a 40-token prompt is served in 8-token
+    chunks and decoded, after every step the local group holds only the blocks the next token's
+    window reaches (<= 3 of 4 tokens), the full group every block; the tokens equal transformers'."""
+    if attention == "plugin":
+        request.getfixturevalue("cpu_op")
+    from kvexport.runtime.hybrid_kv_cache_manager import HybridKVCacheManager
+
+    out, m, model = served("gemma3_text", attention)
+    prompt = engine_parity.random_prompts(1, 128, 40, 41, seed=7)[0]
+    llm = LLM(out, kv_cache_memory="1MiB", max_num_batched_tokens=8, max_num_seqs=4)
+    kv = llm.engine.kv
+    assert isinstance(kv, HybridKVCacheManager) and kv.window == 8
+    rid = llm.engine.add_request(prompt, SamplingParams(max_tokens=16, ignore_eos=True))
+    held_local = []
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+        req = llm.engine.scheduler.requests[rid]
+        if rid in kv:
+            local = [b for b in kv.local.block_table(rid) if b != io.PAD_BLOCK_ID]
+            assert len(kv.block_table(rid)) == -(-req.num_computed_tokens // 4)
+            assert len(local) <= 3 and kv.local_pool.num_used_blocks == len(local)
+            held_local.append(len(local))
+    assert max(held_local) == 3 and len(held_local) > 16
+    assert list(llm.engine.output(rid).token_ids) == engine_parity.hf_greedy(model, [prompt], 16)[0]
+    assert kv.local_pool.num_used_blocks == 0 and kv.pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("attention", ["onnx", "plugin"])
+def test_int8_kv_served_with_a_local_group(folder, tmp_path, attention, request):
+    """int8 KV in both KV cache groups (gemma3_text, window 8): served with chunked prefill,
+    preemption and the local group freed behind the window, the tokens equal those of the same
+    build served roomily (each prompt in one chunk, no preemption)."""
+    if attention == "plugin":
+        request.getfixturevalue("cpu_op")
+    out, m = build(str(folder("gemma3_text")), tmp_path / "b",
+                   BuildOptions(kv_dtype=io.DType.INT8, attention=io.Attention(attention), block_size=4,
+                                max_seq_len=128, calibration_tokens=256, validate=False))
+    assert m.kv.dtype == "int8" and m.kv.local_window == 8
+    prompts = engine_parity.random_prompts(6, 128, 10, 31, seed=1)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    roomy = LLM(out, kv_cache_memory="4MiB", max_num_batched_tokens=256).generate(prompts, params)
+    tight = LLM(out, kv_cache_memory=14 * 4 * m.kv.bytes_per_token, max_num_batched_tokens=8)
+    got = tight.generate(prompts, params)
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in got] == [o.token_ids for o in roomy]
+
+
 @pytest.mark.parametrize("family", CASES)
 def test_parity_fp16(folder, tmp_path, family):
     _, m = build(str(folder(family)), tmp_path / "b",
@@ -144,12 +242,15 @@ def served(folder, tmp_path_factory):
 
 
 # family, extra overrides, the window the scheduler frees blocks behind (None: keeps them all)
-SERVED = [("qwen3", {}, None), ("olmo2", {}, None), ("gemma2", {}, None), ("gemma3_text", {}, None),
+# NOTE: gemma2/gemma3 and qwen3 with max_window_layers=1 mix windowed and full-attention layers:
+# their windowed layers' KV is a second cache group whose blocks behind the window are freed
+# (runtime/hybrid_kv_cache_manager.py); the full-attention layers keep every block
+SERVED = [("qwen3", {}, None), ("olmo2", {}, None), ("gemma2", {}, 8), ("gemma3_text", {}, 8),
           ("smollm3", {}, None),
           # every layer windowed alike: blocks behind the window are freed while serving
           ("qwen3", dict(use_sliding_window=True, sliding_window=8, max_window_layers=0), 8),
-          # windows on some layers only: the full-attention layer needs every block
-          ("qwen3", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1), None)]
+          # windows on some layers only: two KV cache groups, the windowed one freed
+          ("qwen3", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1), 8)]
 SERVED_PARAMS = [(f, ov, w, a) for f, ov, w in SERVED for a in ("onnx", "plugin")]
 
 

@@ -61,6 +61,28 @@ def test_profile_shapes_cover_every_input_exactly(make_manifest):
     assert p[io.BLOCK_TABLES].to_json() == {"min": [1, 1], "opt": [8, 8], "max": [8, 16]}
 
 
+def test_profile_shapes_of_a_build_with_a_local_kv_group(make_manifest):
+    """Layer 0 windowed, layer 1 full (kvexport/io.py KV cache groups): the local group's tables,
+    slots and pools get profiles too; the one-group manifest's axes are unchanged."""
+    import dataclasses
+
+    m = make_manifest()
+    groups = ("local", "full")
+    graphs = {}
+    for phase, g in m.graphs.items():
+        gio = io.graph_io(layout=io.KVLayout.PAGED, phase=io.Phase(phase), num_layers=2, num_kv_heads=2, head_dim=16,
+                          vocab_size=128, block_size=16, act_dtype="float32", kv_dtype="float32", all_logits=False,
+                          attention=io.Attention.PLUGIN, layer_groups=groups)
+        graphs[phase] = dataclasses.replace(g, inputs=gio.inputs, outputs=gio.outputs)
+    model = type(m.model)({**m.model.spec, "sliding_window": 8, "layer_windows": [8, None]})
+    hybrid = dataclasses.replace(m, model=model, kv=dataclasses.replace(m.kv, local_window=8), graphs=graphs)
+    assert hybrid.layer_groups == groups and make_manifest().layer_groups is None
+    p = tb.profile_shapes(hybrid, OPTS)["prefill"]
+    assert p[io.block_tables("local")] == p[io.BLOCK_TABLES] and p[io.slot_mapping("local")] == p[io.SLOT_MAPPING]
+    assert p[io.key_cache(0)] == p[io.key_cache(1)] == ShapeRange((2, 2, 16, 16), (2, 100, 16, 16), (2, 100, 16, 16))
+    assert "num_blocks.local" not in tb.axis_ranges(make_manifest(), OPTS, io.Phase.PREFILL)
+
+
 def test_profile_refuses_longer_context_than_the_graphs(make_manifest):
     with pytest.raises(ConfigError, match="max_seq_len 512 exceeds the graphs' 256"):
         tb.profile_shapes(make_manifest(), EngineBuildOptions(max_seq_len=512))

@@ -104,6 +104,11 @@ def test_pad_decode_exact():
     np.testing.assert_array_equal(p.slot_mapping, a(53, 116, -1, -1))
     np.testing.assert_array_equal(p.block_tables, np.array([[3, 0, 0], [4, 7, 0], [0, 0, 0], [0, 0, 0]]))
     assert p.block_tables.dtype == np.int64
+    local = dataclasses.replace(inp, groups=(("local", np.array([[5, 0], [0, 9]], np.int64), a(21, 37)),))
+    (g, tables, slots), = tbk.pad_decode(local, batch=4, width=3).groups
+    assert g == "local" and tables.dtype == np.int64
+    np.testing.assert_array_equal(tables, np.array([[5, 0, 0], [0, 9, 0], [0, 0, 0], [0, 0, 0]]))
+    np.testing.assert_array_equal(slots, a(21, 37, -1, -1))
 
 
 def test_serving_does_not_import_the_exporter(tmp_path):
