@@ -216,7 +216,7 @@ def _build_into(d: Path, src: source.ModelSource, opts: BuildOptions, progress: 
             if tokenizer is not None and text is None:
                 text = calibrate.default_text()
             ids = calibrate.calibration_ids(tokenizer, spec.vocab_size, text, opts.calibration_tokens)
-            scales = calibrate.compute_scales(model, ids)
+            scales = calibrate.compute_scales(model, ids, rotary_dim=spec.rotary_dim if spec.rope else 0)
             quantization = calibrate.quantization_entry(scales, text.name if text else "random-ids", ids)
 
     wq, qweights, wrecord = opts.weight_quantization(), None, None

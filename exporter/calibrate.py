@@ -4,9 +4,16 @@
     cache's post-RoPE keys / values per layer ──absmax over tokens──> scale = absmax / 127
     [layers, 2 (key, value), kv_heads, head_dim]
 
-Per channel, not per head: some models' keys (Qwen2: q/k/v biases) have a few channels tens
-of times larger than the rest at every token; a per-head scale is then set by those channels
-and rounds the others to a few levels (plugins/paged_attention/spec.py, "why per channel").
+Keys per channel, not per head: some models' keys (Qwen2: q/k/v biases) have a few channels
+tens of times larger than the rest at every token; a per-head scale is then set by those
+channels and rounds the others to a few levels (plugins/paged_attention/spec.py, "why per
+channel"). RoPE rotates channel c with channel c + rotary_dim / 2 by the position's angle, so
+a key's range moves between the two as positions the calibration text never reached turn up:
+the pair shares one scale (their max). Values per head (the [kv_heads, head_dim] scale holds
+the head's max in every channel): values have no channel structure, and per-channel value
+scales clipped channels that were quiet in the calibration text but not later — on
+smollm2-135m validation went from max |Δ logits| 1.9 (per head) to 5.6 with them; keys per
+pair and values per head: 2.2, every greedy token kept.
 Builds made before per-channel scales hold per-head [kv_heads] initializers; `kvexport
 calibrate` keeps their shape (the per-channel absmax reduced over head_dim), so they keep
 working unchanged — rebuild them to get per-channel scales.
@@ -77,10 +84,11 @@ def calibration_ids(tokenizer, vocab_size: int, text_path: Path | None, tokens: 
     return ids[:tokens]
 
 
-def compute_scales(model, ids: list[int], chunk: int = 512) -> np.ndarray:
-    """Per-layer, per-KV-head, per-channel absmax of the keys (after RoPE) and values that
-    transformers caches for `ids`, divided by 127: [layers, 2 (key, value), kv_heads, head_dim]
-    float32.
+def compute_scales(model, ids: list[int], chunk: int = 512, rotary_dim: int = 0) -> np.ndarray:
+    """Scales from the absmax of the keys (after RoPE) and values that transformers caches for
+    `ids`, divided by 127: [layers, 2 (key, value), kv_heads, head_dim] float32; keys per
+    channel with each RoPE pair of the first `rotary_dim` channels sharing its max, values per
+    head (the module docstring says why).
     NOTE: one sequence, fed in chunks that continue the cache, so keys are seen at every
     position up to len(ids) (RoPE changes a key's per-element range with its position)."""
     import torch
@@ -97,7 +105,19 @@ def compute_scales(model, ids: list[int], chunk: int = 512) -> np.ndarray:
                 layers.append(torch.stack([k, v]))
             cur = torch.stack(layers).numpy()
             absmax = cur if absmax is None else np.maximum(absmax, cur)
-    return np.maximum(absmax / QMAX, 1e-8).astype(np.float32)
+    keys, values = absmax[:, 0], absmax[:, 1]  # [layers, kv_heads, head_dim]
+    half = rotary_dim // 2
+    if half:
+        pair = np.maximum(keys[..., :half], keys[..., half:rotary_dim])
+        keys = np.concatenate([pair, pair, keys[..., rotary_dim:]], axis=-1)
+    values = np.broadcast_to(values.max(axis=-1, keepdims=True), values.shape)
+    return np.maximum(np.stack([keys, values], axis=1) / QMAX, 1e-8).astype(np.float32)
+
+
+def rotary_dim(spec: dict) -> int:
+    """Rotated channels per head of a ModelSpec (its JSON form); 0 without RoPE."""
+    rope = spec.get("rope")
+    return int(spec["head_dim"] * rope["partial_rotary_factor"]) if rope else 0
 
 
 def quantization_entry(scales: np.ndarray, text: str, ids: list[int]) -> dict:
@@ -181,7 +201,7 @@ def calibrate(build_dir: str | Path, text: str | Path | None = None, tokens: int
     with progress("calibrating int8 KV scales"):
         text_path = Path(text) if text else (default_text() if tokenizer is not None else None)
         ids = calibration_ids(tokenizer, manifest.model.vocab_size, text_path, tokens)
-        scales = compute_scales(model, ids)
+        scales = compute_scales(model, ids, rotary_dim=rotary_dim(manifest.model.spec))
     expected = (manifest.kv.num_layers, 2, manifest.kv.num_kv_heads, manifest.kv.head_dim)
     if scales.shape != expected:
         raise KvExportError(f"scales of shape {scales.shape} do not fit the build ({expected}): wrong source model?")

@@ -56,7 +56,9 @@ NOTE (why per channel): keys of models with q/k biases (Qwen2) carry a few chann
 times larger than the rest, at fixed channels for every token (the KIVI observation); one
 scale per head spends the int8 range on them and rounds every other channel of the head to
 a handful of levels. A scale per channel costs nothing at run time (the key scales fold into
-the query, the value scales into the output) and keeps the pool a plain int8 tensor.
+the query, the value scales into the output) and keeps the pool a plain int8 tensor. The op
+takes any [kvH, D] scales; `kvexport calibrate` gives keys one scale per RoPE channel pair and
+values one per head, broadcast over the channels (exporter/calibrate.py says why).
 """
 
 from __future__ import annotations

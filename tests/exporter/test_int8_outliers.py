@@ -41,8 +41,8 @@ def outlier_qwen2(hf_folder, tmp_path_factory):
 
 
 def _per_head(compute):
-    def per_head(model, ids, chunk=512):
-        s = compute(model, ids, chunk)  # [layers, 2, kvH, D]
+    def per_head(model, ids, chunk=512, rotary_dim=0):
+        s = compute(model, ids, chunk, rotary_dim)  # [layers, 2, kvH, D]
         return np.broadcast_to(s.max(axis=-1, keepdims=True), s.shape).copy()
     return per_head
 

@@ -60,7 +60,7 @@ def test_int8_kv_build_stays_close_to_transformers(tmp_path):
     """int8 KV with scales calibrated on 2048 tokens of Hamlet, on the real model (the default
     plugin attention: the native op's full check, the reference op's cut-down one).
     Perplexity is measured by bench/kv_quality.py; here the validation must pass: |Δ logits|
-    <= 3 and >= 75% of greedy tokens agreeing (measured: 1.9 and 98.5%)."""
+    <= 3 and >= 75% of greedy tokens agreeing (measured: 2.2 and 100%)."""
     _, m = build("smollm2-135m", tmp_path / "i8", BuildOptions(kv_dtype=io.DType.INT8, max_seq_len=256))
     v = m.validation
     assert v.passed and v.token_agreement >= 0.9, v
