@@ -7,8 +7,6 @@ the `onnx` attention graph on identical inputs. int8 KV must agree between the `
 attention, the plugin and both layouts (same quantization semantics), and stay close to
 transformers."""
 
-import json
-
 import numpy as np
 import onnx
 import pytest
@@ -20,7 +18,7 @@ from kvexport.errors import ConfigError
 from kvexport.exporter import calibrate as cal
 from kvexport.exporter.build import BuildOptions, build
 from kvexport.exporter.families import FAMILIES
-from kvexport.exporter.validate import TOLERANCE, PagedDriver, prompt_ids, reference
+from kvexport.exporter.validate import TOLERANCE, PagedDriver, prompt_ids
 from kvexport.manifest import load
 
 CASES = {"llama": dict(num_key_value_heads=2), "mistral": dict(num_key_value_heads=2, sliding_window=8),
