@@ -38,15 +38,16 @@ from kvexport.manifest import OpCheck, ValidationEntry
 # (a wrong mask or rope shows up as >1e-1).
 # fp16: matmuls round to 11-bit mantissas; logits move by ~1e-2..1e-1, and near-ties may
 # flip a greedy token, so fp16 checks the tolerance but only reports token agreement.
-# int8 KV: every cached key/value is rounded to 1/254 of its channel's calibrated range
-# (per-channel scales: outlier key channels, as in Qwen2, no longer coarsen the others). The
-# error is the quantization's, not a bug's, and is of a few units of logit on logits of ~20-30:
-# smollm2-135m 1.9 (per-head scales), Qwen2.5-Coder-0.5B 1.1 with per-channel scales (3.1 with
-# per-head ones, the failure that motivated them). Near-ties flip greedy tokens and a flip
-# changes every later step, so int8 checks a logit bound plus a minimum share of agreeing greedy
-# tokens. A broken quantization (wrong axis, wrong scale) scrambles the logits (|Δ| of the
-# logits' own magnitude) and the tokens. NOTE: still an absolute bound; one relative to the
-# reference logits' range would not depend on the model's logit scale.
+# int8 KV: every cached key/value is rounded to 1/254 of its calibrated range (keys per RoPE
+# channel pair, so outlier key channels, as in Qwen2, no longer coarsen the others; values per
+# head: exporter/calibrate.py). The error is the quantization's, not a bug's: a few units of
+# logit at most on logits of magnitude ~20-30 (smollm2-135m 2.2; Qwen2.5-Coder-0.5B 0.57 — 3.1
+# with per-head scales, the failure that motivated per-channel keys). Near-ties flip greedy
+# tokens and a flip changes every later step, so int8 checks a logit bound plus a minimum share
+# of agreeing greedy tokens. A broken quantization (wrong axis, wrong scale) scrambles the
+# logits (|Δ| of the logits' own magnitude) and the tokens. NOTE: an absolute bound, set at
+# ~10% of the logits' magnitude on the models above; one relative to each model's logit range
+# would carry over to models with larger logits.
 # int8 / int4 weights (exporter/quantize.py; the bound covers int8 KV with them too): the graphs
 # compute with rounded weights while transformers keeps the float ones, so they differ by the
 # quantization itself, not by a bug; onnxruntime also rounds the activations to int8 inside
