@@ -11,14 +11,18 @@ Its fast int8 path takes int8 *activations* too, which TensorRT's weight-only en
 the build cannot store it. `int8_dynamic()` rewrites the loaded ModelProto (weights stay
 external, codes stay int8) before the InferenceSession is made, per row (PER_ROW, default):
 
-    x [.., K] ─> s = max|x| / 127 per row ─> uint8(round(x / s) + 128) ─> MatMulInteger(·, codes) [.., N] int32
-        ─> Cast float ─> × s × scale [N]
+    x [.., K] ─> s = max|x| / 127 per row ─> uint8(round(x / s) + 128)
+        ─> com.microsoft.MatMulIntegerToFloat(·, codes, 1, scale [N], 128, zero point [N]) [.., N] ─> × s
 
 or per tensor: DynamicQuantizeLinear ─> MatMulInteger ─> Cast ─> Mul(xs * scale), which
 onnxruntime fuses to DynamicQuantizeMatMul (bench/quant_linear.py: ~3x fp32 at M >= 64).
+A zero point (GPTQ per-channel int8) feeds the integer matmul as its per-column B zero point.
 NOTE: per tensor, one scale covers every row of the step, so a row's rounding depends on the
 other sequences in the batch, and smollm2's perplexity rose +29% (70.6 vs 54.6); per row
 +2.4% (55.9; per-channel weights alone, float activations: +1.0%). bench/weight_quality.py.
+NOTE: per row, MatMulIntegerToFloat (float scales applied inside the op) rather than MatMulInteger
+-> Cast -> Mul -> Mul: 576x1536 at M = 64 / 256 / 512 took 0.25 / 0.94 / 1.73 ms against
+0.35 / 1.13 / 2.37 ms (fp32 MatMul 0.76 / 2.73 / 5.44 ms; 2 threads, bench/quant_linear.py).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ def _attrs(node: onnx.NodeProto) -> dict:
 
 def int8_dynamic(model: onnx.ModelProto, per_row: bool = PER_ROW) -> int:
     """Rewrite, in place, every float32 MatMul whose weight is a per-channel int8
-    DequantizeLinear of an initializer (axis=1, scale [N], no or zero zero point) into the
+    DequantizeLinear of an initializer (axis=1, scale [N], zero point [N] or none) into the
     dynamic-int8 form above. Returns how many MatMuls were rewritten (0: model unchanged)."""
     g = model.graph
     inits = {t.name: t for t in g.initializer}
@@ -55,7 +59,7 @@ def int8_dynamic(model: onnx.ModelProto, per_row: bool = PER_ROW) -> int:
                 or a.get("axis") != 1 or a.get("block_size", 0) != 0 or scale.data_type != TensorProto.FLOAT
                 or list(scale.dims) != [codes.dims[1]] or (len(n.input) > 2 and n.input[2] and zp is None)):
             continue
-        if zp is not None and (zp.data_type != TensorProto.INT8 or any(onnx.numpy_helper.to_array(zp))):
+        if zp is not None and (zp.data_type != TensorProto.INT8 or list(zp.dims) != [codes.dims[1]]):
             continue
         if consumers.get(n.output[0]) == 1:
             dq[n.output[0]] = n
@@ -67,13 +71,16 @@ def int8_dynamic(model: onnx.ModelProto, per_row: bool = PER_ROW) -> int:
             nodes.append(n)
             continue
         d = dq[n.input[1]]
-        n_out = inits[d.input[0]].dims[1]
-        if n_out not in zero_points:  # one all-zero [N] int8 per width
-            zero_points[n_out] = f"kvexport.int8_zero_point.{n_out}"
-            g.initializer.append(helper.make_tensor(zero_points[n_out], TensorProto.INT8, [n_out], bytes(n_out), raw=True))
+        wzp = d.input[2] if len(d.input) > 2 and d.input[2] else None
+        if wzp is None:
+            n_out = inits[d.input[0]].dims[1]
+            if n_out not in zero_points:  # one all-zero [N] int8 per width
+                zero_points[n_out] = f"kvexport.int8_zero_point.{n_out}"
+                g.initializer.append(helper.make_tensor(zero_points[n_out], TensorProto.INT8, [n_out], bytes(n_out),
+                                                        raw=True))
+            wzp = zero_points[n_out]
         p = n.name or n.output[0]
-        nodes += (_per_row if per_row else _per_tensor)(p, n.input[0], d.input[0], d.input[1], zero_points[n_out],
-                                                        n.output[0])
+        nodes += (_per_row if per_row else _per_tensor)(p, n.input[0], d.input[0], d.input[1], wzp, n.output[0])
         count += 1
     if count:
         del g.node[:]
@@ -81,12 +88,16 @@ def int8_dynamic(model: onnx.ModelProto, per_row: bool = PER_ROW) -> int:
         if per_row:
             for name, value in ((ROW_EPS, np.float32(1e-12 * 127)), (ROW_QMAX, np.float32(127)),
                                 (ROW_SHIFT, np.float32(128)), (ROW_ZERO, np.uint8(128)),
-                                (ROW_AXES, np.array([-1], np.int64))):
+                                (ROW_AXES, np.array([-1], np.int64)), (ROW_ONE, np.float32(1))):
                 g.initializer.append(numpy_helper.from_array(np.asarray(value), name))
+            if not any(o.domain == MS for o in model.opset_import):
+                model.opset_import.append(helper.make_opsetid(MS, 1))
     return count
 
 
-ROW_EPS, ROW_QMAX, ROW_SHIFT, ROW_ZERO, ROW_AXES = (f"kvexport.int8_rows.{n}" for n in ("eps", "qmax", "shift", "zero", "axes"))
+ROW_EPS, ROW_QMAX, ROW_SHIFT, ROW_ZERO, ROW_AXES, ROW_ONE = (
+    f"kvexport.int8_rows.{n}" for n in ("eps", "qmax", "shift", "zero", "axes", "one"))
+MS = "com.microsoft"
 
 
 def _per_tensor(p: str, x: str, codes: str, scale: str, wzp: str, y: str) -> list[onnx.NodeProto]:
@@ -102,10 +113,11 @@ def _per_tensor(p: str, x: str, codes: str, scale: str, wzp: str, y: str) -> lis
 
 
 def _per_row(p: str, x: str, codes: str, scale: str, wzp: str, y: str) -> list[onnx.NodeProto]:
-    """One symmetric int8 scale per row (token), stored as uint8 + 128 (onnxruntime's MatMulInteger
-    takes one scalar activation zero point):
+    """One symmetric int8 scale per row (token), stored as uint8 + 128 (onnxruntime's integer
+    matmuls take one scalar activation scale and zero point, and u8 x s8 is their fast path):
 
-        x [.., K] ─> s = max|x| / 127 [.., 1] ─> round(x / s) + 128 ─> uint8 ─> MatMulInteger ─> × s × scale [N]
+        x [.., K] ─> s = max|x| / 127 [.., 1] ─> round(x / s) + 128 ─> uint8
+            ─> MatMulIntegerToFloat(a_scale 1, b_scale [N], a_zp 128, b_zp [N]) ─> × s
     """
     mk = helper.make_node
     t = lambda n: f"{p}/{n}"  # noqa: E731
@@ -118,8 +130,7 @@ def _per_row(p: str, x: str, codes: str, scale: str, wzp: str, y: str) -> list[o
         mk("Round", [t("xn")], [t("xr")], name=t("Round")),
         mk("Add", [t("xr"), ROW_SHIFT], [t("xu")], name=t("Shift")),
         mk("Cast", [t("xu")], [t("xq")], name=t("CastU8"), to=TensorProto.UINT8),
-        mk("MatMulInteger", [t("xq"), codes, ROW_ZERO, wzp], [t("acc")], name=t("MatMulInteger")),  # [.., N] int32
-        mk("Cast", [t("acc")], [t("accf")], name=t("Cast"), to=TensorProto.FLOAT),
-        mk("Mul", [t("accf"), t("xs")], [t("rows")], name=t("RowMul")),
-        mk("Mul", [t("rows"), scale], [y], name=t("Mul")),
+        mk("MatMulIntegerToFloat", [t("xq"), codes, ROW_ONE, scale, ROW_ZERO, wzp], [t("acc")],
+           name=t("MatMulIntegerToFloat"), domain=MS),  # [.., N] float: acc x scale
+        mk("Mul", [t("acc"), t("xs")], [y], name=t("RowMul")),
     ]

@@ -136,12 +136,7 @@ CASES = {  # id -> (family, method, bits, group_size, format, sym)
 }
 
 
-ORT_QUANT_ZP = pytest.mark.xfail(strict=True, reason=(
-    "runtime/ort_quant.py int8_dynamic reads a per-channel zero point with numpy_helper.to_array on an "
-    "external-data initializer without the build folder (onnx ValidationError 'weights.data ... not regular file')"))
-
-
-@pytest.mark.parametrize("case", [pytest.param(c, marks=ORT_QUANT_ZP) if "per-channel" in c else c for c in CASES])
+@pytest.mark.parametrize("case", list(CASES))
 def test_prequantized_build_maps_codes_exactly(hf_folder, tmp_path, case, cpu_op):
     family, method, bits, group, fmt, sym = CASES[case]
     src = tmp_path / "ckpt"

@@ -41,7 +41,8 @@ def test_rewritten_linear_is_close(tmp_path, per_row):
     m = _linear(w, qz.CHANNEL)
     assert int8_dynamic(m, per_row=per_row) == 1
     onnx.checker.check_model(m)
-    assert "MatMulInteger" in [n.op_type for n in m.graph.node]
+    ops = [n.op_type for n in m.graph.node]
+    assert ("MatMulIntegerToFloat" if per_row else "MatMulInteger") in ops
     so = ort.SessionOptions()
     so.optimized_model_filepath = str(tmp_path / "opt.onnx")
     so.log_severity_level = 3
@@ -68,3 +69,28 @@ def test_other_forms_are_left_alone(case):
          "shared weight": lambda: _linear(w, qz.CHANNEL, extra_consumer=True)}[case]()
     before = m.SerializeToString()
     assert int8_dynamic(m) == 0 and m.SerializeToString() == before
+
+
+def test_zero_points_feed_the_integer_matmul():
+    """A per-channel zero point (GPTQ int8, asymmetric) is the integer matmul's B zero point: the
+    rewritten graph computes x @ ((q - zp) * scale), without reading the zero point's data."""
+    rng = np.random.default_rng(2)
+    q = rng.integers(-128, 128, (K, N), dtype=np.int8)
+    zp = rng.integers(-20, 20, N, dtype=np.int8)
+    scale = rng.uniform(0.01, 0.02, N).astype(np.float32)
+    nodes = [helper.make_node("DequantizeLinear", ["wq", "s", "zp"], ["wd"], axis=1),
+             helper.make_node("MatMul", ["x", "wd"], ["y"], name="mm")]
+    g = helper.make_graph(nodes, "lin", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", K])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", N])],
+                          [numpy_helper.from_array(q, "wq"), numpy_helper.from_array(scale, "s"),
+                           numpy_helper.from_array(zp, "zp")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
+    m.ir_version = 9
+    assert int8_dynamic(m) == 1
+    sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    x = rng.standard_normal((3, K)).astype(np.float32)
+    w = (q.astype(np.float32) - zp) * scale
+    got, ref = sess.run(None, {"x": x})[0], x @ w
+    bound = np.abs(x).max(axis=1, keepdims=True) / 127 / 2 * np.abs(w).sum(axis=0).max() + 1e-4
+    assert np.all(np.abs(got - ref) <= bound)
+    assert np.abs(ref).max() > 20 * bound.max()  # the zero points matter at this scale
