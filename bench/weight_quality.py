@@ -35,6 +35,7 @@ CONFIGS = {  # name -> BuildOptions keywords (+ "accuracy", "float_head": see RU
     "int8-b32": dict(weights="int8", weight_block_size=32),
     "int8-ch": dict(weights="int8", weight_block_size=0),
     "int8-ch-awq": dict(weights="int8", weight_block_size=0, quant_method="awq"),
+    "int8-ch-sq": dict(weights="int8", weight_block_size=0, quant_method="smoothquant"),
     "int8-b32-float": dict(weights="int8", weight_block_size=32, accuracy="float"),
     "int4-float": dict(weights="int4", accuracy="float"),
     "int4-fphead": dict(weights="int4", float_head=True), "int8-fphead": dict(weights="int8", float_head=True),

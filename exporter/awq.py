@@ -10,6 +10,12 @@ finely. The division is folded into the op that produces x, which keeps the floa
 s = mean|x|^alpha (normalized), alpha from a grid, chosen per matmul to minimize
 ||x W - (x / s) Q(W s)||^2 on the calibration activations (weights-only search, no training).
 
+`--quant-method smoothquant` (Xiao et al. 2023; per-channel int8 weights only): the runtime also
+rounds the activations to int8, one scale per token (runtime/ort_quant.py), and their outlier
+channels are what costs accuracy. The same search then scores ||x W - R(x / s) Q(W s)||^2 with
+R that per-token rounding, over AWQ's candidates and SmoothQuant's s = max|x|^a / max|W[k, :]|^(1-a),
+which moves the activations' outliers into the weights' rows.
+
 NOTE: the activations are captured with forward pre-hooks on transformers' llama-style modules
 (q_proj, gate_proj, down_proj); other module layouts are refused by name (ConfigError).
 """
@@ -28,6 +34,9 @@ from . import quantize as qz
 log = logging.getLogger(__name__)
 
 ALPHAS = tuple(np.linspace(0.0, 1.0, 11))  # alpha grid; 0 is plain round-to-nearest
+SEARCH = {"awq": "s = mean|x|^alpha, weight rounding error",
+          "smoothquant": "s = mean|x|^alpha or max|x|^alpha / max|W|^(1 - alpha), weight and per-token int8 "
+                         "activation rounding error"}
 MAX_ROWS = 512  # calibration activation rows kept per matmul (memory/time bound)
 HOOKS = {"attn.qkv": "self_attn.q_proj", "mlp.up": "mlp.gate_proj", "mlp.down": "mlp.down_proj"}
 
@@ -67,17 +76,29 @@ def _capture(model, ids: list[int], chunk: int = 512) -> dict[str, np.ndarray]:
     return out
 
 
-def best_scale(x: np.ndarray, w: np.ndarray, bits: int, block: int) -> tuple[np.ndarray, float, float]:
-    """(s [K], alpha, relative output error) minimizing ||x w - (x / s) Q(w s)||^2."""
+def int8_rows(x: np.ndarray) -> np.ndarray:
+    """x rounded as the runtime's dynamic int8 matmul rounds it: symmetric, one scale per row."""
+    step = np.maximum(np.abs(x).max(axis=1, keepdims=True) / 127, 1e-12)
+    return np.round(x / step) * step
+
+
+def best_scale(x: np.ndarray, w: np.ndarray, bits: int, block: int,
+               int8_activations: bool = False) -> tuple[np.ndarray, float, float]:
+    """(s [K], alpha, relative output error) minimizing ||x w - R(x / s) Q(w s)||^2, R the
+    identity, or with `int8_activations` the per-token int8 rounding (SmoothQuant's candidates too)."""
     mean = np.abs(x).mean(axis=0) + 1e-8  # [K]
+    candidates = [(mean ** a, a) for a in ALPHAS]
+    if int8_activations:
+        amax, wmax = np.abs(x).max(axis=0) + 1e-8, np.abs(w).max(axis=1) + 1e-8
+        candidates += [(amax ** a / wmax ** (1 - a), a) for a in ALPHAS[1:]]
     ref = x @ w
     norm = float((ref ** 2).sum()) + 1e-30
     best = (np.ones(w.shape[0], np.float32), 0.0, np.inf)
-    for alpha in ALPHAS:
-        s = mean ** alpha
+    for s, alpha in candidates:
         s = (s / np.sqrt(s.max() * s.min())).astype(np.float32)
         deq = qz.quantize_rtn(w * s[:, None], bits, block).dequantize()
-        err = float((((x / s) @ deq - ref) ** 2).sum()) / norm
+        xs = x / s
+        err = float((((int8_rows(xs) if int8_activations else xs) @ deq - ref) ** 2).sum()) / norm
         if err < best[2]:
             best = (s, float(alpha), err)
     return best
@@ -94,8 +115,9 @@ def search(model, weights, spec, wq: qz.WeightQuantization, ids: list[int]):
         for short, attr in (("attn.qkv", "qkv_w"), ("mlp.up", "up_w"), ("mlp.down", "down_w")):
             if short == "mlp.down" and not spec.gated_mlp:
                 continue  # the activation function sits between up and down: nothing to fold into
-            s, alpha, _ = best_scale(acts[p + short + ".weight"], getattr(lw, attr), wq.bits, wq.block_size)
-            if alpha == 0.0:
+            s, alpha, _ = best_scale(acts[p + short + ".weight"], getattr(lw, attr), wq.bits, wq.block_size,
+                                     int8_activations=wq.method == "smoothquant")
+            if np.all(s == 1):
                 continue
             scales[p + short + ".weight"], alphas[p + short + ".weight"] = s, alpha
             if short == "attn.qkv":

@@ -106,9 +106,9 @@ class BuildOptions:
         if self.backend == "tensorrt" and self.dtype is not io.DType.FP16:
             raise ConfigError("--backend tensorrt needs --dtype fp16 (the plugin kernels take fp16/bf16 activations)")
         if ((self.calibration_text is not None or self.calibration_tokens != 2048) and self.kv_dtype is not io.DType.INT8
-                and self.quant_method != "awq"):
+                and self.quant_method not in ("awq", "smoothquant")):
             raise ConfigError("--calibration-text / --calibration-tokens only apply to --kv-dtype int8 or "
-                              "--quant-method awq")
+                              "--quant-method awq / smoothquant")
         wq = self.weight_quantization()  # checks weights / weight_block_size / quant_method
         if wq.precision == "fp16" and self.dtype is io.DType.FP32:
             object.__setattr__(self, "dtype", io.DType.FP16)

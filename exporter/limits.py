@@ -29,4 +29,5 @@ WEIGHT_BLOCK_SIZES = (0, 32, 64, 128)  # 0: one scale per output channel (CLI `c
 # channel 55.159 (+1.0%) with float activations, 55.926 (+2.4%) as onnxruntime serves it fast
 # (per-row dynamic int8 activations, runtime/ort_quant.py), so per channel is opt-in (`channel`)
 DEFAULT_WEIGHT_BLOCK = {"int8": 32, "int4": 32}
-QUANT_METHODS = ("rtn", "awq")
+QUANT_METHODS = ("rtn", "awq", "smoothquant")
+CALIBRATED_METHODS = ("awq", "smoothquant")  # scale searches on calibration text (exporter/awq.py)

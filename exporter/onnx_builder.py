@@ -24,7 +24,8 @@ def onnx_dtype(name: str) -> int:
 @dataclass
 class WeightStore:
     """Named weight arrays shared by the graphs of one build. `write()` puts each array
-    once into one external-data file; every graph that uses a weight points at it."""
+    once into one external-data file; every graph that uses a weight points at it. Names that
+    hold the same array object (`alias`) point at the same bytes."""
 
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
     locations: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (offset, length)
@@ -40,18 +41,30 @@ class WeightStore:
                 self.packed[name] = packed_as
         return name
 
+    def alias(self, name: str, of: str) -> str:
+        """`name`: a second initializer over `of`'s stored bytes (ONNX external data may share
+        them). NOTE: onnxruntime fuses DequantizeLinear -> MatMul into MatMulNBits only when the
+        codes initializer feeds nothing else; an alias keeps the file at one copy."""
+        self.arrays[name] = self.arrays[of]
+        if of in self.packed:
+            self.packed[name] = self.packed[of]
+        return name
+
     def write(self, path: str) -> int:
         """Write all arrays to `path`; returns the file size in bytes."""
-        offset = 0
+        offset, written = 0, {}
         with open(path, "wb") as f:
             for name, arr in self.arrays.items():
+                if id(arr) in written:  # an alias
+                    self.locations[name] = written[id(arr)]
+                    continue
                 # NOTE: 4 KiB alignment lets onnxruntime mmap large tensors directly.
                 pad = (-offset) % 4096
                 f.write(b"\0" * pad)
                 offset += pad
                 data = arr.tobytes()
                 f.write(data)
-                self.locations[name] = (offset, len(data))
+                self.locations[name] = written[id(arr)] = (offset, len(data))
                 offset += len(data)
         return offset
 

@@ -26,13 +26,19 @@ from onnx import TensorProto
 
 from kvexport.errors import ConfigError
 
-from .limits import DEFAULT_WEIGHT_BLOCK, QUANT_METHODS, WEIGHT_BLOCK_SIZES, WEIGHT_PRECISIONS
+from .limits import CALIBRATED_METHODS, DEFAULT_WEIGHT_BLOCK, QUANT_METHODS, WEIGHT_BLOCK_SIZES, WEIGHT_PRECISIONS
 
 QUANTIZED_HEAD = "lm_head.quantized.weight"  # graph name of a quantized LM head's [hidden, vocab] codes
 # NOTE: the LM head (and the embeddings tied to it, read from the same codes) stay int8 in int4
 # builds: the logits are the most rounding-sensitive matmul, and in fp32 the tied table alone made
 # smollm2's int4 file 0.36x of fp32 (goal <= 0.3x); int8 blocks of 32 also map GGUF Q8_0 exactly.
 HEAD_BITS = 8
+# NOTE: per-channel builds (`--weight-block-size channel`) keep the head in int8 blocks of 32: on
+# onnxruntime's CPU the per-channel matmuls run with per-token int8 activations (runtime/ort_quant.py),
+# and the head's cost most: smollm2 smoothquant perplexity 55.21 with a per-channel head, 54.64 with
+# blocks of 32 (MatMulNBits, int8 activations per 32 of K), fp32 54.62. TensorRT builds take the
+# head per channel (its INT8 weight-only DQ is per channel only): exporter/build.py.
+HEAD_CHANNEL_BUILDS_BLOCK = 32
 LINEARS = ("attn.qkv", "attn.o", "mlp.up", "mlp.down")  # per layer, graph names model.layers.{i}.{x}.weight
 BITS = {"int8": 8, "int4": 4}
 CHANNEL = 0  # block_size of per-output-channel scales: one block spans all of K (`--weight-block-size channel`)
@@ -58,8 +64,12 @@ class WeightQuantization:
                               f"{', '.join(str(b) for b in WEIGHT_BLOCK_SIZES if b)}, got {self.block_size!r}")
         if self.method not in QUANT_METHODS:
             raise ConfigError(f"--quant-method must be one of {', '.join(QUANT_METHODS)}, got {self.method!r}")
-        if self.calibration_text is not None and self.method != "awq":
-            raise ConfigError("--calibration-text for weights only applies to --quant-method awq")
+        if self.calibration_text is not None and self.method not in CALIBRATED_METHODS:
+            raise ConfigError("--calibration-text for weights only applies to --quant-method awq or smoothquant")
+        if self.method == "smoothquant" and (self.precision != "int8" or self.block_size != CHANNEL):
+            raise ConfigError("--quant-method smoothquant makes per-channel int8 weights for int8 x int8 matmuls "
+                              "(per-token activations): use --weights int8 --weight-block-size channel, got "
+                              f"--weights {self.precision} --weight-block-size {self.block_size or 'channel'}")
 
     @property
     def quantized(self) -> bool:

@@ -113,7 +113,8 @@ def quantized_weights(src, model, spec, weights, wq: qz.WeightQuantization, toke
     """(ModelWeights the graphs use, name -> QuantizedMatrix, manifest record) of a build with
     int8/int4 weights. AWQ re-rounds every matrix from its float values (a pre-quantized
     source's blocks would not carry its scales), and may change the norms it folds into.
-    head_block: the int8 LM head's block size (None: the build's; qz.CHANNEL for TensorRT)."""
+    head_block: the int8 LM head's block size (None: the build's, or HEAD_CHANNEL_BUILDS_BLOCK
+    for per-channel builds; qz.CHANNEL for TensorRT)."""
     presets, kinds, method_info = {}, {}, {}
     pq = prequantized.config_of(src.directory) if src.kind == "hf" else None
     if pq is not None:  # AWQ / GPTQ safetensors: their codes exactly (refuses another bits / block size)
@@ -127,7 +128,7 @@ def quantized_weights(src, model, spec, weights, wq: qz.WeightQuantization, toke
     elif src.gguf_file:
         kinds = _gguf_kinds(str(src.directory / src.gguf_file))
     scales = {}
-    if wq.method == "awq":
+    if wq.method in ("awq", "smoothquant"):
         from pathlib import Path
 
         from . import awq, calibrate
@@ -137,9 +138,12 @@ def quantized_weights(src, model, spec, weights, wq: qz.WeightQuantization, toke
         weights, scales, alphas = awq.search(model, weights, spec, wq, ids)
         method_info = {"calibration": {"text": text.name if text else "random-ids", "tokens": len(ids)},
                        "alpha_grid": [round(a, 2) for a in awq.ALPHAS], "scaled_matrices": len(scales),
+                       "search": awq.SEARCH[wq.method],
                        "mean_alpha": round(float(np.mean(list(alphas.values()))), 3) if alphas else 0.0}
     q = qz.quantize_model(weights, wq, presets, scales)
-    q[qz.QUANTIZED_HEAD] = head = _head(src, weights, wq, wq.block_size if head_block is None else head_block)
+    if head_block is None:
+        head_block = qz.HEAD_CHANNEL_BUILDS_BLOCK if wq.block_size == qz.CHANNEL else wq.block_size
+    q[qz.QUANTIZED_HEAD] = head = _head(src, weights, wq, head_block)
     method_info = method_info | {"lm_head": {"bits": head.bits, "block_size": head.block_size or "channel",
                                              "origin": head.origin}}
     exact = sum(1 for m in q.values() if m.origin.startswith("gguf:"))

@@ -76,14 +76,16 @@ def test_quantized_build_validates_in_every_layout(hf_folder, tmp_path, layout, 
     assert len(dq) == 4 * m.model.num_layers + 1  # q|k|v, o, gate|up, down per layer; the int8 LM head
     channel = block == 0
     attrs = {"axis": 1} if channel else {"axis": 0, "block_size": 32}
-    assert all({a.name: a.i for a in n.attribute} == attrs for n in dq)
+    head_attrs = {"axis": 0, "block_size": 32}  # per-channel builds too (quantize.py HEAD_CHANNEL_BUILDS_BLOCK)
+    assert all({a.name: a.i for a in n.attribute} == (head_attrs if n.input[0].startswith("lm_head") else attrs)
+               for n in dq)
     code_type = {i.name: i.data_type for i in g.graph.initializer}[dq[0].input[0]]
     assert code_type == (TensorProto.INT4 if weights == "int4" else TensorProto.INT8)
     assert m.weights.precision == weights
     q = m.weights.quantization
     assert (q["bits"], q["block_size"], q["method"], q["symmetric"]) == (qz.BITS[weights], "channel" if channel
                                                                          else 32, "rtn", True)
-    assert int8_dynamic(g) == (len(dq) if channel else 0)  # what a CPU session derives from it
+    assert int8_dynamic(g) == (len(dq) - 1 if channel else 0)  # what a CPU session derives from it
     assert "lm_head" in q["kept"] and q["quantized"]["matrices"] == 4 * m.model.num_layers + 1
     head = {i.name: i.data_type for i in g.graph.initializer}[qz.QUANTIZED_HEAD + ".q"]
     assert head == TensorProto.INT8  # the head stays int8 in int4 builds (HEAD_BITS)
@@ -91,10 +93,14 @@ def test_quantized_build_validates_in_every_layout(hf_folder, tmp_path, layout, 
 
 @pytest.mark.parametrize("layout,attention", [("contiguous", "onnx"), ("paged", "plugin")])
 @pytest.mark.parametrize("weights,block", [("int4", None), ("int8", 0)])  # head blocks of 32 / per channel
-def test_tied_embeddings_read_the_int8_head_codes(hf_folder, tmp_path, layout, attention, weights, block, cpu_op):
-    """Tied models store the int8 [hidden, vocab] codes twice (the head's MatMul and the embedding
-    Gather on axis 1 each read their own, so onnxruntime can fuse the head); no float table."""
+def test_tied_embeddings_read_the_int8_head_codes(hf_folder, tmp_path, layout, attention, weights, block, cpu_op,
+                                                  monkeypatch):
+    """Tied models read the int8 [hidden, vocab] codes under two names (the head's MatMul and the
+    embedding Gather on axis 1 each their own, so onnxruntime can fuse the head) that point at the
+    same bytes of the weights file; no float table."""
     src = str(hf_folder("llama", num_key_value_heads=2, tie_word_embeddings=True))
+    if block == 0:  # a per-channel head, as --backend tensorrt builds make it, validated on onnxruntime
+        monkeypatch.setattr(qz, "HEAD_CHANNEL_BUILDS_BLOCK", qz.CHANNEL)
     out, m = build(src, tmp_path / "b", BuildOptions(layout=io.KVLayout(layout), attention=io.Attention(attention),
                                                      weights=weights, weight_block_size=block, **OPTS))
     assert m.validation.passed, m.validation
@@ -103,6 +109,12 @@ def test_tied_embeddings_read_the_int8_head_codes(hf_folder, tmp_path, layout, a
     assert "model.embed_tokens.weight" not in names and qz.QUANTIZED_HEAD + ".q" in names
     gathers = [n for n in g.graph.node if n.op_type == "Gather" and n.input[0] == "model.embed_tokens.quantized.q"]
     assert len(gathers) == 1 and gathers[0].attribute[0].i == 1
+    where = {i.name: {e.key: e.value for e in i.external_data} for i in g.graph.initializer}
+    for part in (".q", ".scale"):
+        assert where["model.embed_tokens.quantized" + part] == where[qz.QUANTIZED_HEAD + part]
+    spans = sorted({(int(w["offset"]), int(w["length"])) for w in where.values() if w})
+    assert all(o1 + n1 <= o2 for (o1, n1), (o2, _) in zip(spans, spans[1:]))  # no other bytes shared or overlapped
+    assert (out / io.WEIGHTS_FILE).stat().st_size == sum(spans[-1])  # the file ends at the last tensor
 
 
 def test_int4_weights_file_is_smaller(hf_folder, tmp_path):
@@ -139,7 +151,34 @@ def test_awq_build_folds_scales_and_validates(hf_folder, tmp_path):
     assert q["scaled_matrices"] > 0
 
 
+def test_smoothquant_scores_the_int8_activation_rounding():
+    """With int8 activations, a few loud input channels coarsen every other channel of their row;
+    SmoothQuant's scales move that range into the weights and cut the W8A8 output error."""
+    from kvexport.exporter.awq import best_scale, int8_rows
+
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((256, 64)).astype(np.float32)
+    x[:, :3] *= 60  # outlier input channels, as LLM activations have
+    w = rng.standard_normal((64, 48)).astype(np.float32)
+    s, alpha, err = best_scale(x, w, 8, qz.CHANNEL, int8_activations=True)
+    plain = qz.quantize_rtn(w, 8, qz.CHANNEL).dequantize()
+    plain_err = float(((int8_rows(x) @ plain - x @ w) ** 2).sum() / ((x @ w) ** 2).sum())
+    assert alpha > 0 and err < 0.5 * plain_err
+    assert s[:3].min() > s[3:].max()  # the loud channels are the ones scaled down in x
+
+
+def test_smoothquant_build_validates(hf_folder, tmp_path):
+    src = str(hf_folder("llama", num_key_value_heads=2))
+    _, m = build(src, tmp_path / "sq", BuildOptions(weights="int8", weight_block_size=0, quant_method="smoothquant",
+                                                   calibration_tokens=64, **OPTS))
+    q = m.weights.quantization
+    assert m.validation.passed and q["method"] == "smoothquant" and "activation" in q["search"]
+    assert q["lm_head"]["block_size"] == qz.HEAD_CHANNEL_BUILDS_BLOCK == 32  # kept off the int8-activation path
+
+
 @pytest.mark.parametrize("kw,field", [
+    (dict(weights="int4", weight_block_size=0, quant_method="smoothquant"), "smoothquant"),
+    (dict(weights="int8", quant_method="smoothquant"), "smoothquant"),
     (dict(weights="int3"), "--weights"), (dict(weights="int4", weight_block_size=48), "--weight-block-size"),
     (dict(weights="int4", quant_method="gptq"), "--quant-method"),
     (dict(quant_method="awq"), "--weight-block-size / --quant-method"),
