@@ -19,7 +19,7 @@ from .memory import parse_budget
 
 BACKENDS = ("onnxruntime", "tensorrt")
 # onnxruntime CPU, int4 / block-wise int8 weights: the MatMulNBits accuracy level (ort_backends.py)
-WEIGHT_MATMUL_ACCURACY = ("int8", "float")
+WEIGHT_MATMUL_ACCURACY = ("auto", "int8", "float")
 CHOICES = {"backend": BACKENDS, "weight_matmul_accuracy": WEIGHT_MATMUL_ACCURACY}  # settings with a fixed set of values
 
 
@@ -34,7 +34,7 @@ class EngineConfig:
     backend: str = "onnxruntime"  # "onnxruntime" | "tensorrt" (the build's engines)
     cuda_graph_batch_sizes: tuple[int, ...] = ()  # tensorrt: decode batch sizes captured as CUDA graphs
     max_sequences_per_request: int = 64  # sequences one front-end request may submit (prompts x n), max
-    weight_matmul_accuracy: str = "int8"  # block-wise int4/int8 weights on onnxruntime: "int8" | "float" activations
+    weight_matmul_accuracy: str = "auto"  # block-wise int4/int8 weights on onnxruntime: "auto" | "int8" | "float"
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -118,8 +118,9 @@ SETTINGS: dict[str, str] = {
     "backend": "Execution backend: onnxruntime, or tensorrt (the build's engines; needs TensorRT and a GPU).",
     "cuda_graph_batch_sizes": "tensorrt: decode batch sizes to capture as CUDA graphs, comma-separated (e.g. 1,2,4,8).",
     "weight_matmul_accuracy": "int4 / block-wise int8 weights on onnxruntime: int8 rounds the activations to int8 "
-                              "per block (fastest; smollm2 int4 perplexity +1.9%), float computes with the "
-                              "stored weights exactly (slower decode).",
+                              "per block (fastest for small steps; smollm2 int4 perplexity +1.9%), float computes "
+                              "with the stored weights exactly (slow decode), auto: int4 steps of 32 tokens or "
+                              "more in float, smaller ones in int8 (a second session), block-wise int8 in int8.",
     "max_sequences_per_request": "Sequences one request may ask for (prompts x n), max; more is refused with 400. "
                                  "Requests share the engine in turn, so a large one cannot starve the others.",
 }

@@ -47,7 +47,16 @@ ORT_KINDS = ("auto", "onnx", "native", "reference")
 # on smollm2-135m (bench/weight_quality.py): int4 perplexity 55.64 (int8) vs 54.617 (float, = the
 # Q4_1 source), decode ~14x slower with float (its int8 LM head dequantizes in full each step)
 ACCURACY_LEVELS = {"int8": 4, "float": 0}
-DEFAULT_ACCURACY = "int8"  # when ort_backend() is not given one
+DEFAULT_ACCURACY = "auto"  # when ort_backend() is not given one
+# "auto": int4 builds open a second session for steps of LARGE_STEP_TOKENS tokens or more, whose
+# int4 matmuls compute in float (level 0; the int8 LM head stays at level 4 as an explicit node,
+# ort_quant.int8_blocks_to_matmulnbits); smaller steps (decode) keep level 4. NOTE: level 4 is
+# ~2.3x faster than fp32 at M = 1 but slower from M ~ 32 on (576x1536: M=64 0.92 vs 0.60 ms fp32,
+# level 0 0.68; M=512 7.6 vs 4.7 / 4.7 ms, bench/quant_linear.py), and level 0 is exact (smollm2
+# int4 = its Q4_1 source, perplexity 54.617 against 55.64 at level 4). Costs a second copy of
+# the pre-packed int4 weights (see the module NOTE). Block-wise int8 builds stay at level 4
+# throughout (level 0 dequantizes 8-bit blocks in full on every call).
+LARGE_STEP_TOKENS = 32
 
 
 def _providers() -> list[str]:
@@ -92,7 +101,7 @@ class _OrtBackend:
         self.build_dir, self.manifest, self.num_blocks = Path(build_dir), manifest, num_blocks
         self.kv = kv = manifest.kv
         self.threads = threads
-        self.accuracy = accuracy or DEFAULT_ACCURACY  # key of ACCURACY_LEVELS
+        self.accuracy = accuracy or DEFAULT_ACCURACY  # "auto" or a key of ACCURACY_LEVELS
         self.profile_prefix = profile_prefix  # onnxruntime profiling of every run, to files with this prefix
         self.providers = providers or _providers()
         dtype = np.dtype(io.DType(kv.dtype).numpy_name)
@@ -114,10 +123,30 @@ class _OrtBackend:
         self.sessions = {prefill: self._open(self.build_dir / manifest.graphs[prefill].file)}
         self.sessions[decode] = (self._open(self.build_dir / manifest.graphs[decode].file) if both_graphs
                                  else self.sessions[prefill])
+        # steps of LARGE_STEP_TOKENS tokens or more, where they differ (DEFAULT_ACCURACY)
+        self.large_sessions = {}
+        if self.splits_by_step:
+            self.large_sessions = {prefill: self._open(self.build_dir / manifest.graphs[prefill].file, large=True)}
+            self.large_sessions[decode] = (self._open(self.build_dir / manifest.graphs[decode].file, large=True)
+                                           if both_graphs else self.large_sessions[prefill])
         # NOTE: an --all-logits prefill graph returns a row per token; in a decode step that
         # is one row per sequence, as the decode graph returns
 
-    def session_options(self):
+    @property
+    def splits_by_step(self) -> bool:
+        """Whether steps of LARGE_STEP_TOKENS tokens or more run in their own sessions."""
+        return (self.accuracy == "auto" and self.manifest.weights.precision == "int4" and self.step_split_ok
+                and self.providers == ["CPUExecutionProvider"])
+
+    step_split_ok = True  # backends that can open a step-size session (not the reference op's)
+
+    def level(self, large: bool = False) -> int:
+        """The MatMulNBits accuracy level of a session (see DEFAULT_ACCURACY)."""
+        if self.accuracy == "auto":
+            return ACCURACY_LEVELS["float" if large else "int8"]
+        return ACCURACY_LEVELS[self.accuracy]
+
+    def session_options(self, large: bool = False):
         import onnxruntime as ort
 
         so = ort.SessionOptions()
@@ -129,17 +158,17 @@ class _OrtBackend:
             # NOTE: int8 compute in the MatMulNBits that onnxruntime fuses from block-wise
             # DequantizeLinear -> MatMul (bench/quant_linear.py: the default accuracy level
             # dequantizes to float first and is slower)
-            so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(ACCURACY_LEVELS[self.accuracy]))
+            so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(self.level(large)))
         if self.profile_prefix:
             so.enable_profiling = True
             so.profile_file_prefix = self.profile_prefix
         return so
 
-    def _open(self, path: Path):
+    def _open(self, path: Path, large: bool = False):
         import onnxruntime as ort
 
-        so = self.session_options()
-        model = self._cpu_model(path, so)
+        so = self.session_options(large)
+        model = self._cpu_model(path, so, large)
         return ort.InferenceSession(model, so, providers=self.providers, disabled_optimizers=self.disabled_optimizers())
 
     def disabled_optimizers(self) -> list[str]:
@@ -150,19 +179,24 @@ class _OrtBackend:
         unfused; without it all become MatMulNBits (tests/runtime/test_ort_backends.py)."""
         return ["MatMulAddFusion"] if self.manifest.weights.precision in ("int8", "int4") else []
 
-    def _cpu_model(self, path: Path, so) -> str | bytes:
-        """The graph to open: its path, or for per-channel int8 weights on the CPU provider the
-        dynamic-int8 form derived from it in memory (runtime/ort_quant.py), as bytes whose
-        external weights resolve against the build folder (the codes stay int8 on disk)."""
+    def _cpu_model(self, path: Path, so, large: bool = False) -> str | bytes:
+        """The graph to open: its path, or on the CPU provider a form derived from it in memory
+        (runtime/ort_quant.py), as bytes whose external weights resolve against the build
+        folder: per-channel int8 weights as dynamic int8 matmuls (the codes stay int8 on disk);
+        in a large-step session (DEFAULT_ACCURACY) the int8 LM head as an explicit MatMulNBits."""
         q = self.manifest.weights.quantization or {}
-        if q.get("block_size") != "channel" or q.get("bits") != 8 or self.providers != ["CPUExecutionProvider"]:
+        channel = q.get("block_size") == "channel" and q.get("bits") == 8
+        if not (channel or large) or self.providers != ["CPUExecutionProvider"]:
             return str(path)
         import onnx
 
-        from .ort_quant import int8_dynamic
+        from .ort_quant import int8_blocks_to_matmulnbits, int8_dynamic
 
         model = onnx.load(str(path), load_external_data=False)
-        if not int8_dynamic(model):
+        changed = int8_dynamic(model) if channel else 0
+        if large:
+            changed += int8_blocks_to_matmulnbits(model, str(path.parent), ACCURACY_LEVELS["int8"])
+        if not changed:
             return str(path)
         so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(path.parent))
         return model.SerializeToString()
@@ -173,12 +207,17 @@ class _OrtBackend:
 
     def end_profiling(self) -> list[str]:
         """The profile files (onnxruntime JSON) of a backend made with `profile_prefix`."""
-        return [sess.end_profiling() for sess in {id(s): s for s in self.sessions.values()}.values()]
+        return [sess.end_profiling() for sess in self._all_sessions()]
+
+    def _all_sessions(self) -> list:
+        """Every distinct session (the phases may share one)."""
+        return list({id(s): s for s in (*self.sessions.values(), *self.large_sessions.values())}.values())
 
     def execute(self, inp: ModelInput, all_tokens: bool = False) -> np.ndarray:
         """Run one step (storing its K/V in the pools); logits [S, vocab] float32, or
         [T, vocab] with `all_tokens` (an --all-logits build's prefill)."""
-        logits = self._run(self.sessions[inp.phase.value], inp)
+        large = self.large_sessions and len(inp.token_ids) >= LARGE_STEP_TOKENS
+        logits = self._run((self.large_sessions if large else self.sessions)[inp.phase.value], inp)
         if self.manifest.all_logits and not inp.is_decode and not all_tokens:
             logits = logits[inp.query_start_loc[1:] - 1]
         return logits.astype(np.float32, copy=False)
@@ -234,11 +273,10 @@ class NativeOpBackend(_PluginBackend):
         import onnxruntime as ort
 
         self._pool_values = [ort.OrtValue.ortvalue_from_numpy(p) for p in self.pools]
-        bindings = {id(sess): self.in_place_binding(sess) for sess in self.sessions.values()}
-        self._bindings = {phase: bindings[id(sess)] for phase, sess in self.sessions.items()}
+        self._bindings = {id(sess): self.in_place_binding(sess) for sess in self._all_sessions()}
 
-    def session_options(self):
-        so = super().session_options()
+    def session_options(self, large: bool = False):
+        so = super().session_options(large)
         so.register_custom_ops_library(str(self.library))
         return so
 
@@ -253,7 +291,7 @@ class NativeOpBackend(_PluginBackend):
         return b
 
     def _run(self, sess, inp: ModelInput) -> np.ndarray:
-        binding = self._bindings[inp.phase.value]
+        binding = self._bindings[id(sess)]
         for name, arr in inp.feeds().items():
             binding.bind_cpu_input(name, np.ascontiguousarray(arr, dtype=np.int64))
         binding.bind_output(io.LOGITS)  # rebound (still output 0): allocated at this step's shape
@@ -266,8 +304,9 @@ class ReferenceOpBackend(_PluginBackend):
     (plugins/paged_attention/ort.py). The graph returns the updated pools."""
 
     attention_impl = "plugin (reference PyOp)"
+    step_split_ok = False  # it opens the graph file as is
 
-    def _open(self, path: Path):
+    def _open(self, path: Path, large: bool = False):
         from kvexport.plugins.paged_attention.ort import plugin_session
 
         return plugin_session(path, options=self.session_options())  # a CPU op: CPU provider only

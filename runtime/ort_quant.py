@@ -134,3 +134,65 @@ def _per_row(p: str, x: str, codes: str, scale: str, wzp: str, y: str) -> list[o
            name=t("MatMulIntegerToFloat"), domain=MS),  # [.., N] float: acc x scale
         mk("Mul", [t("acc"), t("xs")], [y], name=t("RowMul")),
     ]
+
+
+def int8_blocks_to_matmulnbits(model: onnx.ModelProto, base_dir: str, accuracy_level: int = 4) -> int:
+    """Rewrite, in place, every MatMul whose weight is a block-wise int8 DequantizeLinear of an
+    initializer (axis=0, block_size B dividing K, symmetric) into an explicit
+    com.microsoft.MatMulNBits(bits=8, block_size=B, accuracy_level) over the same codes, re-laid
+    out as it takes them (B [N, K/B, B] uint8 = q + 128, its default zero point; scales [N, K/B]).
+    The new initializers are embedded in the model (their data read from `base_dir`).
+
+    What it is for: the accuracy level onnxruntime's QDQ fusion gives every MatMulNBits is one
+    session option; an explicit node keeps its own. A session of an int4 build that runs its int4
+    matmuls with float activations (level 0) keeps its int8 LM head at level 4 this way: at level 0
+    onnxruntime dequantizes 8-bit blocks in full on every call (576x1536 at M=1: 1.35 ms against
+    0.06 ms at level 4, bench/quant_linear.py). Returns how many MatMuls were rewritten."""
+    g = model.graph
+    inits = {t.name: t for t in g.initializer}
+    consumers: dict[str, int] = {}
+    for n in g.node:
+        for i in n.input:
+            consumers[i] = consumers.get(i, 0) + 1
+    dq = {}
+    for n in g.node:
+        if n.op_type != "DequantizeLinear" or n.domain not in ("", "ai.onnx") or len(n.input) > 2:
+            continue
+        codes, scale, a = inits.get(n.input[0]), inits.get(n.input[1]), _attrs(n)
+        if (codes is None or scale is None or codes.data_type != TensorProto.INT8 or len(codes.dims) != 2
+                or a.get("axis") != 0 or not a.get("block_size") or codes.dims[0] % a["block_size"]
+                or scale.data_type != TensorProto.FLOAT or consumers.get(n.output[0]) != 1):
+            continue
+        dq[n.output[0]] = (n, a["block_size"])
+    nodes, count, made = [], 0, {}
+    for n in g.node:
+        if n.output and n.output[0] in dq:
+            continue
+        if n.op_type != "MatMul" or n.input[1] not in dq:
+            nodes.append(n)
+            continue
+        d, block = dq[n.input[1]]
+        k, n_out = inits[d.input[0]].dims
+        if d.input[0] not in made:  # codes [K, N] -> [N, K/B, B] uint8; scales [K/B, N] -> [N, K/B]
+            q = numpy_helper.to_array(inits[d.input[0]], base_dir)
+            s = numpy_helper.to_array(inits[d.input[1]], base_dir)
+            b_name, s_name = d.input[0] + ".matmulnbits", d.input[1] + ".matmulnbits"
+            packed = (q.T.astype(np.int16) + 128).astype(np.uint8).reshape(n_out, k // block, block)
+            g.initializer.extend([numpy_helper.from_array(np.ascontiguousarray(packed), b_name),
+                                  numpy_helper.from_array(np.ascontiguousarray(s.T), s_name)])
+            made[d.input[0]] = (b_name, s_name)
+        b_name, s_name = made[d.input[0]]
+        nodes.append(helper.make_node("MatMulNBits", [n.input[0], b_name, s_name], [n.output[0]],
+                                      name=(n.name or n.output[0]) + "/MatMulNBits", domain=MS, K=k, N=n_out, bits=8,
+                                      block_size=block, accuracy_level=accuracy_level))
+        count += 1
+    if count:
+        del g.node[:]
+        g.node.extend(nodes)
+        used = {i for n in g.node for i in n.input}
+        keep = [t for t in g.initializer if t.name in used]
+        del g.initializer[:]
+        g.initializer.extend(keep)
+        if not any(o.domain == MS for o in model.opset_import):
+            model.opset_import.append(helper.make_opsetid(MS, 1))
+    return count

@@ -215,7 +215,7 @@ def test_weight_matmul_accuracy_sets_the_session_level(hf_folder, tmp_path):
     for accuracy, level in (("int8", "4"), ("float", "0")):
         so = ort_backend(out, m, 4, accuracy=accuracy).session_options()
         assert so.get_session_config_entry("session.qdq_matmulnbits_accuracy_level") == level
-    with pytest.raises(ConfigError, match="weight_matmul_accuracy must be one of int8, float"):
+    with pytest.raises(ConfigError, match="weight_matmul_accuracy must be one of auto, int8, float"):
         EngineConfig(weight_matmul_accuracy="fp8")
 
 
@@ -246,3 +246,42 @@ def test_every_quantized_matmul_fuses_to_matmulnbits_in_the_runtime_session(hf_f
     assert counts[1]["MatMulNBits"] == 4 * layers + 1  # qkv, o, gate|up, down per layer + the LM head
     assert counts[1]["DequantizeLinear"] == 0 and counts[1]["Gemm"] == 0
     assert counts[0]["MatMulNBits"] < counts[1]["MatMulNBits"]  # what the NOTE in ort_backends.py is about
+
+
+@pytest.mark.parametrize("attention", ["plugin", "onnx"])
+def test_auto_accuracy_runs_large_int4_steps_in_float(hf_folder, tmp_path, attention, cpu_op):
+    """accuracy "auto" (the default): an int4 build's steps of LARGE_STEP_TOKENS tokens or more
+    run in a second session whose int4 matmuls compute in float, smaller steps in the int8-
+    activation one. So a large step's logits are those of an all-float session up to the int8
+    LM head (kept at int8 compute as an explicit MatMulNBits), closer than an all-int8 session's;
+    a block-wise int8 build opens no second session."""
+    from kvexport.runtime.model_runner import chunk, pack
+    from kvexport.runtime.ort_backends import LARGE_STEP_TOKENS, ort_backend
+
+    src = str(hf_folder("llama", num_key_value_heads=2))
+    out, m = build(src, tmp_path / "b", BuildOptions(weights="int4", attention=io.Attention(attention),
+                                                     validate=False, **OPTS))
+    tokens = LARGE_STEP_TOKENS + 3
+    tables = list(range(1, tokens // 4 + 2))
+    rng = np.random.default_rng(0)
+
+    def logits(accuracy, n):
+        be = ort_backend(out, m, len(tables) + 2, accuracy=accuracy)
+        ran = []
+        run = be._run
+        be._run = lambda sess, inp: ran.append(sess) or run(sess, inp)
+        inp = pack([chunk("a", ids[:n].tolist(), 0, tables, 4)], 4, be.full_block_tables)
+        return be.execute(inp), be, ran[0]
+
+    ids = rng.integers(0, m.model.vocab_size, tokens)
+    auto, be, sess = logits("auto", tokens)
+    assert sess is be.large_sessions[io.Phase.PREFILL.value] and sess is not be.sessions[io.Phase.PREFILL.value]
+    small, be, sess = logits("auto", LARGE_STEP_TOKENS - 1)
+    assert sess is be.sessions[io.Phase.PREFILL.value]
+    exact, be, _ = logits("float", tokens)
+    assert not be.large_sessions
+    int8, _, _ = logits("int8", tokens)
+    assert np.abs(auto - exact).max() < 0.5 * np.abs(int8 - exact).max()
+    assert np.abs(auto - exact).max() > 0  # the head's activations are still rounded
+    _, m8 = build(src, tmp_path / "b8", BuildOptions(weights="int8", validate=False, **OPTS))
+    assert not ort_backend(tmp_path / "b8", m8, 8).large_sessions
