@@ -261,10 +261,11 @@ def _new_path(ctx, param, value: str | None) -> str | None:
               help="Matmul weights: fp32/fp16, or int8/int4 block-wise QDQ [--dtype].")
 @click.option("--weight-block-size", type=click.Choice([str(b) if b else "channel" for b in WEIGHT_BLOCK_SIZES]),
               help="int8/int4 weights: input rows per scale, or one scale per output channel "
-                   "[32]; channel: onnxruntime runs int8 as dynamic int8 GEMMs (fast prefill, "
-                   "perplexity +2.4% on smollm2).")
+                   "[32]; channel: onnxruntime runs int8 as int8 x int8 GEMMs with per-token activation "
+                   "scales (~3x fp32 GEMMs from 64 rows; use --quant-method smoothquant).")
 @click.option("--quant-method", type=click.Choice(QUANT_METHODS),
-              help="int8/int4 from float weights: round-to-nearest or AWQ scales on --calibration-text [rtn].")
+              help="int8/int4 from float weights: round-to-nearest, AWQ scales on --calibration-text, or "
+                   "smoothquant (int8 per channel: scales that also spare the int8 activations) [rtn].")
 def build(model, out, layout, dtype, attention, kv_dtype, calibration_text, calibration_tokens, backend, block_size,
           max_seq_len, all_logits, recipe, allow_pickle, force, no_validate, weights, weight_block_size, quant_method):
     """Export a model (HF folder, .gguf file or alias) into a validated build directory."""
