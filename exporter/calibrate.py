@@ -114,12 +114,6 @@ def compute_scales(model, ids: list[int], chunk: int = 512, rotary_dim: int = 0)
     return np.maximum(np.stack([keys, values], axis=1) / QMAX, 1e-8).astype(np.float32)
 
 
-def rotary_dim(spec: dict) -> int:
-    """Rotated channels per head of a ModelSpec (its JSON form); 0 without RoPE."""
-    rope = spec.get("rope")
-    return int(spec["head_dim"] * rope["partial_rotary_factor"]) if rope else 0
-
-
 def quantization_entry(scales: np.ndarray, text: str, ids: list[int]) -> dict:
     """The manifest's kv.quantization record; `scales` [layers, 2, kv_heads, head_dim] (per
     channel) or [layers, 2, kv_heads] (per head: recalibrated builds made before per channel)."""
@@ -201,7 +195,7 @@ def calibrate(build_dir: str | Path, text: str | Path | None = None, tokens: int
     with progress("calibrating int8 KV scales"):
         text_path = Path(text) if text else (default_text() if tokenizer is not None else None)
         ids = calibration_ids(tokenizer, manifest.model.vocab_size, text_path, tokens)
-        scales = compute_scales(model, ids, rotary_dim=rotary_dim(manifest.model.spec))
+        scales = compute_scales(model, ids, rotary_dim=manifest.model.rotary_dim)
     expected = (manifest.kv.num_layers, 2, manifest.kv.num_kv_heads, manifest.kv.head_dim)
     if scales.shape != expected:
         raise KvExportError(f"scales of shape {scales.shape} do not fit the build ({expected}): wrong source model?")

@@ -138,6 +138,11 @@ class ModelEntry:
         return self.spec["head_dim"]
 
     @property
+    def rotary_dim(self) -> int:  # channels per head RoPE rotates (exporter/spec.py); 0 without RoPE
+        rope = self.spec.get("rope")
+        return int(self.head_dim * rope["partial_rotary_factor"]) if rope else 0
+
+    @property
     def vocab_size(self) -> int:  # tokens; logits are [.., vocab_size]
         return self.spec["vocab_size"]
 

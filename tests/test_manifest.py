@@ -51,6 +51,9 @@ def test_valid_build_loads(tiny_build):
     assert isinstance(m.model, ModelEntry)
     model = m.model
     assert (model.family, model.vocab_size, model.eos_token_ids, model.sliding_window) == ("llama", 128, (2,), None)
+    assert model.rotary_dim == model.head_dim  # full RoPE; partial and none below
+    for rope, rot in (({"partial_rotary_factor": 0.5}, model.head_dim // 2), (None, 0)):
+        assert ModelEntry({**model.spec, "rope": rope}).rotary_dim == rot
     assert m.graphs["decode"].inputs[0] == io.TensorSpec(io.INPUT_IDS, "int64", (io.NUM_SEQS,))
     assert load(str(out)) == m  # str paths too
 
