@@ -255,7 +255,8 @@ def _build_into(d: Path, src: source.ModelSource, opts: BuildOptions, progress: 
         tok_dir = None
         if tokenizer is not None:  # tokenizer/ and root copies any transformers >= 4.40 / onnxruntime-genai read
             tok_dir = interop.write_tokenizer(tokenizer, d)
-    n_params = sum(int(np.prod(store.packed[k][1])) if k in store.packed else a.size for k, a in store.arrays.items()
+    stored = {id(a): (k, a) for k, a in store.arrays.items()}.values()  # an alias (WeightStore.alias) counts once
+    n_params = sum(int(np.prod(store.packed[k][1])) if k in store.packed else a.size for k, a in stored
                    if not k.startswith("rope.") and not k.endswith((".scale", ".zero_point", ".offset")))
     del graphs, store
 

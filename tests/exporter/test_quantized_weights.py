@@ -115,6 +115,8 @@ def test_tied_embeddings_read_the_int8_head_codes(hf_folder, tmp_path, layout, a
     spans = sorted({(int(w["offset"]), int(w["length"])) for w in where.values() if w})
     assert all(o1 + n1 <= o2 for (o1, n1), (o2, _) in zip(spans, spans[1:]))  # no other bytes shared or overlapped
     assert (out / io.WEIGHTS_FILE).stat().st_size == sum(spans[-1])  # the file ends at the last tensor
+    _, m32 = build(src, tmp_path / "fp32", BuildOptions(layout=io.KVLayout(layout), validate=False, **OPTS))
+    assert m.weights.parameters == m32.weights.parameters  # the shared codes count once
 
 
 def test_int4_weights_file_is_smaller(hf_folder, tmp_path):
