@@ -31,6 +31,9 @@ from compare_ortgenai import ROOT, build_onnx, offline_env, prepare_hf  # bench/
 def nll(model_dir: Path, ids: list[int], window: int, threads: int) -> tuple[float, int]:
     import onnxruntime as ort
 
+    dec = json.loads((model_dir / "genai_config.json").read_text())["model"]["decoder"]
+    heads, dim = dec["num_key_value_heads"], dec["head_size"]
+
     so = ort.SessionOptions()
     so.intra_op_num_threads, so.log_severity_level = threads, 3
     sess = ort.InferenceSession(str(model_dir / "model.onnx"), so, providers=["CPUExecutionProvider"])
@@ -49,8 +52,7 @@ def nll(model_dir: Path, ids: list[int], window: int, threads: int) -> tuple[flo
             elif i.name == "position_ids":
                 feeds[i.name] = np.arange(n, dtype=np.int64)[None]
             elif i.name.startswith("past_key_values."):
-                _, heads, _, dim = i.shape  # [batch, kv heads, past, head dim]
-                feeds[i.name] = np.zeros((1, heads, 0, dim), np.float32)
+                feeds[i.name] = np.zeros((1, heads, 0, dim), np.float32)  # [batch, kv heads, past, head dim]
             else:
                 raise SystemExit(f"unexpected input {i.name} {i.shape}")
         logits = sess.run(["logits"], feeds)[0][0, :-1].astype(np.float64)  # [n - 1, vocab]
