@@ -94,3 +94,29 @@ def test_zero_points_feed_the_integer_matmul():
     bound = np.abs(x).max(axis=1, keepdims=True) / 127 / 2 * np.abs(w).sum(axis=0).max() + 1e-4
     assert np.all(np.abs(got - ref) <= bound)
     assert np.abs(ref).max() > 20 * bound.max()  # the zero points matter at this scale
+
+
+def test_int8_blocks_become_explicit_matmulnbits_with_their_own_level(tmp_path):
+    """Block-wise int8 DQ -> MatMul becomes one com.microsoft.MatMulNBits over the same codes
+    re-laid out, with the accuracy level given (not the session's): at level 0 it computes the
+    dequantized weight exactly; codes stored outside the graph are read from base_dir."""
+    from kvexport.runtime.ort_quant import int8_blocks_to_matmulnbits
+
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((K, N)).astype(np.float32)
+    m = _linear(w, 32)
+    onnx.save(m, str(tmp_path / "m.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
+              location="w.data", size_threshold=0)
+    m = onnx.load(str(tmp_path / "m.onnx"), load_external_data=False)
+    assert int8_blocks_to_matmulnbits(m, str(tmp_path), accuracy_level=0) == 1
+    (node,) = m.graph.node
+    attrs = {a.name: a.i for a in node.attribute}
+    assert (node.op_type, node.domain, attrs["bits"], attrs["block_size"], attrs["accuracy_level"]) == (
+        "MatMulNBits", "com.microsoft", 8, 32, 0)
+    so = ort.SessionOptions()
+    so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(tmp_path))
+    so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "4")  # the node's own level wins
+    sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    x = rng.standard_normal((6, K)).astype(np.float32)
+    np.testing.assert_allclose(sess.run(None, {"x": x})[0], x @ qz.quantize_rtn(w, 8, 32).dequantize(), atol=1e-4)
+    assert int8_blocks_to_matmulnbits(_linear(w, qz.CHANNEL), str(tmp_path)) == 0  # per channel: not this form
