@@ -38,20 +38,28 @@ def _attrs(node: onnx.NodeProto) -> dict:
     return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 
 
+def _scan(g: onnx.GraphProto) -> tuple[dict[str, onnx.TensorProto], dict[str, int]]:
+    """(initializers by name, how many node inputs read each value)."""
+    consumers: dict[str, int] = {}
+    for n in g.node:
+        for i in n.input:
+            consumers[i] = consumers.get(i, 0) + 1
+    return {t.name: t for t in g.initializer}, consumers
+
+
+def _dequantizes(g: onnx.GraphProto) -> list[onnx.NodeProto]:
+    """The graph's standard-domain DequantizeLinear nodes."""
+    return [n for n in g.node if n.op_type == "DequantizeLinear" and n.domain in ("", "ai.onnx")]
+
+
 def int8_dynamic(model: onnx.ModelProto, per_row: bool = PER_ROW) -> int:
     """Rewrite, in place, every float32 MatMul whose weight is a per-channel int8
     DequantizeLinear of an initializer (axis=1, scale [N], zero point [N] or none) into the
     dynamic-int8 form above. Returns how many MatMuls were rewritten (0: model unchanged)."""
     g = model.graph
-    inits = {t.name: t for t in g.initializer}
-    consumers: dict[str, int] = {}
-    for n in g.node:
-        for i in n.input:
-            consumers[i] = consumers.get(i, 0) + 1
+    inits, consumers = _scan(g)
     dq = {}
-    for n in g.node:
-        if n.op_type != "DequantizeLinear" or n.domain not in ("", "ai.onnx"):
-            continue
+    for n in _dequantizes(g):
         codes, scale = inits.get(n.input[0]), inits.get(n.input[1])
         zp = inits.get(n.input[2]) if len(n.input) > 2 and n.input[2] else None
         a = _attrs(n)
@@ -149,14 +157,10 @@ def int8_blocks_to_matmulnbits(model: onnx.ModelProto, base_dir: str, accuracy_l
     onnxruntime dequantizes 8-bit blocks in full on every call (576x1536 at M=1: 1.35 ms against
     0.06 ms at level 4, bench/quant_linear.py). Returns how many MatMuls were rewritten."""
     g = model.graph
-    inits = {t.name: t for t in g.initializer}
-    consumers: dict[str, int] = {}
-    for n in g.node:
-        for i in n.input:
-            consumers[i] = consumers.get(i, 0) + 1
+    inits, consumers = _scan(g)
     dq = {}
-    for n in g.node:
-        if n.op_type != "DequantizeLinear" or n.domain not in ("", "ai.onnx") or len(n.input) > 2:
+    for n in _dequantizes(g):
+        if len(n.input) > 2:  # a zero point
             continue
         codes, scale, a = inits.get(n.input[0]), inits.get(n.input[1]), _attrs(n)
         if (codes is None or scale is None or codes.data_type != TensorProto.INT8 or len(codes.dims) != 2
