@@ -23,7 +23,7 @@ from kvexport import io
 from . import attention as attn
 from .families import LayerWeights, ModelWeights
 from .onnx_builder import GraphBuilder, WeightStore, onnx_dtype
-from .quantize import CHANNEL, QUANTIZED_HEAD, QuantizedMatrix, stored_codes
+from .quantize import CHANNEL, QUANTIZED_EMBED, QUANTIZED_HEAD, QuantizedMatrix, stored_codes
 from .spec import ModelSpec
 
 
@@ -380,24 +380,25 @@ class DecoderGraph:
         return b.op("Slice", h, b.const([-1]), b.const([np.iinfo(np.int64).max]), b.const([1]))  # [B, 1, hidden]
 
     def embed(self, ids: str) -> str:
-        """Token embeddings [..., hidden]. With a quantized head tied to them, the rows are read
-        from the head's int8 codes [hidden, vocab] (under a second name, the same stored bytes):
+        """Token embeddings [..., hidden]. In quantized builds the rows are read from int8 codes
+        [hidden, vocab] (QUANTIZED_EMBED: tied, the head's under a second name, the same bytes):
 
             codes, scales ─> Gather(axis=1) ─> DequantizeLinear(axis=0) [hidden, ...] ─> Transpose
             per-channel:     Gather(axis=1) ─> Cast × Gather(scale [vocab]) [hidden, ...] ─> Transpose
         """
         b = self.b
-        qm = self.qweights.get(QUANTIZED_HEAD)
-        if qm is None or not self.spec.tie_embeddings:
+        qm = self.qweights.get(QUANTIZED_HEAD if self.spec.tie_embeddings else QUANTIZED_EMBED)
+        if qm is None:
             return b.op("Gather", self._mat("model.embed_tokens.weight", self.w.embed), ids, axis=0)
         # NOTE: the codes under a second name: onnxruntime fuses DQ -> MatMul into MatMulNBits only
         # when the codes feed nothing else (shared with this Gather, the head was dequantized in full
         # on every step). The alias shares the head's bytes in the weights file (WeightStore.alias):
         # Qwen2.5-0.5B's int4 file held its 151936 x 896 table twice (0.36x of fp32)
-        self._codes(QUANTIZED_HEAD, qm)
-        for part in (".q", ".scale"):
-            self.b.weights.alias("model.embed_tokens.quantized" + part, QUANTIZED_HEAD + part)
-        codes, scales = self._codes("model.embed_tokens.quantized", qm)[:2]  # symmetric int8: no zero point
+        if self.spec.tie_embeddings:
+            self._codes(QUANTIZED_HEAD, qm)
+            for part in (".q", ".scale"):
+                self.b.weights.alias(QUANTIZED_EMBED + part, QUANTIZED_HEAD + part)
+        codes, scales = self._codes(QUANTIZED_EMBED, qm)[:2]  # symmetric int8: no zero point
         q = b.op("Gather", codes, ids, axis=1)  # [hidden, ...ids]
         rank = 1 if self.paged else 2
         if qm.block_size == CHANNEL:

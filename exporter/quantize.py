@@ -29,6 +29,10 @@ from kvexport.errors import ConfigError
 from .limits import CALIBRATED_METHODS, DEFAULT_WEIGHT_BLOCK, QUANT_METHODS, WEIGHT_BLOCK_SIZES, WEIGHT_PRECISIONS
 
 QUANTIZED_HEAD = "lm_head.quantized.weight"  # graph name of a quantized LM head's [hidden, vocab] codes
+# graph name of the token embeddings' int8 [hidden, vocab] codes in quantized builds: tied, the
+# head's codes under a second name; untied, their own (HEAD_BITS, the head's blocks). NOTE: an
+# untied table kept in fp32 was 545 of Qwen2.5-0.5B's 922 MB int4 weights file (0.37x of fp32)
+QUANTIZED_EMBED = "model.embed_tokens.quantized"
 # NOTE: the LM head (and the embeddings tied to it, read from the same codes) stay int8 in int4
 # builds: the logits are the most rounding-sensitive matmul, and in fp32 the tied table alone made
 # smollm2's int4 file 0.36x of fp32 (goal <= 0.3x); int8 blocks of 32 also map GGUF Q8_0 exactly.
@@ -211,6 +215,8 @@ def quantize_model(weights, wq: WeightQuantization, presets: dict[str, Quantized
 def describe(q: dict[str, QuantizedMatrix], wq: WeightQuantization, act_dtype: str, kept: dict[str, str],
              requantized_from: str | None) -> dict:
     """The manifest's `weights.quantization` record: what is quantized, how, and what is not."""
+    table = q.get(QUANTIZED_EMBED)  # untied embeddings: a table, not a matmul (named below)
+    q = {n: m for n, m in q.items() if n != QUANTIZED_EMBED}
     origins: dict[str, int] = {}
     for m in q.values():
         origins[m.origin] = origins.get(m.origin, 0) + 1
@@ -228,5 +234,8 @@ def describe(q: dict[str, QuantizedMatrix], wq: WeightQuantization, act_dtype: s
                       "names": "model.layers.*.{" + ",".join(LINEARS) + "}" + (
                           f", {QUANTIZED_HEAD} (int8, [hidden, vocab]; tied embeddings gather its rows)"
                           if QUANTIZED_HEAD in q else "")},
+        "embeddings": ({"bits": table.bits, "block_size": table.block_size or "channel", "origin": table.origin,
+                        "name": f"{QUANTIZED_EMBED} (int8, [hidden, vocab]; a Gather on axis 1 reads a token's column)"}
+                       if table is not None else "tied: the LM head's codes" if QUANTIZED_HEAD in q else None),
         "kept": kept, "requantized_from": requantized_from,
     }

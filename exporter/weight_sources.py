@@ -143,13 +143,16 @@ def quantized_weights(src, model, spec, weights, wq: qz.WeightQuantization, toke
     q = qz.quantize_model(weights, wq, presets, scales)
     if head_block is None:
         head_block = qz.HEAD_CHANNEL_BUILDS_BLOCK if wq.block_size == qz.CHANNEL else wq.block_size
-    q[qz.QUANTIZED_HEAD] = head = _head(src, weights, wq, head_block)
+    q[qz.QUANTIZED_HEAD] = head = _int8_table(src, weights.lm_head, ("output.weight", "token_embd.weight"), head_block)
     method_info = method_info | {"lm_head": {"bits": head.bits, "block_size": head.block_size or "channel",
                                              "origin": head.origin}}
     exact = sum(1 for m in q.values() if m.origin.startswith("gguf:"))
+    if not spec.tie_embeddings:  # the table in int8 too, in the head's blocks (quantize.py QUANTIZED_EMBED)
+        q[qz.QUANTIZED_EMBED] = _int8_table(src, weights.embed, ("token_embd.weight",), head_block)
     requantized = None
     if kinds:
-        requantized = (f"GGUF tensor types {kinds}: {exact} of {len(q)} fused matrices mapped exactly from "
+        requantized = (f"GGUF tensor types {kinds}: {exact} of {len(q) - (qz.QUANTIZED_EMBED in q)} fused matrices "
+                       f"mapped exactly from "
                        f"their blocks; the rest dequantized by transformers and re-quantized ({wq.method})")
     return weights, q, requantized, method_info
 
@@ -163,15 +166,16 @@ def _gguf_kinds(path: str) -> dict[str, int]:
     return kinds
 
 
-def _head(src, weights, wq: qz.WeightQuantization, block: int) -> qz.QuantizedMatrix:
-    """The LM head [hidden, vocab] in int8 (HEAD_BITS) whatever the build's bits, in blocks of
-    `block`: exact from a GGUF Q8_0 head (or tied token_embd) for blocks of 32, else round-to-nearest."""
-    head = np.ascontiguousarray(weights.lm_head.T)  # [hidden, vocab]
+def _int8_table(src, table: np.ndarray, gguf_names: tuple[str, ...], block: int) -> qz.QuantizedMatrix:
+    """A [vocab, hidden] table (the LM head, or untied embeddings) as int8 (HEAD_BITS) codes
+    [hidden, vocab] whatever the build's bits, in blocks of `block` along hidden: exact from the
+    first of `gguf_names` the GGUF holds when it is Q8_0 and blocks are 32, else round-to-nearest."""
+    head = np.ascontiguousarray(table.T)  # [hidden, vocab]
     if src.gguf_file and block == GGUF_BLOCK:
         import gguf
 
         tensors = {t.name: t for t in gguf.GGUFReader(str(src.directory / src.gguf_file)).tensors}
-        t = tensors.get("output.weight") or tensors.get("token_embd.weight")
+        t = next((tensors[n] for n in gguf_names if n in tensors), None)
         m = read_gguf_block(t.tensor_type.name, np.asarray(t.data), int(t.shape[0])) if t is not None else None
         if m is not None and m.bits == qz.HEAD_BITS and _matches(m, head):
             return m

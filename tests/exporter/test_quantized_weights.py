@@ -87,8 +87,11 @@ def test_quantized_build_validates_in_every_layout(hf_folder, tmp_path, layout, 
                                                                          else 32, "rtn", True)
     assert int8_dynamic(g) == (len(dq) - 1 if channel else 0)  # what a CPU session derives from it
     assert "lm_head" in q["kept"] and q["quantized"]["matrices"] == 4 * m.model.num_layers + 1
-    head = {i.name: i.data_type for i in g.graph.initializer}[qz.QUANTIZED_HEAD + ".q"]
-    assert head == TensorProto.INT8  # the head stays int8 in int4 builds (HEAD_BITS)
+    types = {i.name: i.data_type for i in g.graph.initializer}
+    assert types[qz.QUANTIZED_HEAD + ".q"] == TensorProto.INT8  # the head stays int8 in int4 builds (HEAD_BITS)
+    # untied embeddings: int8 too, their own codes, no float table
+    assert types[qz.QUANTIZED_EMBED + ".q"] == TensorProto.INT8 and "model.embed_tokens.weight" not in types
+    assert q["embeddings"]["bits"] == 8 and q["embeddings"]["block_size"] == q["lm_head"]["block_size"]
 
 
 @pytest.mark.parametrize("layout,attention", [("contiguous", "onnx"), ("paged", "plugin")])
@@ -244,9 +247,11 @@ def test_every_quantized_matmul_fuses_to_matmulnbits_in_the_runtime_session(hf_f
                              disabled_optimizers=disabled)
         g = onnx.load(so.optimized_model_filepath, load_external_data=False).graph
         counts[len(disabled)] = collections.Counter(n.op_type for n in g.node)
+        made = {o: n.op_type for n in g.node for o in n.output}
+        dq_inputs = {made.get(n.input[0]) for n in g.node if n.op_type == "DequantizeLinear"}
     layers = m.kv.num_layers
     assert counts[1]["MatMulNBits"] == 4 * layers + 1  # qkv, o, gate|up, down per layer + the LM head
-    assert counts[1]["DequantizeLinear"] == 0 and counts[1]["Gemm"] == 0
+    assert counts[1]["Gemm"] == 0 and dq_inputs == {"Gather"}  # left: the embedding rows' (a Gather of int8 codes)
     assert counts[0]["MatMulNBits"] < counts[1]["MatMulNBits"]  # what the NOTE in ort_backends.py is about
 
 
