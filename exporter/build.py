@@ -33,7 +33,7 @@ from .validate import fit_prompts, prompt_ids, validate, verdicts
 log = logging.getLogger(__name__)
 # what int8/int4 builds keep in the activation dtype, and why (the manifest records it)
 KEPT = {"lm_head": "int8 even in int4 builds (exporter/quantize.py HEAD_BITS): the logits are the most "
-                   "rounding-sensitive matmul; tied embeddings gather their rows from the same int8 codes",
+                   "rounding-sensitive matmul; embeddings gather their rows from int8 codes too (tied: the same)",
         "norms, RoPE tables, biases": "tiny; float32 as transformers computes them"}
 MAX_ROPE_TABLE = 32768  # default cap on max_seq_len when the model allows more, tokens
 
