@@ -13,6 +13,7 @@ external, codes stay int8) before the InferenceSession is made, per row (PER_ROW
 
     x [.., K] ─> s = max|x| / 127 per row ─> uint8(round(x / s) + 128)
         ─> com.microsoft.MatMulIntegerToFloat(·, codes, 1, scale [N], 128, zero point [N]) [.., N] ─> × s
+    (as nodes: `_per_row`)
 
 or per tensor: DynamicQuantizeLinear ─> MatMulInteger ─> Cast ─> Mul(xs * scale), which
 onnxruntime fuses to DynamicQuantizeMatMul (bench/quant_linear.py: ~3x fp32 at M >= 64).
@@ -95,7 +96,7 @@ def int8_dynamic(model: onnx.ModelProto, per_row: bool = PER_ROW) -> int:
         g.node.extend(nodes)
         if per_row:
             for name, value in ((ROW_EPS, np.float32(1e-12 * 127)), (ROW_QMAX, np.float32(127)),
-                                (ROW_SHIFT, np.float32(128)), (ROW_ZERO, np.uint8(128)),
+                                (ROW_ZERO, np.uint8(128)),
                                 (ROW_AXES, np.array([-1], np.int64)), (ROW_ONE, np.float32(1))):
                 g.initializer.append(numpy_helper.from_array(np.asarray(value), name))
             if not any(o.domain == MS for o in model.opset_import):
@@ -103,8 +104,8 @@ def int8_dynamic(model: onnx.ModelProto, per_row: bool = PER_ROW) -> int:
     return count
 
 
-ROW_EPS, ROW_QMAX, ROW_SHIFT, ROW_ZERO, ROW_AXES, ROW_ONE = (
-    f"kvexport.int8_rows.{n}" for n in ("eps", "qmax", "shift", "zero", "axes", "one"))
+ROW_EPS, ROW_QMAX, ROW_ZERO, ROW_AXES, ROW_ONE = (
+    f"kvexport.int8_rows.{n}" for n in ("eps", "qmax", "zero", "axes", "one"))
 MS = "com.microsoft"
 
 
@@ -124,23 +125,24 @@ def _per_row(p: str, x: str, codes: str, scale: str, wzp: str, y: str) -> list[o
     """One symmetric int8 scale per row (token), stored as uint8 + 128 (onnxruntime's integer
     matmuls take one scalar activation scale and zero point, and u8 x s8 is their fast path):
 
-        x [.., K] ─> s = max|x| / 127 [.., 1] ─> round(x / s) + 128 ─> uint8
-            ─> MatMulIntegerToFloat(a_scale 1, b_scale [N], a_zp 128, b_zp [N]) ─> × s
+        x [.., K] ─> r = 127 / max|x| [.., 1] ─> QuantizeLinear(x · r, 1, 128) uint8
+            ─> MatMulIntegerToFloat(a_scale 1, b_scale [N], a_zp 128, b_zp [N]) ─> / r
+
+    NOTE: QuantizeLinear (scale 1) rounds half to even, adds 128 and casts in one node: 576x1536
+    at M = 64 / 256 / 512 in 0.20 / 0.77 / 1.49 ms against 0.23 / 0.88 / 1.68 with Round, Add, Cast.
     """
     mk = helper.make_node
     t = lambda n: f"{p}/{n}"  # noqa: E731
     return [
         mk("Abs", [x], [t("abs")], name=t("Abs")),
         mk("ReduceMax", [t("abs"), ROW_AXES], [t("amax")], name=t("ReduceMax"), keepdims=1),  # [.., 1]
-        mk("Div", [t("amax"), ROW_QMAX], [t("xs0")], name=t("ScaleDiv")),
-        mk("Max", [t("xs0"), ROW_EPS], [t("xs")], name=t("ScaleMax")),  # all-zero rows: any scale
-        mk("Div", [x, t("xs")], [t("xn")], name=t("Div")),
-        mk("Round", [t("xn")], [t("xr")], name=t("Round")),
-        mk("Add", [t("xr"), ROW_SHIFT], [t("xu")], name=t("Shift")),
-        mk("Cast", [t("xu")], [t("xq")], name=t("CastU8"), to=TensorProto.UINT8),
+        mk("Max", [t("amax"), ROW_EPS], [t("amax_")], name=t("ScaleMax")),  # all-zero rows: any scale
+        mk("Div", [ROW_QMAX, t("amax_")], [t("r")], name=t("ScaleDiv")),  # 1 / the row's step
+        mk("Mul", [x, t("r")], [t("xn")], name=t("Mul")),
+        mk("QuantizeLinear", [t("xn"), ROW_ONE, ROW_ZERO], [t("xq")], name=t("QuantizeLinear")),
         mk("MatMulIntegerToFloat", [t("xq"), codes, ROW_ONE, scale, ROW_ZERO, wzp], [t("acc")],
            name=t("MatMulIntegerToFloat"), domain=MS),  # [.., N] float: acc x scale
-        mk("Mul", [t("acc"), t("xs")], [y], name=t("RowMul")),
+        mk("Div", [t("acc"), t("r")], [y], name=t("RowDiv")),
     ]
 
 
