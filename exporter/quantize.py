@@ -228,7 +228,8 @@ def describe(q: dict[str, QuantizedMatrix], wq: WeightQuantization, act_dtype: s
         "block_offsets": any(m.offset is not None for m in q.values()),
         "scales_dtype": act_dtype, "code_dtype": "int4 (two per byte)" if any_m.bits == 4 else "int8",
         "format": ("onnx QDQ: DequantizeLinear(axis=1, scale [N]) -> MatMul (opset 21); onnxruntime CPU "
-                   "sessions run it as DynamicQuantizeLinear + MatMulInteger (runtime/ort_quant.py)"
+                   "sessions run it as int8 x int8 MatMulIntegerToFloat with per-token activation scales "
+                   "(runtime/ort_quant.py)"
                    if wq.block_size == CHANNEL else "onnx QDQ: DequantizeLinear(axis=0, block_size) -> MatMul (opset 21)"),
         "quantized": {"matrices": len(q), "origins": origins,
                       "names": "model.layers.*.{" + ",".join(LINEARS) + "}" + (
