@@ -25,7 +25,7 @@ from kvexport.manifest import EngineBuildOptions, GraphEntry, KVSpec, Manifest, 
 from . import interop, source
 from .families import FAMILIES, read_spec
 from .graph import DecoderGraph, GraphOptions, model_rope_tables
-from .limits import BACKENDS, DTYPES, KV_DTYPES, RANGES
+from .limits import BACKENDS, CALIBRATED_METHODS, DTYPES, KV_DTYPES, RANGES
 from .onnx_builder import WeightStore, save_model
 from .samples import write_samples
 from .validate import fit_prompts, prompt_ids, validate, verdicts
@@ -105,7 +105,7 @@ class BuildOptions:
         if self.backend == "tensorrt" and self.dtype is not io.DType.FP16:
             raise ConfigError("--backend tensorrt needs --dtype fp16 (the plugin kernels take fp16/bf16 activations)")
         if ((self.calibration_text is not None or self.calibration_tokens != 2048) and self.kv_dtype is not io.DType.INT8
-                and self.quant_method not in ("awq", "smoothquant")):
+                and self.quant_method not in CALIBRATED_METHODS):
             raise ConfigError("--calibration-text / --calibration-tokens only apply to --kv-dtype int8 or "
                               "--quant-method awq / smoothquant")
         wq = self.weight_quantization()  # checks weights / weight_block_size / quant_method

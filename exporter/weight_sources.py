@@ -17,6 +17,7 @@ import numpy as np
 
 from . import prequantized
 from . import quantize as qz
+from .limits import CALIBRATED_METHODS
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +129,7 @@ def quantized_weights(src, model, spec, weights, wq: qz.WeightQuantization, toke
     elif src.gguf_file:
         kinds = _gguf_kinds(str(src.directory / src.gguf_file))
     scales = {}
-    if wq.method in ("awq", "smoothquant"):
+    if wq.method in CALIBRATED_METHODS:
         from pathlib import Path
 
         from . import awq, calibrate
