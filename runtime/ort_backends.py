@@ -49,15 +49,24 @@ ORT_KINDS = ("auto", "onnx", "native", "reference")
 # Q4_1 source), decode ~14x slower with float (its int8 LM head dequantizes in full each step)
 ACCURACY_LEVELS = {"int8": 4, "float": 0}
 DEFAULT_ACCURACY = "auto"  # when ort_backend() is not given one
-# "auto": int4 builds open a second session for steps of LARGE_STEP_TOKENS tokens or more, whose
-# int4 matmuls compute in float (level 0; the int8 LM head stays at level 4 as an explicit node,
-# ort_quant.int8_blocks_to_matmulnbits); smaller steps (decode) keep level 4. NOTE: level 4 is
-# ~2.3x faster than fp32 at M = 1 but slower from M ~ 32 on (576x1536: M=64 0.92 vs 0.60 ms fp32,
-# level 0 0.68; M=512 7.6 vs 4.7 / 4.7 ms, bench/quant_linear.py), and level 0 is exact (smollm2
-# int4 = its Q4_1 source, perplexity 54.617 against 55.64 at level 4). Costs a second copy of
-# the pre-packed int4 weights (see the module NOTE). Block-wise int8 builds stay at level 4
-# throughout (level 0 dequantizes 8-bit blocks in full on every call).
-LARGE_STEP_TOKENS = 32
+# Steps of LARGE_STEP_TOKENS tokens or more run in a second session (`large_form`) where another
+# form of the block-wise weights is faster; smaller steps (decode) keep MatMulNBits at level 4.
+# NOTE: level 4 is ~2.3x faster than fp32 at M = 1 but slower from M ~ 32 on (576x1536: M=64 0.83
+# vs 0.64 ms fp32, level 0 0.63, per-channel int8 x int8 0.19; bench/quant_linear.py), and in the
+# model a 512-token step of smollm2 int4 took 767 ms at level 0 against 625 ms fp32 and 450 ms as
+# int8 x int8 (bench/results/step_sizes.json).
+#   "auto", int4 builds: "float", level 0: exact (smollm2 int4 = its Q4_1 source, perplexity 54.57
+#       against 55.64 at level 4), the int8 LM head kept at level 4 as an explicit node
+#       (ort_quant.int8_blocks_to_matmulnbits). Block-wise int8 builds: level 4 throughout (level 0
+#       dequantizes 8-bit blocks in full on every call).
+#   "int8", int4 and block-wise int8 builds: "int8": the blocks as per-channel int8 codes with
+#       per-token int8 activations (ort_quant.blocks_to_int8_channel + int8_dynamic), the LM head
+#       still per block at level 4; int8 activations throughout, as level 4 everywhere was before.
+# Costs a second copy of the weights in the large form (see the module NOTE). Where each form
+# starts to win, by large_form (smollm2 int4, one sequence of M tokens, ms per step at level 4 vs
+# the large form, /tmp-free rerun: bench/step_sizes.py): float 31.4 vs 45.5 at M=8, 51.0 vs
+# 56.2 at 32; int8 x int8 23.0 vs 20.6 at M=4, 33.1 vs 21.4 at 8, 15.5 vs 17.0 at 1.
+LARGE_STEP_TOKENS = {"float": 32, "int8": 4}
 
 
 def _providers() -> list[str]:
@@ -136,15 +145,25 @@ class _OrtBackend:
     @property
     def splits_by_step(self) -> bool:
         """Whether steps of LARGE_STEP_TOKENS tokens or more run in their own sessions."""
-        return (self.accuracy == "auto" and self.manifest.weights.precision == "int4" and self.step_split_ok
-                and self.providers == ["CPUExecutionProvider"])
+        return self.large_form is not None and self.step_split_ok and self.providers == ["CPUExecutionProvider"]
+
+    @property
+    def large_form(self) -> str | None:
+        """How a large-step session runs block-wise weights ("float" | "int8"), if it differs
+        from a small step's (see LARGE_STEP_TOKENS)."""
+        q = self.manifest.weights.quantization or {}
+        if not isinstance(q.get("block_size"), int):  # fp32/fp16, or per-channel int8 (always int8 x int8)
+            return None
+        if self.accuracy == "auto" and q.get("bits") == 4:
+            return "float"
+        return "int8" if self.accuracy == "int8" else None
 
     step_split_ok = True  # backends that can open a step-size session (not the reference op's)
 
     def level(self, large: bool = False) -> int:
         """The MatMulNBits accuracy level of a session (see DEFAULT_ACCURACY)."""
         if self.accuracy == "auto":
-            return ACCURACY_LEVELS["float" if large else "int8"]
+            return ACCURACY_LEVELS[self.large_form if large else "int8"]
         return ACCURACY_LEVELS[self.accuracy]
 
     def session_options(self, large: bool = False):
@@ -184,18 +203,24 @@ class _OrtBackend:
         """The graph to open: its path, or on the CPU provider a form derived from it in memory
         (runtime/ort_quant.py), as bytes whose external weights resolve against the build
         folder: per-channel int8 weights as dynamic int8 matmuls (the codes stay int8 on disk);
-        in a large-step session (DEFAULT_ACCURACY) the int8 LM head as an explicit MatMulNBits."""
+        in a large-step session (LARGE_STEP_TOKENS) the int8 LM head as an explicit MatMulNBits
+        ("float") or the other block-wise weights as per-channel int8 ("int8")."""
         q = self.manifest.weights.quantization or {}
         channel = q.get("block_size") == "channel" and q.get("bits") == 8
         if not (channel or large) or self.providers != ["CPUExecutionProvider"]:
             return str(path)
         import onnx
 
-        from .ort_quant import int8_blocks_to_matmulnbits, int8_dynamic
+        from .ort_quant import blocks_to_int8_channel, int8_blocks_to_matmulnbits, int8_dynamic, logits_weight
 
         model = onnx.load(str(path), load_external_data=False)
-        changed = int8_dynamic(model) if channel else 0
-        if large:
+        changed = 0
+        if large and self.large_form == "int8":
+            head = logits_weight(model.graph, io.LOGITS)
+            changed += blocks_to_int8_channel(model, str(path.parent), skip=frozenset([head] if head else []))
+        if channel or changed:
+            changed += int8_dynamic(model)
+        if large and self.large_form == "float":
             changed += int8_blocks_to_matmulnbits(model, str(path.parent), ACCURACY_LEVELS["int8"])
         if not changed:
             return str(path)
@@ -217,7 +242,7 @@ class _OrtBackend:
     def execute(self, inp: ModelInput, all_tokens: bool = False) -> np.ndarray:
         """Run one step (storing its K/V in the pools); logits [S, vocab] float32, or
         [T, vocab] with `all_tokens` (an --all-logits build's prefill)."""
-        large = self.large_sessions and len(inp.token_ids) >= LARGE_STEP_TOKENS
+        large = self.large_sessions and len(inp.token_ids) >= LARGE_STEP_TOKENS[self.large_form]
         logits = self._run((self.large_sessions if large else self.sessions)[inp.phase.value], inp)
         if self.manifest.all_logits and not inp.is_decode and not all_tokens:
             logits = logits[inp.query_start_loc[1:] - 1]

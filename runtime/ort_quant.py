@@ -202,3 +202,115 @@ def int8_blocks_to_matmulnbits(model: onnx.ModelProto, base_dir: str, accuracy_l
         if not any(o.domain == MS for o in model.opset_import):
             model.opset_import.append(helper.make_opsetid(MS, 1))
     return count
+
+
+def blocks_to_int8_channel(model: onnx.ModelProto, base_dir: str, skip: frozenset[str] = frozenset()) -> int:
+    """Rewrite, in place, every block-wise DequantizeLinear of int4/int8 codes (axis=0,
+    block_size B, zero points or none) whose only reader is a MatMul's weight into per-channel
+    int8 codes (axis=1, one symmetric scale per column: max|w| / 127) holding the same
+    dequantized matrix, rounded once more; the GGUF Q4_1 block minimums that exporter/graph.py
+    adds as a second product (`linear`: Reshape ─> ReduceSum ─> MatMul offset ─> Add) are folded
+    into it and that product dropped. `int8_dynamic` then runs it as int8 x int8. Codes named in
+    `skip` stay as they are (the LM head, which keeps per-block rounding). The new initializers
+    are embedded in the model (their data read from `base_dir`). Returns how many were rewritten.
+
+    What it is for: onnxruntime has no fast kernel for block-wise weights with many rows
+    (MatMulNBits is slower than fp32 from M ~ 32 at any accuracy level); its u8 x s8 matmul is
+    ~3x fp32 there (bench/quant_linear.py). The requantization's error is at most 1/2 of
+    max|w| / 127 per column: 1/16 of an int4 block's step at the column's largest block."""
+    g = model.graph
+    inits, consumers = _scan(g)
+    producer = {o: n for n in g.node for o in n.output}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for n in g.node:
+        for i in n.input:
+            readers.setdefault(i, []).append(n)
+    count = 0
+    for d in _dequantizes(g):
+        codes, scale, a = inits.get(d.input[0]), inits.get(d.input[1]), _attrs(d)
+        zp = inits.get(d.input[2]) if len(d.input) > 2 and d.input[2] else None
+        block = a.get("block_size", 0)
+        users = readers.get(d.output[0], [])
+        if (codes is None or scale is None or d.input[0] in skip or len(codes.dims) != 2 or a.get("axis") != 0
+                or not block or codes.dims[0] % block or scale.data_type != TensorProto.FLOAT
+                or codes.data_type not in (TensorProto.INT4, TensorProto.UINT4, TensorProto.INT8, TensorProto.UINT8)
+                or (len(d.input) > 2 and d.input[2] and zp is None)
+                or len(users) != 1 or users[0].op_type != "MatMul" or users[0].input[1] != d.output[0]):
+            continue
+        w = numpy_helper.to_array(codes, base_dir).astype(np.float32)
+        if zp is not None:
+            w -= np.repeat(numpy_helper.to_array(zp, base_dir).astype(np.float32), block, axis=0)
+        w *= np.repeat(numpy_helper.to_array(scale, base_dir), block, axis=0)
+        mm = users[0]
+        add, offset = _offset_add(mm, readers, producer, inits, block, w.shape)
+        if offset is not None:
+            w += np.repeat(numpy_helper.to_array(offset, base_dir).astype(np.float32), block, axis=0)
+            add.op_type = "Identity"  # y + (block sums x offsets) ─> y: the offsets are in w now
+            del add.input[:]
+            add.input.append(mm.output[0])
+        lo, hi = np.minimum(w.min(axis=0), 0), np.maximum(w.max(axis=0), 0)
+        step = np.maximum(hi - lo, np.float32(1e-30)) / np.float32(254)
+        z = np.clip(np.rint(-lo / step) - 127, -127, 127)
+        q = np.clip(np.rint(w / step) + z, -128, 127).astype(np.int8)
+        name = d.input[0] + ".int8_channel"
+        g.initializer.extend([numpy_helper.from_array(q, name),
+                              numpy_helper.from_array(step.astype(np.float32), name + ".scale"),
+                              numpy_helper.from_array(z.astype(np.int8), name + ".zero_point")])
+        del d.input[:]
+        d.input.extend([name, name + ".scale", name + ".zero_point"])
+        del d.attribute[:]
+        d.attribute.append(helper.make_attribute("axis", 1))
+        count += 1
+    if count:
+        _prune(g)
+    return count
+
+
+def _offset_add(mm: onnx.NodeProto, readers: dict, producer: dict, inits: dict, block: int,
+                shape: tuple[int, ...]) -> tuple[onnx.NodeProto | None, onnx.TensorProto | None]:
+    """The Add that follows `mm` with exporter/graph.py's block-offset product, and that
+    product's offset initializer [K/B, N]; (None, None) when `mm` has none."""
+    adds = [n for n in readers.get(mm.output[0], []) if n.op_type == "Add"]
+    if len(readers.get(mm.output[0], [])) != 1 or len(adds) != 1:
+        return None, None
+    add = adds[0]
+    other = producer.get(add.input[1] if add.input[0] == mm.output[0] else add.input[0])
+    if other is None or other.op_type != "MatMul" or other.input[1] not in inits:
+        return None, None
+    offset = inits[other.input[1]]
+    sums = producer.get(other.input[0])
+    if (list(offset.dims) != [shape[0] // block, shape[1]] or sums is None or sums.op_type != "ReduceSum"
+            or producer.get(sums.input[0]) is None or producer[sums.input[0]].input[0] != mm.input[0]):
+        return None, None
+    return add, offset
+
+
+def _prune(g: onnx.GraphProto) -> None:
+    """Drop the nodes no graph output depends on, then the initializers nothing reads."""
+    producer = {o: n for n in g.node for o in n.output}
+    live, todo = set(), [o.name for o in g.output]
+    while todo:
+        n = producer.get(todo.pop())
+        if n is not None and id(n) not in live:
+            live.add(id(n))
+            todo.extend(i for i in n.input if i)
+    keep = [n for n in g.node if id(n) in live]
+    del g.node[:]
+    g.node.extend(keep)
+    used = {i for n in g.node for i in n.input}
+    inits = [t for t in g.initializer if t.name in used]
+    del g.initializer[:]
+    g.initializer.extend(inits)
+
+
+def logits_weight(g: onnx.GraphProto, logits: str) -> str | None:
+    """The initializer the LM head's weight is dequantized from: the MatMul that `logits` comes
+    from (through Cast / Identity / a bias Add), its weight's DequantizeLinear's codes."""
+    producer = {o: n for n in g.node for o in n.output}
+    n = producer.get(logits)
+    while n is not None and n.op_type in ("Cast", "Identity", "Add"):
+        n = producer.get(n.input[0])
+    if n is None or n.op_type != "MatMul":
+        return None
+    d = producer.get(n.input[1])
+    return d.input[0] if d is not None and d.op_type == "DequantizeLinear" else None

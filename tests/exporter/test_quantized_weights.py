@@ -268,7 +268,7 @@ def test_auto_accuracy_runs_large_int4_steps_in_float(hf_folder, tmp_path, atten
     src = str(hf_folder("llama", num_key_value_heads=2))
     out, m = build(src, tmp_path / "b", BuildOptions(weights="int4", attention=io.Attention(attention),
                                                      validate=False, **OPTS))
-    tokens = LARGE_STEP_TOKENS + 3
+    tokens = LARGE_STEP_TOKENS["float"] + 3
     tables = list(range(1, tokens // 4 + 2))
     rng = np.random.default_rng(0)
 
@@ -283,7 +283,7 @@ def test_auto_accuracy_runs_large_int4_steps_in_float(hf_folder, tmp_path, atten
     ids = rng.integers(0, m.model.vocab_size, tokens)
     auto, be, sess = logits("auto", tokens)
     assert sess is be.large_sessions[io.Phase.PREFILL.value] and sess is not be.sessions[io.Phase.PREFILL.value]
-    small, be, sess = logits("auto", LARGE_STEP_TOKENS - 1)
+    small, be, sess = logits("auto", LARGE_STEP_TOKENS["float"] - 1)
     assert sess is be.sessions[io.Phase.PREFILL.value]
     exact, be, _ = logits("float", tokens)
     assert not be.large_sessions
@@ -292,3 +292,43 @@ def test_auto_accuracy_runs_large_int4_steps_in_float(hf_folder, tmp_path, atten
     assert np.abs(auto - exact).max() > 0  # the head's activations are still rounded
     _, m8 = build(src, tmp_path / "b8", BuildOptions(weights="int8", validate=False, **OPTS))
     assert not ort_backend(tmp_path / "b8", m8, 8).large_sessions
+
+
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_int8_accuracy_runs_large_steps_as_per_channel_int8(hf_folder, tmp_path, weights):
+    """accuracy "int8", block-wise builds: steps of LARGE_STEP_TOKENS["int8"] tokens or more run
+    in a session whose block-wise matmuls are per-channel int8 x per-token int8
+    (MatMulIntegerToFloat), all but the LM head, which stays a block-wise MatMulNBits; smaller
+    steps run at level 4. Both round the activations, so both stay near the float logits."""
+    import collections
+
+    from kvexport.runtime.model_runner import chunk, pack
+    from kvexport.runtime.ort_backends import LARGE_STEP_TOKENS, ort_backend
+
+    out, m = build(str(hf_folder("llama", num_key_value_heads=2)), tmp_path / "b",
+                   BuildOptions(weights=weights, attention=io.Attention.ONNX, validate=False, **OPTS))
+    be = ort_backend(out, m, 8, accuracy="int8")
+    assert be.large_form == "int8" and be.large_sessions
+    so = be.session_options(large=True)
+    g = onnx.load_from_string(be._cpu_model(out / io.PREFILL_GRAPH, so, large=True)).graph
+    inits = {t.name for t in g.initializer}
+    blocks = [n.input[0] for n in g.node if n.op_type == "DequantizeLinear" and n.input[0] in inits
+              and any(a.name == "block_size" for a in n.attribute)]
+    assert collections.Counter(n.op_type for n in g.node)["MatMulIntegerToFloat"] == 4 * m.kv.num_layers
+    assert blocks == ["lm_head.quantized.weight.q"]
+    ids = np.random.default_rng(3).integers(0, m.model.vocab_size, 12).tolist()
+
+    def logits(accuracy, n):
+        b = ort_backend(out, m, 8, accuracy=accuracy)
+        ran = []
+        run = b._run
+        b._run = lambda sess, inp: ran.append(sess) or run(sess, inp)
+        got = b.execute(pack([chunk("a", ids[:n], 0, [1, 2, 3, 4], 4)], 4, b.full_block_tables))
+        return got, ran[0] is b.large_sessions.get(io.Phase.PREFILL.value)
+
+    for n in (LARGE_STEP_TOKENS["int8"] - 1, LARGE_STEP_TOKENS["int8"], 12):
+        fast, large = logits("int8", n)
+        exact, _ = logits("float", n)
+        assert large == (n >= LARGE_STEP_TOKENS["int8"])
+        assert np.abs(fast - exact).max() < 0.05 * np.abs(exact).max()
+        assert (fast.argmax(-1) == exact.argmax(-1)).all()

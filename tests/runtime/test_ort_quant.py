@@ -120,3 +120,82 @@ def test_int8_blocks_become_explicit_matmulnbits_with_their_own_level(tmp_path):
     x = rng.standard_normal((6, K)).astype(np.float32)
     np.testing.assert_allclose(sess.run(None, {"x": x})[0], x @ qz.quantize_rtn(w, 8, 32).dequantize(), atol=1e-4)
     assert int8_blocks_to_matmulnbits(_linear(w, qz.CHANNEL), str(tmp_path)) == 0  # per channel: not this form
+
+
+def _offset_linear(tmp_path, rng, head: bool = False) -> tuple[onnx.ModelProto, np.ndarray]:
+    """exporter/graph.py's int4 linear with GGUF Q4_1-style block minimums: x @ DQ(codes, scale,
+    zero point; blocks of 32 along K) + (x's block sums) @ offset, weights stored outside the
+    graph in tmp_path. Returns the model (external data not loaded) and the float weight it means."""
+    block = 32
+    q = rng.integers(-8, 8, (K, N)).astype(np.int8)
+    zp = np.full((K // block, N), -8, np.int8)
+    scale = rng.uniform(0.01, 0.03, (K // block, N)).astype(np.float32)
+    offset = rng.uniform(-0.2, 0.0, (K // block, N)).astype(np.float32)
+    codes = "lm_head.q" if head else "wq"
+    nodes = [helper.make_node("DequantizeLinear", [codes, "s", "zp"], ["wd"], axis=0, block_size=block),
+             helper.make_node("MatMul", ["x", "wd"], ["y0"], name="mm"),
+             helper.make_node("Reshape", ["x", "shape"], ["xb"]),
+             helper.make_node("ReduceSum", ["xb", "axes"], ["sums"], keepdims=0),
+             helper.make_node("MatMul", ["sums", "offset"], ["off"]),
+             helper.make_node("Add", ["y0", "off"], ["y"])]
+    inits = [helper.make_tensor(codes, TensorProto.INT4, [K, N], qz.stored_codes(q, 4)[0].tobytes(), raw=True),
+             helper.make_tensor("zp", TensorProto.INT4, list(zp.shape), qz.stored_codes(zp, 4)[0].tobytes(), raw=True),
+             numpy_helper.from_array(scale, "s"), numpy_helper.from_array(offset, "offset"),
+             numpy_helper.from_array(np.array([0, -1, block], np.int64), "shape"),
+             numpy_helper.from_array(np.array([-1], np.int64), "axes")]
+    g = helper.make_graph(nodes, "lin", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", K])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", N])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
+    m.ir_version = 10
+    onnx.save(m, str(tmp_path / "m.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
+              location="w.data", size_threshold=256)  # shape constants stay in the graph
+    w = (q.astype(np.float32) + 8) * np.repeat(scale, block, 0) + np.repeat(offset, block, 0)
+    return onnx.load(str(tmp_path / "m.onnx"), load_external_data=False), w
+
+
+def _session(m: onnx.ModelProto, base_dir) -> ort.InferenceSession:
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.add_session_config_entry("session.model_external_initializers_file_folder_path", str(base_dir))
+    so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "0")  # fused int4 blocks: float compute
+    return ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def test_blocks_become_per_channel_int8_with_the_block_offsets_folded_in(tmp_path):
+    """An int4 block-wise weight with zero points and Q4_1 offsets becomes one per-channel int8
+    DequantizeLinear (asymmetric: a zero point per column) holding the whole matrix; the offset
+    product is gone. Float activations: the only error is the per-column rounding, at most half a
+    step (column range / 254) per weight; then int8_dynamic takes it as int8 x int8."""
+    from kvexport.runtime.ort_quant import blocks_to_int8_channel
+
+    rng = np.random.default_rng(7)
+    m, w = _offset_linear(tmp_path, rng)
+    x = rng.standard_normal((4, K)).astype(np.float32)
+    exact = _session(m, tmp_path).run(None, {"x": x})[0]
+    np.testing.assert_allclose(exact, x @ w, rtol=1e-4, atol=1e-4)  # the graph is what the docstring says
+    assert blocks_to_int8_channel(m, str(tmp_path)) == 1
+    ops = [n.op_type for n in m.graph.node]
+    assert ops.count("MatMul") == 1 and "ReduceSum" not in ops and "Reshape" not in ops
+    (d,) = [n for n in m.graph.node if n.op_type == "DequantizeLinear"]
+    assert {a.name: a.i for a in d.attribute} == {"axis": 1} and len(d.input) == 3
+    got = _session(m, tmp_path).run(None, {"x": x})[0]
+    step = (np.maximum(w.max(0), 0) - np.minimum(w.min(0), 0)) / 254
+    assert np.all(np.abs(got - exact) <= np.abs(x).sum(axis=1, keepdims=True) * step / 2 + 1e-4)
+    assert np.abs(got - exact).max() > 0
+    assert int8_dynamic(m) == 1
+    dyn = _session(m, tmp_path).run(None, {"x": x})[0]
+    assert np.abs(dyn - exact).max() < 0.05 * np.abs(exact).max()
+
+
+def test_skipped_codes_stay_block_wise(tmp_path):
+    """Codes named in `skip` (the runtime passes the LM head's, ort_quant.logits_weight) keep
+    their block-wise form and offsets."""
+    from kvexport.runtime.ort_quant import blocks_to_int8_channel, logits_weight
+
+    m, _ = _offset_linear(tmp_path, np.random.default_rng(8), head=True)
+    assert logits_weight(m.graph, "y") == "lm_head.q"  # through the offsets' Add
+    before = m.SerializeToString()
+    assert blocks_to_int8_channel(m, str(tmp_path), skip=frozenset({"lm_head.q"})) == 0
+    assert m.SerializeToString() == before
+    lin = _linear(np.ones((K, N), np.float32), 32)
+    assert logits_weight(lin.graph, "y") == "wq"
