@@ -10,7 +10,8 @@ Builds (paged, plugin attention where the native op is built, --all-logits, unva
   int8 / int4           --weights int8 / int4, rtn (int4 block 32 maps the Q4_1 blocks exactly)
   int8-ch[-awq|-sq]     --weights int8 --weight-block-size channel [--quant-method awq|smoothquant]
                         (served as int8 x int8 matmuls with per-token activation scales)
-  *-int8acc / *-float   weight_matmul_accuracy int8 / float instead of auto (runtime/ort_backends.py)
+  *-int8acc / *-float   weight_matmul_accuracy int8 / float instead of auto (runtime/ort_backends.py;
+                        int8: steps of 4+ tokens, so every perplexity chunk, as per-channel int8 x int8)
   int4-awq              --quant-method awq (re-rounds every matrix from the dequantized floats)
   int4-b64 / -b64-awq   block 64: no GGUF block maps, so rtn vs awq on equal terms
   *+kv8                 the same with --kv-dtype int8
@@ -40,7 +41,7 @@ CONFIGS = {  # name -> BuildOptions keywords (+ "accuracy", "float_head": see RU
     "int8-ch-awq": dict(weights="int8", weight_block_size=0, quant_method="awq"),
     "int8-ch-sq": dict(weights="int8", weight_block_size=0, quant_method="smoothquant"),
     "int8-ch-sq+kv8": dict(weights="int8", weight_block_size=0, quant_method="smoothquant", kv_dtype="int8"),
-    "int4-int8acc": dict(weights="int4", accuracy="int8"),
+    "int4-int8acc": dict(weights="int4", accuracy="int8"), "int8-int8acc": dict(weights="int8", accuracy="int8"),
     "int8-b32-float": dict(weights="int8", weight_block_size=32, accuracy="float"),
     "int4-float": dict(weights="int4", accuracy="float"),
     "int4-fphead": dict(weights="int4", float_head=True), "int8-fphead": dict(weights="int8", float_head=True),

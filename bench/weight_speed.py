@@ -5,8 +5,9 @@ peak RSS of `kvexport generate` with a 512 MiB KV pool. Reports medians and the 
 seen before each run.
 
     .venv/bin/python bench/weight_speed.py fp32=build/fp32 int8=build/int8 int4=build/int4 \\
-        [--reps 3] [--trace mixed-64] [--threads 2] [--out bench/results/weight_speed.json]
+        int4-int8=build/int4@int8 [--reps 3] [--trace mixed-64] [--threads 2] [--out bench/results/weight_speed.json]
 
+NAME=BUILD@ACCURACY serves BUILD with `--weight-matmul-accuracy ACCURACY` (default: auto).
 Builds: `kvexport build smollm2-135m --no-validate --max-seq-len 2048 [--weights int8|int4]`.
 Decode: one 32-token prompt, ms per token = (time(N + 1 tokens) - time(1 token)) / N,
 median of 3 within the run (bench/weight_quality.py `decode_ms`).
@@ -32,27 +33,37 @@ from weight_quality import decode_ms
 from kvexport.exporter import calibrate, source
 tok = source.load_tokenizer(source.resolve("smollm2-135m"))
 ids = tok(calibrate.read_text(calibrate.default_text(calibrate.EVALUATION_TEXT)), add_special_tokens=False)["input_ids"]
-print(decode_ms({build!r}, ids[:32], {n}, {threads}))
+print(decode_ms({build!r}, ids[:32], {n}, {threads}, {accuracy!r}))
 """
 
 
-def trace_run(build: str, trace: str, threads: int) -> dict:
+def split(spec: str) -> tuple[str, str]:
+    """BUILD[@ACCURACY] -> (BUILD, ACCURACY)."""
+    build, _, accuracy = spec.partition("@")
+    return build, accuracy or "auto"
+
+
+def trace_run(spec: str, trace: str, threads: int) -> dict:
+    build, accuracy = split(spec)
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        subprocess.run([KVEXPORT, "bench", build, "--trace", trace, "--threads", str(threads), "--json", f.name],
-                       check=True, capture_output=True)
+        subprocess.run([KVEXPORT, "bench", build, "--trace", trace, "--threads", str(threads), "--json", f.name,
+                        "--weight-matmul-accuracy", accuracy], check=True, capture_output=True)
         return json.loads(Path(f.name).read_text())
 
 
-def decode_run(build: str, n: int, threads: int) -> float:
-    code = DECODE.format(here=str(HERE), build=build, n=n, threads=threads)
+def decode_run(spec: str, n: int, threads: int) -> float:
+    build, accuracy = split(spec)
+    code = DECODE.format(here=str(HERE), build=build, n=n, threads=threads, accuracy=accuracy)
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
     return float(out.strip().splitlines()[-1])
 
 
-def peak_rss_mib(build: str, pool: str) -> float:
+def peak_rss_mib(spec: str, pool: str) -> float:
     """Peak RSS of `kvexport generate BUILD` (one prompt, 64 tokens) with a `pool` KV budget."""
+    build, accuracy = split(spec)
     r = subprocess.run(["/usr/bin/time", "-f", "%M", KVEXPORT, "generate", build, "The king said",
-                        "--kv-cache-memory", pool], check=True, capture_output=True, text=True)
+                        "--kv-cache-memory", pool, "--weight-matmul-accuracy", accuracy],
+                       check=True, capture_output=True, text=True)
     return int(r.stderr.strip().splitlines()[-1]) / 1024
 
 

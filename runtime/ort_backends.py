@@ -52,8 +52,8 @@ DEFAULT_ACCURACY = "auto"  # when ort_backend() is not given one
 # Steps of LARGE_STEP_TOKENS tokens or more run in a second session (`large_form`) where another
 # form of the block-wise weights is faster; smaller steps (decode) keep MatMulNBits at level 4.
 # NOTE: level 4 is ~2.3x faster than fp32 at M = 1 but slower from M ~ 32 on (576x1536: M=64 0.83
-# vs 0.64 ms fp32, level 0 0.63, per-channel int8 x int8 0.19; bench/quant_linear.py), and in the
-# model a 512-token step of smollm2 int4 took 767 ms at level 0 against 625 ms fp32 and 450 ms as
+# vs 0.64 ms fp32, level 0 0.63, per-channel int8 x int8 0.19; bench/quant_linear.py); in the
+# model, a 64-token step of smollm2 int4 took 138.6 ms at level 4, 104.6 at level 0 and 47.4 as
 # int8 x int8 (bench/results/step_sizes.json).
 #   "auto", int4 builds: "float", level 0: exact (smollm2 int4 = its Q4_1 source, perplexity 54.57
 #       against 55.64 at level 4), the int8 LM head kept at level 4 as an explicit node
@@ -63,9 +63,10 @@ DEFAULT_ACCURACY = "auto"  # when ort_backend() is not given one
 #       per-token int8 activations (ort_quant.blocks_to_int8_channel + int8_dynamic), the LM head
 #       still per block at level 4; int8 activations throughout, as level 4 everywhere was before.
 # Costs a second copy of the weights in the large form (see the module NOTE). Where each form
-# starts to win, by large_form (smollm2 int4, one sequence of M tokens, ms per step at level 4 vs
-# the large form, /tmp-free rerun: bench/step_sizes.py): float 31.4 vs 45.5 at M=8, 51.0 vs
-# 56.2 at 32; int8 x int8 23.0 vs 20.6 at M=4, 33.1 vs 21.4 at 8, 15.5 vs 17.0 at 1.
+# starts to win (bench/step_sizes.py, smollm2, one sequence of M tokens, ms per step, level 4 vs
+# the large form; bench/results/step_sizes.json): int4 float 72.4 vs 77.2 at M=32, 138.6 vs 104.6
+# at 64; int4 int8 x int8 20.0 vs 13.4 at M=4, 14.5 vs 13.1 at 2, 12.7 vs 13.6 at 1; block-wise
+# int8 18.6 vs 18.3 at M=4, 26.8 vs 21.0 at 8.
 LARGE_STEP_TOKENS = {"float": 32, "int8": 4}
 
 

@@ -25,12 +25,32 @@ def test_every_q4_1_matrix_maps_exactly():
 
 
 def test_int4_build_size_and_validation(tmp_path):
-    _, m = build("smollm2-135m", tmp_path / "int4", BuildOptions(weights="int4", max_seq_len=512))
+    """The int4 build is at most 0.3x fp32 and validates. Served with weight_matmul_accuracy
+    "int8", a prompt step (per-channel int8 codes re-rounded from the Q4_1 blocks with their
+    minimums folded in, per-token int8 activations) stays within the int4 validation bound of the
+    exact (float) logits and predicts the same next token."""
+    from kvexport.exporter.validate import TOLERANCE
+    from kvexport.runtime.model_runner import chunk, pack
+    from kvexport.runtime.ort_backends import ort_backend
+
+    out, m = build("smollm2-135m", tmp_path / "int4", BuildOptions(weights="int4", max_seq_len=512))
     assert m.validation.passed, m.validation
     q = m.weights.quantization
     assert q["quantized"]["origins"] == {"gguf:Q4_1": 120, "gguf:Q8_0": 1} and q["block_offsets"]
     fp32_bytes = 4 * m.weights.parameters  # the fp32 build stores every parameter as float32
     assert m.weights.bytes <= 0.3 * fp32_bytes, (m.weights.bytes, fp32_bytes)
+    tok = source.load_tokenizer(source.resolve("smollm2-135m"))
+    ids = tok("The capital of France is Paris. The capital of Italy is Rome. The capital of Spain is")["input_ids"]
+    logits = {}
+    for accuracy in ("int8", "float"):
+        be = ort_backend(out, m, 16, accuracy=accuracy)
+        inp = pack([chunk("a", ids, 0, list(range(1, 1 + -(-len(ids) // m.kv.block_size))), m.kv.block_size)],
+                   m.kv.block_size, be.full_block_tables)
+        assert bool(be.large_sessions) == (accuracy == "int8")
+        logits[accuracy] = be.execute(inp)[0]
+    delta = np.abs(logits["int8"] - logits["float"]).max()
+    assert delta <= TOLERANCE["int4_weights"], delta
+    assert logits["int8"].argmax() == logits["float"].argmax() == tok(" Madrid")["input_ids"][0]
 
 
 def test_smoothquant_int8_build_validates_as_served(tmp_path):
