@@ -295,7 +295,7 @@ def test_auto_accuracy_runs_large_int4_steps_in_float(hf_folder, tmp_path, atten
 
 
 @pytest.mark.parametrize("weights", ["int4", "int8"])
-def test_int8_accuracy_runs_large_steps_as_per_channel_int8(hf_folder, tmp_path, weights):
+def test_int8_accuracy_runs_large_steps_as_per_channel_int8(hf_folder, tmp_path, weights, monkeypatch):
     """accuracy "int8", block-wise builds: steps of LARGE_STEP_TOKENS["int8"] tokens or more run
     in a session whose block-wise matmuls are per-channel int8 x per-token int8
     (MatMulIntegerToFloat), all but the LM head, which stays a block-wise MatMulNBits; smaller
@@ -303,14 +303,19 @@ def test_int8_accuracy_runs_large_steps_as_per_channel_int8(hf_folder, tmp_path,
     import collections
 
     from kvexport.runtime.model_runner import chunk, pack
-    from kvexport.runtime.ort_backends import LARGE_STEP_TOKENS, ort_backend
+    from kvexport.runtime import ort_backends
+    from kvexport.runtime.ort_backends import LARGE_STEP_TOKENS, _spill, ort_backend
 
     out, m = build(str(hf_folder("llama", num_key_value_heads=2)), tmp_path / "b",
                    BuildOptions(weights=weights, attention=io.Attention.ONNX, validate=False, **OPTS))
     be = ort_backend(out, m, 8, accuracy="int8")
     assert be.large_form == "int8" and be.large_sessions
     so = be.session_options(large=True)
-    g = onnx.load_from_string(be._cpu_model(out / io.PREFILL_GRAPH, so, large=True)).graph
+    derived = be._cpu_model(out / io.PREFILL_GRAPH, so, large=True)
+    g = onnx.ModelProto.FromString(derived.SerializeToString()).graph
+    monkeypatch.setattr(ort_backends, "SPILL_BYTES", 256)  # this model's matrices are small
+    graph, spilled = _spill(derived)  # the derived codes leave the graph bytes for the session
+    assert len(spilled) >= 4 * m.kv.num_layers and len(graph) < sum(a.nbytes for a in spilled.values())
     inits = {t.name for t in g.initializer}
     blocks = [n.input[0] for n in g.node if n.op_type == "DequantizeLinear" and n.input[0] in inits
               and any(a.name == "block_size" for a in n.attribute)]
