@@ -18,7 +18,7 @@ from kvexport.errors import ConfigError
 from .memory import parse_budget
 
 BACKENDS = ("onnxruntime", "tensorrt")
-# onnxruntime CPU, int4 / block-wise int8 weights: the MatMulNBits accuracy level (ort_backends.py)
+# onnxruntime CPU, int4 / block-wise int8 weights: how their matmuls compute (ort_backends.py)
 WEIGHT_MATMUL_ACCURACY = ("auto", "int8", "float")
 CHOICES = {"backend": BACKENDS, "weight_matmul_accuracy": WEIGHT_MATMUL_ACCURACY}  # settings with a fixed set of values
 
@@ -117,10 +117,11 @@ SETTINGS: dict[str, str] = {
     "threads": "onnxruntime intra-op threads [all cores].",
     "backend": "Execution backend: onnxruntime, or tensorrt (the build's engines; needs TensorRT and a GPU).",
     "cuda_graph_batch_sizes": "tensorrt: decode batch sizes to capture as CUDA graphs, comma-separated (e.g. 1,2,4,8).",
-    "weight_matmul_accuracy": "int4 / block-wise int8 weights on onnxruntime: int8 rounds the activations to int8 "
-                              "per block (fastest for small steps; smollm2 int4 perplexity +1.9%), float computes "
-                              "with the stored weights exactly (slow decode), auto: int4 steps of 32 tokens or "
-                              "more in float, smaller ones in int8 (a second session), block-wise int8 in int8.",
+    "weight_matmul_accuracy": "int4 / block-wise int8 weights on onnxruntime (CPU). auto: int4 steps of 32 tokens "
+                              "or more in float with the exact codes (a second session), smaller ones with int8 "
+                              "activations; block-wise int8 with int8 activations. int8: int8 activations "
+                              "throughout, steps of 4+ tokens as per-channel int8 x int8 GEMMs (fastest; smollm2 "
+                              "int4 perplexity +1.9%). float: exact everywhere (slow decode).",
     "max_sequences_per_request": "Sequences one request may ask for (prompts x n), max; more is refused with 400. "
                                  "Requests share the engine in turn, so a large one cannot starve the others.",
 }

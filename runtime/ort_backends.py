@@ -19,8 +19,9 @@ session, on the prefill graph, and runs decode steps through it too: the two gra
 the same inputs and differ only in selecting the last token's logits, which a decode step
 (one token per sequence) does not need. onnxruntime loads `weights.data` itself and drops
 the file pages once packed. `both_graphs=True` (build validation) opens the decode graph
-as a second session, so each graph is checked on the steps it is exported for. int4 builds
-under weight_matmul_accuracy "auto" (the default) open one more for large steps: DEFAULT_ACCURACY.
+as a second session, so each graph is checked on the steps it is exported for. Block-wise
+quantized builds may open one more for large steps (int4 under weight_matmul_accuracy "auto",
+the default; int4 and block int8 under "int8"): LARGE_STEP_TOKENS.
 Peak RSS of `kvexport generate` (smollm2-135m): 2.20 GB with two sessions sharing a
 memory-mapped weights file -> 1.01 GB; Qwen2.5-0.5B 6.35 -> 2.42 GB
 (bench/results/runtime_core_rss.json).

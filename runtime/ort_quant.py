@@ -18,6 +18,8 @@ external, codes stay int8) before the InferenceSession is made, per row (PER_ROW
 or per tensor: DynamicQuantizeLinear ─> MatMulInteger ─> Cast ─> Mul(xs * scale), which
 onnxruntime fuses to DynamicQuantizeMatMul (bench/quant_linear.py: ~3x fp32 at M >= 64).
 A zero point (GPTQ per-channel int8) feeds the integer matmul as its per-column B zero point.
+`blocks_to_int8_channel()` turns block-wise int4/int8 weights into that per-channel form (for
+large steps under weight_matmul_accuracy "int8", runtime/ort_backends.py).
 NOTE: per tensor, one scale covers every row of the step, so a row's rounding depends on the
 other sequences in the batch, and smollm2's perplexity rose +29% (70.6 vs 54.6); per row
 +2.4% (55.9; per-channel weights alone, float activations: +1.0%). bench/weight_quality.py.
