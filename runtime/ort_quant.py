@@ -197,10 +197,7 @@ def int8_blocks_to_matmulnbits(model: onnx.ModelProto, base_dir: str, accuracy_l
     if count:
         del g.node[:]
         g.node.extend(nodes)
-        used = {i for n in g.node for i in n.input}
-        keep = [t for t in g.initializer if t.name in used]
-        del g.initializer[:]
-        g.initializer.extend(keep)
+        _drop_unread(g)
         if not any(o.domain == MS for o in model.opset_import):
             model.opset_import.append(helper.make_opsetid(MS, 1))
     return count
@@ -299,10 +296,15 @@ def _prune(g: onnx.GraphProto) -> None:
     keep = [n for n in g.node if id(n) in live]
     del g.node[:]
     g.node.extend(keep)
+    _drop_unread(g)
+
+
+def _drop_unread(g: onnx.GraphProto) -> None:
+    """Drop the initializers no node reads."""
     used = {i for n in g.node for i in n.input}
-    inits = [t for t in g.initializer if t.name in used]
+    keep = [t for t in g.initializer if t.name in used]
     del g.initializer[:]
-    g.initializer.extend(inits)
+    g.initializer.extend(keep)
 
 
 def logits_weight(g: onnx.GraphProto, logits: str) -> str | None:
