@@ -106,9 +106,10 @@ def _spill(model: onnx.ModelProto) -> tuple[bytes, dict[str, np.ndarray]]:
     (SessionOptions.add_external_initializers), which copies them while the session is made.
     NOTE: embedded in the bytes instead, they were held for the session's lifetime twice over
     (the Python InferenceSession keeps the bytes it was made from, beside onnxruntime's pre-packed
-    copy): Qwen2.5-0.5B int4 with weight_matmul_accuracy int8 peaked at 2.71 GB RSS against 2.36 GB
-    for fp32. No way out: a file in a temporary folder (onnxruntime refuses external data outside
-    the model's folder, links resolved), or files in memory (then every external file must be)."""
+    copy): Qwen2.5-0.5B int4 with weight_matmul_accuracy int8 peaked at 2707 MiB RSS (fp32: 2365),
+    2020 MiB this way; smollm2 int4 (auto) 673 -> 643 MiB. No way out: a file in a temporary
+    folder (onnxruntime refuses external data outside the model's folder, links resolved), or
+    files in memory (then every external file must be)."""
     import onnx
     from onnx import numpy_helper
     from onnx.external_data_helper import set_external_data
@@ -221,7 +222,7 @@ class _OrtBackend:
         import onnxruntime as ort
 
         so = self.session_options(large)
-        model = self._cpu_model(path, so, large)
+        model = self._cpu_model(path, large)
         if isinstance(model, str):
             return ort.InferenceSession(model, so, providers=self.providers,
                                         disabled_optimizers=self.disabled_optimizers())
@@ -240,11 +241,12 @@ class _OrtBackend:
         unfused; without it all become MatMulNBits (tests/runtime/test_ort_backends.py)."""
         return ["MatMulAddFusion"] if self.manifest.weights.precision in ("int8", "int4") else []
 
-    def _cpu_model(self, path: Path, so, large: bool = False) -> str | onnx.ModelProto:
+    def _cpu_model(self, path: Path, large: bool = False) -> str | onnx.ModelProto:
         """The graph to open: its path, or on the CPU provider a form derived from it in memory
-        (runtime/ort_quant.py) whose external weights are the build folder's: per-channel int8 weights as dynamic int8 matmuls (the codes stay int8 on disk);
-        in a large-step session (LARGE_STEP_TOKENS) the int8 LM head as an explicit MatMulNBits
-        ("float") or the other block-wise weights as per-channel int8 ("int8")."""
+        (runtime/ort_quant.py) whose external weights are the build folder's: per-channel int8
+        weights as dynamic int8 matmuls (the codes stay int8 on disk); in a large-step session
+        (LARGE_STEP_TOKENS) the int8 LM head as an explicit MatMulNBits ("float") or the other
+        block-wise weights as per-channel int8 ("int8")."""
         q = self.manifest.weights.quantization or {}
         channel = q.get("block_size") == "channel" and q.get("bits") == 8
         if not (channel or large) or self.providers != ["CPUExecutionProvider"]:

@@ -206,8 +206,9 @@ def int8_blocks_to_matmulnbits(model: onnx.ModelProto, base_dir: str, accuracy_l
 def blocks_to_int8_channel(model: onnx.ModelProto, base_dir: str, skip: frozenset[str] = frozenset()) -> int:
     """Rewrite, in place, every block-wise DequantizeLinear of int4/int8 codes (axis=0,
     block_size B, zero points or none) whose only reader is a MatMul's weight into per-channel
-    int8 codes (axis=1, one symmetric scale per column: max|w| / 127) holding the same
-    dequantized matrix, rounded once more; the GGUF Q4_1 block minimums that exporter/graph.py
+    int8 codes (axis=1; per column a step (max - min) / 254 and an int8 zero point, covering
+    [min(w, 0), max(w, 0)]) holding the same dequantized matrix, rounded once more; the GGUF Q4_1
+    block minimums that exporter/graph.py
     adds as a second product (`linear`: Reshape ─> ReduceSum ─> MatMul offset ─> Add) are folded
     into it and that product dropped. `int8_dynamic` then runs it as int8 x int8. Codes named in
     `skip` stay as they are (the LM head, which keeps per-block rounding). The new initializers
@@ -215,8 +216,12 @@ def blocks_to_int8_channel(model: onnx.ModelProto, base_dir: str, skip: frozense
 
     What it is for: onnxruntime has no fast kernel for block-wise weights with many rows
     (MatMulNBits is slower than fp32 from M ~ 32 at any accuracy level); its u8 x s8 matmul is
-    ~3x fp32 there (bench/quant_linear.py). The requantization's error is at most 1/2 of
-    max|w| / 127 per column: 1/16 of an int4 block's step at the column's largest block."""
+    ~3x fp32 there (bench/quant_linear.py). The requantization's error is at most half a step.
+    NOTE: asymmetric because Q4_1 columns are shifted by their minimums: with float activations,
+    smollm2's int4 perplexity was 55.12 with a symmetric step (max|w| / 127), 54.78 with this
+    (54.57 unrounded); with the per-token int8 activations this feeds, 55.58 and 55.67. Folding
+    the minimums matters most: leaving their product in float while the codes' product rounded
+    the activations gave 63.6 (the two no longer cancel)."""
     g = model.graph
     inits, consumers = _scan(g)
     producer = {o: n for n in g.node for o in n.output}

@@ -310,8 +310,7 @@ def test_int8_accuracy_runs_large_steps_as_per_channel_int8(hf_folder, tmp_path,
                    BuildOptions(weights=weights, attention=io.Attention.ONNX, validate=False, **OPTS))
     be = ort_backend(out, m, 8, accuracy="int8")
     assert be.large_form == "int8" and be.large_sessions
-    so = be.session_options(large=True)
-    derived = be._cpu_model(out / io.PREFILL_GRAPH, so, large=True)
+    derived = be._cpu_model(out / io.PREFILL_GRAPH, large=True)
     g = onnx.ModelProto.FromString(derived.SerializeToString()).graph
     monkeypatch.setattr(ort_backends, "SPILL_BYTES", 256)  # this model's matrices are small
     graph, spilled = _spill(derived)  # the derived codes leave the graph bytes for the session
