@@ -190,7 +190,9 @@ class _OrtBackend:
             return None
         if self.accuracy == "auto" and q.get("bits") == 4:
             return "float"
-        return "int8" if self.accuracy == "int8" else None
+        # the per-channel rewrite takes float32 activations and scales (ort_quant): an fp16 build
+        # would open a second, identical session
+        return "int8" if self.accuracy == "int8" and self.manifest.dtype == io.DType.FP32.value else None
 
     step_split_ok = True  # backends that can open a step-size session (not the reference op's)
 

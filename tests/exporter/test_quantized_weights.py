@@ -336,3 +336,15 @@ def test_int8_accuracy_runs_large_steps_as_per_channel_int8(hf_folder, tmp_path,
         assert large == (n >= LARGE_STEP_TOKENS["int8"])
         assert np.abs(fast - exact).max() < 0.05 * np.abs(exact).max()
         assert (fast.argmax(-1) == exact.argmax(-1)).all()
+
+
+def test_int8_accuracy_opens_no_second_session_for_fp16_builds(hf_folder, tmp_path):
+    """The per-channel rewrite takes float32 activations and scales only, so an fp16 int4 build
+    under accuracy "int8" would get a second session identical to the first: it opens none."""
+    from kvexport.runtime.ort_backends import ort_backend
+
+    out, m = build(str(hf_folder("llama", num_key_value_heads=2)), tmp_path / "b",
+                   BuildOptions(weights="int4", dtype=io.DType.FP16, attention=io.Attention.ONNX, validate=False,
+                                **OPTS))
+    be = ort_backend(out, m, 8, accuracy="int8")
+    assert be.large_form is None and not be.large_sessions
