@@ -169,6 +169,7 @@ class _OrtBackend:
                                  else self.sessions[prefill])
         # steps of LARGE_STEP_TOKENS tokens or more, where they differ (DEFAULT_ACCURACY)
         self.large_sessions = {}
+        self.large_step_tokens = LARGE_STEP_TOKENS[self.large_form] if self.splits_by_step else None
         if self.splits_by_step:
             self.large_sessions = {prefill: self._open(self.build_dir / manifest.graphs[prefill].file, large=True)}
             self.large_sessions[decode] = (self._open(self.build_dir / manifest.graphs[decode].file, large=True)
@@ -283,7 +284,7 @@ class _OrtBackend:
     def execute(self, inp: ModelInput, all_tokens: bool = False) -> np.ndarray:
         """Run one step (storing its K/V in the pools); logits [S, vocab] float32, or
         [T, vocab] with `all_tokens` (an --all-logits build's prefill)."""
-        large = self.large_sessions and len(inp.token_ids) >= LARGE_STEP_TOKENS[self.large_form]
+        large = self.large_sessions and len(inp.token_ids) >= self.large_step_tokens
         logits = self._run((self.large_sessions if large else self.sessions)[inp.phase.value], inp)
         if self.manifest.all_logits and not inp.is_decode and not all_tokens:
             logits = logits[inp.query_start_loc[1:] - 1]

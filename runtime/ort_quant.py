@@ -50,6 +50,11 @@ def _scan(g: onnx.GraphProto) -> tuple[dict[str, onnx.TensorProto], dict[str, in
     return {t.name: t for t in g.initializer}, consumers
 
 
+def _producers(g: onnx.GraphProto) -> dict[str, onnx.NodeProto]:
+    """The node that makes each value."""
+    return {o: n for n in g.node for o in n.output}
+
+
 def _dequantizes(g: onnx.GraphProto) -> list[onnx.NodeProto]:
     """The graph's standard-domain DequantizeLinear nodes."""
     return [n for n in g.node if n.op_type == "DequantizeLinear" and n.domain in ("", "ai.onnx")]
@@ -208,9 +213,8 @@ def blocks_to_int8_channel(model: onnx.ModelProto, base_dir: str, skip: frozense
     block_size B, zero points or none) whose only reader is a MatMul's weight into per-channel
     int8 codes (axis=1; per column a step (max - min) / 254 and an int8 zero point, covering
     [min(w, 0), max(w, 0)]) holding the same dequantized matrix, rounded once more; the GGUF Q4_1
-    block minimums that exporter/graph.py
-    adds as a second product (`linear`: Reshape ─> ReduceSum ─> MatMul offset ─> Add) are folded
-    into it and that product dropped. `int8_dynamic` then runs it as int8 x int8. Codes named in
+    block minimums that exporter/graph.py adds as a second product (`linear`: Reshape ─>
+    ReduceSum ─> MatMul offset ─> Add) are folded into it and that product dropped. `int8_dynamic` then runs it as int8 x int8. Codes named in
     `skip` stay as they are (the LM head, which keeps per-block rounding). The new initializers
     are embedded in the model (their data read from `base_dir`). Returns how many were rewritten.
 
@@ -223,8 +227,8 @@ def blocks_to_int8_channel(model: onnx.ModelProto, base_dir: str, skip: frozense
     the minimums matters most: leaving their product in float while the codes' product rounded
     the activations gave 63.6 (the two no longer cancel)."""
     g = model.graph
-    inits, consumers = _scan(g)
-    producer = {o: n for n in g.node for o in n.output}
+    inits, _ = _scan(g)
+    producer = _producers(g)
     readers: dict[str, list[onnx.NodeProto]] = {}
     for n in g.node:
         for i in n.input:
@@ -291,7 +295,7 @@ def _offset_add(mm: onnx.NodeProto, readers: dict, producer: dict, inits: dict, 
 
 def _prune(g: onnx.GraphProto) -> None:
     """Drop the nodes no graph output depends on, then the initializers nothing reads."""
-    producer = {o: n for n in g.node for o in n.output}
+    producer = _producers(g)
     live, todo = set(), [o.name for o in g.output]
     while todo:
         n = producer.get(todo.pop())
@@ -315,7 +319,7 @@ def _drop_unread(g: onnx.GraphProto) -> None:
 def logits_weight(g: onnx.GraphProto, logits: str) -> str | None:
     """The initializer the LM head's weight is dequantized from: the MatMul that `logits` comes
     from (through Cast / Identity / a bias Add), its weight's DequantizeLinear's codes."""
-    producer = {o: n for n in g.node for o in n.output}
+    producer = _producers(g)
     n = producer.get(logits)
     while n is not None and n.op_type in ("Cast", "Identity", "Add"):
         n = producer.get(n.input[0])

@@ -255,6 +255,20 @@ def test_every_quantized_matmul_fuses_to_matmulnbits_in_the_runtime_session(hf_f
     assert counts[0]["MatMulNBits"] < counts[1]["MatMulNBits"]  # what the NOTE in ort_backends.py is about
 
 
+def _one_step(out, m, accuracy: str, ids: list[int], tables: list[int]):
+    """One prefill step of `ids` on a fresh backend with `accuracy`: (logits, the backend, the
+    session it ran in)."""
+    from kvexport.runtime.model_runner import chunk, pack
+    from kvexport.runtime.ort_backends import ort_backend
+
+    be = ort_backend(out, m, len(tables) + 2, accuracy=accuracy)
+    ran = []
+    run = be._run
+    be._run = lambda sess, inp: ran.append(sess) or run(sess, inp)
+    logits = be.execute(pack([chunk("a", ids, 0, tables, m.kv.block_size)], m.kv.block_size, be.full_block_tables))
+    return logits, be, ran[0]
+
+
 @pytest.mark.parametrize("attention", ["plugin", "onnx"])
 def test_auto_accuracy_runs_large_int4_steps_in_float(hf_folder, tmp_path, attention, cpu_op):
     """accuracy "auto" (the default): an int4 build's steps of LARGE_STEP_TOKENS tokens or more
@@ -262,25 +276,18 @@ def test_auto_accuracy_runs_large_int4_steps_in_float(hf_folder, tmp_path, atten
     activation one. So a large step's logits are those of an all-float session up to the int8
     LM head (kept at int8 compute as an explicit MatMulNBits), closer than an all-int8 session's;
     a block-wise int8 build opens no second session."""
-    from kvexport.runtime.model_runner import chunk, pack
     from kvexport.runtime.ort_backends import LARGE_STEP_TOKENS, ort_backend
 
     src = str(hf_folder("llama", num_key_value_heads=2))
     out, m = build(src, tmp_path / "b", BuildOptions(weights="int4", attention=io.Attention(attention),
                                                      validate=False, **OPTS))
     tokens = LARGE_STEP_TOKENS["float"] + 3
-    tables = list(range(1, tokens // 4 + 2))
-    rng = np.random.default_rng(0)
+    tables = list(range(1, tokens // m.kv.block_size + 2))
+    ids = np.random.default_rng(0).integers(0, m.model.vocab_size, tokens).tolist()
 
     def logits(accuracy, n):
-        be = ort_backend(out, m, len(tables) + 2, accuracy=accuracy)
-        ran = []
-        run = be._run
-        be._run = lambda sess, inp: ran.append(sess) or run(sess, inp)
-        inp = pack([chunk("a", ids[:n].tolist(), 0, tables, 4)], 4, be.full_block_tables)
-        return be.execute(inp), be, ran[0]
+        return _one_step(out, m, accuracy, ids[:n], tables)
 
-    ids = rng.integers(0, m.model.vocab_size, tokens)
     auto, be, sess = logits("auto", tokens)
     assert sess is be.large_sessions[io.Phase.PREFILL.value] and sess is not be.sessions[io.Phase.PREFILL.value]
     small, be, sess = logits("auto", LARGE_STEP_TOKENS["float"] - 1)
@@ -302,7 +309,6 @@ def test_int8_accuracy_runs_large_steps_as_per_channel_int8(hf_folder, tmp_path,
     steps run at level 4. Both round the activations, so both stay near the float logits."""
     import collections
 
-    from kvexport.runtime.model_runner import chunk, pack
     from kvexport.runtime import ort_backends
     from kvexport.runtime.ort_backends import LARGE_STEP_TOKENS, _spill, ort_backend
 
@@ -323,12 +329,8 @@ def test_int8_accuracy_runs_large_steps_as_per_channel_int8(hf_folder, tmp_path,
     ids = np.random.default_rng(3).integers(0, m.model.vocab_size, 12).tolist()
 
     def logits(accuracy, n):
-        b = ort_backend(out, m, 8, accuracy=accuracy)
-        ran = []
-        run = b._run
-        b._run = lambda sess, inp: ran.append(sess) or run(sess, inp)
-        got = b.execute(pack([chunk("a", ids[:n], 0, [1, 2, 3, 4], 4)], 4, b.full_block_tables))
-        return got, ran[0] is b.large_sessions.get(io.Phase.PREFILL.value)
+        got, b, sess = _one_step(out, m, accuracy, ids[:n], [1, 2, 3, 4])
+        return got, sess is b.large_sessions.get(io.Phase.PREFILL.value)
 
     for n in (LARGE_STEP_TOKENS["int8"] - 1, LARGE_STEP_TOKENS["int8"], 12):
         fast, large = logits("int8", n)
