@@ -172,18 +172,21 @@ class DecoderGraph:
     # ---- building blocks -------------------------------------------------------------
     def linear(self, x: str, w: str, bias: str | None) -> str:
         """x [..., K] @ w [K, N] (+ bias). A weight with per-block offsets (GGUF Q4_1 minimums)
-        adds them exactly as a second, 1/B-sized product:
+        adds them exactly as a second, 1/B-sized product of the input's block sums:
 
-            x [.., K] ─> Reshape [.., K/B, B] ─> ReduceSum ─> [.., K/B] ─> MatMul offset [K/B, N] ─(+)─>
-        """
+            x [T, K] ─> MatMul ones [K, K/B] ─> sums [T, K/B] ─> Gemm(sums, offset [K/B, N], C = x @ w) ─>
+            (contiguous, x [B, S, K]: the sums ─> MatMul offset ─> Add)
+
+        NOTE: two nodes per matmul where Reshape ─> ReduceSum ─> MatMul ─> Add took four; on the
+        CPU a decode step is mostly per-node cost (README "Quantized weights")."""
         b = self.b
         y = b.op("MatMul", x, w)
         if w in self._offsets:
             offset, block = self._offsets[w]
-            lead = [0] if self.paged else [0, 0]
-            xb = b.op("Reshape", x, b.const(lead + [-1, block]))  # [.., K/B, B]
-            sums = b.op("ReduceSum", xb, b.const([-1]), keepdims=0)  # [.., K/B]
-            y = b.op("Add", y, b.op("MatMul", sums, offset))
+            k = self.b.weights.arrays[offset].shape[0] * block
+            ones = np.kron(np.eye(k // block, dtype=self.act), np.ones((block, 1), self.act))  # [K, K/B]
+            sums = b.op("MatMul", x, b.const(ones, self.act))
+            y = b.op("Gemm", sums, offset, y) if self.paged else b.op("Add", y, b.op("MatMul", sums, offset))
         return b.op("Add", y, bias) if bias else y
 
     def norm(self, x: str, w: np.ndarray, bias: np.ndarray | None, name: str) -> str:
@@ -224,18 +227,28 @@ class DecoderGraph:
     def _to(self, x: str, src: str, dst: str) -> str:
         return x if src == dst else self.b.op("Cast", x, to=onnx_dtype(dst))
 
-    def apply_rope(self, x: str, cos: str, sin: str) -> str:
-        """x [..., heads, D] float32; cos/sin broadcastable to [..., 1, rot/2]."""
+    def rope_rows(self, cos: str, sin: str) -> tuple[str, str]:
+        """A step's cos/sin [.., rot/2] as apply_rope takes them, once for every layer:
+        [.., 1, D] = [cos, cos, 1..] and [-sin, sin, 0..] (the dims past rot pass through)."""
         b, rot, d = self.b, self.spec.rotary_dim, self.spec.head_dim
+        cos2 = b.op("Concat", cos, cos, axis=-1)
+        sin2 = b.op("Concat", b.op("Neg", sin), sin, axis=-1)
         if rot < d:
-            x_rot, x_pass = b.op("Split", x, b.const([rot, d - rot]), axis=-1, outputs=2)
-        else:
-            x_rot, x_pass = x, None
-        x1, x2 = b.op("Split", x_rot, b.const([rot // 2, rot // 2]), axis=-1, outputs=2)
-        y1 = b.op("Sub", b.op("Mul", x1, cos), b.op("Mul", x2, sin))
-        y2 = b.op("Add", b.op("Mul", x2, cos), b.op("Mul", x1, sin))
-        parts = [y1, y2] + ([x_pass] if x_pass else [])
-        return b.op("Concat", *parts, axis=-1)
+            pads = [0] * (1 if self.paged else 2)
+            pads = b.const(pads + [0] + pads + [d - rot])
+            cos2 = b.op("Pad", cos2, pads, b.const(1.0, "float32"))
+            sin2 = b.op("Pad", sin2, pads, b.const(0.0, "float32"))
+        return tuple(b.op("Unsqueeze", c, b.const([-2])) for c in (cos2, sin2))
+
+    def apply_rope(self, x: str, cos: str, sin: str) -> str:
+        """x [..., heads, D] float32 rotated by rope_rows' cos/sin [..., 1, D]:
+        x * cos + [x2, x1, x_pass] * sin, which is [x1 cos - x2 sin, x2 cos + x1 sin, x_pass]
+        exactly (the same products and sums as rotate_half's form, in five nodes instead of eight)."""
+        b, rot, d = self.b, self.spec.rotary_dim, self.spec.head_dim
+        parts = b.op("Split", x, b.const([rot // 2, rot // 2] + ([d - rot] if rot < d else [])), axis=-1,
+                     outputs=2 if rot == d else 3)
+        swapped = b.op("Concat", parts[1], parts[0], *parts[2:], axis=-1)
+        return b.op("Add", b.op("Mul", x, cos), b.op("Mul", swapped, sin))
 
     # ---- the graph -------------------------------------------------------------------
     def build(self):
@@ -249,7 +262,7 @@ class DecoderGraph:
             h = b.op("Mul", h, b.const(spec.embed_scale, self.act))
         if spec.position == "learned":
             h = b.op("Add", h, b.op("Gather", self._mat("model.embed_positions.weight", self.w.pos_embed), pos, axis=0))
-        # cos/sin [.., 1, rot/2] per RoPE kind the layers use ("global" keeps the old weight names)
+        # cos/sin [.., 1, D] per RoPE kind the layers use ("global" keeps the old weight names)
         rope: dict[str, tuple[str, str]] = {}
         for kind in sorted({spec.rope_kind(i) for i in range(spec.num_layers)} - {"none"}):
             pre = "rope" if kind == "global" else f"rope.{kind}"
@@ -260,7 +273,7 @@ class DecoderGraph:
                 use_long = self.longrope_select(omax)
                 cs = [b.op("Where", use_long, b.op("Gather", self._f32(f"{pre}.long.{n}", t), pos, axis=0), c)
                       for n, t, c in zip(("cos", "sin"), self.rope[kind + "_long"], cs)]
-            rope[kind] = tuple(b.op("Unsqueeze", c, b.const([-2])) for c in cs)  # [.., 1, rot/2]
+            rope[kind] = self.rope_rows(*cs)  # [.., 1, D]
         # masks per distinct window (the plugin node reads the step's metadata itself)
         ctxs: dict[int | None, attn.AttnContext] = {}
         if not self.plugin:
@@ -319,19 +332,26 @@ class DecoderGraph:
         qkv = self.linear(hn, self._mat(p + "attn.qkv.weight", lw.qkv_w), self._mat(p + "attn.qkv.bias", lw.qkv_b))
         qkv = self._to(qkv, self.act, "float32")
         h, kvh, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        q, k, v = b.op("Split", qkv, b.const([h * d, kvh * d, kvh * d]), axis=-1, outputs=3)
-        if spec.qk_norm == "all":  # olmo2: over all heads' q (k) at once, before the head split
-            q = self.norm_f32(q, lw.q_norm_w, None, p + "attn.q_norm")
-            k = self.norm_f32(k, lw.k_norm_w, None, p + "attn.k_norm")
         lead = [0] if self.paged else [0, 0]  # [T] or [B, S] leading axes
-        q = b.op("Reshape", q, b.const(lead + [h, d]))
-        k = b.op("Reshape", k, b.const(lead + [kvh, d]))
+        if spec.qk_norm is None:  # q and k as one [.., H + kvH, D] through RoPE: half the nodes
+            qk, v = b.op("Split", qkv, b.const([(h + kvh) * d, kvh * d]), axis=-1, outputs=2)
+            qk = b.op("Reshape", qk, b.const(lead + [h + kvh, d]))
+            if cos is not None:
+                qk = self.apply_rope(qk, cos, sin)
+            q, k = b.op("Split", qk, b.const([h, kvh]), axis=-2, outputs=2)
+        else:
+            q, k, v = b.op("Split", qkv, b.const([h * d, kvh * d, kvh * d]), axis=-1, outputs=3)
+            if spec.qk_norm == "all":  # olmo2: over all heads' q (k) at once, before the head split
+                q = self.norm_f32(q, lw.q_norm_w, None, p + "attn.q_norm")
+                k = self.norm_f32(k, lw.k_norm_w, None, p + "attn.k_norm")
+            q = b.op("Reshape", q, b.const(lead + [h, d]))
+            k = b.op("Reshape", k, b.const(lead + [kvh, d]))
+            if spec.qk_norm == "head":  # qwen3, gemma3: per head, over head_dim
+                q = self.norm_f32(q, lw.q_norm_w, None, p + "attn.q_norm")  # [.., H, D]
+                k = self.norm_f32(k, lw.k_norm_w, None, p + "attn.k_norm")  # [.., kvH, D]
+            if cos is not None:
+                q, k = self.apply_rope(q, cos, sin), self.apply_rope(k, cos, sin)
         v = b.op("Reshape", v, b.const(lead + [kvh, d]))
-        if spec.qk_norm == "head":  # qwen3, gemma3: per head, over head_dim
-            q = self.norm_f32(q, lw.q_norm_w, None, p + "attn.q_norm")  # [.., H, D]
-            k = self.norm_f32(k, lw.k_norm_w, None, p + "attn.k_norm")  # [.., kvH, D]
-        if cos is not None:
-            q, k = self.apply_rope(q, cos, sin), self.apply_rope(k, cos, sin)
         scales = None
         if self.opts.kv_scales is not None:  # per channel [kvH, D]; per-head [kvH] broadcast to it
             sc = np.broadcast_to(self.opts.kv_scales[i].reshape(2, kvh, -1), (2, kvh, d)).astype(np.float32)

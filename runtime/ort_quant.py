@@ -213,9 +213,10 @@ def blocks_to_int8_channel(model: onnx.ModelProto, base_dir: str, skip: frozense
     block_size B, zero points or none) whose only reader is a MatMul's weight into per-channel
     int8 codes (axis=1; per column a step (max - min) / 254 and an int8 zero point, covering
     [min(w, 0), max(w, 0)]) holding the same dequantized matrix, rounded once more; the GGUF Q4_1
-    block minimums that exporter/graph.py adds as a second product (`linear`: Reshape ─>
-    ReduceSum ─> MatMul offset ─> Add) are folded into it and that product dropped. `int8_dynamic` then runs it as int8 x int8. Codes named in
-    `skip` stay as they are (the LM head, which keeps per-block rounding). The new initializers
+    block minimums that exporter/graph.py adds as a second product (`linear`: block sums ─>
+    Gemm with the offsets) are folded into it and that product dropped. `int8_dynamic` then
+    runs it as int8 x int8. Codes named in `skip` stay as they are (the LM head, which keeps
+    per-block rounding). The new initializers
     are embedded in the model (their data read from `base_dir`). Returns how many were rewritten.
 
     What it is for: onnxruntime has no fast kernel for block-wise weights with many rows
@@ -254,7 +255,7 @@ def blocks_to_int8_channel(model: onnx.ModelProto, base_dir: str, skip: frozense
         if offset is not None:
             w += np.repeat(numpy_helper.to_array(offset, base_dir).astype(np.float32), block, axis=0)
             add.op_type = "Identity"  # y + (block sums x offsets) ─> y: the offsets are in w now
-            del add.input[:]
+            del add.input[:], add.attribute[:]
             add.input.append(mm.output[0])
         lo, hi = np.minimum(w.min(axis=0), 0), np.maximum(w.max(axis=0), 0)
         step = np.maximum(hi - lo, np.float32(1e-30)) / np.float32(254)
@@ -276,19 +277,27 @@ def blocks_to_int8_channel(model: onnx.ModelProto, base_dir: str, skip: frozense
 
 def _offset_add(mm: onnx.NodeProto, readers: dict, producer: dict, inits: dict, block: int,
                 shape: tuple[int, ...]) -> tuple[onnx.NodeProto | None, onnx.TensorProto | None]:
-    """The Add that follows `mm` with exporter/graph.py's block-offset product, and that
-    product's offset initializer [K/B, N]; (None, None) when `mm` has none."""
-    adds = [n for n in readers.get(mm.output[0], []) if n.op_type == "Add"]
-    if len(readers.get(mm.output[0], [])) != 1 or len(adds) != 1:
+    """The node that adds exporter/graph.py's block-offset product to `mm`'s output (a Gemm
+    with it as C, or an Add of a MatMul) and that product's offset initializer [K/B, N];
+    (None, None) when `mm` has none. The block sums come from a MatMul of `mm`'s input and a
+    constant, or (builds before that) a ReduceSum of its Reshape."""
+    users = readers.get(mm.output[0], [])
+    if len(users) != 1:
         return None, None
-    add = adds[0]
-    other = producer.get(add.input[1] if add.input[0] == mm.output[0] else add.input[0])
-    if other is None or other.op_type != "MatMul" or other.input[1] not in inits:
+    add = product = users[0]
+    if add.op_type == "Add":
+        product = producer.get(add.input[1] if add.input[0] == mm.output[0] else add.input[0])
+    elif not (add.op_type == "Gemm" and add.input[2:] == [mm.output[0]] and not add.attribute):
         return None, None
-    offset = inits[other.input[1]]
-    sums = producer.get(other.input[0])
-    if (list(offset.dims) != [shape[0] // block, shape[1]] or sums is None or sums.op_type != "ReduceSum"
-            or producer.get(sums.input[0]) is None or producer[sums.input[0]].input[0] != mm.input[0]):
+    if product is None or product.op_type not in ("MatMul", "Gemm") or product.input[1] not in inits:
+        return None, None
+    offset = inits[product.input[1]]
+    sums = producer.get(product.input[0])
+    if sums is not None and sums.op_type == "ReduceSum":
+        sums = producer.get(sums.input[0])  # its Reshape [.., K/B, B]
+    elif sums is not None and not (sums.op_type == "MatMul" and sums.input[1] in inits):
+        return None, None
+    if list(offset.dims) != [shape[0] // block, shape[1]] or sums is None or sums.input[0] != mm.input[0]:
         return None, None
     return add, offset
 
@@ -318,11 +327,12 @@ def _drop_unread(g: onnx.GraphProto) -> None:
 
 def logits_weight(g: onnx.GraphProto, logits: str) -> str | None:
     """The initializer the LM head's weight is dequantized from: the MatMul that `logits` comes
-    from (through Cast / Identity / a bias Add), its weight's DequantizeLinear's codes."""
+    from (through Cast / Identity / a bias Add / the block offsets' Gemm, whose C it is), its
+    weight's DequantizeLinear's codes."""
     producer = _producers(g)
     n = producer.get(logits)
-    while n is not None and n.op_type in ("Cast", "Identity", "Add"):
-        n = producer.get(n.input[0])
+    while n is not None and (n.op_type in ("Cast", "Identity", "Add") or n.op_type == "Gemm" and len(n.input) == 3):
+        n = producer.get(n.input[2] if n.op_type == "Gemm" else n.input[0])
     if n is None or n.op_type != "MatMul":
         return None
     d = producer.get(n.input[1])

@@ -16,7 +16,8 @@ CASES = {
     "mistral": [("gqa-window", dict(num_key_value_heads=2, sliding_window=8)),
                 ("mha", dict(num_key_value_heads=4))],
     "qwen2": [("gqa", dict(num_key_value_heads=2)), ("mha", dict(num_key_value_heads=4))],
-    "phi3": [("gqa", dict(num_key_value_heads=2)), ("mha", dict(num_key_value_heads=4))],
+    "phi3": [("gqa", dict(num_key_value_heads=2)), ("mha", dict(num_key_value_heads=4)),
+             ("gqa-partial-rope", dict(num_key_value_heads=2, partial_rotary_factor=0.5))],
     "gpt2": [("mha", {})],
 }
 PARAMS = [(fam, name, ov, layout) for fam, variants in CASES.items() for name, ov in variants

@@ -122,10 +122,15 @@ def test_int8_blocks_become_explicit_matmulnbits_with_their_own_level(tmp_path):
     assert int8_blocks_to_matmulnbits(_linear(w, qz.CHANNEL), str(tmp_path)) == 0  # per channel: not this form
 
 
-def _offset_linear(tmp_path, rng, head: bool = False) -> tuple[onnx.ModelProto, np.ndarray]:
+OFFSET_FORMS = ("gemm", "add", "reduce")
+
+
+def _offset_linear(tmp_path, rng, head: bool = False, form: str = "gemm") -> tuple[onnx.ModelProto, np.ndarray]:
     """exporter/graph.py's int4 linear with GGUF Q4_1-style block minimums: x @ DQ(codes, scale,
     zero point; blocks of 32 along K) + (x's block sums) @ offset, weights stored outside the
-    graph in tmp_path. Returns the model (external data not loaded) and the float weight it means."""
+    graph in tmp_path. `form`: the sums as MatMul(x, ones per block), added by a Gemm (paged
+    builds) or a MatMul and an Add (contiguous), or as Reshape -> ReduceSum (builds before).
+    Returns the model (external data not loaded) and the float weight it means."""
     block = 32
     q = rng.integers(-8, 8, (K, N)).astype(np.int8)
     zp = np.full((K // block, N), -8, np.int8)
@@ -133,14 +138,22 @@ def _offset_linear(tmp_path, rng, head: bool = False) -> tuple[onnx.ModelProto, 
     offset = rng.uniform(-0.2, 0.0, (K // block, N)).astype(np.float32)
     codes = "lm_head.q" if head else "wq"
     nodes = [helper.make_node("DequantizeLinear", [codes, "s", "zp"], ["wd"], axis=0, block_size=block),
-             helper.make_node("MatMul", ["x", "wd"], ["y0"], name="mm"),
-             helper.make_node("Reshape", ["x", "shape"], ["xb"]),
-             helper.make_node("ReduceSum", ["xb", "axes"], ["sums"], keepdims=0),
-             helper.make_node("MatMul", ["sums", "offset"], ["off"]),
-             helper.make_node("Add", ["y0", "off"], ["y"])]
+             helper.make_node("MatMul", ["x", "wd"], ["y0"], name="mm")]
+    if form == "reduce":
+        nodes += [helper.make_node("Reshape", ["x", "shape"], ["xb"]),
+                  helper.make_node("ReduceSum", ["xb", "axes"], ["sums"], keepdims=0)]
+    else:
+        nodes.append(helper.make_node("MatMul", ["x", "ones"], ["sums"]))
+    if form == "gemm":
+        nodes.append(helper.make_node("Gemm", ["sums", "offset", "y0"], ["y"]))
+    else:
+        nodes += [helper.make_node("MatMul", ["sums", "offset"], ["off"]),
+                  helper.make_node("Add", ["y0", "off"], ["y"])]
     inits = [helper.make_tensor(codes, TensorProto.INT4, [K, N], qz.stored_codes(q, 4)[0].tobytes(), raw=True),
              helper.make_tensor("zp", TensorProto.INT4, list(zp.shape), qz.stored_codes(zp, 4)[0].tobytes(), raw=True),
              numpy_helper.from_array(scale, "s"), numpy_helper.from_array(offset, "offset"),
+             numpy_helper.from_array(np.kron(np.eye(K // block, dtype=np.float32), np.ones((block, 1), np.float32)),
+                                     "ones"),
              numpy_helper.from_array(np.array([0, -1, block], np.int64), "shape"),
              numpy_helper.from_array(np.array([-1], np.int64), "axes")]
     g = helper.make_graph(nodes, "lin", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", K])],
@@ -161,21 +174,23 @@ def _session(m: onnx.ModelProto, base_dir) -> ort.InferenceSession:
     return ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
-def test_blocks_become_per_channel_int8_with_the_block_offsets_folded_in(tmp_path):
+@pytest.mark.parametrize("form", OFFSET_FORMS)
+def test_blocks_become_per_channel_int8_with_the_block_offsets_folded_in(tmp_path, form):
     """An int4 block-wise weight with zero points and Q4_1 offsets becomes one per-channel int8
     DequantizeLinear (asymmetric: a zero point per column) holding the whole matrix; the offset
-    product is gone. Float activations: the only error is the per-column rounding, at most half a
-    step (column range / 254) per weight; then int8_dynamic takes it as int8 x int8."""
+    product is gone, in each form the exporter writes or wrote. Float activations: the only error
+    is the per-column rounding, at most half a step (column range / 254) per weight; then
+    int8_dynamic takes it as int8 x int8."""
     from kvexport.runtime.ort_quant import blocks_to_int8_channel
 
     rng = np.random.default_rng(7)
-    m, w = _offset_linear(tmp_path, rng)
+    m, w = _offset_linear(tmp_path, rng, form=form)
     x = rng.standard_normal((4, K)).astype(np.float32)
     exact = _session(m, tmp_path).run(None, {"x": x})[0]
     np.testing.assert_allclose(exact, x @ w, rtol=1e-4, atol=1e-4)  # the graph is what the docstring says
     assert blocks_to_int8_channel(m, str(tmp_path)) == 1
     ops = [n.op_type for n in m.graph.node]
-    assert ops.count("MatMul") == 1 and "ReduceSum" not in ops and "Reshape" not in ops
+    assert ops.count("MatMul") == 1 and not {"ReduceSum", "Reshape", "Gemm", "Add"} & set(ops)
     (d,) = [n for n in m.graph.node if n.op_type == "DequantizeLinear"]
     assert {a.name: a.i for a in d.attribute} == {"axis": 1} and len(d.input) == 3
     got = _session(m, tmp_path).run(None, {"x": x})[0]
@@ -187,13 +202,14 @@ def test_blocks_become_per_channel_int8_with_the_block_offsets_folded_in(tmp_pat
     assert np.abs(dyn - exact).max() < 0.05 * np.abs(exact).max()
 
 
-def test_skipped_codes_stay_block_wise(tmp_path):
+@pytest.mark.parametrize("form", OFFSET_FORMS)
+def test_skipped_codes_stay_block_wise(tmp_path, form):
     """Codes named in `skip` (the runtime passes the LM head's, ort_quant.logits_weight) keep
     their block-wise form and offsets."""
     from kvexport.runtime.ort_quant import blocks_to_int8_channel, logits_weight
 
-    m, _ = _offset_linear(tmp_path, np.random.default_rng(8), head=True)
-    assert logits_weight(m.graph, "y") == "lm_head.q"  # through the offsets' Add
+    m, _ = _offset_linear(tmp_path, np.random.default_rng(8), head=True, form=form)
+    assert logits_weight(m.graph, "y") == "lm_head.q"  # through the offsets' Add or Gemm
     before = m.SerializeToString()
     assert blocks_to_int8_channel(m, str(tmp_path), skip=frozenset({"lm_head.q"})) == 0
     assert m.SerializeToString() == before
