@@ -6,7 +6,9 @@ build and run) cannot resolve on a shared machine.
     .venv/bin/python bench/decode_pair.py BUILD_A BUILD_B [--pairs 10] [--tokens 48] [--threads 2]
         [--out bench/results/decode_pair.json]
 
-BUILD may end in @ACCURACY (`--weight-matmul-accuracy`). Per turn: one 32-token prompt, ms per
+BUILD may end in @ACCURACY (`--weight-matmul-accuracy`). `--drop-offsets-b`: B's session has the
+GGUF Q4_1 block-offset product (exporter/graph.py `linear`) cut out, to time what it costs: B's
+logits are then wrong, its tokens only count. Per turn: one 32-token prompt, ms per
 token = (time(N + 1 tokens) - time(1 token)) / N, greedy, EOS ignored. Reports each build's
 median and the median of the per-pair ratios A / B (> 1: B is faster). NOTE: two sessions in
 one process share caches and memory bandwidth, so absolute figures run higher than alone.
@@ -32,17 +34,25 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=10)
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--drop-offsets-b", action="store_true")
     ap.add_argument("--out", default="bench/results/decode_pair.json")
     args = ap.parse_args()
 
     from kvexport import LLM, SamplingParams
+    from kvexport.runtime import ort_backends
 
     def load(spec: str):
         build, _, accuracy = spec.partition("@")
         return LLM(build, threads=args.threads, kv_cache_memory="128MiB", enable_prefix_caching=False,
                    weight_matmul_accuracy=accuracy or "auto")
 
-    llms = {spec: load(spec) for spec in (args.a, args.b)}
+    llms = {args.a: load(args.a)}
+    if args.drop_offsets_b:
+        args.b += " (offsets dropped)"
+        ort_backends._OrtBackend._cpu_model = _without_offsets(ort_backends._OrtBackend._cpu_model)
+        llms[args.b] = load(args.b.split(" ")[0])
+    else:
+        llms[args.b] = load(args.b)
     prompt = list(range(200, 232))
     one = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
     many = SamplingParams(max_tokens=args.tokens + 1, ignore_eos=True, temperature=0.0)
@@ -71,6 +81,29 @@ def main() -> None:
     runs[f"{args.a} vs {args.b}"] = result
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(runs, indent=2) + "\n")
+
+
+def _without_offsets(cpu_model):
+    """_cpu_model with every offsets Gemm (C = the codes' product) replaced by that C."""
+    import onnx
+
+    from kvexport.runtime import ort_quant
+
+    def wrapped(self, path, large=False):
+        model = cpu_model(self, path, large)
+        if isinstance(model, str):
+            model = onnx.load(model, load_external_data=False)
+        g = model.graph
+        for n in g.node:
+            if n.op_type == "Gemm" and len(n.input) == 3:
+                c = n.input[2]
+                del n.input[:], n.attribute[:]
+                n.op_type = "Identity"
+                n.input.append(c)
+        ort_quant._prune(g)
+        return model
+
+    return wrapped
 
 
 if __name__ == "__main__":
