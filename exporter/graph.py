@@ -183,7 +183,7 @@ class DecoderGraph:
         y = b.op("MatMul", x, w)
         if w in self._offsets:
             offset, block = self._offsets[w]
-            k = self.b.weights.arrays[offset].shape[0] * block
+            k = b.weights.arrays[offset].shape[0] * block
             ones = np.kron(np.eye(k // block, dtype=self.act), np.ones((block, 1), self.act))  # [K, K/B]
             sums = b.op("MatMul", x, b.const(ones, self.act))
             y = b.op("Gemm", sums, offset, y) if self.paged else b.op("Add", y, b.op("MatMul", sums, offset))
