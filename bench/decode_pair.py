@@ -96,10 +96,7 @@ def _without_offsets(cpu_model):
         g = model.graph
         for n in g.node:
             if n.op_type == "Gemm" and len(n.input) == 3:
-                c = n.input[2]
-                del n.input[:], n.attribute[:]
-                n.op_type = "Identity"
-                n.input.append(c)
+                ort_quant.bypass(n, n.input[2])
         ort_quant._prune(g)
         return model
 

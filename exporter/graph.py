@@ -234,8 +234,8 @@ class DecoderGraph:
         cos2 = b.op("Concat", cos, cos, axis=-1)
         sin2 = b.op("Concat", b.op("Neg", sin), sin, axis=-1)
         if rot < d:
-            pads = [0] * (1 if self.paged else 2)
-            pads = b.const(pads + [0] + pads + [d - rot])
+            lead = [0] * (1 if self.paged else 2)
+            pads = b.const(lead + [0] + lead + [d - rot])
             cos2 = b.op("Pad", cos2, pads, b.const(1.0, "float32"))
             sin2 = b.op("Pad", sin2, pads, b.const(0.0, "float32"))
         return tuple(b.op("Unsqueeze", c, b.const([-2])) for c in (cos2, sin2))

@@ -254,9 +254,7 @@ def blocks_to_int8_channel(model: onnx.ModelProto, base_dir: str, skip: frozense
         add, offset = _offset_add(mm, readers, producer, inits, block, w.shape)
         if offset is not None:
             w += np.repeat(numpy_helper.to_array(offset, base_dir).astype(np.float32), block, axis=0)
-            add.op_type = "Identity"  # y + (block sums x offsets) ─> y: the offsets are in w now
-            del add.input[:], add.attribute[:]
-            add.input.append(mm.output[0])
+            bypass(add, mm.output[0])  # y + (block sums x offsets) ─> y: the offsets are in w now
         lo, hi = np.minimum(w.min(axis=0), 0), np.maximum(w.max(axis=0), 0)
         step = np.maximum(hi - lo, np.float32(1e-30)) / np.float32(254)
         z = np.clip(np.rint(-lo / step) - 127, -127, 127)
@@ -300,6 +298,13 @@ def _offset_add(mm: onnx.NodeProto, readers: dict, producer: dict, inits: dict, 
     if list(offset.dims) != [shape[0] // block, shape[1]] or sums is None or sums.input[0] != mm.input[0]:
         return None, None
     return add, offset
+
+
+def bypass(n: onnx.NodeProto, value: str) -> None:
+    """Turn `n`, in place, into an Identity of `value` (its output names stay)."""
+    n.op_type, n.domain = "Identity", ""
+    del n.input[:], n.attribute[:]
+    n.input.append(value)
 
 
 def _prune(g: onnx.GraphProto) -> None:
