@@ -177,6 +177,11 @@ class EngineThread:
         self._inbox.put(("abort", list(request_ids)))
 
     # ---- engine thread ----------------------------------------------------------------
+    def _update_counters(self) -> None:
+        c, eng = self.counters, self.engine
+        c.running, c.kv = len(eng.scheduler.running), eng.kv_stats()
+        c.waiting = len(eng.scheduler.waiting) + len(self._group_of)  # in the engine + queued here
+
     def _push(self, rid: str, ev: Event) -> None:
         sink = self._sinks.get(rid)
         if sink is not None:
@@ -250,8 +255,10 @@ class EngineThread:
         self.counters.prompt_tokens += len(q.prompt)
         o = eng.output(rid)
         if o.finished:  # refused at admission
-            self._push(rid, self._event(rid, o))
+            ev = self._event(rid, o)
             self._finish(rid)
+            self._update_counters()
+            self._push_to(sink, rid, ev)
 
     def _drain(self, block: bool) -> None:
         try:
@@ -271,15 +278,17 @@ class EngineThread:
 
     def _fail_running(self, error: str) -> None:
         """A step failed: fail every request in the engine (not those still queued here)."""
-        eng = self.engine
+        eng, failed = self.engine, []
         for rid in [r for r in self._sinks if r not in self._group_of]:
-            sink = self._sinks.pop(rid)
-            self._push_to(sink, rid, Event(sink.index, "", [], 0, True, "error", error))
+            failed.append((rid, self._sinks.pop(rid)))
             try:
                 eng.abort(rid)
                 eng.pop_output(rid)
             except Exception:  # noqa: BLE001 - keep failing the others
                 log.exception("engine thread: cleaning up request %s failed", rid)
+        self._update_counters()  # blocks freed before the clients hear: /metrics agrees with them
+        for rid, sink in failed:
+            self._push_to(sink, rid, Event(sink.index, "", [], 0, True, "error", error))
 
     def _run(self) -> None:
         eng = self.engine
@@ -300,20 +309,23 @@ class EngineThread:
                         break
                     if error is not None:
                         self._fail_running(error)
+                    events = []
                     for o in changed:
                         self.counters.generation_tokens += len(o.new_token_ids)
                         if o.request_id in self._sinks:
-                            self._push(o.request_id, self._event(o.request_id, o))
+                            events.append((o.request_id, self._sinks[o.request_id], self._event(o.request_id, o)))
                             if o.finished:
                                 try:
                                     self._finish(o.request_id)
                                 except Exception:  # noqa: BLE001 - keep delivering the others
                                     log.exception("engine thread: finishing request %s failed", o.request_id)
+                    # finished requests' blocks are free and counted before their clients hear
+                    self._update_counters()
+                    for rid, sink, ev in events:
+                        self._push_to(sink, rid, ev)
             if self._stop.is_set():
                 break
-            c = self.counters
-            c.running, c.kv = len(eng.scheduler.running), eng.kv_stats()
-            c.waiting = len(eng.scheduler.waiting) + len(self._group_of)  # in the engine + queued here
+            self._update_counters()
             if self._on_tick is not None:
                 try:
                     self._on_tick()

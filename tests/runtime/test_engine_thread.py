@@ -242,3 +242,40 @@ def test_stop_does_not_wait_for_a_hung_step_and_fails_every_open_request(tiny):
         release.set()
     time.sleep(0.3)
     assert all(len(v) == 1 for v in events.values())
+
+
+def test_a_final_event_is_delivered_after_its_blocks_are_freed_and_counted(tiny):
+    """/metrics read right after a response ends must not show its KV blocks still held: when
+    the final event of a finished, a failed (injected step failure) or a refused request
+    reaches its sink, the request's blocks are free and the worker's counters say so."""
+    engine = LLMEngine(tiny)
+    real_step, calls = engine.step, {"n": 0}
+
+    def flaky_step():  # injected failure: the third step raises
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("boom")
+        return real_step()
+
+    engine.step = flaky_step
+    worker = EngineThread(engine)
+    worker.start()
+    try:
+        for prompt, max_tokens, reason in [([5, 6, 7, 8, 9], 6, "error"), ([5, 6, 7, 8, 9], 6, "length"),
+                                           ([5] * 100, 4, "length")]:
+            seen = {}
+            done = threading.Event()
+
+            def deliver(ev, seen=seen, done=done):
+                if ev.finished:
+                    seen.update(reason=ev.finish_reason, pool=engine.pool.num_used_blocks,
+                                counted=worker.counters.kv["blocks_used"])
+                    done.set()
+
+            worker.submit(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), deliver)
+            assert done.wait(30), "no final event"
+            if len(prompt) < 64:
+                assert seen["reason"] == reason
+            assert seen["pool"] == 0 and seen["counted"] == 0, seen
+    finally:
+        worker.stop()
