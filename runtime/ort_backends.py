@@ -56,23 +56,27 @@ ACCURACY_LEVELS = {"int8": 4, "float": 0}
 DEFAULT_ACCURACY = "auto"  # when ort_backend() is not given one
 # Steps of LARGE_STEP_TOKENS tokens or more run in a second session (`large_form`) where another
 # form of the block-wise weights is faster; smaller steps (decode) keep MatMulNBits at level 4.
-# NOTE: level 4 is ~2.3x faster than fp32 at M = 1 but slower from M ~ 32 on (576x1536: M=64 0.83
-# vs 0.64 ms fp32, level 0 0.63, per-channel int8 x int8 0.19; bench/quant_linear.py); in the
-# model, a 64-token step of smollm2 int4 took 138.6 ms at level 4, 104.6 at level 0 and 47.4 as
-# int8 x int8 (bench/results/step_sizes.json).
-#   "auto", int4 builds: "float", level 0: exact (smollm2 int4 = its Q4_1 source, perplexity 54.57
-#       against 55.64 at level 4), the int8 LM head kept at level 4 as an explicit node
-#       (ort_quant.int8_blocks_to_matmulnbits). Block-wise int8 builds: level 4 throughout (level 0
-#       dequantizes 8-bit blocks in full on every call).
-#   "int8", int4 and block-wise int8 builds: "int8": the blocks as per-channel int8 codes with
-#       per-token int8 activations (ort_quant.blocks_to_int8_channel + int8_dynamic), the LM head
-#       still per block at level 4; int8 activations throughout, as level 4 everywhere was before.
-# Costs a second copy of the weights in the large form (see the module NOTE). Where each form
-# starts to win (bench/step_sizes.py, smollm2, one sequence of M tokens, ms per step, level 4 vs
-# the large form; bench/results/step_sizes.json): int4 float 72.4 vs 77.2 at M=32, 138.6 vs 104.6
-# at 64; int4 int8 x int8 20.0 vs 13.4 at M=4, 14.5 vs 13.1 at 2, 12.7 vs 13.6 at 1; block-wise
-# int8 18.6 vs 18.3 at M=4, 26.8 vs 21.0 at 8.
-LARGE_STEP_TOKENS = {"float": 32, "int8": 4}
+# NOTE: level 4 is ~2.3x faster than fp32 at M = 1 but slower from M ~ 32 on, and level 0 (float
+# activations, onnxruntime's only exact kernel for block-wise weights) is 1.1-1.3x slower than
+# fp32 from M = 32 on (576x1536 at M = 512: 3.5-3.8 ms against 3.0-3.2 fp32; scratch timings).
+#   "auto", fp32 builds (int4 and block-wise int8): "pair": every block-wise matmul but the LM
+#       head as three int8 x int8 products carrying ~15 bits of activations and weights
+#       (ort_quant.blocks_to_int8_pair); the head (int8 blocks) at level 4. smollm2 int4
+#       perplexity 54.587 against 54.572 exact and 54.617 for its Q4_1 source (level 4 alone:
+#       55.64). ms per step of M tokens, smollm2 int4 (bench/step_sizes.py, level 4 vs pair):
+#       18.9 vs 25.9 at M=4, 27.3 vs 27.2 at 8, 44.5 vs 39.0 at 16, 138.1 vs 90.8 at 64; in one
+#       process against fp32 and the float form (/tmp scratch, medians of 5, fp32 / float / pair):
+#       107.8 / 145.2 / 118.1 at 64, 571.6 / 748.7 / 522.0 at 512.
+#   "auto", fp16 int4 builds: "float", level 0, exact, the int8 LM head kept at level 4 as an
+#       explicit node (ort_quant.int8_blocks_to_matmulnbits); the pair form takes float32 only.
+#   "int8", block-wise fp32 builds: "int8": the blocks as per-channel int8 codes with per-token
+#       int8 activations (ort_quant.blocks_to_int8_channel + int8_dynamic), the LM head still per
+#       block at level 4; int8 activations throughout. int4 int8 x int8 20.0 vs 13.4 ms at M=4,
+#       14.5 vs 13.1 at 2, 12.7 vs 13.6 at 1; block-wise int8 18.6 vs 18.3 at M=4, 26.8 vs 21.0 at 8
+#       (bench/results/step_sizes.json).
+# Costs a second copy of the weights in the large form (see the module NOTE; pair: 2 bytes per
+# weight).
+LARGE_STEP_TOKENS = {"float": 32, "int8": 4, "pair": 8}
 
 
 def _providers() -> list[str]:
@@ -184,23 +188,24 @@ class _OrtBackend:
 
     @property
     def large_form(self) -> str | None:
-        """How a large-step session runs block-wise weights ("float" | "int8"), if it differs
+        """How a large-step session runs block-wise weights ("pair" | "float" | "int8"), if it differs
         from a small step's (see LARGE_STEP_TOKENS)."""
         q = self.manifest.weights.quantization or {}
         if not isinstance(q.get("block_size"), int):  # fp32/fp16, or per-channel int8 (always int8 x int8)
             return None
-        if self.accuracy == "auto" and q.get("bits") == 4:
-            return "float"
-        # the per-channel rewrite takes float32 activations and scales (ort_quant): an fp16 build
+        # the int8 x int8 rewrites take float32 activations and scales (ort_quant): an fp16 build
         # would open a second, identical session
-        return "int8" if self.accuracy == "int8" and self.manifest.dtype == io.DType.FP32.value else None
+        fp32 = self.manifest.dtype == io.DType.FP32.value
+        if self.accuracy == "auto":
+            return "pair" if fp32 else "float" if q.get("bits") == 4 else None
+        return "int8" if self.accuracy == "int8" and fp32 else None
 
     step_split_ok = True  # backends that can open a step-size session (not the reference op's)
 
     def level(self, large: bool = False) -> int:
         """The MatMulNBits accuracy level of a session (see DEFAULT_ACCURACY)."""
         if self.accuracy == "auto":
-            return ACCURACY_LEVELS[self.large_form if large else "int8"]
+            return ACCURACY_LEVELS["float" if large and self.large_form == "float" else "int8"]
         return ACCURACY_LEVELS[self.accuracy]
 
     def session_options(self, large: bool = False):
@@ -248,15 +253,16 @@ class _OrtBackend:
         """The graph to open: its path, or on the CPU provider a form derived from it in memory
         (runtime/ort_quant.py) whose external weights are the build folder's: per-channel int8
         weights as dynamic int8 matmuls (the codes stay int8 on disk); in a large-step session
-        (LARGE_STEP_TOKENS) the int8 LM head as an explicit MatMulNBits ("float") or the other
-        block-wise weights as per-channel int8 ("int8")."""
+        (LARGE_STEP_TOKENS) the block-wise weights but the LM head's as int8 pairs ("pair") or
+        per-channel int8 ("int8"), or the int8 LM head as an explicit MatMulNBits ("float")."""
         q = self.manifest.weights.quantization or {}
         channel = q.get("block_size") == "channel" and q.get("bits") == 8
         if not (channel or large) or self.providers != ["CPUExecutionProvider"]:
             return str(path)
         import onnx
 
-        from .ort_quant import blocks_to_int8_channel, int8_blocks_to_matmulnbits, int8_dynamic, logits_weight
+        from .ort_quant import (blocks_to_int8_channel, blocks_to_int8_pair, int8_blocks_to_matmulnbits, int8_dynamic,
+                                logits_weight)
 
         model = onnx.load(str(path), load_external_data=False)
         changed = 0
@@ -265,6 +271,9 @@ class _OrtBackend:
             changed += blocks_to_int8_channel(model, str(path.parent), skip=frozenset([head] if head else []))
         if channel or changed:
             changed += int8_dynamic(model)
+        if large and self.large_form == "pair":
+            head = logits_weight(model.graph, io.LOGITS)
+            changed += blocks_to_int8_pair(model, str(path.parent), skip=frozenset([head] if head else []))
         if large and self.large_form == "float":
             changed += int8_blocks_to_matmulnbits(model, str(path.parent), ACCURACY_LEVELS["int8"])
         return model if changed else str(path)

@@ -102,10 +102,9 @@ def int8_dynamic(model: onnx.ModelProto, per_row: bool = PER_ROW) -> int:
         del g.node[:]
         g.node.extend(nodes)
         if per_row:
-            for name, value in ((ROW_EPS, np.float32(1e-12 * 127)), (ROW_QMAX, np.float32(127)),
-                                (ROW_ZERO, np.uint8(128)),
-                                (ROW_AXES, np.array([-1], np.int64)), (ROW_ONE, np.float32(1))):
-                g.initializer.append(numpy_helper.from_array(np.asarray(value), name))
+            for name, value in _ROW_CONSTANTS:
+                if not any(t.name == name for t in g.initializer):
+                    g.initializer.append(numpy_helper.from_array(np.asarray(value), name))
             if not any(o.domain == MS for o in model.opset_import):
                 model.opset_import.append(helper.make_opsetid(MS, 1))
     return count
@@ -114,6 +113,8 @@ def int8_dynamic(model: onnx.ModelProto, per_row: bool = PER_ROW) -> int:
 ROW_EPS, ROW_QMAX, ROW_ZERO, ROW_AXES, ROW_ONE = (
     f"kvexport.int8_rows.{n}" for n in ("eps", "qmax", "zero", "axes", "one"))
 MS = "com.microsoft"
+_ROW_CONSTANTS = ((ROW_EPS, np.float32(1e-12 * 127)), (ROW_QMAX, np.float32(127)), (ROW_ZERO, np.uint8(128)),
+                  (ROW_AXES, np.array([-1], np.int64)), (ROW_ONE, np.float32(1)))
 
 
 def _per_tensor(p: str, x: str, codes: str, scale: str, wzp: str, y: str) -> list[onnx.NodeProto]:
@@ -228,13 +229,120 @@ def blocks_to_int8_channel(model: onnx.ModelProto, base_dir: str, skip: frozense
     the minimums matters most: leaving their product in float while the codes' product rounded
     the activations gave 63.6 (the two no longer cancel)."""
     g = model.graph
+    count = 0
+    for d, w in _block_weights(model, base_dir, skip):
+        lo, hi = np.minimum(w.min(axis=0), 0), np.maximum(w.max(axis=0), 0)
+        step = np.maximum(hi - lo, np.float32(1e-30)) / np.float32(254)
+        z = np.clip(np.rint(-lo / step) - 127, -127, 127)
+        q = np.clip(np.rint(w / step) + z, -128, 127).astype(np.int8)
+        name = d.input[0] + ".int8_channel"
+        g.initializer.extend([numpy_helper.from_array(q, name),
+                              numpy_helper.from_array(step.astype(np.float32), name + ".scale"),
+                              numpy_helper.from_array(z.astype(np.int8), name + ".zero_point")])
+        del d.input[:]
+        d.input.extend([name, name + ".scale", name + ".zero_point"])
+        del d.attribute[:]
+        d.attribute.append(helper.make_attribute("axis", 1))
+        count += 1
+    if count:
+        _prune(g)
+    return count
+
+
+def blocks_to_int8_pair(model: onnx.ModelProto, base_dir: str, skip: frozenset[str] = frozenset()) -> int:
+    """Rewrite, in place, every block-wise int4/int8 matmul (`_block_weights`; Q4_1 offsets
+    folded) into int8 x int8 products that carry about 15 bits of both operands, for large
+    steps where onnxruntime's only exact kernel for block-wise weights (MatMulNBits with float
+    activations) is slower than fp32:
+
+        W ≈ s (w1 + w2 / 254)    w1 = round(W / s), s = max|W| / 127 per column; w2 the rest
+        x ≈ (xq + rq / 254) / r  xq = round(x r), r = 127 / max|x| per row;     rq the rest
+        x W ≈ s / r (xq w1 + (xq w2 + rq w1) / 254)     (rq w2 / 254² dropped)
+
+    as nodes (`_pair`): three MatMulIntegerToFloat (xq w1, rq w1, xq w2). Each operand's rounding is at most 1/508 of its own int8 step
+    (|x - x̂| <= max|x| / 64516 per row), against MatMulNBits level 4's one int8 step per block
+    of 32. Codes named in `skip` stay as they are. New initializers (w1, w2 int8 [K, N]; s [N])
+    are embedded in the model: 2 bytes per weight. Returns how many matmuls were rewritten."""
+    g = model.graph
+    replace, zero_points = {}, {}
+    for d, w in _block_weights(model, base_dir, skip):
+        scale = np.maximum(np.abs(w).max(axis=0), np.float32(1e-30)) / np.float32(127)
+        w1 = np.clip(np.rint(w / scale), -127, 127)
+        w2 = np.clip(np.rint((w - w1 * scale) * (np.float32(254) / scale)), -127, 127)  # |rest| <= scale / 2
+        name = d.input[0] + ".int8_pair"
+        g.initializer.extend([numpy_helper.from_array(w1.astype(np.int8), name + ".w1"),
+                              numpy_helper.from_array(w2.astype(np.int8), name + ".w2"),
+                              numpy_helper.from_array(scale.astype(np.float32), name + ".scale"),
+                              numpy_helper.from_array((scale / np.float32(254)).astype(np.float32), name + ".fine_scale")])
+        n_out = w.shape[1]
+        if n_out not in zero_points:
+            zero_points[n_out] = f"kvexport.int8_zero_point.{n_out}"
+            if not any(t.name == zero_points[n_out] for t in g.initializer):
+                g.initializer.append(helper.make_tensor(zero_points[n_out], TensorProto.INT8, [n_out], bytes(n_out),
+                                                        raw=True))
+        replace[d.output[0]] = (name, zero_points[n_out])
+    if not replace:
+        return 0
+    nodes = []
+    for n in g.node:
+        if n.op_type == "MatMul" and n.input[1] in replace:
+            name, zp = replace[n.input[1]]
+            nodes += _pair(n.name or n.output[0], n.input[0], name, zp, n.output[0])
+        else:
+            nodes.append(n)
+    del g.node[:]
+    g.node.extend(nodes)
+    for value, tensor in ((PAIR_254, np.float32(254)),) + _ROW_CONSTANTS:
+        if not any(t.name == value for t in g.initializer):
+            g.initializer.append(numpy_helper.from_array(np.asarray(tensor), value))
+    if not any(o.domain == MS for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(MS, 1))
+    _prune(g)
+    return len(replace)
+
+
+PAIR_254 = "kvexport.int8_pair.254"
+
+
+def _pair(p: str, x: str, name: str, wzp: str, y: str) -> list[onnx.NodeProto]:
+    """`blocks_to_int8_pair`'s product as nodes; int8 codes stored as uint8 + 128 (as `_per_row`)."""
+    mk = helper.make_node
+    t = lambda n: f"{p}/{n}"  # noqa: E731
+    return [
+        mk("Abs", [x], [t("abs")], name=t("Abs")),
+        mk("ReduceMax", [t("abs"), ROW_AXES], [t("amax")], name=t("ReduceMax"), keepdims=1),  # [.., 1]
+        mk("Max", [t("amax"), ROW_EPS], [t("amax_")], name=t("ScaleMax")),
+        mk("Div", [ROW_QMAX, t("amax_")], [t("r")], name=t("ScaleDiv")),
+        mk("Mul", [x, t("r")], [t("xn")], name=t("Mul")),
+        mk("QuantizeLinear", [t("xn"), ROW_ONE, ROW_ZERO], [t("xq")], name=t("QuantizeLinear")),
+        mk("DequantizeLinear", [t("xq"), ROW_ONE, ROW_ZERO], [t("x1")], name=t("DequantizeLinear")),
+        mk("Sub", [t("xn"), t("x1")], [t("rest")], name=t("Rest")),  # |rest| <= 1/2
+        mk("Mul", [t("rest"), PAIR_254], [t("restn")], name=t("RestMul")),
+        mk("QuantizeLinear", [t("restn"), ROW_ONE, ROW_ZERO], [t("rq")], name=t("RestQuantizeLinear")),
+        mk("MatMulIntegerToFloat", [t("xq"), name + ".w1", ROW_ONE, name + ".scale", ROW_ZERO, wzp], [t("x_w1")],
+           name=t("MatMulIntegerToFloat"), domain=MS),
+        mk("MatMulIntegerToFloat", [t("rq"), name + ".w1", ROW_ONE, name + ".fine_scale", ROW_ZERO, wzp], [t("r_w1")],
+           name=t("RestMatMulIntegerToFloat"), domain=MS),
+        mk("MatMulIntegerToFloat", [t("xq"), name + ".w2", ROW_ONE, name + ".fine_scale", ROW_ZERO, wzp], [t("x_w2")],
+           name=t("FineMatMulIntegerToFloat"), domain=MS),
+        mk("Add", [t("r_w1"), t("x_w2")], [t("fine")], name=t("FineAdd")),
+        mk("Add", [t("x_w1"), t("fine")], [t("acc")], name=t("Add")),
+        mk("Div", [t("acc"), t("r")], [y], name=t("RowDiv")),
+    ]
+
+
+def _block_weights(model: onnx.ModelProto, base_dir: str, skip: frozenset[str]):
+    """Yield (DequantizeLinear, its matrix [K, N] float32) for every block-wise DequantizeLinear
+    of int4/int8 codes (axis=0, block_size B, zero points or none) whose only reader is a
+    MatMul's weight, codes not in `skip`. The GGUF Q4_1 block offsets' product on that MatMul
+    (`_offset_add`) is folded into the matrix and bypassed in the graph as it is yielded."""
+    g = model.graph
     inits, _ = _scan(g)
     producer = _producers(g)
     readers: dict[str, list[onnx.NodeProto]] = {}
     for n in g.node:
         for i in n.input:
             readers.setdefault(i, []).append(n)
-    count = 0
     for d in _dequantizes(g):
         codes, scale, a = inits.get(d.input[0]), inits.get(d.input[1]), _attrs(d)
         zp = inits.get(d.input[2]) if len(d.input) > 2 and d.input[2] else None
@@ -255,22 +363,7 @@ def blocks_to_int8_channel(model: onnx.ModelProto, base_dir: str, skip: frozense
         if offset is not None:
             w += np.repeat(numpy_helper.to_array(offset, base_dir).astype(np.float32), block, axis=0)
             bypass(add, mm.output[0])  # y + (block sums x offsets) ─> y: the offsets are in w now
-        lo, hi = np.minimum(w.min(axis=0), 0), np.maximum(w.max(axis=0), 0)
-        step = np.maximum(hi - lo, np.float32(1e-30)) / np.float32(254)
-        z = np.clip(np.rint(-lo / step) - 127, -127, 127)
-        q = np.clip(np.rint(w / step) + z, -128, 127).astype(np.int8)
-        name = d.input[0] + ".int8_channel"
-        g.initializer.extend([numpy_helper.from_array(q, name),
-                              numpy_helper.from_array(step.astype(np.float32), name + ".scale"),
-                              numpy_helper.from_array(z.astype(np.int8), name + ".zero_point")])
-        del d.input[:]
-        d.input.extend([name, name + ".scale", name + ".zero_point"])
-        del d.attribute[:]
-        d.attribute.append(helper.make_attribute("axis", 1))
-        count += 1
-    if count:
-        _prune(g)
-    return count
+        yield d, w
 
 
 def _offset_add(mm: onnx.NodeProto, readers: dict, producer: dict, inits: dict, block: int,

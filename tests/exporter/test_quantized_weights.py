@@ -269,19 +269,22 @@ def _one_step(out, m, accuracy: str, ids: list[int], tables: list[int]):
     return logits, be, ran[0]
 
 
-@pytest.mark.parametrize("attention", ["plugin", "onnx"])
-def test_auto_accuracy_runs_large_int4_steps_in_float(hf_folder, tmp_path, attention, cpu_op):
-    """accuracy "auto" (the default): an int4 build's steps of LARGE_STEP_TOKENS tokens or more
-    run in a second session whose int4 matmuls compute in float, smaller steps in the int8-
-    activation one. So a large step's logits are those of an all-float session up to the int8
-    LM head (kept at int8 compute as an explicit MatMulNBits), closer than an all-int8 session's;
-    a block-wise int8 build opens no second session."""
+@pytest.mark.parametrize("weights,attention", [("int4", "plugin"), ("int4", "onnx"), ("int8", "onnx")])
+def test_auto_accuracy_runs_large_steps_as_int8_pairs(hf_folder, tmp_path, weights, attention, cpu_op):
+    """accuracy "auto" (the default), fp32 block-wise builds: steps of LARGE_STEP_TOKENS["pair"]
+    tokens or more run in a second session whose block-wise matmuls (all but the LM head's) are
+    int8 pairs (ort_quant.blocks_to_int8_pair: ~15 bits of activations and weights), smaller
+    steps at level 4. So a large step's logits are those of an all-float session up to the
+    head's int8 activations, closer than under "int8" (per-channel int8 x per-token int8); an
+    fp16 int4 build keeps the float form (the pairs take float32)."""
+    import collections
+
     from kvexport.runtime.ort_backends import LARGE_STEP_TOKENS, ort_backend
 
     src = str(hf_folder("llama", num_key_value_heads=2))
-    out, m = build(src, tmp_path / "b", BuildOptions(weights="int4", attention=io.Attention(attention),
+    out, m = build(src, tmp_path / "b", BuildOptions(weights=weights, attention=io.Attention(attention),
                                                      validate=False, **OPTS))
-    tokens = LARGE_STEP_TOKENS["float"] + 3
+    tokens = LARGE_STEP_TOKENS["pair"] + 3
     tables = list(range(1, tokens // m.kv.block_size + 2))
     ids = np.random.default_rng(0).integers(0, m.model.vocab_size, tokens).tolist()
 
@@ -289,16 +292,20 @@ def test_auto_accuracy_runs_large_int4_steps_in_float(hf_folder, tmp_path, atten
         return _one_step(out, m, accuracy, ids[:n], tables)
 
     auto, be, sess = logits("auto", tokens)
+    assert be.large_form == "pair"
     assert sess is be.large_sessions[io.Phase.PREFILL.value] and sess is not be.sessions[io.Phase.PREFILL.value]
-    small, be, sess = logits("auto", LARGE_STEP_TOKENS["float"] - 1)
+    g = be._cpu_model(out / io.PREFILL_GRAPH, large=True).graph
+    assert collections.Counter(n.op_type for n in g.node)["MatMulIntegerToFloat"] == 3 * 4 * m.kv.num_layers
+    small, be, sess = logits("auto", LARGE_STEP_TOKENS["pair"] - 1)
     assert sess is be.sessions[io.Phase.PREFILL.value]
     exact, be, _ = logits("float", tokens)
     assert not be.large_sessions
     int8, _, _ = logits("int8", tokens)
     assert np.abs(auto - exact).max() < 0.5 * np.abs(int8 - exact).max()
-    assert np.abs(auto - exact).max() > 0  # the head's activations are still rounded
-    _, m8 = build(src, tmp_path / "b8", BuildOptions(weights="int8", validate=False, **OPTS))
-    assert not ort_backend(tmp_path / "b8", m8, 8).large_sessions
+    assert (auto.argmax(-1) == exact.argmax(-1)).all()
+    if weights == "int4":
+        _, m16 = build(src, tmp_path / "b16", BuildOptions(weights="int4", dtype=io.DType.FP16, validate=False, **OPTS))
+        assert ort_backend(tmp_path / "b16", m16, 8).large_form == "float"
 
 
 @pytest.mark.parametrize("weights", ["int4", "int8"])
