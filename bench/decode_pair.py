@@ -89,8 +89,8 @@ def _without_offsets(cpu_model):
 
     from kvexport.runtime import ort_quant
 
-    def wrapped(self, path, large=False):
-        model = cpu_model(self, path, large)
+    def wrapped(self, path, large=False, store=None):
+        model = cpu_model(self, path, large, store)
         if isinstance(model, str):
             model = onnx.load(model, load_external_data=False)
         g = model.graph

@@ -33,6 +33,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
+from onnx.external_data_helper import set_external_data
 
 PER_ROW = True  # one activation scale per row (token), not per tensor: see the module NOTE
 
@@ -116,6 +117,26 @@ MS = "com.microsoft"
 _ROW_CONSTANTS = ((ROW_EPS, np.float32(1e-12 * 127)), (ROW_QMAX, np.float32(127)), (ROW_ZERO, np.uint8(128)),
                   (ROW_AXES, np.array([-1], np.int64)), (ROW_ONE, np.float32(1)))
 
+# The external-data location of derived arrays that wait in memory for the session: with a
+# `store` (a dict), the rewrites below leave a placeholder initializer that names it and put the
+# array in the store (runtime/ort_backends.py `_spill` hands them to onnxruntime), so a derived
+# weight exists once in this process, not also as protobuf bytes.
+DERIVED_DATA = "kvexport-derived.data"
+STORE_BYTES = 1 << 16  # smaller arrays (scales, constants) stay in the graph
+
+
+def _tensor(array: np.ndarray, name: str, store: dict | None) -> onnx.TensorProto:
+    """An initializer holding `array`, or with `store` (arrays of STORE_BYTES or more) a
+    placeholder naming DERIVED_DATA, the array kept in `store`."""
+    if store is None or array.nbytes < STORE_BYTES:
+        return numpy_helper.from_array(array, name)
+    t = onnx.TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(array.dtype), dims=array.shape)
+    t.raw_data = b""  # set_external_data wants the field present
+    set_external_data(t, DERIVED_DATA, 0, array.nbytes)
+    t.ClearField("raw_data")
+    store[name] = np.ascontiguousarray(array)
+    return t
+
 
 def _per_tensor(p: str, x: str, codes: str, scale: str, wzp: str, y: str) -> list[onnx.NodeProto]:
     """x ─> DynamicQuantizeLinear (one uint8 scale for the whole tensor) ─> MatMulInteger ─> × xs × scale."""
@@ -154,12 +175,14 @@ def _per_row(p: str, x: str, codes: str, scale: str, wzp: str, y: str) -> list[o
     ]
 
 
-def int8_blocks_to_matmulnbits(model: onnx.ModelProto, base_dir: str, accuracy_level: int = 4) -> int:
+def int8_blocks_to_matmulnbits(model: onnx.ModelProto, base_dir: str, accuracy_level: int = 4,
+                               store: dict | None = None) -> int:
     """Rewrite, in place, every MatMul whose weight is a block-wise int8 DequantizeLinear of an
     initializer (axis=0, block_size B dividing K, symmetric) into an explicit
     com.microsoft.MatMulNBits(bits=8, block_size=B, accuracy_level) over the same codes, re-laid
     out as it takes them (B [N, K/B, B] uint8 = q + 128, its default zero point; scales [N, K/B]).
-    The new initializers are embedded in the model (their data read from `base_dir`).
+    The new initializers are embedded in the model or wait in `store` (DERIVED_DATA); the codes
+    are read from `base_dir`.
 
     What it is for: the accuracy level onnxruntime's QDQ fusion gives every MatMulNBits is one
     session option; an explicit node keeps its own. A session of an int4 build that runs its int4
@@ -192,8 +215,8 @@ def int8_blocks_to_matmulnbits(model: onnx.ModelProto, base_dir: str, accuracy_l
             s = numpy_helper.to_array(inits[d.input[1]], base_dir)
             b_name, s_name = d.input[0] + ".matmulnbits", d.input[1] + ".matmulnbits"
             packed = (q.T.astype(np.int16) + 128).astype(np.uint8).reshape(n_out, k // block, block)
-            g.initializer.extend([numpy_helper.from_array(np.ascontiguousarray(packed), b_name),
-                                  numpy_helper.from_array(np.ascontiguousarray(s.T), s_name)])
+            g.initializer.extend([_tensor(np.ascontiguousarray(packed), b_name, store),
+                                  _tensor(np.ascontiguousarray(s.T), s_name, store)])
             made[d.input[0]] = (b_name, s_name)
         b_name, s_name = made[d.input[0]]
         nodes.append(helper.make_node("MatMulNBits", [n.input[0], b_name, s_name], [n.output[0]],
@@ -209,7 +232,8 @@ def int8_blocks_to_matmulnbits(model: onnx.ModelProto, base_dir: str, accuracy_l
     return count
 
 
-def blocks_to_int8_channel(model: onnx.ModelProto, base_dir: str, skip: frozenset[str] = frozenset()) -> int:
+def blocks_to_int8_channel(model: onnx.ModelProto, base_dir: str, skip: frozenset[str] = frozenset(),
+                           store: dict | None = None) -> int:
     """Rewrite, in place, every block-wise DequantizeLinear of int4/int8 codes (axis=0,
     block_size B, zero points or none) whose only reader is a MatMul's weight into per-channel
     int8 codes (axis=1; per column a step (max - min) / 254 and an int8 zero point, covering
@@ -217,8 +241,8 @@ def blocks_to_int8_channel(model: onnx.ModelProto, base_dir: str, skip: frozense
     block minimums that exporter/graph.py adds as a second product (`linear`: block sums ─>
     Gemm with the offsets) are folded into it and that product dropped. `int8_dynamic` then
     runs it as int8 x int8. Codes named in `skip` stay as they are (the LM head, which keeps
-    per-block rounding). The new initializers
-    are embedded in the model (their data read from `base_dir`). Returns how many were rewritten.
+    per-block rounding). The new initializers are embedded in the model or wait in `store`
+    (DERIVED_DATA; the codes read from `base_dir`). Returns how many were rewritten.
 
     What it is for: onnxruntime has no fast kernel for block-wise weights with many rows
     (MatMulNBits is slower than fp32 from M ~ 32 at any accuracy level); its u8 x s8 matmul is
@@ -236,9 +260,8 @@ def blocks_to_int8_channel(model: onnx.ModelProto, base_dir: str, skip: frozense
         z = np.clip(np.rint(-lo / step) - 127, -127, 127)
         q = np.clip(np.rint(w / step) + z, -128, 127).astype(np.int8)
         name = d.input[0] + ".int8_channel"
-        g.initializer.extend([numpy_helper.from_array(q, name),
-                              numpy_helper.from_array(step.astype(np.float32), name + ".scale"),
-                              numpy_helper.from_array(z.astype(np.int8), name + ".zero_point")])
+        g.initializer.extend([_tensor(q, name, store), _tensor(step.astype(np.float32), name + ".scale", store),
+                              _tensor(z.astype(np.int8), name + ".zero_point", store)])
         del d.input[:]
         d.input.extend([name, name + ".scale", name + ".zero_point"])
         del d.attribute[:]
@@ -249,7 +272,8 @@ def blocks_to_int8_channel(model: onnx.ModelProto, base_dir: str, skip: frozense
     return count
 
 
-def blocks_to_int8_pair(model: onnx.ModelProto, base_dir: str, skip: frozenset[str] = frozenset()) -> int:
+def blocks_to_int8_pair(model: onnx.ModelProto, base_dir: str, skip: frozenset[str] = frozenset(),
+                        store: dict | None = None) -> int:
     """Rewrite, in place, every block-wise int4/int8 matmul (`_block_weights`; Q4_1 offsets
     folded) into int8 x int8 products that carry about 15 bits of both operands, for large
     steps where onnxruntime's only exact kernel for block-wise weights (MatMulNBits with float
@@ -262,7 +286,8 @@ def blocks_to_int8_pair(model: onnx.ModelProto, base_dir: str, skip: frozenset[s
     as nodes (`_pair`): three MatMulIntegerToFloat (xq w1, rq w1, xq w2). Each operand's rounding is at most 1/508 of its own int8 step
     (|x - x̂| <= max|x| / 64516 per row), against MatMulNBits level 4's one int8 step per block
     of 32. Codes named in `skip` stay as they are. New initializers (w1, w2 int8 [K, N]; s [N])
-    are embedded in the model: 2 bytes per weight. Returns how many matmuls were rewritten."""
+    are embedded in the model, or wait in `store` (see DERIVED_DATA): 2 bytes per weight. Returns
+    how many matmuls were rewritten."""
     g = model.graph
     replace, zero_points = {}, {}
     for d, w in _block_weights(model, base_dir, skip):
@@ -270,10 +295,9 @@ def blocks_to_int8_pair(model: onnx.ModelProto, base_dir: str, skip: frozenset[s
         w1 = np.clip(np.rint(w / scale), -127, 127)
         w2 = np.clip(np.rint((w - w1 * scale) * (np.float32(254) / scale)), -127, 127)  # |rest| <= scale / 2
         name = d.input[0] + ".int8_pair"
-        g.initializer.extend([numpy_helper.from_array(w1.astype(np.int8), name + ".w1"),
-                              numpy_helper.from_array(w2.astype(np.int8), name + ".w2"),
-                              numpy_helper.from_array(scale.astype(np.float32), name + ".scale"),
-                              numpy_helper.from_array((scale / np.float32(254)).astype(np.float32), name + ".fine_scale")])
+        g.initializer.extend([_tensor(w1.astype(np.int8), name + ".w1", store),
+                              _tensor(w2.astype(np.int8), name + ".w2", store),
+                              _tensor(scale.astype(np.float32), name + ".scale", store)])
         n_out = w.shape[1]
         if n_out not in zero_points:
             zero_points[n_out] = f"kvexport.int8_zero_point.{n_out}"
@@ -292,7 +316,7 @@ def blocks_to_int8_pair(model: onnx.ModelProto, base_dir: str, skip: frozenset[s
             nodes.append(n)
     del g.node[:]
     g.node.extend(nodes)
-    for value, tensor in ((PAIR_254, np.float32(254)),) + _ROW_CONSTANTS:
+    for value, tensor in ((PAIR_254, np.float32(254)), (PAIR_INV254, np.float32(1 / 254))) + _ROW_CONSTANTS:
         if not any(t.name == value for t in g.initializer):
             g.initializer.append(numpy_helper.from_array(np.asarray(tensor), value))
     if not any(o.domain == MS for o in model.opset_import):
@@ -301,7 +325,7 @@ def blocks_to_int8_pair(model: onnx.ModelProto, base_dir: str, skip: frozenset[s
     return len(replace)
 
 
-PAIR_254 = "kvexport.int8_pair.254"
+PAIR_254, PAIR_INV254 = "kvexport.int8_pair.254", "kvexport.int8_pair.inv254"
 
 
 def _pair(p: str, x: str, name: str, wzp: str, y: str) -> list[onnx.NodeProto]:
@@ -319,14 +343,15 @@ def _pair(p: str, x: str, name: str, wzp: str, y: str) -> list[onnx.NodeProto]:
         mk("Sub", [t("xn"), t("x1")], [t("rest")], name=t("Rest")),  # |rest| <= 1/2
         mk("Mul", [t("rest"), PAIR_254], [t("restn")], name=t("RestMul")),
         mk("QuantizeLinear", [t("restn"), ROW_ONE, ROW_ZERO], [t("rq")], name=t("RestQuantizeLinear")),
-        mk("MatMulIntegerToFloat", [t("xq"), name + ".w1", ROW_ONE, name + ".scale", ROW_ZERO, wzp], [t("x_w1")],
-           name=t("MatMulIntegerToFloat"), domain=MS),
-        mk("MatMulIntegerToFloat", [t("rq"), name + ".w1", ROW_ONE, name + ".fine_scale", ROW_ZERO, wzp], [t("r_w1")],
-           name=t("RestMatMulIntegerToFloat"), domain=MS),
-        mk("MatMulIntegerToFloat", [t("xq"), name + ".w2", ROW_ONE, name + ".fine_scale", ROW_ZERO, wzp], [t("x_w2")],
+        mk("Concat", [t("xq"), t("rq")], [t("xr")], name=t("Concat"), axis=0),  # x's rows, then the rests'
+        mk("MatMulIntegerToFloat", [t("xr"), name + ".w1", ROW_ONE, name + ".scale", ROW_ZERO, wzp], [t("y1")],
+           name=t("MatMulIntegerToFloat"), domain=MS),  # one node reads w1: onnxruntime packs it once
+        mk("Split", [t("y1")], [t("x_w1"), t("r_w1")], name=t("Split"), axis=0, num_outputs=2),
+        mk("MatMulIntegerToFloat", [t("xq"), name + ".w2", ROW_ONE, name + ".scale", ROW_ZERO, wzp], [t("x_w2")],
            name=t("FineMatMulIntegerToFloat"), domain=MS),
         mk("Add", [t("r_w1"), t("x_w2")], [t("fine")], name=t("FineAdd")),
-        mk("Add", [t("x_w1"), t("fine")], [t("acc")], name=t("Add")),
+        mk("Mul", [t("fine"), PAIR_INV254], [t("fine_")], name=t("FineMul")),
+        mk("Add", [t("x_w1"), t("fine_")], [t("acc")], name=t("Add")),
         mk("Div", [t("acc"), t("r")], [y], name=t("RowDiv")),
     ]
 

@@ -270,7 +270,7 @@ def _one_step(out, m, accuracy: str, ids: list[int], tables: list[int]):
 
 
 @pytest.mark.parametrize("weights,attention", [("int4", "plugin"), ("int4", "onnx"), ("int8", "onnx")])
-def test_auto_accuracy_runs_large_steps_as_int8_pairs(hf_folder, tmp_path, weights, attention, cpu_op):
+def test_auto_accuracy_runs_large_steps_as_int8_pairs(hf_folder, tmp_path, weights, attention, cpu_op, monkeypatch):
     """accuracy "auto" (the default), fp32 block-wise builds: steps of LARGE_STEP_TOKENS["pair"]
     tokens or more run in a second session whose block-wise matmuls (all but the LM head's) are
     int8 pairs (ort_quant.blocks_to_int8_pair: ~15 bits of activations and weights), smaller
@@ -279,8 +279,13 @@ def test_auto_accuracy_runs_large_steps_as_int8_pairs(hf_folder, tmp_path, weigh
     fp16 int4 build keeps the float form (the pairs take float32)."""
     import collections
 
+    from kvexport.runtime import ort_backends, ort_quant
     from kvexport.runtime.ort_backends import LARGE_STEP_TOKENS, ort_backend
 
+    monkeypatch.setattr(ort_quant, "STORE_BYTES", 256)  # this model's matrices are small: derived ones wait in a store
+    released = []
+    monkeypatch.setattr(ort_backends, "_release", lambda a, real=ort_backends._release: released.append(a.nbytes)
+                        or real(a))
     src = str(hf_folder("llama", num_key_value_heads=2))
     out, m = build(src, tmp_path / "b", BuildOptions(weights=weights, attention=io.Attention(attention),
                                                      validate=False, **OPTS))
@@ -292,10 +297,14 @@ def test_auto_accuracy_runs_large_steps_as_int8_pairs(hf_folder, tmp_path, weigh
         return _one_step(out, m, accuracy, ids[:n], tables)
 
     auto, be, sess = logits("auto", tokens)
-    assert be.large_form == "pair"
+    assert be.large_form == "pair" and len(released) >= 2 * 4 * m.kv.num_layers and min(released) > 0
+    with pytest.MonkeyPatch.context() as mp:  # the derived arrays are freed once the session is made
+        mp.setattr(ort_backends, "_release", lambda a: None)
+        kept, _, _ = logits("auto", tokens)
+    np.testing.assert_array_equal(auto, kept)  # onnxruntime does not read them after
     assert sess is be.large_sessions[io.Phase.PREFILL.value] and sess is not be.sessions[io.Phase.PREFILL.value]
     g = be._cpu_model(out / io.PREFILL_GRAPH, large=True).graph
-    assert collections.Counter(n.op_type for n in g.node)["MatMulIntegerToFloat"] == 3 * 4 * m.kv.num_layers
+    assert collections.Counter(n.op_type for n in g.node)["MatMulIntegerToFloat"] == 2 * 4 * m.kv.num_layers
     small, be, sess = logits("auto", LARGE_STEP_TOKENS["pair"] - 1)
     assert sess is be.sessions[io.Phase.PREFILL.value]
     exact, be, _ = logits("float", tokens)

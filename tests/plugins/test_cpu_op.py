@@ -193,3 +193,28 @@ def test_one_thread_and_many_agree(lib):
     b = session(lib, model, threads=2).run(None, feeds)[0]
     np.testing.assert_array_equal(a, b)
     assert torch.isfinite(torch.from_numpy(a)).all()
+
+
+def test_unknown_dims_stay_unknown_for_later_shape_inference(lib):
+    """The op's outputs take its inputs' shapes; a dim neither known nor named (the query's
+    token count behind a Split) once came back as dim_value -1, and a Concat along it failed
+    when the session was made ("Negative dimension value on Concat axis"): ort_quant's int8
+    pairs concatenate an attention output's rows like this. Now such dims get names."""
+    case, attrs = make_case(**CASES["prefill-ragged"], seed=4)
+    model = one_node_model(attrs, "float32")
+    g = model.graph
+    q = g.input[0].name
+    heads, dim = feeds_of(case)[q].shape[1:]
+    g.input[0].CopyFrom(helper.make_tensor_value_info("q_in", 1, ["tokens_twice", heads, dim]))
+    # the query through a Split of unknown sizes: its dims reach the op unknown and unnamed
+    g.node.insert(0, helper.make_node("Split", ["q_in"], [q, "q_rest"], axis=0, num_outputs=2))
+    g.node.append(helper.make_node("Concat", [g.output[0].name, g.output[0].name], ["twice"], axis=0))
+    g.output.append(helper.make_value_info("twice", helper.make_tensor_type_proto(1, None)))
+    del model.opset_import[:]
+    model.opset_import.extend([helper.make_opsetid("", 18), helper.make_opsetid(g.node[1].domain, 1)])
+    feeds = feeds_of(case)
+    want = reference(case, attrs)[0]
+    feeds["q_in"] = np.concatenate([feeds.pop(q)] * 2)  # the first half is the query
+    out, twice = session(lib, model).run([g.output[0].name, "twice"], feeds)
+    assert np.abs(out - want).max() <= TOLERANCE["float32"]
+    np.testing.assert_array_equal(twice, np.concatenate([out, out]))
