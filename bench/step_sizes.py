@@ -1,7 +1,8 @@
 """Time of one engine step of M tokens (one sequence's prompt of M tokens) for a block-wise
 quantized build, in each of its sessions: the small-step one (MatMulNBits at level 4) and the
-large-step one of `--weight-matmul-accuracy` (auto: float for int4; int8: per-channel int8 x
-per-token int8). Where the second starts to win is runtime/ort_backends.py LARGE_STEP_TOKENS.
+large-step one of `--weight-matmul-accuracy` (auto: int8 pairs for fp32 builds, float for fp16
+int4; int8: per-channel int8 x per-token int8). Where the second starts to win is
+runtime/ort_backends.py LARGE_STEP_TOKENS.
 
     .venv/bin/python bench/step_sizes.py BUILD [--accuracy int8] [--sizes 1,2,4,8,16,32,64]
         [--threads 2] [--repeats 7] [--out bench/results/step_sizes.json]

@@ -117,9 +117,10 @@ SETTINGS: dict[str, str] = {
     "threads": "onnxruntime intra-op threads [all cores].",
     "backend": "Execution backend: onnxruntime, or tensorrt (the build's engines; needs TensorRT and a GPU).",
     "cuda_graph_batch_sizes": "tensorrt: decode batch sizes to capture as CUDA graphs, comma-separated (e.g. 1,2,4,8).",
-    "weight_matmul_accuracy": "int4 / block-wise int8 weights on onnxruntime (CPU). auto: int4 steps of 32 tokens "
-                              "or more in float with the exact codes (a second session), smaller ones with int8 "
-                              "activations; block-wise int8 with int8 activations. int8: int8 activations "
+    "weight_matmul_accuracy": "int4 / block-wise int8 weights on onnxruntime (CPU). auto: steps of 8 tokens or more "
+                              "as int8 pairs (~15-bit activations and weights on int8 x int8 GEMMs, a second "
+                              "session: +2 bytes per weight of RSS), smaller ones with int8 activations "
+                              "(MatMulNBits); fp16 int4 builds: large steps in float. int8: int8 activations "
                               "throughout, steps of 4+ tokens as per-channel int8 x int8 GEMMs (fastest; smollm2 "
                               "int4 perplexity +1.9%). float: exact everywhere (slow decode).",
     "max_sequences_per_request": "Sequences one request may ask for (prompts x n), max; more is refused with 400. "
