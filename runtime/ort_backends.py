@@ -60,13 +60,14 @@ DEFAULT_ACCURACY = "auto"  # when ort_backend() is not given one
 # activations, onnxruntime's only exact kernel for block-wise weights) is 1.1-1.3x slower than
 # fp32 from M = 32 on (576x1536 at M = 512: 3.5-3.8 ms against 3.0-3.2 fp32; scratch timings).
 #   "auto", fp32 builds (int4 and block-wise int8): "pair": every block-wise matmul but the LM
-#       head as three int8 x int8 products carrying ~15 bits of activations and weights
+#       head as int8 x int8 products carrying ~15 bits of activations and weights
 #       (ort_quant.blocks_to_int8_pair); the head (int8 blocks) at level 4. smollm2 int4
-#       perplexity 54.587 against 54.572 exact and 54.617 for its Q4_1 source (level 4 alone:
-#       55.64). ms per step of M tokens, smollm2 int4 (bench/step_sizes.py, level 4 vs pair):
-#       18.9 vs 25.9 at M=4, 27.3 vs 27.2 at 8, 44.5 vs 39.0 at 16, 138.1 vs 90.8 at 64; in one
-#       process against fp32 and the float form (/tmp scratch, medians of 5, fp32 / float / pair):
-#       107.8 / 145.2 / 118.1 at 64, 571.6 / 748.7 / 522.0 at 512.
+#       perplexity 54.575 against 54.572 exact and 54.617 for its Q4_1 source (level 4 alone:
+#       55.64); block int8 54.623. ms per step of M tokens, smollm2 int4 (bench/step_sizes.py,
+#       level 4 vs pair): 18.9 vs 25.9 at M=4, 27.3 vs 27.2 at 8, 44.5 vs 39.0 at 16, 138.1 vs
+#       90.8 at 64; in one process against fp32 and the float form (scratch, medians of 5, fp32 /
+#       float / pair): 107.8 / 145.2 / 118.1 at 64, 571.6 / 748.7 / 522.0 at 512. Mixed-64 trace:
+#       int4 at fp32's throughput (0.999x over six turns; README), float form 0.94x.
 #   "auto", fp16 int4 builds: "float", level 0, exact, the int8 LM head kept at level 4 as an
 #       explicit node (ort_quant.int8_blocks_to_matmulnbits); the pair form takes float32 only.
 #   "int8", block-wise fp32 builds: "int8": the blocks as per-channel int8 codes with per-token
@@ -139,10 +140,12 @@ SPILL_BYTES = 1 << 16  # smaller initializers (scales, constants) stay in the gr
 def _release(a: np.ndarray) -> None:
     """Free a derived array's memory once its session is made, though the session options still
     hold it (the InferenceSession keeps them): onnxruntime copies external initializers while
-    the session is made and reads its copies (pre-packed) after. Measured: zeroing every derived
-    array after the session was made left smollm2's int4 and int8 perplexity unchanged;
-    tests/exporter/test_quantized_weights.py checks a released session against one from the
-    embedded graph. Frees 2 bytes per weight of the int8 pairs (212 MB on smollm2)."""
+    the session is made and reads its copies (pre-packed) after. Measured: 106 MB of int8
+    weights handed over this way raised RSS by 113 MB when the session was made, and freeing
+    them after took RSS back down by 102 MB; zeroing every derived array after its session was
+    made left smollm2's int4 and int8 perplexity unchanged. tests/exporter/
+    test_quantized_weights.py compares a released session's logits with those of one whose
+    arrays were kept. Frees 2 bytes per weight of the int8 pairs (212 MB on smollm2)."""
     if a.flags.owndata:
         a.resize(0, refcheck=False)
 
@@ -206,8 +209,8 @@ class _OrtBackend:
 
     @property
     def large_form(self) -> str | None:
-        """How a large-step session runs block-wise weights ("pair" | "float" | "int8"), if it differs
-        from a small step's (see LARGE_STEP_TOKENS)."""
+        """How a large-step session runs block-wise weights ("pair" | "float" | "int8"), if it
+        differs from a small step's (see LARGE_STEP_TOKENS)."""
         q = self.manifest.weights.quantization or {}
         if not isinstance(q.get("block_size"), int):  # fp32/fp16, or per-channel int8 (always int8 x int8)
             return None

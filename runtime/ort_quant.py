@@ -19,7 +19,9 @@ or per tensor: DynamicQuantizeLinear ─> MatMulInteger ─> Cast ─> Mul(xs * 
 onnxruntime fuses to DynamicQuantizeMatMul (bench/quant_linear.py: ~3x fp32 at M >= 64).
 A zero point (GPTQ per-channel int8) feeds the integer matmul as its per-column B zero point.
 `blocks_to_int8_channel()` turns block-wise int4/int8 weights into that per-channel form (for
-large steps under weight_matmul_accuracy "int8", runtime/ort_backends.py).
+large steps under weight_matmul_accuracy "int8", runtime/ort_backends.py); `blocks_to_int8_pair()`
+into two int8 codes per weight with activations split the same way, ~15 bits of each on int8 x
+int8 GEMMs (large steps under "auto").
 NOTE: per tensor, one scale covers every row of the step, so a row's rounding depends on the
 other sequences in the batch, and smollm2's perplexity rose +29% (70.6 vs 54.6); per row
 +2.4% (55.9; per-channel weights alone, float activations: +1.0%). bench/weight_quality.py.
@@ -283,9 +285,10 @@ def blocks_to_int8_pair(model: onnx.ModelProto, base_dir: str, skip: frozenset[s
         x ≈ (xq + rq / 254) / r  xq = round(x r), r = 127 / max|x| per row;     rq the rest
         x W ≈ s / r (xq w1 + (xq w2 + rq w1) / 254)     (rq w2 / 254² dropped)
 
-    as nodes (`_pair`): three MatMulIntegerToFloat (xq w1, rq w1, xq w2). Each operand's rounding is at most 1/508 of its own int8 step
-    (|x - x̂| <= max|x| / 64516 per row), against MatMulNBits level 4's one int8 step per block
-    of 32. Codes named in `skip` stay as they are. New initializers (w1, w2 int8 [K, N]; s [N])
+    as nodes (`_pair`): one MatMulIntegerToFloat of w1 with xq's and rq's rows concatenated (so
+    onnxruntime packs w1 once), one of w2 with xq. Each operand's rounding is at most 1/508 of
+    its own int8 step (|x - x̂| <= max|x| / 64516 per row), against MatMulNBits level 4's one
+    int8 step per block of 32. Codes named in `skip` stay as they are. New initializers (w1, w2 int8 [K, N]; s [N])
     are embedded in the model, or wait in `store` (see DERIVED_DATA): 2 bytes per weight. Returns
     how many matmuls were rewritten."""
     g = model.graph

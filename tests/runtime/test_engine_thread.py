@@ -36,17 +36,22 @@ def _collect(worker, prompt, max_tokens=4):
     return events
 
 
-def test_a_failing_step_fails_its_requests_and_the_thread_keeps_serving(tiny):
-    engine = LLMEngine(tiny)
+def _failing_step(engine, at: int) -> None:
+    """Injected failure: the engine's `at`-th step raises RuntimeError("boom")."""
     real_step, calls = engine.step, {"n": 0}
 
-    def flaky_step():  # injected failure: the first step raises
+    def flaky_step():
         calls["n"] += 1
-        if calls["n"] == 1:
+        if calls["n"] == at:
             raise RuntimeError("boom")
         return real_step()
 
     engine.step = flaky_step
+
+
+def test_a_failing_step_fails_its_requests_and_the_thread_keeps_serving(tiny):
+    engine = LLMEngine(tiny)
+    _failing_step(engine, 1)
     worker = EngineThread(engine)
     worker.start()
     try:
@@ -249,20 +254,12 @@ def test_a_final_event_is_delivered_after_its_blocks_are_freed_and_counted(tiny)
     the final event of a finished, a failed (injected step failure) or a refused request
     reaches its sink, the request's blocks are free and the worker's counters say so."""
     engine = LLMEngine(tiny)
-    real_step, calls = engine.step, {"n": 0}
-
-    def flaky_step():  # injected failure: the third step raises
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError("boom")
-        return real_step()
-
-    engine.step = flaky_step
+    _failing_step(engine, 3)
     worker = EngineThread(engine)
     worker.start()
-    try:
+    try:  # the third: longer than the build's context, refused when admitted
         for prompt, max_tokens, reason in [([5, 6, 7, 8, 9], 6, "error"), ([5, 6, 7, 8, 9], 6, "length"),
-                                           ([5] * 100, 4, "length")]:
+                                           ([5] * 100, 4, None)]:
             seen = {}
             done = threading.Event()
 
@@ -274,7 +271,7 @@ def test_a_final_event_is_delivered_after_its_blocks_are_freed_and_counted(tiny)
 
             worker.submit(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), deliver)
             assert done.wait(30), "no final event"
-            if len(prompt) < 64:
+            if reason is not None:
                 assert seen["reason"] == reason
             assert seen["pool"] == 0 and seen["counted"] == 0, seen
     finally:
