@@ -43,7 +43,8 @@ def main() -> None:
     form = None
     cols = {}
     for name, threshold in (("small (level 4)", 10**9), ("large", 1)):
-        ort_backends.LARGE_STEP_TOKENS = dict.fromkeys(ort_backends.LARGE_STEP_TOKENS, threshold)  # every step in one session
+        # every step in one session
+        ort_backends.LARGE_STEP_TOKENS = dict.fromkeys(ort_backends.LARGE_STEP_TOKENS, threshold)
         llm = LLM(a.build, threads=a.threads, kv_cache_memory="256MiB", weight_matmul_accuracy=a.accuracy,
                   enable_prefix_caching=False)
         form = llm.engine.backend.large_form

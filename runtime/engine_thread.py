@@ -276,19 +276,19 @@ class EngineThread:
         except queue.Empty:
             pass
 
-    def _fail_running(self, error: str) -> None:
-        """A step failed: fail every request in the engine (not those still queued here)."""
-        eng, failed = self.engine, []
+    def _fail_running(self, error: str) -> list[tuple[str, _Sink, Event]]:
+        """A step failed: fail every request in the engine (not those still queued here); their
+        KV blocks are freed. Returns the error events to deliver."""
+        eng, events = self.engine, []
         for rid in [r for r in self._sinks if r not in self._group_of]:
-            failed.append((rid, self._sinks.pop(rid)))
+            sink = self._sinks.pop(rid)
+            events.append((rid, sink, Event(sink.index, "", [], 0, True, "error", error)))
             try:
                 eng.abort(rid)
                 eng.pop_output(rid)
             except Exception:  # noqa: BLE001 - keep failing the others
                 log.exception("engine thread: cleaning up request %s failed", rid)
-        self._update_counters()  # blocks freed before the clients hear: /metrics agrees with them
-        for rid, sink in failed:
-            self._push_to(sink, rid, Event(sink.index, "", [], 0, True, "error", error))
+        return events
 
     def _run(self) -> None:
         eng = self.engine
@@ -307,9 +307,7 @@ class EngineThread:
                 with self._lock:
                     if self._closed:  # stop() gave up waiting for this step and failed its requests
                         break
-                    if error is not None:
-                        self._fail_running(error)
-                    events = []
+                    events = self._fail_running(error) if error is not None else []
                     for o in changed:
                         self.counters.generation_tokens += len(o.new_token_ids)
                         if o.request_id in self._sinks:
@@ -323,9 +321,10 @@ class EngineThread:
                     self._update_counters()
                     for rid, sink, ev in events:
                         self._push_to(sink, rid, ev)
+            else:
+                self._update_counters()  # no step: what _feed queued or admitted
             if self._stop.is_set():
                 break
-            self._update_counters()
             if self._on_tick is not None:
                 try:
                     self._on_tick()

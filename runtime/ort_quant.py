@@ -82,7 +82,7 @@ def int8_dynamic(model: onnx.ModelProto, per_row: bool = PER_ROW) -> int:
             continue
         if consumers.get(n.output[0]) == 1:
             dq[n.output[0]] = n
-    nodes, count, zero_points = [], 0, {}
+    nodes, count = [], 0
     for n in g.node:
         if n.output and n.output[0] in dq:
             continue  # dropped: its MatMul reads the codes itself
@@ -90,14 +90,7 @@ def int8_dynamic(model: onnx.ModelProto, per_row: bool = PER_ROW) -> int:
             nodes.append(n)
             continue
         d = dq[n.input[1]]
-        wzp = d.input[2] if len(d.input) > 2 and d.input[2] else None
-        if wzp is None:
-            n_out = inits[d.input[0]].dims[1]
-            if n_out not in zero_points:  # one all-zero [N] int8 per width
-                zero_points[n_out] = f"kvexport.int8_zero_point.{n_out}"
-                g.initializer.append(helper.make_tensor(zero_points[n_out], TensorProto.INT8, [n_out], bytes(n_out),
-                                                        raw=True))
-            wzp = zero_points[n_out]
+        wzp = d.input[2] if len(d.input) > 2 and d.input[2] else _zero_point(g, inits[d.input[0]].dims[1])
         p = n.name or n.output[0]
         nodes += (_per_row if per_row else _per_tensor)(p, n.input[0], d.input[0], d.input[1], wzp, n.output[0])
         count += 1
@@ -105,12 +98,25 @@ def int8_dynamic(model: onnx.ModelProto, per_row: bool = PER_ROW) -> int:
         del g.node[:]
         g.node.extend(nodes)
         if per_row:
-            for name, value in _ROW_CONSTANTS:
-                if not any(t.name == name for t in g.initializer):
-                    g.initializer.append(numpy_helper.from_array(np.asarray(value), name))
-            if not any(o.domain == MS for o in model.opset_import):
-                model.opset_import.append(helper.make_opsetid(MS, 1))
+            _add_constants(model, _ROW_CONSTANTS)
     return count
+
+
+def _zero_point(g: onnx.GraphProto, n_out: int) -> str:
+    """The name of an all-zero int8 [n_out] initializer (the integer matmuls' B zero point),
+    added to `g` once per width."""
+    name = f"kvexport.int8_zero_point.{n_out}"
+    if not any(t.name == name for t in g.initializer):
+        g.initializer.append(helper.make_tensor(name, TensorProto.INT8, [n_out], bytes(n_out), raw=True))
+    return name
+
+
+def _add_constants(model: onnx.ModelProto, constants) -> None:
+    """Add the (name, value) initializers `model` lacks, and the com.microsoft opset."""
+    have = {t.name for t in model.graph.initializer}
+    model.graph.initializer.extend(numpy_helper.from_array(np.asarray(v), n) for n, v in constants if n not in have)
+    if not any(o.domain == MS for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(MS, 1))
 
 
 ROW_EPS, ROW_QMAX, ROW_ZERO, ROW_AXES, ROW_ONE = (
@@ -292,7 +298,7 @@ def blocks_to_int8_pair(model: onnx.ModelProto, base_dir: str, skip: frozenset[s
     are embedded in the model, or wait in `store` (see DERIVED_DATA): 2 bytes per weight. Returns
     how many matmuls were rewritten."""
     g = model.graph
-    replace, zero_points = {}, {}
+    replace = {}
     for d, w in _block_weights(model, base_dir, skip):
         scale = np.maximum(np.abs(w).max(axis=0), np.float32(1e-30)) / np.float32(127)
         w1 = np.clip(np.rint(w / scale), -127, 127)
@@ -301,13 +307,7 @@ def blocks_to_int8_pair(model: onnx.ModelProto, base_dir: str, skip: frozenset[s
         g.initializer.extend([_tensor(w1.astype(np.int8), name + ".w1", store),
                               _tensor(w2.astype(np.int8), name + ".w2", store),
                               _tensor(scale.astype(np.float32), name + ".scale", store)])
-        n_out = w.shape[1]
-        if n_out not in zero_points:
-            zero_points[n_out] = f"kvexport.int8_zero_point.{n_out}"
-            if not any(t.name == zero_points[n_out] for t in g.initializer):
-                g.initializer.append(helper.make_tensor(zero_points[n_out], TensorProto.INT8, [n_out], bytes(n_out),
-                                                        raw=True))
-        replace[d.output[0]] = (name, zero_points[n_out])
+        replace[d.output[0]] = (name, _zero_point(g, w.shape[1]))
     if not replace:
         return 0
     nodes = []
@@ -319,11 +319,7 @@ def blocks_to_int8_pair(model: onnx.ModelProto, base_dir: str, skip: frozenset[s
             nodes.append(n)
     del g.node[:]
     g.node.extend(nodes)
-    for value, tensor in ((PAIR_254, np.float32(254)), (PAIR_INV254, np.float32(1 / 254))) + _ROW_CONSTANTS:
-        if not any(t.name == value for t in g.initializer):
-            g.initializer.append(numpy_helper.from_array(np.asarray(tensor), value))
-    if not any(o.domain == MS for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid(MS, 1))
+    _add_constants(model, ((PAIR_254, np.float32(254)), (PAIR_INV254, np.float32(1 / 254))) + _ROW_CONSTANTS)
     _prune(g)
     return len(replace)
 

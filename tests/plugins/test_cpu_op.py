@@ -7,7 +7,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
-from onnx import helper
+from onnx import TensorProto, helper
 
 from kvexport.plugins.paged_attention.native import in_place_binding, one_node_model
 from kvexport.plugins.paged_attention.reference import make_case, paged_attention
@@ -205,11 +205,11 @@ def test_unknown_dims_stay_unknown_for_later_shape_inference(lib):
     g = model.graph
     q = g.input[0].name
     heads, dim = feeds_of(case)[q].shape[1:]
-    g.input[0].CopyFrom(helper.make_tensor_value_info("q_in", 1, ["tokens_twice", heads, dim]))
+    g.input[0].CopyFrom(helper.make_tensor_value_info("q_in", TensorProto.FLOAT, ["tokens_twice", heads, dim]))
     # the query through a Split of unknown sizes: its dims reach the op unknown and unnamed
     g.node.insert(0, helper.make_node("Split", ["q_in"], [q, "q_rest"], axis=0, num_outputs=2))
     g.node.append(helper.make_node("Concat", [g.output[0].name, g.output[0].name], ["twice"], axis=0))
-    g.output.append(helper.make_value_info("twice", helper.make_tensor_type_proto(1, None)))
+    g.output.append(helper.make_value_info("twice", helper.make_tensor_type_proto(TensorProto.FLOAT, None)))
     del model.opset_import[:]
     model.opset_import.extend([helper.make_opsetid("", 18), helper.make_opsetid(g.node[1].domain, 1)])
     feeds = feeds_of(case)
