@@ -279,7 +279,7 @@ def main() -> None:
     import onnxruntime as ort
     import onnxruntime_genai as og
 
-    from kvexport.runtime.bench import load_trace, trace_prompts
+    from kvexport.runtime.serving.bench import load_trace, trace_prompts
 
     cache = Path(args.cache)
     hf = prepare_hf(cache / "smollm2-hf")

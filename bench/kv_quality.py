@@ -48,8 +48,8 @@ def nll_paged(build_dir: Path, ids: list[int], window: int, chunk: int) -> tuple
     """Sum of next-token negative log-likelihoods over windows of the text, and the count.
     Runs the runtime's own backend and model runner (all-token logits of each chunk)."""
     from kvexport import manifest as mf
-    from kvexport.runtime.model_runner import ModelRunner, chunk as scheduled_chunk
-    from kvexport.runtime.ort_backends import ort_backend
+    from kvexport.runtime.execution.model_runner import ModelRunner, chunk as scheduled_chunk
+    from kvexport.runtime.execution.ort_backends import ort_backend
 
     m = mf.load(build_dir)
     bs = m.kv.block_size

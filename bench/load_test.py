@@ -33,7 +33,7 @@ from pathlib import Path
 
 import httpx
 
-from kvexport.runtime.triton_local import ServerStartError, wait_http_ready
+from kvexport.runtime.serving.triton_local import ServerStartError, wait_http_ready
 
 HOST = "127.0.0.1"
 HERE = Path(__file__).resolve().parent

@@ -19,7 +19,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 from kvexport.exporter import quantize as qz
-from kvexport.runtime.ort_quant import int8_dynamic
+from kvexport.runtime.execution.ort_quant import int8_dynamic
 
 
 def _model(nodes, inits, k, n, opset):
@@ -43,7 +43,7 @@ def forms(w: np.ndarray):
         for acc in (0, 4):
             yield f"int{bits} block32 DQ->MatMul acc{acc}", m, {"session.qdq_matmulnbits_accuracy_level": str(acc)}
     # per output channel (--weight-block-size channel): the portable form, and what the runtime
-    # derives from it at session load (runtime/ort_quant.py)
+    # derives from it at session load (runtime/execution/ort_quant.py)
     qm = qz.quantize_rtn(w, 8, qz.CHANNEL)
     nodes = [helper.make_node("DequantizeLinear", ["wq", "s"], ["wd"], axis=1),
              helper.make_node("MatMul", ["x", "wd"], ["y"])]

@@ -2,7 +2,7 @@
 quantized build, in each of its sessions: the small-step one (MatMulNBits at level 4) and the
 large-step one of `--weight-matmul-accuracy` (auto: int8 pairs for fp32 builds, float for fp16
 int4; int8: per-channel int8 x per-token int8). Where the second starts to win is
-runtime/ort_backends.py LARGE_STEP_TOKENS.
+runtime/execution/ort_backends.py LARGE_STEP_TOKENS.
 
     .venv/bin/python bench/step_sizes.py BUILD [--accuracy int8] [--sizes 1,2,4,8,16,32,64]
         [--threads 2] [--repeats 7] [--out bench/results/step_sizes.json]
@@ -37,7 +37,7 @@ def main() -> None:
     import numpy as np
 
     from kvexport import LLM, SamplingParams
-    from kvexport.runtime import ort_backends
+    from kvexport.runtime.execution import ort_backends
 
     sizes = [int(s) for s in a.sizes.split(",")]
     form = None

@@ -10,7 +10,7 @@ Builds (paged, plugin attention where the native op is built, --all-logits, unva
   int8 / int4           --weights int8 / int4, rtn (int4 block 32 maps the Q4_1 blocks exactly)
   int8-ch[-awq|-sq]     --weights int8 --weight-block-size channel [--quant-method awq|smoothquant]
                         (served as int8 x int8 matmuls with per-token activation scales)
-  *-int8acc / *-float   weight_matmul_accuracy int8 / float instead of auto (runtime/ort_backends.py;
+  *-int8acc / *-float   weight_matmul_accuracy int8 / float instead of auto (runtime/execution/ort_backends.py;
                         int8: steps of 4+ tokens, so every perplexity chunk, as per-channel int8 x int8)
   int4-awq              --quant-method awq (re-rounds every matrix from the dequantized floats)
   int4-b64 / -b64-awq   block 64: no GGUF block maps, so rtn vs awq on equal terms
@@ -54,7 +54,7 @@ CONFIGS = {  # name -> BuildOptions keywords (+ "accuracy", "float_head": see RU
 
 
 # "accuracy": EngineConfig.weight_matmul_accuracy, onnxruntime's MatMulNBits accuracy level for
-# block-wise weights (runtime/ort_backends.py ACCURACY_LEVELS: "int8" = level 4, "float" = 0); "float_head": the LM head (and tied embeddings) kept in float instead of
+# block-wise weights (runtime/execution/ort_backends.py ACCURACY_LEVELS: "int8" = level 4, "float" = 0); "float_head": the LM head (and tied embeddings) kept in float instead of
 # int8 (exporter/quantize.py HEAD_BITS), to measure what the int8 head costs
 RUNTIME_KNOBS = ("accuracy", "float_head")
 
@@ -106,7 +106,7 @@ def main() -> None:
     from kvexport import manifest as mf
     from kvexport.exporter import calibrate, source
     from kvexport.exporter.build import BuildOptions, build
-    from kvexport.runtime import ort_backends
+    from kvexport.runtime.execution import ort_backends
 
     from kv_quality import nll_paged  # noqa: E402 - bench/ sibling
 

@@ -11,7 +11,7 @@ s = mean|x|^alpha (normalized), alpha from a grid, chosen per matmul to minimize
 ||x W - (x / s) Q(W s)||^2 on the calibration activations (weights-only search, no training).
 
 `--quant-method smoothquant` (Xiao et al. 2023; per-channel int8 weights only): the runtime also
-rounds the activations to int8, one scale per token (runtime/ort_quant.py), and their outlier
+rounds the activations to int8, one scale per token (runtime/execution/ort_quant.py), and their outlier
 channels are what costs accuracy. The same search then scores ||x W - R(x / s) Q(W s)||^2 with
 R that per-token rounding, over AWQ's candidates and SmoothQuant's s = max|x|^a / max|W[k, :]|^(1-a),
 which moves the activations' outliers into the weights' rows.

@@ -133,7 +133,7 @@ class DecoderGraph:
         """codes [K, N] int4/int8 ─> DequantizeLinear(axis=0, block_size=B) ─> [K, N] act dtype;
         per-channel codes (CHANNEL) ─> DequantizeLinear(axis=1, scale [N]) ─> [K, N].
         NOTE: onnxruntime fuses block-wise DQ -> MatMul into MatMulNBits; the per-channel int8
-        form is rewritten at session load (runtime/ort_quant.py); TensorRT reads both as
+        form is rewritten at session load (runtime/execution/ort_quant.py); TensorRT reads both as
         weight-only quantization."""
         ins = self._codes(name, qm)
         if qm.block_size == CHANNEL:

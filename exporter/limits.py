@@ -27,7 +27,7 @@ WEIGHT_BLOCK_SIZES = (0, 32, 64, 128)  # 0: one scale per output channel (CLI `c
 # the default per precision (None given): blocks of 32 for both. Measured on smollm2-135m
 # (bench/weight_quality.py, perplexity vs fp32 54.617): int8 blocks of 32 54.523 (-0.2%); int8 per
 # channel 55.159 (+1.0%) with float activations, 55.926 (+2.4%) as onnxruntime serves it fast
-# (per-row dynamic int8 activations, runtime/ort_quant.py), so per channel is opt-in (`channel`)
+# (per-row dynamic int8 activations, runtime/execution/ort_quant.py), so per channel is opt-in (`channel`)
 DEFAULT_WEIGHT_BLOCK = {"int8": 32, "int4": 32}
 QUANT_METHODS = ("rtn", "awq", "smoothquant")
 CALIBRATED_METHODS = ("awq", "smoothquant")  # scale searches on calibration text (exporter/awq.py)

@@ -38,7 +38,7 @@ QUANTIZED_EMBED = "model.embed_tokens.quantized"
 # smollm2's int4 file 0.36x of fp32 (goal <= 0.3x); int8 blocks of 32 also map GGUF Q8_0 exactly.
 HEAD_BITS = 8
 # NOTE: per-channel builds (`--weight-block-size channel`) keep the head in int8 blocks of 32: on
-# onnxruntime's CPU the per-channel matmuls run with per-token int8 activations (runtime/ort_quant.py),
+# onnxruntime's CPU the per-channel matmuls run with per-token int8 activations (runtime/execution/ort_quant.py),
 # and the head's cost most: smollm2 smoothquant perplexity 55.21 with a per-channel head, 54.64 with
 # blocks of 32 (MatMulNBits, int8 activations per 32 of K), fp32 54.62. TensorRT builds take the
 # head per channel (its INT8 weight-only DQ is per channel only): exporter/build.py.
@@ -229,7 +229,7 @@ def describe(q: dict[str, QuantizedMatrix], wq: WeightQuantization, act_dtype: s
         "scales_dtype": act_dtype, "code_dtype": "int4 (two per byte)" if any_m.bits == 4 else "int8",
         "format": ("onnx QDQ: DequantizeLinear(axis=1, scale [N]) -> MatMul (opset 21); onnxruntime CPU "
                    "sessions run it as int8 x int8 MatMulIntegerToFloat with per-token activation scales "
-                   "(runtime/ort_quant.py)"
+                   "(runtime/execution/ort_quant.py)"
                    if wq.block_size == CHANNEL else "onnx QDQ: DequantizeLinear(axis=0, block_size) -> MatMul (opset 21)"),
         "quantized": {"matrices": len(q), "origins": origins,
                       "names": "model.layers.*.{" + ",".join(LINEARS) + "}" + (

@@ -29,8 +29,8 @@ def sample_feeds(manifest, phase: io.Phase, seed: int = 0) -> dict[str, np.ndarr
                     feeds[name] = rng.standard_normal((batch, kv.num_kv_heads, past, kv.head_dim)).astype(kv_np)
         return feeds
     # paged: two sequences; in prefill the second already has 4 tokens cached (chunked
-    # prefill). Packed by the runtime's own pack() (runtime/model_runner.py).
-    from kvexport.runtime.model_runner import chunk, pack
+    # prefill). Packed by the runtime's own pack() (runtime/execution/model_runner.py).
+    from kvexport.runtime.execution.model_runner import chunk, pack
 
     q_lens, ctx = ([3, 5], [0, 4]) if phase is io.Phase.PREFILL else ([1, 1], [3, 6])
     bs = kv.block_size

@@ -199,7 +199,7 @@ class ContiguousDriver:
 
 
 class PagedDriver:
-    """The runtime's own backend and model runner (runtime/ort_backends.py, model_runner.py)
+    """The runtime's own backend and model runner (runtime/execution/ort_backends.py, model_runner.py)
     on a pool where each sequence holds consecutive blocks (block 0 is the pad block).
     Prompts are prefilled in two chunks, so the second attends to cached blocks.
 
@@ -210,8 +210,8 @@ class PagedDriver:
         self.build_dir, self.manifest, self.kind = build_dir, manifest, kind
 
     def run(self, prompts: list[list[int]], forced: list[list[int]], steps: int) -> list[np.ndarray]:
-        from kvexport.runtime.model_runner import ModelRunner, chunk
-        from kvexport.runtime.ort_backends import ort_backend
+        from kvexport.runtime.execution.model_runner import ModelRunner, chunk
+        from kvexport.runtime.execution.ort_backends import ort_backend
 
         bs, n = self.manifest.kv.block_size, len(prompts)
         per_seq = math.ceil((max(len(p) for p in prompts) + steps) / bs)

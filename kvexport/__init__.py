@@ -19,7 +19,7 @@ def __getattr__(name: str):
 
         return LLM
     if name == "SamplingParams":
-        from kvexport.runtime.sampling import SamplingParams
+        from kvexport.runtime.sampling_params import SamplingParams
 
         return SamplingParams
     raise AttributeError(name)

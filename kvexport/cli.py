@@ -125,7 +125,7 @@ def main(verbose: bool) -> None:
 
 def engine_options(f):
     """The runtime settings as options, generated from their one definition
-    (kvexport/runtime/config.py: EngineConfig's fields, defaults and SETTINGS help), for
+    (kvexport.runtime.config, runtime/config.py: EngineConfig's fields, defaults and SETTINGS help), for
     every command that runs an engine. Values are checked by EngineConfig itself."""
     from dataclasses import fields
 
@@ -389,7 +389,7 @@ def generate(build_dir, prompts, max_tokens, temperature, top_p, top_k, seed, st
     followed by a blank line on stdout. A failed request is an error on stderr, and the exit
     code is 2 once the others are answered."""
     from kvexport.runtime.llm import LLM
-    from kvexport.runtime.sampling import SamplingParams
+    from kvexport.runtime.sampling_params import SamplingParams
 
     for i, text in enumerate(prompts + stop):
         if any("\ud800" <= c <= "\udfff" for c in text):  # argv bytes that are not UTF-8
@@ -452,8 +452,8 @@ def bench(build_dir, trace, limit, json_out, arrival_rate, prefix_ttft, **settin
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
-    from kvexport.runtime.bench import prefix_ttft as run_prefix_ttft
-    from kvexport.runtime.bench import run_bench
+    from kvexport.runtime.serving.bench import prefix_ttft as run_prefix_ttft
+    from kvexport.runtime.serving.bench import run_bench
 
     cfg = _engine_config(settings)
     with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
@@ -484,7 +484,7 @@ def bench(build_dir, trace, limit, json_out, arrival_rate, prefix_ttft, **settin
 @engine_options
 def serve(build_dir, host, port, served_model_name, shutdown_grace, **settings):
     """Serve a paged build over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
-    from kvexport.runtime.server import serve as run_server
+    from kvexport.runtime.serving.server import serve as run_server
 
     cfg = _engine_config(settings)
     run_server(build_dir, host, port, cfg, served_model_name, shutdown_grace=shutdown_grace,
@@ -506,7 +506,7 @@ def serve(build_dir, host, port, served_model_name, shutdown_grace, **settings):
 @engine_options
 def triton(build_dir, out, name, copy_build, instances, execution_env, force, **settings):
     """Write a Triton Inference Server model repository serving a paged build (decoupled, streaming)."""
-    from kvexport.runtime.triton_repo import TritonRepoOptions, write_repository
+    from kvexport.runtime.serving.triton_repo import TritonRepoOptions, write_repository
 
     opts = TritonRepoOptions(engine=_engine_config(settings), name=name, copy_build=copy_build, instances=instances,
                              execution_env=execution_env, force=force)
@@ -530,7 +530,7 @@ def triton(build_dir, out, name, copy_build, instances, execution_env, force, **
               help="On SIGTERM/SIGINT, how long open requests may take to finish before they get an error.")
 def triton_serve(repo, triton_env, host, http_port, grpc_port, metrics_port, shutdown_grace):
     """Run a repository written by `kvexport triton` on the local tritonserver, until SIGTERM/Ctrl-C."""
-    from kvexport.runtime.triton_local import Ports, serve_repository
+    from kvexport.runtime.serving.triton_local import Ports, serve_repository
 
     def ready(url: str) -> None:
         console.print(f"Triton serving {escape(str(repo))} on {escape(url)} (gRPC {escape(host)}:{grpc_port}, "

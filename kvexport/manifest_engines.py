@@ -1,6 +1,6 @@
 """The manifest's `engines` entry: the TensorRT engines of a plugin build, what they were built
 with and the limits the runtime must stay within. exporter/tensorrt_build.py writes it, the
-runtime (runtime/trt_backend.py, runtime/engine.py) reads it; both import it from
+runtime (runtime/execution/trt_backend.py, runtime/engine.py) reads it; both import it from
 `kvexport.manifest`, which decodes and checks it like every other entry.
 
     engines: EnginesEntry

@@ -2,7 +2,7 @@
 registration module, and a TensorRT logger that forwards to `logging`.
 
 Shared by the exporter (exporter/tensorrt_build.py builds engines) and the runtime
-(runtime/trt_backend.py runs them), so serving never imports the exporter. Every check raises
+(runtime/execution/trt_backend.py runs them), so serving never imports the exporter. Every check raises
 `TensorRTUnavailableError` naming what is missing and how to get it; nothing here imports
 tensorrt or torch at module level.
 

@@ -1,5 +1,8 @@
 """kvexport.runtime: serves paged builds with continuous batching.
 
-BlockPool -> KVCacheManager -> Scheduler -> SchedulerOutput -> backend (onnxruntime) ->
-sampler -> detokenizer; public API `LLM` and `SamplingParams` (also importable from
-`kvexport`)."""
+    core/       BlockPool -> KV cache managers -> Scheduler -> SchedulerOutput (no tensors)
+    execution/  ModelRunner -> backend (onnxruntime | TensorRT) -> sampler -> detokenizer
+    serving/    engine thread, OpenAI server, metrics, Triton model/repository/launcher, bench
+    engine.py (step = schedule -> run -> postprocess), llm.py (`LLM`), config.py (the one
+    settings definition), sampling_params.py (`SamplingParams`); `LLM` and `SamplingParams`
+    are also importable from `kvexport`."""

@@ -15,7 +15,7 @@ from typing import Any
 
 from kvexport.errors import ConfigError
 
-from .memory import parse_budget
+from .core.memory import parse_budget
 
 BACKENDS = ("onnxruntime", "tensorrt")
 # onnxruntime CPU, int4 / block-wise int8 weights: how their matmuls compute (ort_backends.py)

@@ -15,22 +15,24 @@ vocabulary, a backend error it caused — fails alone; the engine keeps serving 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from kvexport import io, manifest as mf
 from kvexport.errors import ConfigError, KvExportError
 
-from .backends import create_backend
-from .block_pool import BlockPool
+from .execution.backends import create_backend
+from .core.block_pool import BlockPool
 from .config import EngineConfig
-from .hybrid_kv_cache_manager import HybridKVCacheManager, split_budget
-from .kv_cache_manager import KVCacheManager
-from .memory import num_blocks_for_budget, parse_budget, physical_memory
-from .model_input import Backend
-from .model_runner import ModelRunner
-from .output_processor import OutputProcessor, RequestOutput
-from .requests import RequestError, check_token_ids
-from .sampling import SamplerState, SamplingParams
-from .scheduler import Scheduler, SchedulerConfig, Status
+from .core.hybrid_kv_cache_manager import HybridKVCacheManager, split_budget
+from .core.kv_cache_interface import KVCacheManagerProtocol
+from .core.kv_cache_manager import KVCacheManager
+from .core.memory import num_blocks_for_budget, parse_budget, physical_memory
+from .execution.model_input import Backend
+from .execution.model_runner import ModelRunner
+from .execution.output_processor import OutputProcessor, RequestOutput
+from .serving.requests import RequestError, check_token_ids
+from .sampling_params import SamplerState, SamplingParams
+from .core.scheduler import Scheduler, SchedulerConfig, Status
 
 __all__ = ["EngineConfig", "LLMEngine", "RequestOutput"]
 
@@ -70,7 +72,7 @@ class LLMEngine:
         eos = model.eos_token_ids
         window = model.uniform_window
         self.pool = BlockPool(backend.num_blocks, kv.block_size, enable_prefix_caching=config.enable_prefix_caching)
-        self.kv: KVCacheManager | HybridKVCacheManager = KVCacheManager(self.pool)
+        self.kv: KVCacheManagerProtocol[Any] = KVCacheManager(self.pool)
         if groups is not None:  # two KV cache groups (kvexport/io.py): windowed layers freed behind the window
             local = BlockPool(getattr(backend, "local_num_blocks", None) or backend.num_blocks, kv.block_size,
                               enable_prefix_caching=config.enable_prefix_caching)

@@ -10,8 +10,8 @@ from typing import AsyncIterator, Iterator, Sequence
 from kvexport.errors import KvExportError
 
 from .engine import EngineConfig, LLMEngine, RequestOutput
-from .requests import RequestParser
-from .sampling import SamplingParams
+from .serving.requests import RequestParser
+from .sampling_params import SamplingParams
 
 Prompt = str | list[int] | list[dict]  # text, token ids, or chat messages
 
@@ -28,7 +28,7 @@ class LLM:
         self.engine = LLMEngine(build_dir, config or EngineConfig(**settings))
 
     def _tokens(self, prompt: Prompt, chat: bool = False) -> list[int]:
-        """A prompt -> checked token ids (runtime/requests.py); raises RequestError. Chat
+        """A prompt -> checked token ids (runtime/serving/requests.py); raises RequestError. Chat
         messages (or any prompt with chat=True) go through the chat template."""
         parser = RequestParser.for_engine(self.engine)
         if chat or (isinstance(prompt, list) and prompt and isinstance(prompt[0], dict)):

@@ -37,7 +37,7 @@ def test_wheel_builds_without_warnings_and_outside_build(tmp_path):
     assert not (src / "build").exists()
     (wheel,) = (tmp_path / "dist").glob("kvexport-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert {"kvexport/runtime/traces/mixed-64.json", "kvexport/plugins/paged_attention/cpu/paged_attention_ort.cc",
+    assert {"kvexport/runtime/serving/traces/mixed-64.json", "kvexport/plugins/paged_attention/cpu/paged_attention_ort.cc",
             "kvexport/recipes/llama.yaml", "kvexport/outputs.py", "kvexport/exporter/build.py"} <= names
 
 

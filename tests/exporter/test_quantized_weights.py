@@ -15,7 +15,7 @@ from kvexport.exporter import quantize as qz
 from kvexport.exporter.build import BuildOptions, build
 from kvexport.exporter.validate import MIN_AGREEMENT, TOLERANCE
 from kvexport.manifest import Manifest, WeightsEntry, load
-from kvexport.runtime.ort_quant import int8_dynamic
+from kvexport.runtime.execution.ort_quant import int8_dynamic
 
 OPTS = dict(block_size=4, max_seq_len=64)
 
@@ -213,7 +213,7 @@ def test_weight_matmul_accuracy_sets_the_session_level(hf_folder, tmp_path):
     """EngineConfig.weight_matmul_accuracy picks onnxruntime's MatMulNBits accuracy level
     (int8 activations = 4, float = 0); a bad value names the setting and its choices."""
     from kvexport.runtime.config import EngineConfig
-    from kvexport.runtime.ort_backends import ort_backend
+    from kvexport.runtime.execution.ort_backends import ort_backend
 
     out, m = build(str(hf_folder("llama", num_key_value_heads=2)), tmp_path / "b",
                    BuildOptions(attention=io.Attention.ONNX, weights="int4", validate=False, **OPTS))
@@ -234,7 +234,7 @@ def test_every_quantized_matmul_fuses_to_matmulnbits_in_the_runtime_session(hf_f
 
     import onnxruntime as ort
 
-    from kvexport.runtime.ort_backends import ort_backend
+    from kvexport.runtime.execution.ort_backends import ort_backend
 
     out, m = build(str(hf_folder("qwen2")), tmp_path / "b",
                    BuildOptions(attention=io.Attention.PLUGIN, weights=weights, validate=False, **OPTS))
@@ -258,8 +258,8 @@ def test_every_quantized_matmul_fuses_to_matmulnbits_in_the_runtime_session(hf_f
 def _one_step(out, m, accuracy: str, ids: list[int], tables: list[int]):
     """One prefill step of `ids` on a fresh backend with `accuracy`: (logits, the backend, the
     session it ran in)."""
-    from kvexport.runtime.model_runner import chunk, pack
-    from kvexport.runtime.ort_backends import ort_backend
+    from kvexport.runtime.execution.model_runner import chunk, pack
+    from kvexport.runtime.execution.ort_backends import ort_backend
 
     be = ort_backend(out, m, len(tables) + 2, accuracy=accuracy)
     ran = []
@@ -279,8 +279,8 @@ def test_auto_accuracy_runs_large_steps_as_int8_pairs(hf_folder, tmp_path, weigh
     fp16 int4 build keeps the float form (the pairs take float32)."""
     import collections
 
-    from kvexport.runtime import ort_backends, ort_quant
-    from kvexport.runtime.ort_backends import LARGE_STEP_TOKENS, ort_backend
+    from kvexport.runtime.execution import ort_backends, ort_quant
+    from kvexport.runtime.execution.ort_backends import LARGE_STEP_TOKENS, ort_backend
 
     monkeypatch.setattr(ort_quant, "STORE_BYTES", 256)  # this model's matrices are small: derived ones wait in a store
     released = []
@@ -325,8 +325,8 @@ def test_int8_accuracy_runs_large_steps_as_per_channel_int8(hf_folder, tmp_path,
     steps run at level 4. Both round the activations, so both stay near the float logits."""
     import collections
 
-    from kvexport.runtime import ort_backends
-    from kvexport.runtime.ort_backends import LARGE_STEP_TOKENS, _spill, ort_backend
+    from kvexport.runtime.execution import ort_backends
+    from kvexport.runtime.execution.ort_backends import LARGE_STEP_TOKENS, _spill, ort_backend
 
     out, m = build(str(hf_folder("llama", num_key_value_heads=2)), tmp_path / "b",
                    BuildOptions(weights=weights, attention=io.Attention.ONNX, validate=False, **OPTS))
@@ -359,7 +359,7 @@ def test_int8_accuracy_runs_large_steps_as_per_channel_int8(hf_folder, tmp_path,
 def test_int8_accuracy_opens_no_second_session_for_fp16_builds(hf_folder, tmp_path):
     """The per-channel rewrite takes float32 activations and scales only, so an fp16 int4 build
     under accuracy "int8" would get a second session identical to the first: it opens none."""
-    from kvexport.runtime.ort_backends import ort_backend
+    from kvexport.runtime.execution.ort_backends import ort_backend
 
     out, m = build(str(hf_folder("llama", num_key_value_heads=2)), tmp_path / "b",
                    BuildOptions(weights="int4", dtype=io.DType.FP16, attention=io.Attention.ONNX, validate=False,

@@ -30,8 +30,8 @@ def test_int4_build_size_and_validation(tmp_path):
     minimums folded in, per-token int8 activations) stays within the int4 validation bound of the
     exact (float) logits and predicts the same next token."""
     from kvexport.exporter.validate import TOLERANCE
-    from kvexport.runtime.model_runner import chunk, pack
-    from kvexport.runtime.ort_backends import ort_backend
+    from kvexport.runtime.execution.model_runner import chunk, pack
+    from kvexport.runtime.execution.ort_backends import ort_backend
 
     out, m = build("smollm2-135m", tmp_path / "int4", BuildOptions(weights="int4", max_seq_len=512))
     assert m.validation.passed, m.validation
@@ -61,7 +61,7 @@ def test_smoothquant_int8_build_validates_as_served(tmp_path):
     import onnx
 
     from kvexport import io
-    from kvexport.runtime.ort_quant import int8_dynamic
+    from kvexport.runtime.execution.ort_quant import int8_dynamic
 
     out, m = build("smollm2-135m", tmp_path / "sq", BuildOptions(weights="int8", weight_block_size=0,
                                                                  quant_method="smoothquant", max_seq_len=512))

@@ -1,6 +1,6 @@
 """Interop fixtures: one contiguous smollm2-135m build (real weights, unvalidated: the interop
 tests compare with transformers themselves), transformers' greedy tokens for the same prompts,
-and the separate environments the other tools need (scripts/install.sh creates them)."""
+and the separate environments the other tools need (scripts/install.sh --dev creates them)."""
 
 import os
 from pathlib import Path
@@ -54,6 +54,6 @@ def reference(contiguous_build):
 
 @pytest.fixture(scope="session")
 def optimum_python():
-    need(OPTIMUM_PYTHON.is_file(), f"no optimum environment at {OPTIMUM_PYTHON}: run scripts/install.sh "
+    need(OPTIMUM_PYTHON.is_file(), f"no optimum environment at {OPTIMUM_PYTHON}: run scripts/install.sh --dev "
                                    f"(it creates .venv-optimum with optimum-onnx and transformers 4.57)")
     return OPTIMUM_PYTHON

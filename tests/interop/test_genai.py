@@ -1,6 +1,6 @@
 """A contiguous build through onnxruntime-genai's Generator (genai_config.json written by the
 build: prefill.onnx on the prompt, decode.onnx after), with its own tokenizer, in this venv
-(onnxruntime-genai 0.18 uses the venv's onnxruntime >= 1.31; scripts/install.sh)."""
+(onnxruntime-genai 0.18 uses the venv's onnxruntime >= 1.31; scripts/install.sh --dev)."""
 
 import pytest
 
@@ -14,7 +14,7 @@ def og():
     try:
         import onnxruntime_genai
     except ImportError as e:
-        need(False, f"onnxruntime-genai is not installed ({e}): run scripts/install.sh")
+        need(False, f"onnxruntime-genai is not installed ({e}): run scripts/install.sh --dev")
     return onnxruntime_genai
 
 

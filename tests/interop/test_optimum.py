@@ -1,5 +1,5 @@
 """A contiguous build through optimum's ORTModelForCausalLM.generate, and its tokenizer folder
-under transformers 4.57, in .venv-optimum (optimum pins transformers 4.x; scripts/install.sh)."""
+under transformers 4.57, in .venv-optimum (optimum pins transformers 4.x; scripts/install.sh --dev)."""
 
 import json
 import subprocess

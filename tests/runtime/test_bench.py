@@ -10,7 +10,7 @@ from kvexport import io
 from kvexport.cli import main
 from kvexport.errors import ConfigError
 from kvexport.exporter.build import BuildOptions, build
-from kvexport.runtime.bench import arrival_times, prefix_ttft
+from kvexport.runtime.serving.bench import arrival_times, prefix_ttft
 from kvexport.runtime.engine import EngineConfig
 
 

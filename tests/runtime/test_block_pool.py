@@ -8,9 +8,9 @@ import pytest
 
 from kvexport.errors import ConfigError, KvExportError
 from kvexport.io import PAD_BLOCK_ID
-from kvexport.runtime.block_hash import hash_block_tokens, hash_full_blocks
-from kvexport.runtime.block_pool import BlockPool, PrefixCacheStats
-from kvexport.runtime.errors import KVCacheError
+from kvexport.runtime.core.block_hash import hash_block_tokens, hash_full_blocks
+from kvexport.runtime.core.block_pool import BlockPool, PrefixCacheStats
+from kvexport.runtime.core.errors import KVCacheError
 
 
 def pool(num_blocks=5, block_size=4, caching=True) -> BlockPool:

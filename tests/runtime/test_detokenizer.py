@@ -6,7 +6,7 @@ import importlib.metadata
 
 import pytest
 
-from kvexport.runtime.detokenizer import IncrementalDetokenizer
+from kvexport.runtime.execution.detokenizer import IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")

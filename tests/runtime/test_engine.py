@@ -8,7 +8,7 @@ import pytest
 
 from kvexport import LLM, SamplingParams, io
 from kvexport.exporter.build import BuildOptions, build
-from kvexport.runtime.requests import RequestError
+from kvexport.runtime.serving.requests import RequestError
 
 POISON = 77
 

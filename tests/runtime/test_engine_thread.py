@@ -12,8 +12,8 @@ from kvexport import io
 from kvexport.errors import KvExportError
 from kvexport.exporter.build import BuildOptions, build
 from kvexport.runtime.engine import LLMEngine
-from kvexport.runtime.engine_thread import EngineThread
-from kvexport.runtime.sampling import SamplingParams
+from kvexport.runtime.serving.engine_thread import EngineThread
+from kvexport.runtime.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -146,8 +146,8 @@ def test_a_small_request_is_served_while_a_big_fan_out_runs(tiny):
 
     engine = LLMEngine(tiny, EngineConfig(max_num_seqs=4))
     held = []
-    worker = EngineThread(engine, on_tick=lambda: held.append(len(engine.scheduler.running)
-                                                              + len(engine.scheduler.waiting)))
+    worker = EngineThread(engine, on_tick=lambda: held.append(engine.scheduler.stats().num_running
+                                                              + engine.scheduler.stats().num_waiting))
     lock, big_tokens, small_done_at, big_done = threading.Lock(), [0], [], threading.Event()
     finished = [0]
 
@@ -216,7 +216,7 @@ def test_stop_does_not_wait_for_a_hung_step_and_fails_every_open_request(tiny):
     open request (in the engine, queued in the thread, or still in the inbox) gets one final
     error event, and the step, once released, delivers nothing."""
     from kvexport.runtime.config import EngineConfig
-    from kvexport.runtime.engine_thread import STOP_WAIT_S
+    from kvexport.runtime.serving.engine_thread import STOP_WAIT_S
 
     engine = LLMEngine(tiny, EngineConfig(max_num_seqs=1))
     release, entered = threading.Event(), threading.Event()

@@ -9,8 +9,8 @@ import pytest
 from kvexport import io
 from kvexport.errors import ConfigError
 from kvexport.io import PAD_BLOCK_ID as PAD
-from kvexport.runtime.block_pool import BlockPool
-from kvexport.runtime.hybrid_kv_cache_manager import (HybridKVCacheManager, hybrid_manager, local_blocks_needed,
+from kvexport.runtime.core.block_pool import BlockPool
+from kvexport.runtime.core.hybrid_kv_cache_manager import (HybridKVCacheManager, hybrid_manager, local_blocks_needed,
                                                       split_budget)
 
 BS, W = 4, 8

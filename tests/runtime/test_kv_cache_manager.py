@@ -5,9 +5,9 @@ hands out blocks 1, 2, 3, ..."""
 import pytest
 
 from kvexport.io import PAD_BLOCK_ID
-from kvexport.runtime.block_pool import BlockPool
-from kvexport.runtime.errors import KVCacheError
-from kvexport.runtime.kv_cache_manager import ComputedBlocks, KVCacheManager
+from kvexport.runtime.core.block_pool import BlockPool
+from kvexport.runtime.core.errors import KVCacheError
+from kvexport.runtime.core.kv_cache_manager import ComputedBlocks, KVCacheManager
 
 BS = 4
 

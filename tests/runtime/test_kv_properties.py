@@ -27,8 +27,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvexport.io import PAD_BLOCK_ID
-from kvexport.runtime.block_pool import BlockPool
-from kvexport.runtime.kv_cache_manager import KVCacheManager
+from kvexport.runtime.core.block_pool import BlockPool
+from kvexport.runtime.core.kv_cache_manager import KVCacheManager
 
 BS = 4
 NUM_BLOCKS = 12  # 11 usable: small enough that allocations fail and evict often

@@ -4,7 +4,7 @@ import pytest
 
 from kvexport.errors import ConfigError
 from kvexport.io import DType, kv_bytes_per_token
-from kvexport.runtime.memory import num_blocks_for_budget, parse_size
+from kvexport.runtime.core.memory import num_blocks_for_budget, parse_size
 
 
 @pytest.mark.parametrize(

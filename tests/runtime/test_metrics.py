@@ -1,11 +1,11 @@
-"""runtime/metrics.py: one table for `kvexport serve`'s /metrics and the Triton model's
+"""runtime/serving/metrics.py: one table for `kvexport serve`'s /metrics and the Triton model's
 custom metrics, listed in docs/DEPLOYMENT.md."""
 
 import re
 from pathlib import Path
 
-from kvexport.runtime import metrics as mx
-from kvexport.runtime.engine_thread import Counters
+from kvexport.runtime.serving import metrics as mx
+from kvexport.runtime.serving.engine_thread import Counters
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "DEPLOYMENT.md"
 
@@ -41,7 +41,7 @@ def test_docs_list_the_table():
     text = DOC.read_text()
     m = re.search(r"<!-- metrics table:[^\n]*-->\n(.*?)<!-- end of metrics table -->", text, re.S)
     assert m, "docs/DEPLOYMENT.md lost its metrics table markers"
-    assert m.group(1) == mx.markdown_table(), "regenerate it: python -m kvexport.runtime.metrics"
+    assert m.group(1) == mx.markdown_table(), "regenerate it: python -m kvexport.runtime.serving.metrics"
 
 
 class _FakeMetric:
@@ -72,7 +72,7 @@ class _FakeFamily:
 
 def test_triton_metrics_publish_the_same_table(monkeypatch):
     """The Triton model's _Metrics, with a stand-in for triton_python_backend_utils."""
-    from kvexport.runtime import triton_model
+    from kvexport.runtime.serving import triton_model
 
     monkeypatch.setattr(triton_model, "pb_utils", type("pb", (), {"MetricFamily": _FakeFamily}))
     _FakeFamily.made = []

@@ -13,10 +13,10 @@ import pytest
 from kvexport import io
 from kvexport import manifest as mf
 from kvexport.exporter.build import BuildOptions, build
-from kvexport.runtime.model_runner import ModelRunner, _groups, chunk, pack
-from kvexport.runtime.ort_backends import ort_backend
-from kvexport.runtime.sampling import SamplerState, SamplingParams
-from kvexport.runtime.scheduler import ScheduledRequest, SchedulerOutput
+from kvexport.runtime.execution.model_runner import ModelRunner, _groups, chunk, pack
+from kvexport.runtime.execution.ort_backends import ort_backend
+from kvexport.runtime.sampling_params import SamplerState, SamplingParams
+from kvexport.runtime.core.outputs import ScheduledRequest, SchedulerOutput
 
 BS = 4
 POISON = 77
@@ -115,7 +115,7 @@ def test_serving_imports_neither_torch_nor_the_exporter():
     import subprocess
     import sys
 
-    code = ("import sys, kvexport.runtime.model_runner, kvexport.runtime.engine, kvexport.runtime.ort_backends; "
+    code = ("import sys, kvexport.runtime.execution.model_runner, kvexport.runtime.engine, kvexport.runtime.execution.ort_backends; "
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('kvexport.exporter')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/")
     assert out.stdout.strip() == "[]", out.stdout

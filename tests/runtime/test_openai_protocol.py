@@ -1,4 +1,4 @@
-"""runtime/openai_protocol.py: the request models refuse wrong types at any depth, their
+"""runtime/serving/openai_protocol.py: the request models refuse wrong types at any depth, their
 validation errors become OpenAI 400 bodies naming the field, requests become token ids and
 SamplingParams, and the response/chunk builders give OpenAI's shapes."""
 
@@ -7,9 +7,9 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from kvexport.runtime import openai_protocol as proto
-from kvexport.runtime.openai_protocol import ApiError, ChatCompletionRequest, CompletionRequest
-from kvexport.runtime.requests import RequestError, RequestParser
+from kvexport.runtime.serving import openai_protocol as proto
+from kvexport.runtime.serving.openai_protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from kvexport.runtime.serving.requests import RequestError, RequestParser
 
 
 class Tok:

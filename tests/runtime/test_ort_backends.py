@@ -12,10 +12,10 @@ from kvexport import io
 from kvexport import manifest as mf
 from kvexport.errors import KvExportError
 from kvexport.exporter.build import BuildOptions, build
-from kvexport.runtime.backends import create_backend
+from kvexport.runtime.execution.backends import create_backend
 from kvexport.runtime.config import EngineConfig
-from kvexport.runtime.model_runner import chunk, pack
-from kvexport.runtime.ort_backends import NativeOpBackend, OnnxAttentionBackend, ReferenceOpBackend, ort_backend
+from kvexport.runtime.execution.model_runner import chunk, pack
+from kvexport.runtime.execution.ort_backends import NativeOpBackend, OnnxAttentionBackend, ReferenceOpBackend, ort_backend
 
 BS = 4
 

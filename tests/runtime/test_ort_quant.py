@@ -1,4 +1,4 @@
-"""runtime/ort_quant.py: the per-channel int8 QDQ matmul (DequantizeLinear axis=1 -> MatMul) is
+"""runtime/execution/ort_quant.py: the per-channel int8 QDQ matmul (DequantizeLinear axis=1 -> MatMul) is
 rewritten for onnxruntime's CPU into dynamic int8 GEMMs that onnxruntime fuses; other weight
 forms are left alone."""
 
@@ -9,7 +9,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from kvexport.exporter import quantize as qz
-from kvexport.runtime.ort_quant import int8_dynamic
+from kvexport.runtime.execution.ort_quant import int8_dynamic
 
 K, N = 64, 48
 
@@ -100,7 +100,7 @@ def test_int8_blocks_become_explicit_matmulnbits_with_their_own_level(tmp_path):
     """Block-wise int8 DQ -> MatMul becomes one com.microsoft.MatMulNBits over the same codes
     re-laid out, with the accuracy level given (not the session's): at level 0 it computes the
     dequantized weight exactly; codes stored outside the graph are read from base_dir."""
-    from kvexport.runtime.ort_quant import int8_blocks_to_matmulnbits
+    from kvexport.runtime.execution.ort_quant import int8_blocks_to_matmulnbits
 
     rng = np.random.default_rng(5)
     w = rng.standard_normal((K, N)).astype(np.float32)
@@ -181,7 +181,7 @@ def test_blocks_become_per_channel_int8_with_the_block_offsets_folded_in(tmp_pat
     product is gone, in each form the exporter writes or wrote. Float activations: the only error
     is the per-column rounding, at most half a step (column range / 254) per weight; then
     int8_dynamic takes it as int8 x int8."""
-    from kvexport.runtime.ort_quant import blocks_to_int8_channel
+    from kvexport.runtime.execution.ort_quant import blocks_to_int8_channel
 
     rng = np.random.default_rng(7)
     m, w = _offset_linear(tmp_path, rng, form=form)
@@ -206,7 +206,7 @@ def test_blocks_become_per_channel_int8_with_the_block_offsets_folded_in(tmp_pat
 def test_skipped_codes_stay_block_wise(tmp_path, form):
     """Codes named in `skip` (the runtime passes the LM head's, ort_quant.logits_weight) keep
     their block-wise form and offsets."""
-    from kvexport.runtime.ort_quant import blocks_to_int8_channel, logits_weight
+    from kvexport.runtime.execution.ort_quant import blocks_to_int8_channel, logits_weight
 
     m, _ = _offset_linear(tmp_path, np.random.default_rng(8), head=True, form=form)
     assert logits_weight(m.graph, "y") == "lm_head.q"  # through the offsets' Add or Gemm
@@ -225,7 +225,7 @@ def test_blocks_become_int8_pairs_that_keep_about_15_bits(tmp_path, form):
     product of the two rests is as small, so |y - x W| <= 3 K max|x_row| max|W_col| / 64516.
     Typically far inside that; 100x closer than one int8 rounding (blocks_to_int8_channel with
     per-row int8 activations), also on a loud row and a loud column."""
-    from kvexport.runtime.ort_quant import blocks_to_int8_channel, blocks_to_int8_pair
+    from kvexport.runtime.execution.ort_quant import blocks_to_int8_channel, blocks_to_int8_pair
 
     rng = np.random.default_rng(9)
     m, w = _offset_linear(tmp_path, rng, form=form)
@@ -251,7 +251,7 @@ def test_blocks_become_int8_pairs_that_keep_about_15_bits(tmp_path, form):
 
 def test_int8_pairs_skip_the_head_and_run_at_any_rank(tmp_path):
     """Codes in `skip` stay block-wise; a [B, T, K] input (any rank) gives [B, T, N]."""
-    from kvexport.runtime.ort_quant import blocks_to_int8_pair
+    from kvexport.runtime.execution.ort_quant import blocks_to_int8_pair
 
     m, _ = _offset_linear(tmp_path, np.random.default_rng(10), head=True)
     before = m.SerializeToString()

@@ -7,9 +7,9 @@ import importlib.metadata
 
 import pytest
 
-from kvexport.runtime.output_processor import OutputProcessor
-from kvexport.runtime.sampling import SamplingParams
-from kvexport.runtime.scheduler import EngineCoreOutput
+from kvexport.runtime.execution.output_processor import OutputProcessor
+from kvexport.runtime.sampling_params import SamplingParams
+from kvexport.runtime.core.outputs import EngineCoreOutput
 
 
 @pytest.fixture(scope="module")

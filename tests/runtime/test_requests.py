@@ -1,4 +1,4 @@
-"""runtime/requests.py: prompts -> checked token ids, the context check, request fields ->
+"""runtime/serving/requests.py: prompts -> checked token ids, the context check, request fields ->
 SamplingParams; and the `LLM` front end raising its RequestError (a tiny build)."""
 
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 
 from kvexport import io
 from kvexport.exporter.build import BuildOptions, build
-from kvexport.runtime.requests import RequestError, RequestParser, chat_messages, check_token_ids
+from kvexport.runtime.serving.requests import RequestError, RequestParser, chat_messages, check_token_ids
 
 VOCAB = 50
 

@@ -4,7 +4,8 @@ per-request seeding."""
 import numpy as np
 import pytest
 
-from kvexport.runtime.sampling import SamplerState, SamplingError, SamplingParams, sample
+from kvexport.runtime.sampling_params import SamplerState, SamplingError, SamplingParams
+from kvexport.runtime.execution.sampling import sample
 
 LOGITS = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
 
@@ -82,10 +83,10 @@ def test_invalid_parameters_fail_before_any_work(kw, word):
 
 def test_bad_traces_and_duplicate_ids_raise_clear_errors(tmp_path):
     from kvexport.errors import ConfigError, KvExportError
-    from kvexport.runtime.bench import load_trace
-    from kvexport.runtime.block_pool import BlockPool
-    from kvexport.runtime.kv_cache_manager import KVCacheManager
-    from kvexport.runtime.scheduler import Scheduler, SchedulerConfig
+    from kvexport.runtime.serving.bench import load_trace
+    from kvexport.runtime.core.block_pool import BlockPool
+    from kvexport.runtime.core.kv_cache_manager import KVCacheManager
+    from kvexport.runtime.core.scheduler import Scheduler, SchedulerConfig
 
     with pytest.raises(ConfigError, match="shipped trace"):
         load_trace("no-such-trace")

@@ -14,11 +14,11 @@ from collections import Counter
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvexport.runtime.block_pool import BlockPool
-from kvexport.runtime.kv_cache_manager import KVCacheManager
-from kvexport.runtime.model_runner import ModelRunnerOutput, SampledToken
-from kvexport.runtime.sampling import SamplerState, SamplingParams
-from kvexport.runtime.scheduler import Scheduler, SchedulerConfig, Status
+from kvexport.runtime.core.block_pool import BlockPool
+from kvexport.runtime.core.kv_cache_manager import KVCacheManager
+from kvexport.runtime.core.outputs import ModelRunnerOutput, SampledToken
+from kvexport.runtime.sampling_params import SamplerState, SamplingParams
+from kvexport.runtime.core.scheduler import Scheduler, SchedulerConfig, Status
 
 BS = 4
 

@@ -16,9 +16,9 @@ import pytest
 
 from kvexport import LLM, SamplingParams
 from kvexport.exporter.build import BuildOptions, build
-from kvexport.runtime import metrics as mx
-from kvexport.runtime.engine_thread import Counters, Event
-from kvexport.runtime.triton_local import ServerStartError, wait_http_ready
+from kvexport.runtime.serving import metrics as mx
+from kvexport.runtime.serving.engine_thread import Counters, Event
+from kvexport.runtime.serving.triton_local import ServerStartError, wait_http_ready
 
 HOST = "127.0.0.1"
 PROMPT = "The capital of France is"
@@ -158,7 +158,7 @@ def test_health_and_metrics(server, client, model):
     client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi."}], max_tokens=2)
     client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hey."}], max_tokens=2)
     m = metrics(server)
-    assert list(m) == list(mx.NAMES)  # runtime/metrics.py's table, as the Triton model publishes it
+    assert list(m) == list(mx.NAMES)  # runtime/serving/metrics.py's table, as the Triton model publishes it
     assert m["kvexport_kv_blocks_total"] > 0 and m["kvexport_generation_tokens_total"] >= 4
     assert 0 < m["kvexport_prefix_cache_hit_rate"] <= 1  # the chat template's system prefix is shared
 
@@ -219,7 +219,7 @@ def test_a_client_that_leaves_a_non_streaming_request_frees_its_kv_blocks(server
 def test_tokenizerless_build_errors(hf_folder, tmp_path):
     from fastapi.testclient import TestClient
 
-    from kvexport.runtime.server import create_app
+    from kvexport.runtime.serving.server import create_app
 
     out, _ = build(str(hf_folder("llama")), tmp_path / "tiny", BuildOptions(block_size=4, max_seq_len=64,
                                                                             validate=False))
@@ -257,7 +257,7 @@ def test_a_bad_request_fails_alone_next_to_a_running_stream(hf_folder, tmp_path)
 
     from fastapi.testclient import TestClient
 
-    from kvexport.runtime.server import create_app
+    from kvexport.runtime.serving.server import create_app
 
     out, _ = build(str(hf_folder("llama")), tmp_path / "tiny", BuildOptions(block_size=4, max_seq_len=64,
                                                                             validate=False))
@@ -354,7 +354,7 @@ def fake():
 
     from fastapi.testclient import TestClient
 
-    from kvexport.runtime.server import OpenAIServer, build_app
+    from kvexport.runtime.serving.server import OpenAIServer, build_app
 
     from kvexport.runtime.config import EngineConfig
 
@@ -479,7 +479,7 @@ def test_accepted_and_ignored_fields_and_one_group_per_request(fake):
 def test_transport_and_unexpected_errors_are_openai_shaped(fake):
     from fastapi.testclient import TestClient
 
-    from kvexport.runtime.server import build_app
+    from kvexport.runtime.serving.server import build_app
 
     c, worker = fake
     with TestClient(build_app(c.app.state.server)) as big:  # 1 MiB bodies

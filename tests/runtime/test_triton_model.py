@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from kvexport.exporter.build import BuildOptions, build
-from kvexport.runtime import engine_thread, triton_model
+from kvexport.runtime.serving import engine_thread, triton_model
 
 FINAL = 1
 

@@ -17,7 +17,7 @@ from kvexport.cli import main  # noqa: E402
 from kvexport.errors import BuildExistsError, OutputError  # noqa: E402
 from kvexport.exporter.build import BuildOptions, build  # noqa: E402
 from kvexport.outputs import TRITON_MARKER  # noqa: E402
-from kvexport.runtime.triton_repo import TritonRepoOptions, check_repository, write_repository  # noqa: E402
+from kvexport.runtime.serving.triton_repo import TritonRepoOptions, check_repository, write_repository  # noqa: E402
 
 FORCE = TritonRepoOptions(name="m", force=True)
 

@@ -21,10 +21,10 @@ from click.testing import CliRunner
 
 from kvexport.cli import main
 from kvexport.exporter.build import BuildOptions, build
-from kvexport.runtime import triton_local
+from kvexport.runtime.serving import triton_local
 from kvexport.runtime.config import EngineConfig
-from kvexport.runtime.triton_local import TritonNotFoundError, locate
-from kvexport.runtime.triton_repo import TritonRepoOptions, write_repository
+from kvexport.runtime.serving.triton_local import TritonNotFoundError, locate
+from kvexport.runtime.serving.triton_repo import TritonRepoOptions, write_repository
 
 HOST = "127.0.0.1"
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -92,7 +92,7 @@ def _descendants(pid: int) -> set[int]:
 @pytest.mark.slow
 def test_sigterm_ends_open_requests_and_leaves_no_process(smollm2_build, tmp_path, free_ports):
     if not (TRITON_ENV / "bin" / "python3").exists():
-        pytest.skip(f"no Triton execution environment at {TRITON_ENV}: run scripts/install.sh")
+        pytest.skip(f"no Triton execution environment at {TRITON_ENV}: run scripts/install.sh --dev")
     grace = 2
     write_repository(smollm2_build, tmp_path / "repo", TritonRepoOptions(
         engine=EngineConfig(kv_cache_memory="64MiB", threads=2), name="smol", execution_env=str(TRITON_ENV)))

@@ -56,7 +56,7 @@ def builds(hf_folder, tmp_path_factory):
 
 def _greedy(build_dir, backend_factory) -> list[list[int]]:
     from kvexport.runtime.engine import EngineConfig, LLMEngine
-    from kvexport.runtime.sampling import SamplingParams
+    from kvexport.runtime.sampling_params import SamplingParams
 
     m = mf.load(build_dir)
     engine = LLMEngine(build_dir, EngineConfig(max_num_seqs=8, max_num_batched_tokens=128),
@@ -80,8 +80,8 @@ def test_engine_entry_and_files(builds):
 
 @pytest.mark.parametrize("graph_sizes", [(), (1, 2, 4, 8)], ids=["eager", "cuda-graphs"])
 def test_greedy_tokens_match_onnxruntime(builds, graph_sizes):
-    from kvexport.runtime.ort_backends import ort_backend
-    from kvexport.runtime.trt_backend import TensorRTBackend
+    from kvexport.runtime.execution.ort_backends import ort_backend
+    from kvexport.runtime.execution.trt_backend import TensorRTBackend
 
     ref, plug = builds
     expected = _greedy(ref, lambda d, m: ort_backend(d, m, NUM_BLOCKS))
@@ -93,8 +93,8 @@ def test_int4_weight_only_engines(hf_folder, tmp_path):
     """`--weights int4 --backend tensorrt`: the QDQ graphs (INT4 blocks of 64, per-channel INT8
     head) build weight-only engines whose greedy tokens follow onnxruntime on the same int4
     options (identical tokens not required: fp16 GEMMs on the GPU, int8 activations on the CPU)."""
-    from kvexport.runtime.ort_backends import ort_backend
-    from kvexport.runtime.trt_backend import TensorRTBackend
+    from kvexport.runtime.execution.ort_backends import ort_backend
+    from kvexport.runtime.execution.trt_backend import TensorRTBackend
 
     model = str(hf_folder("llama"))
     common = dict(validate=False, max_seq_len=128, dtype=io.DType.FP16, weights="int4", weight_block_size=64)

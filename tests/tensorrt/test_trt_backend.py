@@ -1,4 +1,4 @@
-"""runtime/trt_backend.py without TensorRT: refusals of builds without (usable) engines,
+"""runtime/execution/trt_backend.py without TensorRT: refusals of builds without (usable) engines,
 engines built for another TensorRT or GPU, pools the engines cannot take, and the padding of
 decode batches for CUDA graphs (exact arrays).
 
@@ -21,8 +21,8 @@ import kvexport
 from kvexport import io
 from kvexport.errors import KvExportError, TensorRTUnavailableError
 from kvexport.manifest import EngineFile, GpuInfo
-from kvexport.runtime import trt_backend as tbk
-from kvexport.runtime.model_input import ModelInput
+from kvexport.runtime.execution import trt_backend as tbk
+from kvexport.runtime.execution.model_input import ModelInput
 
 GPU = GpuInfo("NVIDIA H200", "9.0")  # what make_engines() records
 
@@ -114,7 +114,7 @@ def test_pad_decode_exact():
 def test_serving_does_not_import_the_exporter(tmp_path):
     """The TensorRT backend needs kvexport/ (manifest, tensorrt_env) and the runtime, never
     the exporter (a serving image may ship without it)."""
-    code = ("import sys, kvexport.runtime.trt_backend\n"
+    code = ("import sys, kvexport.runtime.execution.trt_backend\n"
             "print(sorted(m for m in sys.modules if m.startswith('kvexport.exporter')))")
     env = dict(os.environ, PYTHONPATH=str(Path(kvexport.__file__).parents[1]))  # this kvexport
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,

@@ -1,5 +1,5 @@
 """Type-check the TensorRT glue (kvexport/tensorrt_env.py, exporter/tensorrt_build.py,
-runtime/trt_backend.py, plugins/paged_attention/trt.py) with mypy
+runtime/execution/trt_backend.py, plugins/paged_attention/trt.py) with mypy
 against the `tensorrt-stubs` type stubs: every TensorRT class, method, argument count and
 enum member the glue uses must exist with that signature in the stubs (TensorRT 10.13).
 
@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-MODULES = ("kvexport.tensorrt_env", "kvexport.exporter.tensorrt_build", "kvexport.runtime.trt_backend",
+MODULES = ("kvexport.tensorrt_env", "kvexport.exporter.tensorrt_build", "kvexport.runtime.execution.trt_backend",
            "kvexport.plugins.paged_attention.trt")
 
 MYPY_INI = """\

@@ -20,8 +20,8 @@ import numpy as np
 
 from kvexport.errors import ConfigError
 
-from .engine import EngineConfig, LLMEngine
-from .sampling import SamplingParams
+from ..engine import EngineConfig, LLMEngine
+from ..sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +36,7 @@ MAX_TRACE_LEN = 1 << 20  # tokens: a trace's prompt_len and output_len, max
 def load_trace(name_or_path: str = "mixed-64") -> tuple[dict, list[TraceRequest]]:
     p = Path(name_or_path)
     if not p.is_file():
-        p = resources.files("kvexport.runtime").joinpath(f"traces/{name_or_path}.json")
+        p = resources.files("kvexport.runtime.serving").joinpath(f"traces/{name_or_path}.json")
     try:
         data = json.loads(p.read_text())
         reqs = [TraceRequest(int(r["prompt_len"]), int(r["output_len"])) for r in data["requests"]]
@@ -133,14 +133,14 @@ def run_bench(build_dir: str | Path, config: EngineConfig, trace_name: str = "mi
         steps += 1
         used = engine.pool.num_used_blocks
         util.append(used / engine.pool.num_usable_blocks)
-        running = engine.scheduler.running
-        stored = sum(r.num_computed_tokens for r in running)
+        running = engine.scheduler.stats().running_computed_tokens  # (request id, tokens stored)
+        stored = sum(n for _, n in running)
         if used:
             waste.append(1.0 - stored / (used * engine.pool.block_size))
             # contiguous caches reserve per request up front: the build's whole context
             # (HF static cache), or at best exactly prompt + max_tokens
             waste_max_len.append(1.0 - stored / (len(running) * max_len))
-            waste_exact.append(1.0 - stored / sum(reserve[r.request_id] for r in running))
+            waste_exact.append(1.0 - stored / sum(reserve[rid] for rid, _ in running))
         new = sum(len(o.new_token_ids) for o in changed)
         done_tokens += new
         if progress:

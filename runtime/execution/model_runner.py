@@ -24,24 +24,11 @@ from kvexport import io
 
 from .model_input import Backend, ModelInput
 from .sampling import sample
-from .scheduler import ScheduledRequest, SchedulerOutput
+from ..core.outputs import ModelRunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
 QUERY_PAD_SLACK = 1.25  # `onnx` attention: a call's padded size stays within 25% of its real size
-
-
-@dataclass(frozen=True, slots=True)
-class SampledToken:
-    token_id: int
-    logprob: float | None  # of the sampled token, when the request asked for logprobs
-    top_logprobs: tuple[tuple[int, float], ...] | None  # (token, logprob), most likely first
-
-
-@dataclass(frozen=True, slots=True)
-class ModelRunnerOutput:
-    sampled: dict[str, SampledToken]  # request id -> this step's token (requests whose chunk reached the end)
-    failed: dict[str, str]  # request id -> why its part of the step failed (the rest of the step ran)
 
 
 def chunk(request_id: str, token_ids: Sequence[int], start_pos: int, block_table: Sequence[int], block_size: int,

@@ -20,16 +20,13 @@ import enum
 import itertools
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 from kvexport.errors import KvExportError
 
-from .hybrid_kv_cache_manager import HybridKVCacheManager
-from .kv_cache_manager import GroupBlocks, KVCacheManager
-from .sampling import SamplerState, SamplingParams
-
-if TYPE_CHECKING:
-    from .model_runner import ModelRunnerOutput
+from .kv_cache_interface import KVCacheManagerProtocol
+from .outputs import EngineCoreOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from ..sampling_params import SamplerState, SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +44,17 @@ class SchedulerConfig:
 
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_model_len < 2:
             raise ConfigError(f"invalid scheduler limits: {self}")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    """The queues as counts, for metrics and benches: nothing outside the scheduler reads
+    its queues."""
+
+    num_running: int  # requests holding KV blocks
+    num_waiting: int  # requests queued for admission (new or preempted)
+    num_preemptions: int  # preemptions since start
+    running_computed_tokens: tuple[tuple[str, int], ...]  # (request id, tokens whose KV is stored)
 
 
 class Status(str, enum.Enum):
@@ -89,41 +97,8 @@ class Request:
         return self.token_ids[self.num_prompt_tokens:]
 
 
-@dataclass(frozen=True, slots=True)
-class ScheduledRequest:
-    request_id: str
-    token_ids: tuple[int, ...]  # this step's tokens
-    start_pos: int  # position of token_ids[0] in the sequence
-    block_table: tuple[int, ...]
-    slot_mapping: tuple[int, ...]
-    samples: bool  # the chunk reaches the end of the sequence: sample a token
-    sampler: SamplerState | None = None  # the request's sampling state (when samples)
-    num_output_tokens: int = 0  # tokens generated before this step (min_tokens, penalties)
-    group_blocks: tuple[GroupBlocks, ...] = ()  # tables and slots in other KV cache groups (hybrid builds)
-
-
-@dataclass(frozen=True, slots=True)
-class EngineCoreOutput:
-    """What one step did to one request: the scheduler's side (tokens, finishing)."""
-
-    request_id: str
-    new_token_ids: tuple[int, ...]  # sampled this step (empty for a prompt chunk that does not sample)
-    finish_reason: str | None  # "stop" | "length" | "error" when the request finished this step
-    error: str | None = None
-    logprob: float | None = None
-    top_logprobs: tuple[tuple[int, float], ...] | None = None
-    num_cached_prompt_tokens: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerOutput:
-    scheduled: tuple[ScheduledRequest, ...]
-    num_batched_tokens: int
-    preempted: tuple[str, ...]
-
-
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager | HybridKVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManagerProtocol[Any]):
         self.config, self.kv = config, kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -163,6 +138,10 @@ class Scheduler:
         req = self.requests.get(request_id)
         if req is not None and req.status is Status.FINISHED:
             del self.requests[request_id]
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(len(self.running), len(self.waiting), self.num_preemptions,
+                              tuple((r.request_id, r.num_computed_tokens) for r in self.running))
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

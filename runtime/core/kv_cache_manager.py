@@ -179,7 +179,7 @@ class KVCacheManager:
                 "blocks; append without computed_blocks, or free() it first"
             )
         # NOTE: PAD_BLOCK_ID hits: blocks a sliding window no longer needs (a hybrid build's
-        # local group, runtime/hybrid_kv_cache_manager.py): kept as released, never touched
+        # local group, runtime/core/hybrid_kv_cache_manager.py): kept as released, never touched
         hits = list(computed.block_ids)
         held = [b for b in hits if b != PAD_BLOCK_ID]
         if computed.num_computed_tokens != len(hits) * self.block_size:
@@ -282,7 +282,7 @@ class KVCacheManager:
 
     def extra_groups(self, request_id: str, start_pos: int, num_tokens: int) -> tuple[GroupBlocks, ...]:
         """The request's blocks in other KV cache groups: none (one group; see
-        runtime/hybrid_kv_cache_manager.py)."""
+        runtime/core/hybrid_kv_cache_manager.py)."""
         return ()
 
     def slot_mapping(self, request_id: str, start_pos: int, num_tokens: int) -> list[int]:

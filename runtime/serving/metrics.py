@@ -5,7 +5,7 @@ docs/DEPLOYMENT.md lists the same table (`markdown_table`; a test compares them)
 
 Every value comes from the engine thread's `Counters` plus one figure the front end
 counts itself: the requests its clients cancelled (a closed stream, a disconnected client).
-Run `python -m kvexport.runtime.metrics` to print the table for the docs.
+Run `python -m kvexport.runtime.serving.metrics` to print the table for the docs.
 """
 
 from __future__ import annotations

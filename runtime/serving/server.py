@@ -1,7 +1,7 @@
 """An OpenAI-compatible HTTP server (FastAPI + uvicorn) over one `LLMEngine`: the app, its
 routes, the engine thread and streaming. The wire format (request models, response and
-chunk builders, error bodies) is runtime/openai_protocol.py; prompt and parameter parsing
-is runtime/requests.py; the metrics table is runtime/metrics.py.
+chunk builders, error bodies) is runtime/serving/openai_protocol.py; prompt and parameter parsing
+is runtime/serving/requests.py; the metrics table is runtime/serving/metrics.py.
 
     HTTP handlers ──(inbox: queue.Queue)──▶ engine thread ──(call_soon_threadsafe)──▶ asyncio.Queue per request
 
@@ -41,12 +41,12 @@ from kvexport.errors import ConfigError, KvExportError
 
 from . import metrics as mx
 from . import openai_protocol as proto
-from .config import EngineConfig
-from .engine import LLMEngine
+from ..config import EngineConfig
+from ..engine import LLMEngine
 from .engine_thread import Deliver, EngineThread, Event
 from .openai_protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from .requests import RequestError, RequestParser
-from .sampling import SamplingParams
+from ..sampling_params import SamplingParams
 
 MAX_BODY_BYTES = 1 << 20  # request bodies above this are refused with 413
 DISCONNECT_POLL_S = 1.0  # how often a running request checks whether its client left (and the shutdown)

@@ -2,7 +2,7 @@
 types are refused at any depth, and FastAPI derives the OpenAPI schema from them), the
 error body, and pure functions that turn a request into token ids + SamplingParams and
 engine events into response objects and stream chunks. Nothing here holds state or
-touches the engine; runtime/server.py owns the app.
+touches the engine; runtime/serving/server.py owns the app.
 
     CompletionRequest | ChatCompletionRequest ──prompts() / sampling_params()──▶ token ids, SamplingParams
                                               check_fanout(): prompts x n <= max_sequences_per_request
@@ -19,7 +19,7 @@ from typing import Any, Callable, Literal
 from pydantic import BaseModel, ConfigDict
 
 from .requests import RequestError, RequestParser
-from .sampling import SamplingParams
+from ..sampling_params import SamplingParams
 
 # NOTE: stop strings are searched for in every new token's text, so one request's long list
 # would slow every engine step for everyone (OpenAI itself takes 4)

@@ -177,7 +177,7 @@ class _Phase:
 
 
 class TensorRTBackend:
-    """Backend protocol (runtime/model_input.py) over TensorRT engines.
+    """Backend protocol (runtime/execution/model_input.py) over TensorRT engines.
 
     `cuda_graph_batch_sizes`: decode batch sizes to capture as CUDA graphs (empty: off);
     a decode step of S sequences replays the smallest captured size >= S."""

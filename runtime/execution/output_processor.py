@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from .detokenizer import IncrementalDetokenizer
 from .sampling import SamplingParams
-from .scheduler import EngineCoreOutput
+from ..core.outputs import EngineCoreOutput
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,8 +37,8 @@ from typing import Callable
 
 from kvexport.errors import KvExportError
 
-from .engine import LLMEngine
-from .sampling import SamplingParams
+from ..engine import LLMEngine
+from ..sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -179,8 +179,9 @@ class EngineThread:
     # ---- engine thread ----------------------------------------------------------------
     def _update_counters(self) -> None:
         c, eng = self.counters, self.engine
-        c.running, c.kv = len(eng.scheduler.running), eng.kv_stats()
-        c.waiting = len(eng.scheduler.waiting) + len(self._group_of)  # in the engine + queued here
+        st = eng.scheduler.stats()
+        c.running, c.kv = st.num_running, eng.kv_stats()
+        c.waiting = st.num_waiting + len(self._group_of)  # in the engine + queued here
 
     def _push(self, rid: str, ev: Event) -> None:
         sink = self._sinks.get(rid)

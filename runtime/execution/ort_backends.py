@@ -276,7 +276,7 @@ class _OrtBackend:
 
     def _cpu_model(self, path: Path, large: bool = False, store: dict | None = None) -> str | onnx.ModelProto:
         """The graph to open: its path, or on the CPU provider a form derived from it in memory
-        (runtime/ort_quant.py) whose external weights are the build folder's: per-channel int8
+        (runtime/execution/ort_quant.py) whose external weights are the build folder's: per-channel int8
         weights as dynamic int8 matmuls (the codes stay int8 on disk); in a large-step session
         (LARGE_STEP_TOKENS) the block-wise weights but the LM head's as int8 pairs ("pair") or
         per-channel int8 ("int8"), or the int8 LM head as an explicit MatMulNBits ("float").

@@ -20,7 +20,7 @@ from typing import Any, Mapping, Sequence
 
 from kvexport.errors import KvExportError
 
-from .sampling import SamplingError, SamplingParams
+from ..sampling_params import SamplingError, SamplingParams
 
 SAMPLING_FIELDS = frozenset(f.name for f in dc_fields(SamplingParams))
 

@@ -20,7 +20,7 @@ command that runs a generated repository on whichever server it finds (`locate`)
 NOTE: the stub in that wheel is compiled against numpy 1.x (pybind11's numpy 1 ABI); in
 an environment with numpy 2 every BYTES tensor it reads is garbage and the stub dies. The
 environment that runs the model (EXECUTION_ENV_PATH) therefore needs numpy<2 —
-`scripts/install.sh` makes one, `.venv-triton`, with kvexport's runtime dependencies.
+`scripts/install.sh --dev` makes one, `.venv-triton`, with kvexport's runtime dependencies.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ SHUTDOWN_GRACE_S = 10.0  # triton-serve: after SIGTERM/SIGINT, seconds open requ
 # its stream open holds the model (Triton 2.51) until the timeout, then Triton exits with 1
 EXIT_AFTER_GRACE_S = 10
 READY_TIMEOUT_S = 600.0  # longest triton-serve waits for the models to load
-INSTALL_HINT = ("install one: `bash scripts/install.sh` makes .venv-triton with it (by hand: "
+INSTALL_HINT = ("install one: `bash scripts/install.sh --dev` makes .venv-triton with it (by hand: "
                 "`/usr/bin/python3.11 -m venv .venv-triton && .venv-triton/bin/pip install --no-deps "
                 "nvidia-pytriton==0.7.0` plus kvexport's runtime and numpy<2, see docs/DEPLOYMENT.md), then pass "
                 "--triton-env .venv-triton; or use the NVIDIA Triton container, whose tritonserver is on PATH")
@@ -115,7 +115,7 @@ def find_triton(env: str | Path) -> TritonInstall:
         if (root / "bin" / "tritonserver").exists():
             return TritonInstall(root, sp / "nvidia_pytriton.libs", Path(env).absolute())
     raise TritonNotFoundError(f"no tritonserver in {env}: install it with "
-                              f"`{env}/bin/pip install --no-deps nvidia-pytriton==0.7.0` (see scripts/install.sh)")
+                              f"`{env}/bin/pip install --no-deps nvidia-pytriton==0.7.0` (see scripts/install_dev.sh)")
 
 
 def _candidate_envs() -> list[str]:

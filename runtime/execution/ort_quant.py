@@ -19,7 +19,7 @@ or per tensor: DynamicQuantizeLinear ─> MatMulInteger ─> Cast ─> Mul(xs * 
 onnxruntime fuses to DynamicQuantizeMatMul (bench/quant_linear.py: ~3x fp32 at M >= 64).
 A zero point (GPTQ per-channel int8) feeds the integer matmul as its per-column B zero point.
 `blocks_to_int8_channel()` turns block-wise int4/int8 weights into that per-channel form (for
-large steps under weight_matmul_accuracy "int8", runtime/ort_backends.py); `blocks_to_int8_pair()`
+large steps under weight_matmul_accuracy "int8", runtime/execution/ort_backends.py); `blocks_to_int8_pair()`
 into two int8 codes per weight with activations split the same way, ~15 bits of each on int8 x
 int8 GEMMs (large steps under "auto").
 NOTE: per tensor, one scale covers every row of the step, so a row's rounding depends on the
@@ -127,7 +127,7 @@ _ROW_CONSTANTS = ((ROW_EPS, np.float32(1e-12 * 127)), (ROW_QMAX, np.float32(127)
 
 # The external-data location of derived arrays that wait in memory for the session: with a
 # `store` (a dict), the rewrites below leave a placeholder initializer that names it and put the
-# array in the store (runtime/ort_backends.py `_spill` hands them to onnxruntime), so a derived
+# array in the store (runtime/execution/ort_backends.py `_spill` hands them to onnxruntime), so a derived
 # weight exists once in this process, not also as protobuf bytes.
 DERIVED_DATA = "kvexport-derived.data"
 STORE_BYTES = 1 << 16  # smaller arrays (scales, constants) stay in the graph

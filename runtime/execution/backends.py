@@ -1,5 +1,5 @@
 """The one factory of execution backends: a build plus the runtime settings -> the backend
-that runs it (runtime/ort_backends.py for onnxruntime, runtime/trt_backend.py for TensorRT),
+that runs it (runtime/execution/ort_backends.py for onnxruntime, runtime/execution/trt_backend.py for TensorRT),
 and the settings capped to what that backend accepts."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 from kvexport.errors import KvExportError
 from kvexport.manifest import Manifest
 
-from .config import EngineConfig
+from ..config import EngineConfig
 from .model_input import Backend
 
 

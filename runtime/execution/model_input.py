@@ -2,8 +2,8 @@
 
 `ModelInput` is one step's packed batch as the paged graphs take it (kvexport/io.py names
 the tensors); `Backend` is what the runner needs from an execution backend. Backends
-(runtime/ort_backends.py: onnxruntime variants; runtime/trt_backend.py: TensorRT; the
-factory is runtime/backends.py) import this module and never each other.
+(runtime/execution/ort_backends.py: onnxruntime variants; runtime/execution/trt_backend.py: TensorRT; the
+factory is runtime/execution/backends.py) import this module and never each other.
 """
 
 from __future__ import annotations

@@ -1,0 +1,54 @@
+"""The one interface of the KV cache managers, as the scheduler uses it: a request's block
+table and slots, prefix hits, growth, caching and release. Two implementations:
+`KVCacheManager` (one KV cache group, runtime/core/kv_cache_manager.py) and
+`HybridKVCacheManager` (a full and a local group, runtime/core/hybrid_kv_cache_manager.py).
+
+NOTE: running out of blocks returns ``None`` from `allocate_slots` (the scheduler preempts
+or waits); a call out of protocol (unknown request, double free) raises `KVCacheError`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence, TypeVar
+
+from .block_pool import BlockPool
+from .kv_cache_manager import GroupBlocks
+
+
+class ComputedHits(Protocol):
+    """What `get_computed_blocks` found for a prompt; passed unchanged to `allocate_slots`."""
+
+    @property
+    def num_computed_tokens(self) -> int: ...  # prompt tokens already held by cached blocks
+
+
+C = TypeVar("C", bound=ComputedHits)
+
+
+class KVCacheManagerProtocol(Protocol[C]):
+    pool: BlockPool  # the full group's pool: sequences are sized by it, the engine reports it
+    block_size: int  # tokens per block
+
+    def __contains__(self, request_id: object) -> bool: ...
+
+    @property
+    def usage(self) -> float: ...  # fraction of usable blocks held, in [0, 1]
+
+    def num_slots(self, request_id: str) -> int: ...  # tokens the request has slots for
+
+    def block_table(self, request_id: str) -> list[int]: ...  # the full group's table (a copy)
+
+    def slot_mapping(self, request_id: str, start_pos: int, num_tokens: int) -> list[int]: ...
+
+    def extra_groups(self, request_id: str, start_pos: int, num_tokens: int) -> tuple[GroupBlocks, ...]: ...
+
+    def get_computed_blocks(self, request_tokens: Sequence[int], salt: str | None = None) -> C: ...
+
+    def allocate_slots(self, request_id: str, num_new_tokens: int,
+                       computed_blocks: C | None = None) -> list[int] | None: ...
+
+    def cache_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None: ...
+
+    def free(self, request_id: str) -> None: ...
+
+    def free_outside_window(self, request_id: str, num_computed_tokens: int, window: int) -> list[int]: ...
