@@ -24,9 +24,9 @@ from typing import Any
 
 from kvexport.errors import KvExportError
 
+from ..sampling_params import SamplerState, SamplingParams
 from .kv_cache_interface import KVCacheManagerProtocol
 from .outputs import EngineCoreOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from ..sampling_params import SamplerState, SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,7 +198,7 @@ class Scheduler:
                 self.kv.extra_groups(req.request_id, start, n)))
         return SchedulerOutput(tuple(out), self.config.max_num_batched_tokens - budget, tuple(preempted))
 
-    def update_from_output(self, output: SchedulerOutput, result: "ModelRunnerOutput") -> list[EngineCoreOutput]:
+    def update_from_output(self, output: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Record that the step's KV is stored, append sampled tokens, apply the stop rules
         and finish requests (freeing their blocks). Requests whose part of the step failed
         finish with "error". Returns one EngineCoreOutput per request the step changed."""

@@ -15,16 +15,15 @@ draws from each request's `SamplerState` (the RNG and penalty counts it owns for
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
 from kvexport import io
 
+from ..core.outputs import ModelRunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput
 from .model_input import Backend, ModelInput
 from .sampling import sample
-from ..core.outputs import ModelRunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput
 
 log = logging.getLogger(__name__)
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from .detokenizer import IncrementalDetokenizer
-from .sampling import SamplingParams
 from ..core.outputs import EngineCoreOutput
+from ..sampling_params import SamplingParams
+from .detokenizer import IncrementalDetokenizer
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..sampling_params import SamplerState, SamplingError, SamplingParams  # noqa: F401  (SamplingError, SamplingParams: re-exported)
+from ..sampling_params import SamplerState
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
