@@ -65,11 +65,21 @@ class TritonRepoOptions:
             raise ConfigError(f"--instances must be an integer >= 1, got {self.instances!r}")
 
 
+def _model_config_pb2():
+    """tritonclient's ModelConfig schema (the `triton` extra), or a ConfigError saying how to get it."""
+    try:
+        from tritonclient.grpc import model_config_pb2
+    except ImportError as e:
+        raise ConfigError(f"kvexport triton needs tritonclient ({e}): pip install 'kvexport[triton]' "
+                          "(scripts/install.sh --dev installs it)") from None
+    return model_config_pb2
+
+
 def model_config(name: str, params: dict[str, str], instances: int):
     """The model's ModelConfig message: decoupled Python backend, no Triton batching (the
     engine batches continuously), the tensor interface of triton_model.py, `params` as
     its parameters (build_dir + EngineConfig.to_strings())."""
-    from tritonclient.grpc import model_config_pb2 as mc
+    mc = _model_config_pb2()
 
     cfg = mc.ModelConfig(name=name, backend="python", max_batch_size=0)
     cfg.model_transaction_policy.decoupled = True
@@ -86,8 +96,8 @@ def model_config(name: str, params: dict[str, str], instances: int):
 def render_config(cfg) -> str:
     """ModelConfig -> config.pbtxt text, checked by parsing it back with the same schema."""
     from google.protobuf import text_format
-    from tritonclient.grpc import model_config_pb2 as mc
 
+    mc = _model_config_pb2()
     text = text_format.MessageToString(cfg)
     back = text_format.Parse(text, mc.ModelConfig())
     if back != cfg:  # an internal invariant: the printer and the parser disagree
@@ -98,8 +108,8 @@ def render_config(cfg) -> str:
 def load_config(path: str | Path):
     """Parse a config.pbtxt with the ModelConfig schema (unknown fields are errors)."""
     from google.protobuf import text_format
-    from tritonclient.grpc import model_config_pb2 as mc
 
+    mc = _model_config_pb2()
     try:
         return text_format.Parse(Path(path).read_text(), mc.ModelConfig())
     except text_format.ParseError as e:

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 pytest.importorskip("tritonclient.grpc")
 
 from kvexport.cli import main  # noqa: E402
-from kvexport.errors import BuildExistsError, OutputError  # noqa: E402
+from kvexport.errors import BuildExistsError, ConfigError, OutputError  # noqa: E402
 from kvexport.exporter.build import BuildOptions, build  # noqa: E402
 from kvexport.outputs import TRITON_MARKER  # noqa: E402
 from kvexport.runtime.serving.triton_repo import TritonRepoOptions, check_repository, write_repository  # noqa: E402
@@ -128,3 +128,13 @@ def test_permissions_follow_the_umask(tiny_build, tmp_path, mask, dirs, files):
                 wrong[p] = oct(stat.S_IMODE(os.stat(p).st_mode))
     assert wrong == {}
     assert {"config.pbtxt", "1"} <= set(os.listdir(tmp_path / "new" / "repo" / "m"))
+
+
+def test_without_tritonclient_the_error_names_the_extra(tiny_build, tmp_path, monkeypatch):
+    """`pip install .` without the triton extra: a ConfigError saying what to install, nothing written."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "tritonclient.grpc", None)  # import now raises ImportError
+    with pytest.raises(ConfigError, match=r"kvexport\[triton\]"):
+        write_repository(tiny_build, tmp_path / "repo", TritonRepoOptions())
+    assert not (tmp_path / "repo").exists()
