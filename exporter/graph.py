@@ -178,7 +178,7 @@ class DecoderGraph:
             (contiguous, x [B, S, K]: the sums ─> MatMul offset ─> Add)
 
         NOTE: two nodes per matmul where Reshape ─> ReduceSum ─> MatMul ─> Add took four; on the
-        CPU a decode step is mostly per-node cost (README "Quantized weights")."""
+        CPU a decode step is mostly per-node cost (docs/BENCHMARKS.md "Fewer nodes per step")."""
         b = self.b
         y = b.op("MatMul", x, w)
         if w in self._offsets:
@@ -303,7 +303,7 @@ class DecoderGraph:
         """Which rows take longrope's long factors: those of sequences that hold more than
         `original_max` tokens after this step (transformers' rule, max(position_ids) + 1 >
         original_max_position_embeddings, applied per sequence). Keys already in the cache keep
-        the rotation they were stored with, as in transformers (README "longrope").
+        the rotation they were stored with, as in transformers (docs/ARCHITECTURE.md "longrope").
 
             paged:      token t ─> its sequence s (query_start_loc) ─> seq_lens[s] > original_max   [T, 1]
             contiguous: row b ─> sum(attention_mask[b]) > original_max                              [B, 1, 1]

@@ -39,8 +39,13 @@ if [ -x "$TPY" ]; then
     # the runtime's imports and the server binary are used here)
     .venv-triton/bin/pip install -q --no-deps -e .
     .venv-triton/bin/pip install -q --no-deps nvidia-pytriton==0.7.0
-    # the native CPU PagedAttention op, so plugin builds served by Triton run it too
-    if [ -f .venv/share/kvexport/onnxruntime-include/onnxruntime_cxx_api.h ]; then
+    # the native CPU PagedAttention op, so plugin builds served by Triton run it too. The library
+    # links no onnxruntime (it gets the C API at registration) and is compiled for this CPU, so
+    # .venv's copy serves .venv-triton as it is (a second compile took minutes)
+    LIB=lib/kvexport/libkvexport_ort_ops.so
+    if [ -f ".venv/$LIB" ]; then
+        mkdir -p .venv-triton/lib/kvexport && cp ".venv/$LIB" ".venv-triton/$LIB.tmp" && mv ".venv-triton/$LIB.tmp" ".venv-triton/$LIB"
+    elif [ -f .venv/share/kvexport/onnxruntime-include/onnxruntime_cxx_api.h ]; then
         PYTHON=.venv-triton/bin/python ORT_INCLUDE=.venv/share/kvexport/onnxruntime-include bash scripts/build_cpu_ops.sh \
             || echo "warning: the native CPU PagedAttention op was not built for .venv-triton" >&2
     fi

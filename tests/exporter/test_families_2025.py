@@ -422,7 +422,7 @@ def test_longrope_sequences_crossing_original_max(hf_folder, tmp_path, attention
     transformers' forward with its cache carried along (short-rotated keys stay in the cache).
     transformers' `generate` instead drops the cache of a Phi-3 sequence when it first outgrows
     original_max and recomputes it with the long factors (Phi3ForCausalLM.prepare_inputs_for_
-    generation): its tokens are those of the full recompute, and differ (README "longrope")."""
+    generation): its tokens are those of the full recompute, and differ (docs/ARCHITECTURE.md "longrope")."""
     from kvexport.exporter.validate import reference
 
     if attention == "plugin":
