@@ -82,10 +82,9 @@ def check_gguf(path: Path) -> None:
             f"support; supported values: {', '.join(supported_gguf_archs())}")
 
 
-def _check_hf_dir(d: Path, name: str, allow_pickle: bool) -> ModelSource:
-    cfg_path = d / "config.json"
-    if not cfg_path.is_file():
-        raise SourceError(f"{d} has no config.json; a HF model folder needs config.json and *.safetensors")
+def config_json(cfg_path: Path) -> dict:
+    """A config.json parsed and checked: a JSON object whose model_type kvexport supports
+    (ConfigError / UnsupportedModelError naming the file or the field otherwise)."""
     try:
         cfg = json.loads(cfg_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -94,6 +93,26 @@ def _check_hf_dir(d: Path, name: str, allow_pickle: bool) -> ModelSource:
         raise ConfigError(f"{cfg_path} must hold a JSON object, got {type(cfg).__name__}; fix it or "
                           f"download the model again")
     family_for(cfg.get("model_type"))  # unknown model_type fails here, before any loading
+    return cfg
+
+
+def load_config_file(cfg_path: Path):
+    """The transformers config of a config.json alone: no weights are read or needed
+    (`kvexport plan` of a model whose weights are not downloaded)."""
+    from transformers import AutoConfig
+
+    config_json(cfg_path)
+    try:
+        return AutoConfig.from_pretrained(str(cfg_path), trust_remote_code=False)
+    except Exception as e:  # noqa: BLE001 - transformers/huggingface_hub raise many types (strict dataclasses)
+        raise ConfigError(f"cannot read {cfg_path} ({type(e).__name__}: {e}); fix it or download it again") from None
+
+
+def _check_hf_dir(d: Path, name: str, allow_pickle: bool) -> ModelSource:
+    cfg_path = d / "config.json"
+    if not cfg_path.is_file():
+        raise SourceError(f"{d} has no config.json; a HF model folder needs config.json and *.safetensors")
+    config_json(cfg_path)
     weights = tuple(sorted(d.glob("*.safetensors")))
     if not weights:
         pickled = tuple(sorted(d.glob("*.bin")))

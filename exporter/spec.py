@@ -26,7 +26,7 @@ class RopeSpec:
     factor: float | None  # scaling factor of linear/llama3/yarn, None for default
     partial_rotary_factor: float  # fraction of head_dim that is rotated (1.0 = all)
     # longrope: a step uses the long factors when its sequence holds more tokens than this after
-    # the step (README "longrope"); None for every other type (and left out of the JSON)
+    # the step (docs/ARCHITECTURE.md "longrope"); None for every other type (and left out of the JSON)
     original_max_positions: int | None = None
 
 
@@ -166,6 +166,23 @@ class ModelSpec:
             if isinstance(d.get(name), dict) and d[name]["original_max_positions"] is None:
                 del d[name]["original_max_positions"]
         return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "ModelSpec":
+        """The spec `to_json()` wrote (a build manifest's ``model``), validated again; fields
+        left out take their defaults. ConfigError names a field this kvexport does not know."""
+        known = {f.name for f in fields(cls)}
+        if unknown := sorted(set(d) - known):
+            raise ConfigError(f"model spec field {unknown[0]!r} is not one this kvexport knows (written by another "
+                              f"version?): rebuild with `kvexport build --force`")
+        kw = dict(d)
+        for name in ("rope", "rope_local"):
+            if isinstance(kw.get(name), dict):
+                kw[name] = RopeSpec(**kw[name])
+        for name in ("eos_token_ids", "layer_windows", "layer_rope"):
+            if kw.get(name) is not None:
+                kw[name] = tuple(kw[name])
+        return cls(**kw)
 
 
 _OPTIONAL = [f for f in fields(ModelSpec) if f.default is not MISSING]

@@ -334,8 +334,10 @@ def store_paged_kv(pool, slot_mapping, new) -> None:
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: DType) -> int:
     """Memory one token occupies in the KV cache: 2 (K and V) x layers x kv_heads x
-    head_dim x bytes. The runtime and every planner use exactly this formula.
-    NOTE: int8 scales are static (per layer and head, not per token), so they add nothing here."""
+    head_dim x bytes. The runtime and every planner use exactly this formula (per KV cache
+    group: `kv_bytes_per_token_by_group`; the manifest's ``kv.bytes_per_token``: all layers).
+    NOTE: int8 scales are static (per layer, head and channel, not per token), so they add
+    nothing here: they live in the graphs, outside the pool (`kv_static_bytes`)."""
     return 2 * num_layers * num_kv_heads * head_dim * kv_dtype.itemsize
 
 
@@ -345,3 +347,19 @@ def kv_bytes_per_token_by_group(layer_groups: tuple[str, ...], num_kv_heads: int
     the model's bytes per token."""
     return {g: kv_bytes_per_token(layer_groups.count(g), num_kv_heads, head_dim, kv_dtype)
             for g in dict.fromkeys(layer_groups)}
+
+
+def kv_static_bytes(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: DType) -> int:
+    """Bytes a KV dtype needs whatever the number of tokens, outside the pool: int8's static
+    scales ``kv_scales.{i}.key/value`` [kv_heads, head_dim] float32 per layer (graph
+    initializers); 0 for float KV."""
+    return 2 * num_layers * num_kv_heads * head_dim * 4 if kv_dtype is DType.INT8 else 0
+
+
+def local_window(layer_windows) -> int | None:
+    """The window of the local KV cache group (`kv_groups`): the largest of its layers'
+    windows, in tokens; None when the layers make one group (a paged build's
+    ``kv.local_window``)."""
+    windows = tuple(layer_windows)
+    local = [w for w, g in zip(windows, kv_groups(windows)) if g == LOCAL_GROUP]
+    return max(local) if local else None

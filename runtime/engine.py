@@ -23,14 +23,14 @@ from kvexport.errors import ConfigError, KvExportError
 from .execution.backends import create_backend
 from .core.block_pool import BlockPool
 from .config import EngineConfig
-from .core.hybrid_kv_cache_manager import HybridKVCacheManager, split_budget
+from .core.hybrid_kv_cache_manager import HybridKVCacheManager
 from .core.kv_cache_interface import KVCacheManagerProtocol
 from .core.kv_cache_manager import KVCacheManager
-from .core.memory import num_blocks_for_budget, parse_budget, physical_memory
+from .core.memory import kv_pool_sizes, parse_budget, physical_memory
 from .execution.model_input import Backend
 from .execution.model_runner import ModelRunner
 from .execution.output_processor import OutputProcessor, RequestOutput
-from .serving.requests import RequestError, check_token_ids
+from .serving.requests import RequestError, check_token_ids, prompt_logprobs_refusal
 from .sampling_params import SamplerState, SamplingParams
 from .core.scheduler import Scheduler, SchedulerConfig, Status
 
@@ -55,14 +55,13 @@ class LLMEngine:
                               f"a share of the free memory such as 30%")
         # the pad block is counted inside the budget
         groups = self.manifest.layer_groups  # None: one KV cache group
-        local_blocks = None
-        if groups is None:
-            num_blocks = num_blocks_for_budget(budget, kv.bytes_per_token, kv.block_size)
-        else:  # the windowed layers' group gets what its window needs, the full group the rest
-            per_token = io.kv_bytes_per_token_by_group(groups, kv.num_kv_heads, kv.head_dim, io.DType(kv.dtype))
-            sizes = split_budget(budget, kv.block_size, per_token[io.FULL_GROUP], per_token[io.LOCAL_GROUP],
-                                 kv.local_window, config.max_num_seqs, config.max_num_batched_tokens)
-            num_blocks, local_blocks = sizes.full_blocks, sizes.local_blocks
+        # NOTE: the one pool sizing (`kvexport plan` calls it too): with a local group, the windowed
+        # layers' group gets what its window needs, the full group the rest
+        per_token = io.kv_bytes_per_token_by_group(groups or (io.FULL_GROUP,) * kv.num_layers, kv.num_kv_heads,
+                                                   kv.head_dim, io.DType(kv.dtype))
+        sizes = kv_pool_sizes(budget, kv.block_size, per_token, kv.local_window, config.max_num_seqs,
+                              config.max_num_batched_tokens)
+        num_blocks, local_blocks = sizes.num_blocks, sizes.local_num_blocks
         if backend is None:
             backend, config = create_backend(self.build_dir, self.manifest, config, num_blocks,
                                              local_num_blocks=local_blocks)
@@ -109,6 +108,8 @@ class LLMEngine:
             raise KvExportError("params must be a SamplingParams")
         prompt = check_token_ids(prompt, self.vocab_size)
         check_token_ids(list(params.stop_token_ids), self.vocab_size, "stop_token_ids")
+        if params.prompt_logprobs is not None and not self.manifest.all_logits:
+            raise RequestError(prompt_logprobs_refusal(self.build_dir), "prompt_logprobs")
         rid = request_id or f"req-{self._ids}"
         self._ids += 1
         if rid in self.outputs:

@@ -23,7 +23,7 @@ class SamplingError(KvExportError):
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    max_tokens: int = 16  # tokens to generate at most
+    max_tokens: int = 16  # tokens to generate at most; 0: compute the prompt only (its prompt_logprobs, an echo)
     min_tokens: int = 0  # EOS and stop tokens are suppressed until this many are generated
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 = off
@@ -38,13 +38,16 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings (may span tokens); not included in the text
     n: int = 1  # parallel samples sharing the prompt's KV blocks
     logprobs: int | None = None  # return the top-k logprobs of each generated token (0 = chosen only)
+    # return the log-probability of each prompt token (and its rank, and the top-k at its position; 0 = the
+    # prompt token's only). Needs a build whose prefill returns every token's logits (`--all-logits`)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
             raise SamplingError(f"invalid sampling parameters: {msg}")
 
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 0:
+            bad(f"max_tokens must be an integer >= 0 (0: the prompt only), got {self.max_tokens!r}")
         if not (0 <= self.min_tokens <= self.max_tokens):
             bad(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if not (0.0 <= self.temperature <= 100.0) or self.temperature != self.temperature:
@@ -62,8 +65,10 @@ class SamplingParams:
                 bad(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if not isinstance(self.n, int) or not (1 <= self.n <= 64):
             bad(f"n must be an integer in [1, 64], got {self.n!r}")
-        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
-            bad(f"logprobs must be in [0, 20], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 20):
+                bad(f"{name} must be an integer in [0, 20], got {v!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             bad(f"seed must be a non-negative integer, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):

@@ -1,15 +1,20 @@
 """KV memory budgets. This module owns turning a user's size string ("2GiB") into bytes
-and a byte budget into a number of KV blocks. Bytes per token come from
-`kvexport.io.kv_bytes_per_token`, the one formula every planner uses.
+and a byte budget into KV pools: `kv_pool_sizes` is the one pool sizing, used by the engine
+(runtime/engine.py) and by `kvexport plan` (exporter/plan.py). Bytes per token come from
+`kvexport.io.kv_bytes_per_token_by_group`, the one formula every planner uses.
 """
 
 from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 from kvexport.errors import ConfigError
-from kvexport.io import PAD_BLOCK_ID
+from kvexport.io import FULL_GROUP, LOCAL_GROUP, PAD_BLOCK_ID
+
+from .hybrid_kv_cache_manager import split_budget
 
 # Unit (lower case) -> bytes. SI prefixes are powers of 1000, IEC ("i") of 1024.
 _UNITS = {
@@ -70,6 +75,44 @@ def num_blocks_for_budget(budget_bytes: int, bytes_per_token: int, block_size: i
             "or lower block_size"
         )
     return num_blocks
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSizes:
+    """The KV pools a budget buys (`kv_pool_sizes`); block counts include the pad block."""
+
+    block_size: int  # tokens per block
+    num_blocks: int  # blocks of each full-group layer's pool (the full group's BlockPool)
+    local_num_blocks: int | None  # blocks of each local-group layer's pool; None: one group
+    bytes_per_block: int  # K and V of every full-group layer, one block, bytes
+    local_bytes_per_block: int  # K and V of every local-group layer, one block, bytes; 0: one group
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of all pools."""
+        return self.num_blocks * self.bytes_per_block + (self.local_num_blocks or 0) * self.local_bytes_per_block
+
+    @property
+    def pool_tokens(self) -> int:
+        """Tokens the full group's usable blocks hold: the scheduler caps a sequence at it."""
+        return (self.num_blocks - 1) * self.block_size
+
+
+def kv_pool_sizes(budget_bytes: int, block_size: int, bytes_per_token: Mapping[str, int], local_window: int | None,
+                  max_num_seqs: int, max_num_batched_tokens: int) -> PoolSizes:
+    """The KV pools `budget_bytes` buys, exactly as the engine allocates them. `bytes_per_token`:
+    `kvexport.io.kv_bytes_per_token_by_group` of the build's layers (group -> bytes); `local_window`:
+    the local group's window, tokens (the manifest's ``kv.local_window``; None: one group, sized by
+    `num_blocks_for_budget`). With a local group, `split_budget` (hybrid_kv_cache_manager.py) gives
+    it what `max_num_seqs` windows and one step of `max_num_batched_tokens` need, the full group
+    the rest. Raises `ConfigError` when the budget holds less than the minimum."""
+    if local_window is None:
+        assert set(bytes_per_token) == {FULL_GROUP}, bytes_per_token
+        n = num_blocks_for_budget(budget_bytes, bytes_per_token[FULL_GROUP], block_size)
+        return PoolSizes(block_size, n, None, bytes_per_token[FULL_GROUP] * block_size, 0)
+    s = split_budget(budget_bytes, block_size, bytes_per_token[FULL_GROUP], bytes_per_token[LOCAL_GROUP],
+                     local_window, max_num_seqs, max_num_batched_tokens)
+    return PoolSizes(block_size, s.full_blocks, s.local_blocks, s.full_bytes_per_block, s.local_bytes_per_block)
 
 
 def available_memory() -> int:

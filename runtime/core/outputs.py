@@ -12,10 +12,40 @@ read them while the scheduler moves on.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..sampling_params import SamplerState
 from .kv_cache_manager import GroupBlocks
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    """Log-probabilities of consecutive prompt tokens, each given the tokens before it: entry
+    i is the token at position `start + i` (>= 1: the first prompt token has none).
+    NOTE: len() counts the tokens, so an empty one (a one-token prompt's) is falsy: test `is None`."""
+
+    start: int  # position of token_ids[0] in the prompt
+    token_ids: tuple[int, ...]  # the prompt tokens scored
+    logprobs: tuple[float, ...]  # of each, under the model's raw distribution (no penalties, no temperature)
+    ranks: tuple[int, ...]  # of each in its distribution: 1 = the most likely token
+    top: tuple[tuple[tuple[int, float], ...], ...] | None  # per position: (token, logprob) of the top-k, best first
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def since(self, position: int) -> "PromptLogprobs":
+        """The entries at `position` and after."""
+        k = max(0, position - self.start)
+        return PromptLogprobs(self.start + k, self.token_ids[k:], self.logprobs[k:], self.ranks[k:],
+                              self.top[k:] if self.top is not None else None)
+
+    @classmethod
+    def concat(cls, parts: "list[PromptLogprobs]") -> "PromptLogprobs":
+        """Consecutive parts (each starting where the one before ends) as one."""
+        assert parts and all(a.start + len(a) == b.start for a, b in zip(parts, parts[1:])), "parts must be consecutive"
+        tops = None if parts[0].top is None else tuple(t for p in parts for t in (p.top or ()))
+        return cls(parts[0].start, tuple(t for p in parts for t in p.token_ids),
+                   tuple(x for p in parts for x in p.logprobs), tuple(r for p in parts for r in p.ranks), tops)
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +59,12 @@ class ScheduledRequest:
     sampler: SamplerState | None = None  # the request's sampling state (when samples)
     num_output_tokens: int = 0  # tokens generated before this step (min_tokens, penalties)
     group_blocks: tuple[GroupBlocks, ...] = ()  # tables and slots in other KV cache groups (hybrid builds)
+    # prompt log-probabilities (SamplingParams.prompt_logprobs): the prompt tokens at positions
+    # prompt_target_start.. that this chunk's rows predict (row p - start_pos predicts the token at p + 1),
+    # and the top-k to return with each
+    prompt_targets: tuple[int, ...] = ()
+    prompt_target_start: int = 0
+    prompt_top_k: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +78,8 @@ class EngineCoreOutput:
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] | None = None
     num_cached_prompt_tokens: int = 0
+    # every prompt token's log-probability (from position 1), once: with the request's first output
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,3 +100,5 @@ class SampledToken:
 class ModelRunnerOutput:
     sampled: dict[str, SampledToken]  # request id -> this step's token (requests whose chunk reached the end)
     failed: dict[str, str]  # request id -> why its part of the step failed (the rest of the step ran)
+    # request id -> the log-probabilities of its chunk's prompt_targets (chunks that have some)
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)

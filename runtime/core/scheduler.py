@@ -12,6 +12,19 @@ the step, `update_from_output()` records the stored KV and the sampled tokens an
 stop rules (EOS, stop token ids, max_tokens, the context) and finishing; stop *strings*
 need the text, so the output processor reports those and the engine finishes them here
 with `finish_requests()`.
+
+Prompt log-probabilities (SamplingParams.prompt_logprobs): a chunk of such a request lists
+the prompt tokens its rows predict (`ScheduledRequest.prompt_targets`), the runner scores
+them from the step's every-token logits (an `--all-logits` build: the engine refuses the
+request on others), and the scores are kept here, by position, until the request's first
+output carries all of them. NOTE (choices):
+- prefix cache: tokens served from cached blocks have no logits, so a request whose prompt
+  logprobs are not all in skips the prefix-cache lookup and computes its whole prompt (as
+  vLLM does); its blocks are still cached for others. Parallel samples (`share_prompt_with`)
+  copy their leader's scores instead, once it has them all, and then reuse its blocks.
+- chunked prefill: each chunk scores its own rows; preemption by recompute computes the
+  prompt again but scores only the positions not yet scored, so nothing is duplicated.
+- max_tokens 0: the request computes its prompt and finishes ("length") without sampling.
 """
 
 from __future__ import annotations
@@ -26,7 +39,7 @@ from kvexport.errors import KvExportError
 
 from ..sampling_params import SamplerState, SamplingParams
 from .kv_cache_interface import KVCacheManagerProtocol
-from .outputs import EngineCoreOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from .outputs import EngineCoreOutput, ModelRunnerOutput, PromptLogprobs, ScheduledRequest, SchedulerOutput
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +92,7 @@ class Request:
     num_cached_prompt_tokens: int = 0  # prefix-cache hit on first admission
     salt: str | None = None
     share_prompt_with: str | None = None  # parallel sample: admitted once that request's prompt is cached
+    prompt_scores: list[PromptLogprobs] | None = None  # prompt logprobs scored so far, consecutive from position 1
 
     @property
     def num_tokens(self) -> int:
@@ -95,6 +109,17 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def next_scored_position(self) -> int:
+        """The first prompt position whose logprob is still to come (from 1; num_prompt_tokens: all in)."""
+        parts = self.prompt_scores or ()
+        return parts[-1].start + len(parts[-1]) if parts else 1
+
+    @property
+    def scoring(self) -> bool:
+        """Prompt logprobs asked for and not all scored yet."""
+        return self.prompt_scores is not None and self.next_scored_position < self.num_prompt_tokens
 
 
 class Scheduler:
@@ -115,7 +140,8 @@ class Scheduler:
         if request_id in self.requests:
             raise KvExportError(f"request id {request_id!r} is already in use; pick a unique id")
         req = Request(request_id, list(prompt), len(prompt), params, sampler, next(self._arrivals), salt=salt,
-                      share_prompt_with=share_prompt_with)
+                      share_prompt_with=share_prompt_with,
+                      prompt_scores=[] if params.prompt_logprobs is not None else None)
         self.requests[request_id] = req
         need = len(prompt) + 1
         if not prompt:
@@ -174,7 +200,10 @@ class Scheduler:
                 req = self.waiting[0]
                 if self._prompt_pending(req):
                     break  # NOTE: wait one step or so; the sample then reuses the prompt's blocks
-                computed = self.kv.get_computed_blocks(req.token_ids, req.salt)
+                self._copy_leader_scores(req)
+                # NOTE: no lookup (an empty token list hits nothing) while the prompt's logprobs are
+                # still to be scored: cached blocks have no logits (module docstring)
+                computed = self.kv.get_computed_blocks(() if req.scoring else req.token_ids, req.salt)
                 n = min(req.num_tokens - computed.num_computed_tokens, budget)
                 if self.kv.allocate_slots(req.request_id, n, computed) is None:
                     break  # FCFS: nobody overtakes the head of the queue
@@ -189,13 +218,17 @@ class Scheduler:
         out = []
         for req, n in chunks:
             start = req.num_computed_tokens
-            samples = start + n == req.num_tokens
+            samples = start + n == req.num_tokens and req.params.max_tokens > 0
+            # rows at positions start..start+n-1 predict the tokens after them; those still to be scored
+            first = max(start + 1, req.next_scored_position)
+            targets = tuple(req.token_ids[first:min(start + n + 1, req.num_prompt_tokens)]) if req.scoring else ()
             out.append(ScheduledRequest(
                 req.request_id, tuple(req.token_ids[start:start + n]), start,
                 tuple(self.kv.block_table(req.request_id)),
                 tuple(self.kv.slot_mapping(req.request_id, start, n)),
                 samples, req.sampler if samples else None, req.num_output_tokens,
-                self.kv.extra_groups(req.request_id, start, n)))
+                self.kv.extra_groups(req.request_id, start, n),
+                targets, first, req.params.prompt_logprobs or 0))
         return SchedulerOutput(tuple(out), self.config.max_num_batched_tokens - budget, tuple(preempted))
 
     def update_from_output(self, output: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
@@ -213,9 +246,19 @@ class Scheduler:
                 continue
             req.num_computed_tokens += len(s.token_ids)
             self.kv.cache_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
+            scores = result.prompt_logprobs.get(s.request_id)
+            if scores is not None and req.prompt_scores is not None:
+                scores = scores.since(req.next_scored_position)  # NOTE: defensive; the scheduler asks for new ones only
+                if len(scores):
+                    req.prompt_scores.append(scores)
             tok = result.sampled.get(s.request_id)
             if tok is None:
-                if self.config.sliding_window:
+                if req.params.max_tokens == 0 and req.num_computed_tokens >= req.num_prompt_tokens:
+                    self._finish(req, "length")  # the prompt only
+                    outs.append(EngineCoreOutput(req.request_id, (), "length", None,
+                                                 num_cached_prompt_tokens=req.num_cached_prompt_tokens,
+                                                 prompt_logprobs=self._all_scores(req)))
+                elif self.config.sliding_window:
                     self.kv.free_outside_window(req.request_id, req.num_computed_tokens, self.config.sliding_window)
                 continue
             req.token_ids.append(tok.token_id)
@@ -225,7 +268,8 @@ class Scheduler:
             elif self.config.sliding_window:
                 self.kv.free_outside_window(req.request_id, req.num_computed_tokens, self.config.sliding_window)
             outs.append(EngineCoreOutput(req.request_id, (tok.token_id,), reason, None, tok.logprob, tok.top_logprobs,
-                                         req.num_cached_prompt_tokens))
+                                         req.num_cached_prompt_tokens,
+                                         self._all_scores(req) if req.num_output_tokens == 1 else None))
         return outs
 
     def finish_requests(self, request_ids, reason: str) -> None:
@@ -246,6 +290,25 @@ class Scheduler:
         return None
 
     # ---- internals -------------------------------------------------------------------
+    @staticmethod
+    def _all_scores(req: Request) -> PromptLogprobs | None:
+        """Every prompt token's logprob from position 1 (empty for a one-token prompt), or None
+        when none were asked for."""
+        if req.prompt_scores is None:
+            return None
+        assert not req.scoring, "the prompt is computed, so every position is scored"
+        if not req.prompt_scores:
+            return PromptLogprobs(1, (), (), (), () if req.params.prompt_logprobs else None)
+        return PromptLogprobs.concat(req.prompt_scores)
+
+    def _copy_leader_scores(self, req: Request) -> None:
+        """A parallel sample takes its leader's prompt scores once the leader has them all (then
+        it looks its prompt up in the cache like any other request)."""
+        lead = self.requests.get(req.share_prompt_with) if req.share_prompt_with else None
+        if req.scoring and lead is not None and lead.prompt_scores is not None and not lead.scoring \
+                and lead.params.prompt_logprobs == req.params.prompt_logprobs:
+            req.prompt_scores = list(lead.prompt_scores)
+
     def _prompt_pending(self, req: Request) -> bool:
         """A parallel sample waits while its leader is still computing the shared prompt."""
         lead = self.requests.get(req.share_prompt_with) if req.share_prompt_with else None

@@ -1,10 +1,11 @@
-"""The model runner: one step's `SchedulerOutput` in, sampled tokens out.
+"""The model runner: one step's `SchedulerOutput` in, sampled tokens (and prompt scores) out.
 
     SchedulerOutput ──pack()──▶ ModelInput ──Backend.execute()──▶ logits ──sample()──▶ ModelRunnerOutput
 
 This module owns the one packing function (`pack`: scheduled chunks -> the paged graphs'
-inputs), the split of a step into backend calls, sampling, and the isolation of a failing
-request. Everything that drives paged graphs — the engine, build validation
+inputs), the split of a step into backend calls, sampling, scoring prompt tokens
+(prompt_logprobs.py: from every token's logits, on --all-logits builds), and the isolation
+of a failing request. Everything that drives paged graphs — the engine, build validation
 (exporter/validate.py), the polygraphy samples (exporter/samples.py), the bench scripts —
 packs through `pack()`. It imports no torch.
 
@@ -23,6 +24,7 @@ from kvexport import io
 
 from ..core.outputs import ModelRunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput
 from .model_input import Backend, ModelInput
+from .prompt_logprobs import score
 from .sampling import sample
 
 log = logging.getLogger(__name__)
@@ -104,7 +106,7 @@ class ModelRunner:
     def logits(self, chunks: Sequence[ScheduledRequest], all_tokens: bool = False) -> np.ndarray:
         """Run the chunks (storing their K/V in the pool); logits [len(chunks), vocab] float32,
         one row per chunk (its last token), or [tokens, vocab] with `all_tokens` (an
-        --all-logits build).
+        --all-logits build), chunk after chunk.
 
         A backend whose attention works on the packed tokens (the PagedAttention op) runs the
         step as one call. NOTE: the `onnx` attention pads every sequence of a call to the
@@ -116,59 +118,93 @@ class ModelRunner:
         b = self.backend
         kv_groups = getattr(b, "groups", ())  # NOTE: backends predating KV cache groups (test doubles) lack it
         groups = _groups([len(s.token_ids) for s in chunks], QUERY_PAD_SLACK) if b.pads_queries else []
-        if all_tokens or len(groups) <= 1:
-            return b.execute(pack(chunks, self.block_size, b.full_block_tables, kv_groups), all_tokens=all_tokens)
+        if len(groups) <= 1:
+            out = b.execute(pack(chunks, self.block_size, b.full_block_tables, kv_groups), all_tokens=all_tokens)
+            assert out.shape[0] == _rows(chunks, all_tokens)[-1], "the backend returned one row per chunk/token"
+            return out
+        spans = _rows(chunks, all_tokens)  # chunk i's rows are out[spans[i]:spans[i + 1]]
         out = None
         for g in groups:
-            part = b.execute(pack([chunks[i] for i in g], self.block_size, b.full_block_tables, kv_groups))
+            part = b.execute(pack([chunks[i] for i in g], self.block_size, b.full_block_tables, kv_groups),
+                             all_tokens=all_tokens)
             if out is None:
-                out = np.empty((len(chunks), part.shape[1]), part.dtype)
-            out[g] = part
+                out = np.empty((spans[-1], part.shape[1]), part.dtype)
+            at = 0
+            for i in g:
+                n = spans[i + 1] - spans[i]
+                out[spans[i]:spans[i + 1]] = part[at:at + n]
+                at += n
         return out
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Run one scheduled step and sample a token for every chunk that reaches the end of
-        its sequence. A request whose part of the step fails (in the backend or in sampling)
-        is reported in `failed`; the others' tokens are still sampled."""
+        its sequence; score the prompt tokens of chunks that ask (`prompt_targets`: then the
+        step returns every token's logits, which an --all-logits build computes anyway). A
+        request whose part of the step fails (in the backend, in scoring or in sampling) is
+        reported in `failed`; the others' tokens are still sampled."""
         rows = list(out.scheduled)
-        logits, failed = self._isolating(rows)
+        all_tokens = any(s.prompt_targets for s in rows)
+        logits, failed = self._isolating(rows, all_tokens)
+        spans = _rows(rows, all_tokens)
+        scored = {}
+        for r, s in enumerate(rows):
+            if not s.prompt_targets or s.request_id in failed:
+                continue
+            try:
+                lo = spans[r] + s.prompt_target_start - 1 - s.start_pos  # the row predicting the first target
+                scored[s.request_id] = score(logits[lo:lo + len(s.prompt_targets)], s.prompt_targets,
+                                             s.prompt_target_start, s.prompt_top_k)
+            except Exception as e:  # noqa: BLE001 - this request fails alone
+                log.exception("scoring the prompt of request %s failed", s.request_id)
+                failed[s.request_id] = f"computing prompt logprobs failed: {e}"
         sampled = {}
         for r, s in enumerate(rows):
             if not s.samples or s.request_id in failed:
                 continue
             try:
                 assert s.sampler is not None, "a sampling chunk carries its sampler"
-                tok, lp, top = sample(logits[r], s.sampler, s.sampler.prompt_tokens, s.num_output_tokens,
-                                      self.eos_token_ids)
+                tok, lp, top = sample(logits[spans[r + 1] - 1], s.sampler, s.sampler.prompt_tokens,
+                                      s.num_output_tokens, self.eos_token_ids)
             except Exception as e:  # noqa: BLE001 - this request fails alone
                 log.exception("sampling request %s failed", s.request_id)
                 failed[s.request_id] = f"sampling failed: {e}"
                 continue
             sampled[s.request_id] = SampledToken(tok, lp, tuple(top) if top is not None else None)
-        return ModelRunnerOutput(sampled, failed)
+        return ModelRunnerOutput(sampled, failed, scored)
 
-    def _isolating(self, rows: list[ScheduledRequest]) -> tuple[np.ndarray | None, dict[str, str]]:
-        """Logits of the rows; when the backend call fails, the rows are run again in halves
-        until the failing request(s) are found, so the others still get their logits.
+    def _isolating(self, rows: list[ScheduledRequest],
+                   all_tokens: bool = False) -> tuple[np.ndarray | None, dict[str, str]]:
+        """Logits of the rows (`logits()`); when the backend call fails, the rows are run again
+        in halves until the failing request(s) are found, so the others still get their logits.
 
         NOTE: re-running a chunk is safe: a backend stores K/V only for a call that succeeds
         (the `onnx` attention stores after the run; the PagedAttention op checks all metadata
         before writing), and storing the same tokens at the same slots again writes the same
         values."""
         try:
-            return self.logits(rows), {}
+            return self.logits(rows, all_tokens), {}
         except Exception as e:  # noqa: BLE001 - find who caused it, keep serving the rest
             if len(rows) == 1:
                 log.warning("request %s failed in the backend: %s", rows[0].request_id, e)
                 return None, {rows[0].request_id: f"the backend failed on this request: {e}"}
             log.warning("a step of %d requests failed in the backend (%s); isolating the cause", len(rows), e)
         half = len(rows) // 2
+        spans = _rows(rows, all_tokens)
         out, failed = None, {}
         for lo, hi in ((0, half), (half, len(rows))):
-            part, bad = self._isolating(rows[lo:hi])
+            part, bad = self._isolating(rows[lo:hi], all_tokens)
             failed.update(bad)
             if part is not None:
                 if out is None:
-                    out = np.full((len(rows), part.shape[1]), np.nan, np.float32)
-                out[lo:hi] = part
+                    out = np.full((spans[-1], part.shape[1]), np.nan, np.float32)
+                out[spans[lo]:spans[hi]] = part
         return out, failed
+
+
+def _rows(chunks: Sequence[ScheduledRequest], all_tokens: bool) -> list[int]:
+    """Where each chunk's logits rows start in a step's output (and, last, how many rows):
+    one row per chunk, or with `all_tokens` one per token."""
+    offsets = [0]
+    for s in chunks:
+        offsets.append(offsets[-1] + (len(s.token_ids) if all_tokens else 1))
+    return offsets

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from ..core.outputs import EngineCoreOutput
+from ..core.outputs import EngineCoreOutput, PromptLogprobs
 from ..sampling_params import SamplingParams
 from .detokenizer import IncrementalDetokenizer
 
@@ -35,6 +35,8 @@ class RequestOutput:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache
+    # every prompt token's logprob from position 1 (SamplingParams.prompt_logprobs), once the prompt is computed
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -50,6 +52,7 @@ class _RequestState:
     top_logprobs: list[tuple[tuple[int, float], ...]] | None = None
     first_token_time: float | None = None
     num_cached_prompt_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None
     output: RequestOutput | None = None  # the latest snapshot
 
     def snapshot(self, new_text: str, new_ids: list[int], finish_reason: str | None, error: str | None,
@@ -60,7 +63,8 @@ class _RequestState:
             # NOTE: shallow copies of immutable entries (a step costs a pointer copy per token)
             list(self.logprobs) if self.logprobs is not None else None,
             list(self.top_logprobs) if self.top_logprobs is not None else None,
-            self.arrival_time, self.first_token_time, finish_time, self.num_cached_prompt_tokens)
+            self.arrival_time, self.first_token_time, finish_time, self.num_cached_prompt_tokens,
+            self.prompt_logprobs)  # NOTE: immutable, shared by the snapshots
         return self.output
 
 
@@ -93,9 +97,11 @@ class OutputProcessor:
             if st is None or (st.output is not None and st.output.finished):
                 continue  # unknown, or finished already (a stop string ends it before the scheduler knows)
             reason, new_text = o.finish_reason, ""
+            if o.prompt_logprobs is not None:
+                st.prompt_logprobs = o.prompt_logprobs
+            st.num_cached_prompt_tokens = o.num_cached_prompt_tokens or st.num_cached_prompt_tokens
             for tok in o.new_token_ids:
                 st.first_token_time = st.first_token_time or now
-                st.num_cached_prompt_tokens = o.num_cached_prompt_tokens
                 st.token_ids.append(tok)
                 if st.logprobs is not None and o.logprob is not None:
                     st.logprobs.append(o.logprob)

@@ -37,6 +37,7 @@ from typing import Callable
 
 from kvexport.errors import KvExportError
 
+from ..core.outputs import PromptLogprobs
 from ..engine import LLMEngine
 from ..sampling_params import SamplingParams
 
@@ -58,6 +59,7 @@ class Event:
     error: str | None
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # once the prompt is computed (SamplingParams.prompt_logprobs)
 
 
 Deliver = Callable[[Event], None]
@@ -200,7 +202,7 @@ class EngineThread:
         return Event(self._sinks[rid].index, o.new_text, o.new_token_ids, len(o.token_ids), o.finished,
                      o.finish_reason, o.error,
                      o.logprobs[-k:] if o.logprobs is not None and k else None,
-                     o.top_logprobs[-k:] if o.top_logprobs is not None and k else None)
+                     o.top_logprobs[-k:] if o.top_logprobs is not None and k else None, o.prompt_logprobs)
 
     def _finish(self, rid: str) -> None:
         self._sinks.pop(rid, None)

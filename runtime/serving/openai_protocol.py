@@ -50,7 +50,7 @@ class _Body(BaseModel):
     # NOTE: strict: "5" is not an int, 1.0 is not an int, true is not an int (JSON ints are
     # still accepted as floats); NaN and Infinity (which Python's JSON parser reads) are
     # refused. Unknown fields are refused, not ignored: a field this server does not
-    # implement (logit_bias, echo, tools, ...) would silently change what the client gets.
+    # implement (logit_bias, best_of, tools, ...) would silently change what the client gets.
     # The few OpenAI fields that change nothing in the output are declared and ignored.
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
@@ -105,6 +105,10 @@ class CompletionRequest(_SamplingBody):
     """POST /v1/completions. `prompt`: a string, token ids, or a list of either (several prompts)."""
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None  # top logprobs per token (0 = the chosen token's only)
+    # the prompt before the completion, and with logprobs its tokens' logprobs (needs an --all-logits build);
+    # max_tokens 0 then answers the prompt only
+    echo: bool | None = None
+    prompt_logprobs: int | None = None  # extension (vLLM): each prompt token's logprob + the top-k (--all-logits)
 
 
 class ChatCompletionRequest(_SamplingBody):
@@ -146,9 +150,15 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
+    token_logprobs: list[float | None]  # null for the first token of an echoed prompt
     text_offset: list[int]
-    top_logprobs: list[dict[str, float]] | None
+    top_logprobs: list[dict[str, float] | None] | None
+
+
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int  # 1 = the most likely token at its position
+    decoded_token: str
 
 
 class CompletionChoice(BaseModel):
@@ -156,6 +166,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
+    # only when the request asks for prompt_logprobs: per prompt position (null for the first), token id -> ...
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -348,7 +360,30 @@ def sampling_params(body: CompletionRequest | ChatCompletionRequest, parser: Req
     for k in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
               "repetition_penalty", "min_tokens", "ignore_eos"):
         values[k] = getattr(body, k)
-    return parser.sampling_params(values, prompt_len, default_max_tokens=None if chat else 16, names=names)
+    zero = (False, "")
+    if not chat:  # echo with logprobs scores the prompt with top-`logprobs`; prompt_logprobs with its own k
+        echo_k = echo_top_k(body)
+        values["prompt_logprobs"] = max((k for k in (echo_k, body.prompt_logprobs) if k is not None), default=None)
+        if body.prompt_logprobs is None and echo_k is not None:
+            names["prompt_logprobs"] = "echo"
+        zero = (bool(body.echo), "(0, the prompt only, needs echo: true)")
+    return parser.sampling_params(values, prompt_len, default_max_tokens=None if chat else 16, names=names,
+                                  zero_max_tokens=zero)
+
+
+def echo_top_k(body: CompletionRequest | ChatCompletionRequest) -> int | None:
+    """The top-k of the echoed prompt's logprobs (`logprobs` with `echo`); None: no prompt logprobs
+    in the echo."""
+    if isinstance(body, ChatCompletionRequest) or not body.echo:
+        return None
+    return body.logprobs
+
+
+def prompt_sources(body: CompletionRequest) -> list[str | None]:
+    """Each prompt as sent when it was text (what `echo` repeats), None where it was token ids."""
+    p = body.prompt
+    several = isinstance(p, list) and bool(p) and all(isinstance(x, (str, list)) for x in p)
+    return [x if isinstance(x, str) else None for x in p] if several else [p if isinstance(p, str) else None]
 
 
 # ---- responses ----------------------------------------------------------------------------
@@ -389,20 +424,26 @@ def merge_logprobs(acc: dict | None, new: dict | None, chat: bool) -> dict | Non
     return acc
 
 
-def choice(chat: bool, index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
-    """One choice of a whole response."""
+def choice(chat: bool, index: int, text: str, logprobs: dict | None, finish_reason: str | None,
+           prompt_logprobs: list | None = None) -> dict:
+    """One choice of a whole response (`prompt_logprobs`: vLLM's, when the request asked)."""
     if chat:
         return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                 "finish_reason": finish_reason}
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    out = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    if prompt_logprobs is not None:
+        out["prompt_logprobs"] = prompt_logprobs
+    return out
 
 
-def chunk_choice(chat: bool, index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
-    """One choice of a stream chunk: the text added (chat: a delta, empty once nothing is added)."""
+def chunk_choice(chat: bool, index: int, text: str, logprobs: dict | None, finish_reason: str | None,
+                 prompt_logprobs: list | None = None) -> dict:
+    """One choice of a stream chunk: the text added (chat: a delta, empty once nothing is added);
+    `prompt_logprobs` (vLLM's) in a choice's first chunk, when the request asked."""
     if chat:
         return {"index": index, "delta": {"content": text} if text else {}, "logprobs": logprobs,
                 "finish_reason": finish_reason}
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    return choice(False, index, text, logprobs, finish_reason, prompt_logprobs)
 
 
 def role_chunk_choices(n: int) -> list[dict]:

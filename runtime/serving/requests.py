@@ -88,6 +88,12 @@ def chat_messages(messages: Any, param: str = "messages") -> list[dict[str, str]
     return out
 
 
+def prompt_logprobs_refusal(build_dir, what: str = "prompt_logprobs") -> str:
+    """Why a build cannot score prompts (SamplingParams.prompt_logprobs), and what to do."""
+    return (f"{what}: prompt log-probabilities need a build whose prefill returns every token's logits; "
+            f"{build_dir} returns the last token's only: rebuild it with `kvexport build MODEL --all-logits`")
+
+
 @dataclass(frozen=True, slots=True)
 class RequestParser:
     """Turns one engine's requests into token ids and SamplingParams."""
@@ -95,10 +101,15 @@ class RequestParser:
     tokenizer: Any  # a transformers tokenizer; None for builds without one
     vocab_size: int  # token ids must be in [0, vocab_size)
     max_model_len: int  # tokens per sequence, prompt + output
+    # why prompt_logprobs are refused (a build without --all-logits: prompt_logprobs_refusal); None: served
+    no_prompt_logprobs: str | None = None
 
     @classmethod
     def for_engine(cls, engine) -> "RequestParser":
-        return cls(engine.tokenizer, engine.vocab_size, engine.max_model_len)
+        manifest = getattr(engine, "manifest", None)  # NOTE: test doubles of the engine lack it
+        scores = manifest is None or manifest.all_logits
+        return cls(engine.tokenizer, engine.vocab_size, engine.max_model_len,
+                   None if scores else str(engine.build_dir))
 
     # ---- prompts ----------------------------------------------------------------------
     def text(self, text: str, param: str = "prompt") -> list[int]:
@@ -145,13 +156,17 @@ class RequestParser:
 
     # ---- sampling ---------------------------------------------------------------------
     def sampling_params(self, values: Mapping[str, Any], prompt_len: int, *, default_max_tokens: int | None = None,
-                        strict_max_tokens: bool = False, names: Mapping[str, str] | None = None) -> SamplingParams:
+                        strict_max_tokens: bool = False, names: Mapping[str, str] | None = None,
+                        zero_max_tokens: tuple[bool, str] = (False, "")) -> SamplingParams:
         """Request fields named as SamplingParams' (None = absent) -> SamplingParams.
 
         max_tokens: absent -> `default_max_tokens`, or all the room the context leaves;
         beyond that room it is capped, not refused; with `strict_max_tokens` a value over
-        max_model_len itself is refused. `names` maps a SamplingParams field to the
-        request's own field name, for error messages (e.g. logprobs -> top_logprobs)."""
+        max_model_len itself is refused; 0 (the prompt only) where `zero_max_tokens` is
+        (True, ...), else refused with its note (e.g. "(0 needs echo)"). `names` maps a SamplingParams field to the
+        request's own field name, for error messages (e.g. logprobs -> top_logprobs,
+        prompt_logprobs -> echo). prompt_logprobs on a build that cannot score prompts is
+        refused naming the field."""
         aliases = dict(names or {})
 
         def name(f: str) -> str:
@@ -167,8 +182,14 @@ class RequestParser:
         if strict_max_tokens and (bad_int or not 1 <= max_tokens <= self.max_model_len):
             raise RequestError(f"{name('max_tokens')} must be in [1, {self.max_model_len}] (this deployment's "
                                f"context), got {max_tokens!r}", name("max_tokens"))
-        if bad_int or max_tokens < 1:
-            raise RequestError(f"{name('max_tokens')} must be an integer >= 1, got {max_tokens!r}", name("max_tokens"))
+        zero_ok, note = zero_max_tokens
+        if bad_int or max_tokens < (0 if zero_ok else 1):
+            least = "0" if zero_ok else f"1{' ' + note if note else ''}"
+            raise RequestError(f"{name('max_tokens')} must be an integer >= {least}, got {max_tokens!r}",
+                               name("max_tokens"))
+        if kw.get("prompt_logprobs") is not None and self.no_prompt_logprobs is not None:
+            raise RequestError(prompt_logprobs_refusal(self.no_prompt_logprobs, name("prompt_logprobs")),
+                               name("prompt_logprobs"))
         if "stop" in kw:
             stop = kw["stop"]
             stop = [stop] if isinstance(stop, str) else stop

@@ -28,6 +28,7 @@ import socket
 import time
 import uuid
 from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncGenerator, AsyncIterator, Callable
 
@@ -39,8 +40,10 @@ from starlette.exceptions import HTTPException
 
 from kvexport.errors import ConfigError, KvExportError
 
+from . import echo
 from . import metrics as mx
 from . import openai_protocol as proto
+from ..core.outputs import PromptLogprobs
 from ..config import EngineConfig
 from ..engine import LLMEngine
 from .engine_thread import Deliver, EngineThread, Event
@@ -189,14 +192,18 @@ class OpenAIServer:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         now = int(time.time())
         prompt_tokens = sum(len(p) for p in prompts)  # counted once per prompt, as OpenAI does
+        prompt = _PromptPart.of(body, prompts, params.n)
+        if prompt.echo:  # NOTE: decoding token-id prompts is not for the event loop
+            prompt.texts = await asyncio.to_thread(self.echo_texts, body, prompts)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            chunks = self.stream(request, chat, prompts, params, rid, now, prompt_tokens, include_usage)
+            chunks = self.stream(request, chat, prompts, params, rid, now, prompt_tokens, include_usage, prompt)
             return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         n = len(prompts) * params.n
-        texts, ntok = [""] * n, [0] * n
+        texts, ntok = [prompt.text(i) for i in range(n)], [0] * n
         reasons: list[str | None] = [None] * n
         lps: list[dict | None] = [None] * n
+        scores: list[PromptLogprobs | None] = [None] * n
         async with aclosing(self.events(request, prompts, params, rid)) as events:  # closing aborts the unfinished
             async for ev in events:
                 if ev.finish_reason == "error":
@@ -206,17 +213,31 @@ class OpenAIServer:
                 lps[ev.index] = proto.merge_logprobs(lps[ev.index], lp, chat)
                 texts[ev.index] += ev.new_text
                 ntok[ev.index] = ev.num_tokens
+                if ev.prompt_logprobs is not None:  # NOTE: not `or`: a one-token prompt's scores are empty
+                    scores[ev.index] = ev.prompt_logprobs
                 if ev.finished:
                     reasons[ev.index] = ev.finish_reason
         if any(r is None for r in reasons):  # the client went away
             return JSONResponse(ApiError(499, "client disconnected").body(), status_code=499)
-        choices = [proto.choice(chat, i, texts[i], lps[i], reasons[i]) for i in range(n)]
+        vllm: list[list | None] = [None] * n
+        if prompt.scored:
+            parts = await asyncio.to_thread(lambda: [prompt.parts(self.engine.tokenizer, i, scores[i])
+                                                     for i in range(n)])
+            for i, (echo_lp, vllm[i]) in enumerate(parts):
+                lps[i] = proto.merge_logprobs(echo_lp, lps[i], chat)  # the prompt's first
+        choices = [proto.choice(chat, i, texts[i], lps[i], reasons[i], vllm[i]) for i in range(n)]
         return proto.response(chat, rid, now, self.model_name, choices, proto.usage(prompt_tokens, sum(ntok)))
 
+    def echo_texts(self, body: CompletionRequest, prompts: list[list[int]]) -> list[str]:
+        """What `echo` repeats of each prompt (echo.prompt_text)."""
+        tok = self.engine.tokenizer
+        return [echo.prompt_text(tok, src, ids) for src, ids in zip(proto.prompt_sources(body), prompts)]
+
     async def stream(self, request: Request, chat: bool, prompts: list[list[int]], params: SamplingParams, rid: str,
-                     now: int, prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
+                     now: int, prompt_tokens: int, include_usage: bool, prompt: "_PromptPart") -> AsyncIterator[str]:
         n = len(prompts) * params.n
         offsets, ntok = [0] * n, [0] * n
+        started = [not (prompt.echo or prompt.scored)] * n  # the prompt's part went out (or there is none)
 
         def chunk(choices: list[dict], usage: dict | None = None) -> str:
             return proto.chunk(chat, rid, now, self.model_name, choices, include_usage, usage)
@@ -226,17 +247,26 @@ class OpenAIServer:
         gen = self.events(request, prompts, params, rid)
         try:
             async for ev in gen:
+                i = ev.index
                 if ev.finish_reason == "error":
                     yield proto.sse(proto.engine_failure(ev.error).body())
                     continue
-                if not ev.new_text and not ev.finished and ev.logprobs is None:
+                if started[i] and not ev.new_text and not ev.finished and ev.logprobs is None:
                     continue  # a token whose text is held back (partial UTF-8, possible stop string)
-                lp = proto.logprobs_block(chat, ev.new_token_ids, ev.logprobs, ev.top_logprobs, offsets[ev.index],
+                head, head_lp, vllm = "", None, None
+                if not started[i]:  # a choice's first chunk starts with the prompt's part
+                    started[i], head = True, prompt.text(i)
+                    if prompt.scored:
+                        head_lp, vllm = await asyncio.to_thread(prompt.parts, self.engine.tokenizer, i,
+                                                                ev.prompt_logprobs)
+                    offsets[i] += len(head)
+                lp = proto.logprobs_block(chat, ev.new_token_ids, ev.logprobs, ev.top_logprobs, offsets[i],
                                           self.decode)
-                offsets[ev.index] += len(ev.new_text)
-                ntok[ev.index] = ev.num_tokens
+                offsets[i] += len(ev.new_text)
+                ntok[i] = ev.num_tokens
                 reason = ev.finish_reason if ev.finished else None
-                yield chunk([proto.chunk_choice(chat, ev.index, ev.new_text, lp, reason)])
+                yield chunk([proto.chunk_choice(chat, i, head + ev.new_text, proto.merge_logprobs(head_lp, lp, chat),
+                                                reason, vllm)])
             if include_usage:
                 yield chunk([], proto.usage(prompt_tokens, sum(ntok)))
             yield proto.SSE_DONE
@@ -244,6 +274,36 @@ class OpenAIServer:
             yield proto.sse(e.body())
         finally:
             await gen.aclose()  # aborts unfinished requests (client disconnect)
+
+
+@dataclass(slots=True)
+class _PromptPart:
+    """What a completions request asks of its prompts (runtime/serving/echo.py): `echo` (their
+    text first), its logprobs (top `echo_k`) and vLLM's prompt_logprobs (top `vllm_k`)."""
+
+    prompts: list[list[int]]
+    n: int  # samples per prompt: choice i is of prompt i // n
+    echo: bool
+    echo_k: int | None
+    vllm_k: int | None
+    texts: list[str] = field(default_factory=list)  # each prompt's echoed text (when echo)
+
+    @classmethod
+    def of(cls, body: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]], n: int) -> "_PromptPart":
+        chat = isinstance(body, ChatCompletionRequest)
+        return cls(prompts, n, not chat and bool(body.echo), proto.echo_top_k(body),
+                   None if chat else body.prompt_logprobs)
+
+    @property
+    def scored(self) -> bool:
+        return self.echo_k is not None or self.vllm_k is not None
+
+    def text(self, choice: int) -> str:
+        return self.texts[choice // self.n] if self.echo else ""
+
+    def parts(self, tokenizer, choice: int, scores: PromptLogprobs | None) -> tuple[dict | None, list | None]:
+        """(the echo's logprobs block, vLLM's prompt_logprobs) of a choice; decodes tokens: call it off the loop."""
+        return echo.prompt_parts(tokenizer, self.prompts[choice // self.n], scores, self.echo_k, self.vllm_k)
 
 
 # ---- routes: module-level functions; the state is request.app.state.server ------------------

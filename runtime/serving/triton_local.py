@@ -11,6 +11,9 @@ command that runs a generated repository on whichever server it finds (`locate`)
       SIGTERM/SIGINT ─▶ SIGTERM to tritonserver (it takes no new requests, waits for open ones)
                         after `grace` s: touch $KVEXPORT_SHUTDOWN_FILE ─▶ the models end what is open
                         ─▶ Triton unloads them (finalize) and exits; anything left in its group is killed
+      SIGKILL (nothing of ours runs) ─▶ the kernel sends tritonserver SIGKILL (PR_SET_PDEATHSIG), its
+                        stub follows it; the next start removes the dead run's temp folder and
+                        shared memory (both named kvexport-triton-<pid>-…, see `clean_stale_runs`)
 
     <site-packages>/pytriton/tritonserver/bin/tritonserver
     <site-packages>/pytriton/tritonserver/backends/python/{libtriton_python.so, triton_python_backend_utils.py}
@@ -25,6 +28,7 @@ environment that runs the model (EXECUTION_ENV_PATH) therefore needs numpy<2 —
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
 import os
@@ -50,6 +54,12 @@ SHUTDOWN_GRACE_S = 10.0  # triton-serve: after SIGTERM/SIGINT, seconds open requ
 # its stream open holds the model (Triton 2.51) until the timeout, then Triton exits with 1
 EXIT_AFTER_GRACE_S = 10
 READY_TIMEOUT_S = 600.0  # longest triton-serve waits for the models to load
+# triton-serve's temp folder (the Python backend + stub, the shutdown file) is TEMP_PREFIX<pid>-<random>
+# in the system temp folder; the Python backend's shared-memory regions in SHM_DIR start with its name
+TEMP_PREFIX = "kvexport-triton-"
+SHM_DIR = Path("/dev/shm")
+SERVER_PID_FILE = "pids"  # in the temp folder: "pid start-time" of triton-serve and tritonserver
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 INSTALL_HINT = ("install one: `bash scripts/install.sh --dev` makes .venv-triton with it (by hand: "
                 "`/usr/bin/python3.11 -m venv .venv-triton && .venv-triton/bin/pip install --no-deps "
                 "nvidia-pytriton==0.7.0` plus kvexport's runtime and numpy<2, see docs/DEPLOYMENT.md), then pass "
@@ -224,17 +234,25 @@ def serve_repository(repo: str | Path, triton_env: str | Path | None = None, hos
         raise ConfigError(f"{repo}: no such model repository; write one with `kvexport triton BUILD --out {repo}`")
     triton = locate(triton_env)
     version, path_env = _stub_python(repo, triton)
-    with tempfile.TemporaryDirectory(prefix="kvexport-triton-") as tmp:
+    clean_stale_runs()
+    tmp = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{os.getpid()}-"))
+    try:
         backends = backend_dir(triton, version, tmp) if triton.env is not None else None
-        shutdown_file = Path(tmp) / "shutdown"
+        shutdown_file = tmp / "shutdown"
         argv, env = server_command(triton, repo, backends, ports, host)
         argv.append(f"--exit-timeout-secs={math.ceil(grace) + EXIT_AFTER_GRACE_S}")
+        if backends is not None:  # its shared memory named after this run, so a later start can remove it
+            argv.append(f"--backend-config=python,shm-region-prefix-name={tmp.name}")
         env[SHUTDOWN_FILE_ENV] = str(shutdown_file)
         if path_env is not None:
             env["PATH"] = os.pathsep.join((str(path_env / "bin"), env.get("PATH", "")))
         with _stop_signals() as stopping:
-            # NOTE: its own session, so a terminal's Ctrl-C reaches only us and we shut it down in order
-            proc = subprocess.Popen(argv, env=env, start_new_session=True)
+            # NOTE: its own session, so a terminal's Ctrl-C reaches only us and we shut it down in order;
+            # and it dies with us (SIGKILL from the kernel when this thread ends), so `kill -9` of
+            # triton-serve leaves no server holding the ports
+            proc = subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=_die_with_parent())
+            pids = "".join(f"{p} {_start_time(p) or ''}\n" for p in (os.getpid(), proc.pid))
+            (tmp / SERVER_PID_FILE).write_text(pids)
             try:
                 try:
                     _wait_ready(f"http://{host}:{ports.http}/v2/health/ready", proc, ready_timeout, stopping)
@@ -247,6 +265,8 @@ def serve_repository(repo: str | Path, triton_env: str | Path | None = None, hos
                         _stop_server(proc, shutdown_file, grace)
             finally:
                 _kill_group(proc.pid)
+    finally:
+        _remove_run(tmp)
     code = proc.returncode
     return 128 - code if code < 0 else code
 
@@ -317,3 +337,95 @@ def _kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+# ---- a run that was killed ------------------------------------------------------------------------
+def _die_with_parent() -> Callable[[], None] | None:
+    """A preexec_fn that makes the child get SIGKILL when the thread that starts it ends
+    (Linux prctl PR_SET_PDEATHSIG); None where there is no prctl. NOTE: the signal follows
+    the starting *thread*: serve_repository starts and waits for the server on one thread."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return preexec
+
+
+def _start_time(pid: int) -> str | None:
+    """Process pid's start time (clock ticks after boot, /proc/PID/stat field 22); None when it
+    is gone, or a zombie (exited, not yet reaped), or there is no /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] == "Z" else fields[19]
+
+
+def _alive(pid: int, start: str | None) -> bool:
+    """Whether process pid runs and, where its start time was recorded, is the same process
+    (NOTE: pids are reused; pid_max is often 32768)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    now = _start_time(pid)
+    if now is None:  # a zombie (an orphan's lingers until init reaps it); or no /proc to tell: alive
+        return not Path("/proc/self/stat").exists()
+    return start is None or now == start
+
+
+def _run_pids(folder: Path) -> list[tuple[int, str | None]] | None:
+    """(pid, start time) of triton-serve and tritonserver of a run's temp folder (SERVER_PID_FILE:
+    a line "pid start" each); None for a name that is not TEMP_PREFIX<pid>-<random>."""
+    pid, sep, _ = folder.name[len(TEMP_PREFIX):].partition("-")
+    if not (sep and pid.isdigit()):
+        return None
+    pids: dict[int, str | None] = {int(pid): None}
+    try:
+        for line in (folder / SERVER_PID_FILE).read_text().splitlines():
+            p, _, start = line.partition(" ")
+            pids[int(p)] = start or None
+    except (OSError, ValueError):
+        pass
+    return list(pids.items())
+
+
+def _remove_run(folder: Path) -> None:
+    """A run's temp folder and the Python backend's shared-memory regions named after it."""
+    shutil.rmtree(folder, ignore_errors=True)
+    for region in SHM_DIR.glob(f"{folder.name}*") if SHM_DIR.is_dir() else ():
+        try:
+            region.unlink()
+        except OSError:
+            pass
+
+
+def clean_stale_runs(temp_root: str | Path | None = None) -> list[Path]:
+    """Remove what triton-serve runs that were killed (SIGKILL: no cleanup ran) left behind:
+    their temp folders and shared-memory regions, for runs of this user whose triton-serve
+    and tritonserver processes are both gone. Returns the folders removed."""
+    removed = []
+    for folder in sorted(Path(temp_root or tempfile.gettempdir()).glob(f"{TEMP_PREFIX}*")):
+        pids = _run_pids(folder)
+        try:
+            mine = folder.is_dir() and not folder.is_symlink() and folder.stat().st_uid == os.getuid()
+        except OSError:
+            continue
+        if pids is None or not mine or any(_alive(p, start) for p, start in pids):
+            continue
+        log.info("removing %s, left by a triton-serve run that was killed", folder)
+        _remove_run(folder)
+        removed.append(folder)
+    return removed

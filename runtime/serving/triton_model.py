@@ -3,7 +3,8 @@ This module owns the model's tensor interface (`INPUTS`, `OUTPUTS`, read by
 `triton_repo.py` to write config.pbtxt), the reading of its config.pbtxt parameters
 (`engine_settings`: `build_dir` + runtime/config.py's EngineConfig as strings) and
 `TritonPythonModel`, which a generated repository's `model.py` re-exports. Prompts and
-sampling fields are parsed by runtime/serving/requests.py, as every front end's are.
+sampling fields are parsed by runtime/serving/requests.py, as every front end's are, within
+`kvexport serve`'s limits (stop strings, the request size; checked before tokenizing).
 
     Triton execute() ──parse/validate──▶ EngineThread.submit ──▶ engine thread: step() ...
                                                                      │ deliver(Event)
@@ -25,6 +26,9 @@ NOTE: Triton 2.51 reports no cancellation for an HTTP client that leaves a reque
 response is not streamed (/generate, or generate_stream with stream false): nothing is
 written to it before the end, so is_cancelled() stays false and the request runs to its
 max_tokens. gRPC streams and streamed SSE are seen within 50 ms.
+
+If tritonserver itself is killed (SIGKILL), the next tick (within engine_thread.py IDLE_WAIT_S) sees the
+stub's parent gone and ends the stub's process.
 
 Shutdown: on SIGTERM tritonserver waits for open HTTP connections (up to its exit timeout,
 30 s) before it unloads any model, and then exits at once, mid-request (SIGSEGV). A model
@@ -56,6 +60,7 @@ from kvexport.errors import KvExportError
 
 from . import metrics as mx
 from ..config import EngineConfig
+from .openai_protocol import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from .requests import RequestError, RequestParser
 from ..sampling_params import SamplingParams
 
@@ -63,15 +68,20 @@ log = logging.getLogger(__name__)
 pb_utils = None  # triton_python_backend_utils, bound by TritonPythonModel.initialize()
 
 # name, Triton data type, dims, optional, what it is (max_batch_size is 0: dims are full shapes)
+# NOTE: every integer input is INT64: Triton's HTTP front end casts a JSON number to a
+# narrower declared type without a range check (max_tokens 2**31 arrived as -2**31, 2**32 + 3
+# as 3, a token id 2**32 + 1 as 1), so the model could not tell a wrapped value from a real
+# one. As INT64 every JSON integer below 2**63 arrives exact and is range-checked here (larger
+# ones Triton refuses itself); seed is INT64 too, so a negative seed gets our error.
 INPUTS = (
     ("text_input", "TYPE_STRING", [1], True, "prompt text (one of text_input / input_ids is required)"),
-    ("input_ids", "TYPE_INT32", [-1], True, "prompt token ids, for builds without a tokenizer"),
-    ("max_tokens", "TYPE_INT32", [1], True, "tokens to generate at most [16]"),
+    ("input_ids", "TYPE_INT64", [-1], True, "prompt token ids, for builds without a tokenizer"),
+    ("max_tokens", "TYPE_INT64", [1], True, "tokens to generate at most [16]"),
     ("stream", "TYPE_BOOL", [1], True, "true: one response per step; false: one response [false]"),
     ("temperature", "TYPE_FP32", [1], True, "0 = greedy [0]"),
     ("top_p", "TYPE_FP32", [1], True, "nucleus mass kept, (0, 1] [1]"),
-    ("top_k", "TYPE_INT32", [1], True, "0 = off [0]"),
-    ("seed", "TYPE_UINT64", [1], True, "per-request RNG seed"),
+    ("top_k", "TYPE_INT64", [1], True, "0 = off [0]"),
+    ("seed", "TYPE_INT64", [1], True, "per-request RNG seed, >= 0"),
     ("stop", "TYPE_STRING", [-1], True, "stop strings (not included in the output)"),
     ("ignore_eos", "TYPE_BOOL", [1], True, "keep generating past EOS [false]"),
 )
@@ -85,7 +95,10 @@ OUTPUTS = (
 # EngineConfig (`EngineConfig.to_strings()`; absent ones take its defaults).
 # NOTE: Triton's own parameters are upper case (EXECUTION_ENV_PATH, ...); ours are lower case
 BUILD_DIR_PARAMETER = "build_dir"
-_NP_KIND = {"TYPE_STRING": "O", "TYPE_INT32": "i", "TYPE_UINT64": "u", "TYPE_FP32": "f", "TYPE_BOOL": "b"}
+# numpy kinds each declared type arrives as. NOTE: integers of either sign: a repository written
+# before the inputs became INT64 declares INT32 (kind i) and seed UINT64 (kind u), and loads this
+# same model code; every value is range-checked after this anyway
+_NP_KIND = {"TYPE_STRING": "O", "TYPE_INT64": "iu", "TYPE_FP32": "f", "TYPE_BOOL": "b"}
 POLL_CANCEL_S = 0.05  # how often the engine thread asks Triton whether requests were cancelled
 # NOTE: each is_cancelled() is a round trip to the Triton process; a tick asks at most this
 # many requests (round robin), so a large batch is polled every (active / 32) * 50 ms
@@ -93,6 +106,10 @@ POLL_CANCEL_MAX = 32
 SHUTDOWN_FILE_ENV = "KVEXPORT_SHUTDOWN_FILE"  # when the file it names exists, the model ends every request
 DEFAULT_MAX_TOKENS = 16  # when a request has no max_tokens input
 METRICS_EVERY_S = 0.1  # how often it republishes the metrics while busy (and once on falling idle)
+# bytes of text_input at most, checked before tokenizing: the request-body limit of `kvexport serve`
+# (runtime/serving/server.py MAX_BODY_BYTES). NOTE: not imported from there, which needs FastAPI,
+# absent from Triton's execution environment; tests/runtime/test_triton_server.py checks they agree
+MAX_TEXT_BYTES = 1 << 20
 
 
 def resolve_build_dir(value: str, model_dir: str | Path) -> Path:
@@ -123,6 +140,28 @@ def _scalar(arrays: dict[str, np.ndarray], name: str, default):
     return v.item() if hasattr(v, "item") else v
 
 
+def _stop_strings(stop: np.ndarray | None) -> list[str]:
+    """The `stop` input -> strings, within the OpenAI path's limits (openai_protocol.py), the
+    count and byte lengths checked before anything is decoded."""
+    if stop is None:
+        return []
+    items = stop.reshape(-1)
+    what = f"stop: at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters"
+    if items.size > MAX_STOP_STRINGS:
+        raise RequestError(f"{what}, got {items.size} strings", "stop")
+    out = []
+    for s in items:
+        if isinstance(s, bytes):
+            if len(s) > 4 * MAX_STOP_CHARS:  # UTF-8: at most 4 bytes a character
+                raise RequestError(f"{what}, got one of {len(s)} bytes", "stop")
+            s = s.decode("utf-8", "replace")
+        s = str(s)
+        if len(s) > MAX_STOP_CHARS:
+            raise RequestError(f"{what}, got one of {len(s)} characters", "stop")
+        out.append(s)
+    return out
+
+
 def parse_request(arrays: dict[str, np.ndarray], parser: RequestParser,
                   parameters: dict | None = None) -> tuple[list[int], SamplingParams, bool]:
     """Input tensors (name -> numpy array, absent inputs left out) -> (prompt token ids,
@@ -130,7 +169,9 @@ def parse_request(arrays: dict[str, np.ndarray], parser: RequestParser,
     prompt and the sampling fields by the shared `parser` (runtime/serving/requests.py). Raises
     RequestError for anything a client got wrong. `parameters`: the request's parameters;
     this model takes none (NOTE: /generate turns a JSON field that is no input, e.g. a
-    misspelt `max_token`, into a parameter: refused, not ignored)."""
+    misspelt `max_token`, into a parameter: refused, not ignored).
+    NOTE: the cheap limits (sizes, counts, byte lengths) are checked before anything is
+    tokenized or converted to Python objects, so a huge request costs the other requests nothing."""
     spec = {name: dtype for name, dtype, *_ in INPUTS}
     unknown = sorted(k for k in parameters or {} if not k.startswith("triton_"))  # triton_*: Triton's own
     if unknown:
@@ -139,27 +180,32 @@ def parse_request(arrays: dict[str, np.ndarray], parser: RequestParser,
     for name, a in arrays.items():
         if name not in spec:
             raise RequestError(f"unknown input {name!r}; inputs: {', '.join(spec)}", name)
-        if a.dtype.kind != _NP_KIND[spec[name]] and not (spec[name] == "TYPE_STRING" and a.dtype.kind == "S"):
+        if a.dtype.kind not in _NP_KIND[spec[name]] and not (spec[name] == "TYPE_STRING" and a.dtype.kind == "S"):
             raise RequestError(f"input {name!r} must be {spec[name][5:]}, got numpy dtype {a.dtype}", name)
     if ("text_input" in arrays) == ("input_ids" in arrays):
-        raise RequestError("send exactly one of the inputs 'text_input' (BYTES) or 'input_ids' (INT32)")
+        raise RequestError("send exactly one of the inputs 'text_input' (BYTES) or 'input_ids' (INT64)")
+    values = {k: _scalar(arrays, k, None) for k in ("max_tokens", "temperature", "top_p", "top_k", "seed",
+                                                    "ignore_eos")}
+    values["stop"] = _stop_strings(arrays.get("stop"))
+    stream = bool(_scalar(arrays, "stream", False))
     if "text_input" in arrays:
         text = _scalar(arrays, "text_input", b"")
+        size = len(text) if isinstance(text, bytes) else len(str(text).encode("utf-8", "surrogatepass"))
+        if size > MAX_TEXT_BYTES:
+            raise RequestError(f"text_input: {size} bytes is more than this server takes ({MAX_TEXT_BYTES} bytes, "
+                               f"as `kvexport serve` takes per request body); send a shorter prompt", "text_input")
         try:
             text = text.decode("utf-8") if isinstance(text, bytes) else str(text)
         except UnicodeDecodeError:
             raise RequestError("text_input is not valid UTF-8", "text_input") from None
         prompt, param = parser.text(text, "text_input"), "text_input"
     else:
-        prompt, param = parser.prompt(arrays["input_ids"].reshape(-1).tolist(), "input_ids"), "input_ids"
+        ids = arrays["input_ids"].reshape(-1)
+        parser.check_length(ids.size, "input_ids")  # before the ids become Python ints
+        prompt, param = parser.prompt(ids.tolist(), "input_ids"), "input_ids"
     parser.check_length(len(prompt), param)
-    stop = arrays.get("stop")
-    values = {k: _scalar(arrays, k, None) for k in ("max_tokens", "temperature", "top_p", "top_k", "seed",
-                                                    "ignore_eos")}
-    values["stop"] = [s.decode("utf-8", "replace") if isinstance(s, bytes) else str(s)
-                      for s in (stop.reshape(-1) if stop is not None else ())]
     params = parser.sampling_params(values, len(prompt), default_max_tokens=DEFAULT_MAX_TOKENS, strict_max_tokens=True)
-    return prompt, params, bool(_scalar(arrays, "stream", False))
+    return prompt, params, stream
 
 
 @dataclass(eq=False)
@@ -201,6 +247,7 @@ class TritonPythonModel:
         self._idle_published = False  # the metrics shown were taken while the engine was idle
         self._cancelled = 0
         self._shutdown_file = os.environ.get(SHUTDOWN_FILE_ENV) or None
+        self._server_pid = os.getppid()  # tritonserver, which started this stub
         self._shutting_down = False  # the shutdown file appeared: open requests ended, new ones refused
         self._metrics = _Metrics(self.labels)
         self.worker = EngineThread(self.engine, on_tick=self._tick)
@@ -318,6 +365,11 @@ class TritonPythonModel:
         now = time.monotonic()
         if now - self._last_poll >= POLL_CANCEL_S:
             self._last_poll = now
+            if os.getppid() != self._server_pid:
+                # NOTE: tritonserver was killed (SIGKILL; `kvexport triton-serve` killed with -9 takes it
+                # along): no request can reach or leave this stub any more, and Triton 2.51's stub does
+                # not always notice, so it would hold its memory forever. Leave at once.
+                os._exit(1)
             if self._shutdown_file and not self._shutting_down and os.path.exists(self._shutdown_file):
                 self._shut_down()
             with self._lock:

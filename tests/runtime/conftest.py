@@ -102,3 +102,20 @@ def free_ports():
                 s.close()
 
     return get
+
+
+@pytest.fixture(scope="module")
+def serve_module(tmp_path_factory):
+    """serve_process for a whole test module: start(build_dir, *args) -> a ready Served."""
+    started: list[Served] = []
+    logs = tmp_path_factory.mktemp("serve-module")
+
+    def start(build_dir, *args: str) -> Served:
+        s = start_serve(build_dir, logs / f"serve{len(started)}.log", *args)
+        started.append(s)
+        s.wait_ready()
+        return s
+
+    yield start
+    for s in started:
+        s.stop()

@@ -72,9 +72,9 @@ def test_same_seed_same_tokens_regardless_of_other_draws():
 
 @pytest.mark.parametrize("kw,word", [
     (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_k=-1), "top_k"),
-    (dict(min_p=1.5), "min_p"), (dict(max_tokens=0), "max_tokens"), (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+    (dict(min_p=1.5), "min_p"), (dict(max_tokens=-1), "max_tokens"), (dict(min_tokens=5, max_tokens=2), "min_tokens"),
     (dict(repetition_penalty=0), "repetition_penalty"), (dict(presence_penalty=3), "presence_penalty"),
-    (dict(n=0), "n must"), (dict(logprobs=99), "logprobs"), (dict(seed=-1), "seed"), (dict(stop=("",)), "stop"),
+    (dict(n=0), "n must"), (dict(logprobs=99), "logprobs"), (dict(prompt_logprobs=21), "prompt_logprobs"), (dict(seed=-1), "seed"), (dict(stop=("",)), "stop"),
 ])
 def test_invalid_parameters_fail_before_any_work(kw, word):
     with pytest.raises(SamplingError, match=word):

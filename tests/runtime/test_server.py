@@ -416,7 +416,7 @@ def test_streams_over_the_app(fake):
     ({"messages": []}, "messages", "non-empty"),
     # fields this server does not implement are refused, at any depth, not ignored
     ({"prompt": "x", "logit_bias": {"5": 10}}, "logit_bias", "does not support this field"),
-    ({"prompt": "x", "echo": True}, "echo", "does not support"),
+    ({"prompt": "x", "suffix": "y"}, "suffix", "does not support"),
     ({"prompt": "x", "best_of": 2}, "best_of", "does not support"),
     ({"prompt": "x", "stream_options": {"include_usage": True, "x": 1}}, "stream_options.x", "does not support"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": []}, "tools", "does not support"),

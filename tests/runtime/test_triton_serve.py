@@ -133,7 +133,7 @@ def test_sigterm_ends_open_requests_and_leaves_no_process(smollm2_build, tmp_pat
             client.start_stream(callback=lambda result, error: q.put(error))
             inputs = []
             for name, a, kind in (("text_input", np.array([body["text_input"].encode()], dtype=object), "BYTES"),
-                                  ("max_tokens", np.array([450], np.int32), "INT32"),
+                                  ("max_tokens", np.array([450], np.int64), "INT64"),
                                   ("ignore_eos", np.array([True]), "BOOL"), ("stream", np.array([True]), "BOOL")):
                 inputs.append(grpcclient.InferInput(name, list(a.shape), kind))
                 inputs[-1].set_data_from_numpy(a)
@@ -172,3 +172,94 @@ def test_sigterm_ends_open_requests_and_leaves_no_process(smollm2_build, tmp_pat
     assert ended < grace + 5 and exited < grace + 20
     assert not [p for p in server_pids if _alive(p)]  # neither tritonserver nor the stub is left
     assert "Signal (11)" not in text and "Exit timeout expired" not in text
+
+
+def _start_triton_serve(build_dir, tmp_path, ports, name: str, temp_root) -> tuple[subprocess.Popen, Path]:
+    """`kvexport triton-serve` of a one-model repository of build_dir, temp folders under temp_root."""
+    repo = tmp_path / f"repo-{name}"
+    if not repo.exists():
+        write_repository(build_dir, repo, TritonRepoOptions(
+            engine=EngineConfig(kv_cache_memory="1MiB", threads=1), name="m", execution_env=str(TRITON_ENV)))
+    log = tmp_path / f"{name}.log"
+    http, grpc, metrics = ports
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "kvexport.cli", "triton-serve", str(repo), "--triton-env",
+                                 str(TRITON_ENV), "--http-port", str(http), "--grpc-port", str(grpc),
+                                 "--metrics-port", str(metrics)], stdout=f, stderr=subprocess.STDOUT, cwd=tmp_path,
+                                env=dict(os.environ, COLUMNS="400", TMPDIR=str(temp_root)))
+    deadline = time.monotonic() + 180
+    while "Triton serving" not in log.read_text(errors="replace"):
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-5000:]
+        time.sleep(0.2)
+    return proc, log
+
+
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind((HOST, port))
+        except OSError:
+            return False
+    return True
+
+
+@pytest.mark.slow
+def test_sigkill_takes_the_server_along_and_the_next_start_cleans_up(chat_build, tmp_path, free_ports):
+    """`kill -9` of triton-serve: tritonserver (PR_SET_PDEATHSIG) and the model's stub (it sees its
+    parent gone) exit within seconds and the ports are free; the dead run's temp folder and
+    shared memory stay until the next start removes them."""
+    if not (TRITON_ENV / "bin" / "python3").exists():
+        pytest.skip(f"no Triton execution environment at {TRITON_ENV}: run scripts/install.sh --dev")
+    temp_root = tmp_path / "tmp"
+    temp_root.mkdir()
+    ports = free_ports(3)
+    proc, log = _start_triton_serve(chat_build, tmp_path, ports, "first", temp_root)
+    server_pids: set[int] = set()
+    try:
+        server_pids = _descendants(proc.pid)
+        assert len(server_pids) >= 2  # tritonserver and the model's stub
+        (run,) = temp_root.glob(f"{triton_local.TEMP_PREFIX}{proc.pid}-*")
+        shm = sorted(triton_local.SHM_DIR.glob(f"{run.name}*"))
+        assert shm  # the Python backend's regions are named after the run
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        while [p for p in server_pids if _alive(p)] and time.monotonic() - t0 < 15:
+            time.sleep(0.1)
+        gone = time.monotonic() - t0
+    finally:
+        proc.kill()
+        for p in server_pids:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+    print(f"tritonserver and its stub gone {gone:.1f}s after SIGKILL of triton-serve")
+    assert not [p for p in server_pids if _alive(p)] and gone < 10
+    assert all(_port_free(p) for p in ports)
+    assert run.is_dir() and all(r.exists() for r in shm)  # nothing of ours ran to remove them
+    second, log2 = _start_triton_serve(chat_build, tmp_path, free_ports(3), "second", temp_root)
+    try:
+        assert not run.exists() and not [r for r in shm if r.exists()]  # the dead run's, removed
+        assert len(list(temp_root.glob(f"{triton_local.TEMP_PREFIX}{second.pid}-*"))) == 1  # its own, kept
+    finally:
+        second.send_signal(signal.SIGTERM)
+        assert second.wait(60) == 0, log2.read_text(errors="replace")[-3000:]
+    assert not list(temp_root.iterdir())  # an orderly exit leaves nothing
+
+
+def test_clean_stale_runs_keeps_live_and_foreign_folders(tmp_path):
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = tmp_path / f"{triton_local.TEMP_PREFIX}{dead.pid}-abc"
+    live = tmp_path / f"{triton_local.TEMP_PREFIX}{os.getpid()}-def"  # this process: alive
+    server_alive = tmp_path / f"{triton_local.TEMP_PREFIX}{dead.pid}-ghi"  # its tritonserver still runs
+    unnamed = tmp_path / f"{triton_local.TEMP_PREFIX}xyz"  # an older run's name, without a pid: unknown
+    for d in (stale, live, server_alive, unnamed):
+        (d / "python").mkdir(parents=True)
+    (server_alive / triton_local.SERVER_PID_FILE).write_text(f"{dead.pid} \n{os.getpid()} \n")
+    reused = tmp_path / f"{triton_local.TEMP_PREFIX}{dead.pid}-jkl"  # its server's pid now names another process
+    (reused / "python").mkdir(parents=True)
+    (reused / triton_local.SERVER_PID_FILE).write_text(f"{dead.pid} 1\n{os.getpid()} 1\n")
+    assert triton_local.clean_stale_runs(tmp_path) == [stale, reused]
+    assert not stale.exists() and live.exists() and server_alive.exists() and unnamed.exists()
