@@ -89,8 +89,8 @@ def _without_offsets(cpu_model):
 
     from kvexport.runtime.execution import ort_quant
 
-    def wrapped(self, path, large=False, store=None):
-        model = cpu_model(self, path, large, store)
+    def wrapped(self, path, plan, store=None):
+        model = cpu_model(self, path, plan, store)
         if isinstance(model, str):
             model = onnx.load(model, load_external_data=False)
         g = model.graph

@@ -44,9 +44,11 @@ PROMPTS = [
 ]
 
 
-def nll_paged(build_dir: Path, ids: list[int], window: int, chunk: int) -> tuple[float, int]:
+def nll_paged(build_dir: Path, ids: list[int], window: int, chunk: int,
+              accuracy: str | None = None) -> tuple[float, int]:
     """Sum of next-token negative log-likelihoods over windows of the text, and the count.
-    Runs the runtime's own backend and model runner (all-token logits of each chunk)."""
+    Runs the runtime's own backend and model runner (all-token logits of each chunk), with
+    weight_matmul_accuracy `accuracy` (None: the build's)."""
     from kvexport import manifest as mf
     from kvexport.runtime.execution.model_runner import ModelRunner, chunk as scheduled_chunk
     from kvexport.runtime.execution.ort_backends import ort_backend
@@ -55,7 +57,7 @@ def nll_paged(build_dir: Path, ids: list[int], window: int, chunk: int) -> tuple
     bs = m.kv.block_size
     table = list(range(1, 1 + -(-window // bs)))
     # one pool reused by every window: a window's reads are bounded by its tables and seq_lens
-    runner = ModelRunner(ort_backend(build_dir, m, num_blocks=1 + len(table)), bs)
+    runner = ModelRunner(ort_backend(build_dir, m, num_blocks=1 + len(table), accuracy=accuracy), bs)
     total, count = 0.0, 0
     for w0 in range(0, len(ids) - 1, window):
         win = ids[w0:w0 + window]
@@ -124,9 +126,9 @@ def grid(a, ids: list[int], model, tok) -> dict:
         m = mf.load(out)
         s_, n_ = nll_paged(out, ids, a.window, a.chunk)
         gen[name] = [o.token_ids for o in LLM(out).generate(prompts, params)]
-        q = m.weights.quantization or {}
+        q = m.weights.quantization
         rows[name] = {"weights": m.weights.precision or m.dtype, "kv": m.kv.dtype,
-                      "block_size": q.get("block_size"), "attention": m.kv.attention,
+                      "block_size": q.block_size if q else None, "attention": m.kv.attention,
                       "weights_bytes": m.weights.bytes, "perplexity": round(math.exp(s_ / n_), 4),
                       "wall_s": round(time.time() - t0, 1)}
         print(name, rows[name], flush=True)

@@ -2,7 +2,7 @@
 quantized build, in each of its sessions: the small-step one (MatMulNBits at level 4) and the
 large-step one of `--weight-matmul-accuracy` (auto: int8 pairs for fp32 builds, float for fp16
 int4; int8: per-channel int8 x per-token int8). Where the second starts to win is
-runtime/execution/ort_backends.py LARGE_STEP_TOKENS.
+runtime/execution/session_plan.py LARGE_STEP_TOKENS.
 
     .venv/bin/python bench/step_sizes.py BUILD [--accuracy int8] [--sizes 1,2,4,8,16,32,64]
         [--threads 2] [--repeats 7] [--out bench/results/step_sizes.json]
@@ -37,14 +37,14 @@ def main() -> None:
     import numpy as np
 
     from kvexport import LLM, SamplingParams
-    from kvexport.runtime.execution import ort_backends
+    from kvexport.runtime.execution import session_plan
 
     sizes = [int(s) for s in a.sizes.split(",")]
     form = None
     cols = {}
     for name, threshold in (("small (level 4)", 10**9), ("large", 1)):
         # every step in one session
-        ort_backends.LARGE_STEP_TOKENS = dict.fromkeys(ort_backends.LARGE_STEP_TOKENS, threshold)
+        session_plan.LARGE_STEP_TOKENS.update(dict.fromkeys(session_plan.LARGE_STEP_TOKENS, threshold))
         llm = LLM(a.build, threads=a.threads, kv_cache_memory="256MiB", weight_matmul_accuracy=a.accuracy,
                   enable_prefix_caching=False)
         form = llm.engine.backend.large_form

@@ -7,11 +7,14 @@ time per token.
 
 Builds (paged, plugin attention where the native op is built, --all-logits, unvalidated):
   fp32                  the Q4_1 GGUF dequantized to fp32 (= the source file's own perplexity)
-  int8 / int4           --weights int8 / int4, rtn (int4 block 32 maps the Q4_1 blocks exactly)
+  int8 / int4           --weights int8 / int4: the default forms (exporter/limits.py DEFAULT_WEIGHT_FORM:
+                        int8 per channel + smoothquant; int4 rtn blocks of 32, the Q4_1 blocks exactly)
+  int8-b32 / int4-rtn   the exact forms, named (--weight-block-size 32 / --quant-method rtn)
   int8-ch[-awq|-sq]     --weights int8 --weight-block-size channel [--quant-method awq|smoothquant]
                         (served as int8 x int8 matmuls with per-token activation scales)
-  *-int8acc / *-float   weight_matmul_accuracy int8 / float instead of auto (runtime/execution/ort_backends.py;
-                        int8: steps of 4+ tokens, so every perplexity chunk, as per-channel int8 x int8)
+  *-int8acc / *-float   weight_matmul_accuracy int8 / float instead of the build's (runtime/execution/
+                        session_plan.py; int8: steps of 4+ tokens, so every perplexity chunk, as per-channel
+                        int8 x int8); int4-sq-int8acc: --quant-method smoothquant on int4 blocks
   int4-awq              --quant-method awq (re-rounds every matrix from the dequantized floats)
   int4-b64 / -b64-awq   block 64: no GGUF block maps, so rtn vs awq on equal terms
   *+kv8                 the same with --kv-dtype int8
@@ -48,14 +51,24 @@ CONFIGS = {  # name -> BuildOptions keywords (+ "accuracy", "float_head": see RU
     "int4-awq": dict(weights="int4", quant_method="awq"),
     "int4-b64": dict(weights="int4", weight_block_size=64),
     "int4-b64-awq": dict(weights="int4", weight_block_size=64, quant_method="awq"),
+    "int4-rtn": dict(weights="int4", weight_block_size=32, quant_method="rtn"),
+    "int4-rtn-int8acc": dict(weights="int4", weight_block_size=32, quant_method="rtn", accuracy="int8"),
+    # int4 candidates served under accuracy "int8" (large steps per-channel int8 x per-token int8)
+    "int4-awq-int8acc": dict(weights="int4", weight_block_size=32, quant_method="awq", accuracy="int8"),
+    "int4-sq-int8acc": dict(weights="int4", weight_block_size=32, quant_method="smoothquant", accuracy="int8"),
+    "int4-b64-int8acc": dict(weights="int4", weight_block_size=64, accuracy="int8"),
+    "int4-b64-awq-int8acc": dict(weights="int4", weight_block_size=64, quant_method="awq", accuracy="int8"),
+    "int4-b64-sq-int8acc": dict(weights="int4", weight_block_size=64, quant_method="smoothquant", accuracy="int8"),
+    "int4-b128-sq-int8acc": dict(weights="int4", weight_block_size=128, quant_method="smoothquant", accuracy="int8"),
     "fp32+kv8": dict(kv_dtype="int8"), "int8+kv8": dict(weights="int8", kv_dtype="int8"),
     "int4+kv8": dict(weights="int4", kv_dtype="int8"),
 }
 
 
-# "accuracy": EngineConfig.weight_matmul_accuracy, onnxruntime's MatMulNBits accuracy level for
-# block-wise weights (runtime/execution/ort_backends.py ACCURACY_LEVELS: "int8" = level 4, "float" = 0); "float_head": the LM head (and tied embeddings) kept in float instead of
-# int8 (exporter/quantize.py HEAD_BITS), to measure what the int8 head costs
+# "accuracy": EngineConfig.weight_matmul_accuracy (None: the build's; runtime/execution/session_plan.py:
+# "int8" = MatMulNBits level 4 + per-channel int8 large steps, "float" = level 0); "float_head": the
+# LM head (and tied embeddings) kept in float instead of int8 (exporter/quantize.py HEAD_BITS), to
+# measure what the int8 head costs
 RUNTIME_KNOBS = ("accuracy", "float_head")
 
 
@@ -78,7 +91,7 @@ def _float_head_build(name, out, opts):
         weight_sources.quantized_weights = orig
 
 
-def decode_ms(build_dir: Path, prompt: list[int], n: int, threads: int, accuracy: str = "int8") -> float:
+def decode_ms(build_dir: Path, prompt: list[int], n: int, threads: int, accuracy: str | None = None) -> float:
     from kvexport import LLM, SamplingParams
 
     llm = LLM(build_dir, threads=threads, kv_cache_memory="256MiB", weight_matmul_accuracy=accuracy)
@@ -106,11 +119,10 @@ def main() -> None:
     from kvexport import manifest as mf
     from kvexport.exporter import calibrate, source
     from kvexport.exporter.build import BuildOptions, build
-    from kvexport.runtime.execution import ort_backends
+    from kvexport.runtime.execution.session_plan import resolve_accuracy
 
     from kv_quality import nll_paged  # noqa: E402 - bench/ sibling
 
-    default_accuracy = ort_backends.DEFAULT_ACCURACY
     root = Path(a.builds or tempfile.mkdtemp(prefix="wq-"))
     src = source.resolve("smollm2-135m")
     tok = source.load_tokenizer(src)
@@ -121,11 +133,11 @@ def main() -> None:
     for name in a.configs.split(","):
         kw = dict(CONFIGS[name])
         knobs = {k: kw.pop(k) for k in RUNTIME_KNOBS if k in kw}
-        ort_backends.DEFAULT_ACCURACY = knobs.get("accuracy", default_accuracy)
+        accuracy = knobs.get("accuracy")  # None: the build's (session_plan.resolve_accuracy)
         if "kv_dtype" in kw:
             kw["kv_dtype"] = io.DType(kw["kv_dtype"])
-        base = {k: v for k, v in CONFIGS[name].items() if k != "accuracy"}
-        out = root / next(n for n, c in CONFIGS.items() if c == base)  # one build per set of build options
+        base = lambda c: {k: v for k, v in c.items() if k != "accuracy"}  # noqa: E731
+        out = root / next(n for n, c in CONFIGS.items() if base(c) == base(CONFIGS[name]))  # one build per options
         t0 = time.time()
         if not (out / io.MANIFEST_NAME).is_file():
             opts = BuildOptions(all_logits=True, max_seq_len=1024, validate=False, **kw)
@@ -134,10 +146,11 @@ def main() -> None:
             else:
                 build("smollm2-135m", out, opts)
         m = mf.load(out)
-        s, n = nll_paged(out, ids, a.window, a.chunk)
+        s, n = nll_paged(out, ids, a.window, a.chunk, accuracy)
+        q = m.weights.quantization
         rows[name] = {"weights_bytes": m.weights.bytes, "perplexity": round(math.exp(s / n), 4),
-                      "weight_matmul_accuracy": ort_backends.DEFAULT_ACCURACY,
-                      "decode_ms_per_token": round(decode_ms(out, prompt, a.decode_tokens, a.threads, ort_backends.DEFAULT_ACCURACY), 2),
+                      "form": q.form() if q else m.dtype, "weight_matmul_accuracy": resolve_accuracy(q, accuracy),
+                      "decode_ms_per_token": round(decode_ms(out, prompt, a.decode_tokens, a.threads, accuracy), 2),
                       "attention": m.kv.attention, "wall_s": round(time.time() - t0, 1)}
         print(name, rows[name], flush=True)
     base = rows.get("fp32")

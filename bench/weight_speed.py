@@ -7,7 +7,8 @@ seen before each run.
     .venv/bin/python bench/weight_speed.py fp32=build/fp32 int8=build/int8 int4=build/int4 \\
         int4-int8=build/int4@int8 [--reps 3] [--trace mixed-64] [--threads 2] [--out bench/results/weight_speed.json]
 
-NAME=BUILD@ACCURACY serves BUILD with `--weight-matmul-accuracy ACCURACY` (default: auto).
+NAME=BUILD@ACCURACY serves BUILD with `--weight-matmul-accuracy ACCURACY` (default: the build's own,
+weights.quantization.matmul_accuracy; `kvexport inspect` says which).
 Builds: `kvexport build smollm2-135m --no-validate --max-seq-len 2048 [--weights int8|int4]`.
 Decode: one 32-token prompt, ms per token = (time(N + 1 tokens) - time(1 token)) / N,
 median of 3 within the run (bench/weight_quality.py `decode_ms`).
@@ -37,17 +38,21 @@ print(decode_ms({build!r}, ids[:32], {n}, {threads}, {accuracy!r}))
 """
 
 
-def split(spec: str) -> tuple[str, str]:
-    """BUILD[@ACCURACY] -> (BUILD, ACCURACY)."""
+def split(spec: str) -> tuple[str, str | None]:
+    """BUILD[@ACCURACY] -> (BUILD, ACCURACY or None: the build's)."""
     build, _, accuracy = spec.partition("@")
-    return build, accuracy or "auto"
+    return build, accuracy or None
+
+
+def _accuracy_flag(accuracy: str | None) -> list[str]:
+    return ["--weight-matmul-accuracy", accuracy] if accuracy else []
 
 
 def trace_run(spec: str, trace: str, threads: int) -> dict:
     build, accuracy = split(spec)
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         subprocess.run([KVEXPORT, "bench", build, "--trace", trace, "--threads", str(threads), "--json", f.name,
-                        "--weight-matmul-accuracy", accuracy], check=True, capture_output=True)
+                        *_accuracy_flag(accuracy)], check=True, capture_output=True)
         return json.loads(Path(f.name).read_text())
 
 
@@ -62,7 +67,7 @@ def peak_rss_mib(spec: str, pool: str) -> float:
     """Peak RSS of `kvexport generate BUILD` (one prompt, 64 tokens) with a `pool` KV budget."""
     build, accuracy = split(spec)
     r = subprocess.run(["/usr/bin/time", "-f", "%M", KVEXPORT, "generate", build, "The king said",
-                        "--kv-cache-memory", pool, "--weight-matmul-accuracy", accuracy],
+                        "--kv-cache-memory", pool, *_accuracy_flag(accuracy)],
                        check=True, capture_output=True, text=True)
     return int(r.stderr.strip().splitlines()[-1]) / 1024
 

@@ -10,11 +10,18 @@ finely. The division is folded into the op that produces x, which keeps the floa
 s = mean|x|^alpha (normalized), alpha from a grid, chosen per matmul to minimize
 ||x W - (x / s) Q(W s)||^2 on the calibration activations (weights-only search, no training).
 
-`--quant-method smoothquant` (Xiao et al. 2023; per-channel int8 weights only): the runtime also
-rounds the activations to int8, one scale per token (runtime/execution/ort_quant.py), and their outlier
-channels are what costs accuracy. The same search then scores ||x W - R(x / s) Q(W s)||^2 with
-R that per-token rounding, over AWQ's candidates and SmoothQuant's s = max|x|^a / max|W[k, :]|^(1-a),
-which moves the activations' outliers into the weights' rows.
+`--quant-method smoothquant` (Xiao et al. 2023; per-channel int8 weights, or int4 blocks): the
+runtime also rounds the activations to int8, one scale per token (runtime/execution/ort_quant.py),
+and their outlier channels are what costs accuracy. The same search then scores
+||x W - R(x / s) Q(W s)||^2 with R that per-token rounding, over AWQ's candidates and SmoothQuant's
+s = max|x|^a / max|W[k, :]|^(1-a), which moves the activations' outliers into the weights' rows.
+int4 blocks run so in the large steps under weight_matmul_accuracy "int8",
+where the runtime re-rounds them to per-channel int8 codes (ort_quant.blocks_to_int8_channel):
+Q is then that re-rounding of the int4 blocks, as served. NOTE: R rounds to 8 bits (127 steps
+a side) whatever CPU serves the build; where u8 x s8 saturates the runtime rounds to 7
+(ort_quant.ACT_QMAX). Measured (smollm2, King Lear, AMD EPYC with AVX2 only, so 7 bits): int4
+smoothquant under "int8" 66.78 against fp32 54.62 (rtn int4 under "int8": 61.79) — an option,
+not a default (exporter/limits.py DEFAULT_WEIGHT_FORM).
 
 NOTE: the activations are captured with forward pre-hooks on transformers' llama-style modules
 (q_proj, gate_proj, down_proj); other module layouts are refused by name (ConfigError).
@@ -85,7 +92,10 @@ def int8_rows(x: np.ndarray) -> np.ndarray:
 def best_scale(x: np.ndarray, w: np.ndarray, bits: int, block: int,
                int8_activations: bool = False) -> tuple[np.ndarray, float, float]:
     """(s [K], alpha, relative output error) minimizing ||x w - R(x / s) Q(w s)||^2, R the
-    identity, or with `int8_activations` the per-token int8 rounding (SmoothQuant's candidates too)."""
+    identity, or with `int8_activations` the per-token int8 rounding (SmoothQuant's candidates too;
+    block-wise Q then also re-rounds per channel, as those steps are served)."""
+    from kvexport.runtime.execution.ort_quant import int8_channel
+
     mean = np.abs(x).mean(axis=0) + 1e-8  # [K]
     candidates = [(mean ** a, a) for a in ALPHAS]
     if int8_activations:
@@ -97,6 +107,9 @@ def best_scale(x: np.ndarray, w: np.ndarray, bits: int, block: int,
     for s, alpha in candidates:
         s = (s / np.sqrt(s.max() * s.min())).astype(np.float32)
         deq = qz.quantize_rtn(w * s[:, None], bits, block).dequantize()
+        if int8_activations and block != qz.CHANNEL:  # as served: re-rounded per channel (module docstring)
+            q, step, z = int8_channel(deq)
+            deq = (q - z) * step
         xs = x / s
         err = float((((int8_rows(xs) if int8_activations else xs) @ deq - ref) ** 2).sum()) / norm
         if err < best[2]:

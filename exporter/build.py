@@ -21,11 +21,12 @@ import numpy as np
 from kvexport import __version__, io, outputs
 from kvexport.errors import ConfigError, ValidationError
 from kvexport.manifest import EngineBuildOptions, GraphEntry, KVSpec, Manifest, ModelEntry, WeightsEntry, versions
+from kvexport.manifest_weights import WEIGHT_MATMUL_ACCURACY
 
 from . import interop, source
 from .families import FAMILIES, read_spec
 from .graph import DecoderGraph, GraphOptions, model_rope_tables
-from .limits import BACKENDS, CALIBRATED_METHODS, DTYPES, KV_DTYPES, RANGES
+from .limits import BACKENDS, CALIBRATED_METHODS, DTYPES, KV_DTYPES, RANGES, default_matmul_accuracy
 from .onnx_builder import WeightStore, save_model
 from .samples import write_samples
 from .validate import fit_prompts, prompt_ids, validate, verdicts
@@ -60,8 +61,13 @@ class BuildOptions:
     backend: str = "onnxruntime"
     engines: EngineBuildOptions | None = None  # TensorRT engine limits / precision; None: the defaults
     weights: str | None = None  # matmul weights: fp32 | fp16 | int8 | int4 (None: --dtype); exporter/quantize.py
-    weight_block_size: int | None = None  # int8/int4: rows of K per scale, 0 per output channel; None: per precision
-    quant_method: str = "rtn"  # int8/int4 weights from float ones: rtn | awq (calibration_text: its text)
+    # int8/int4: rows of K per scale, 0 per output channel; None: the default form (limits.DEFAULT_WEIGHT_FORM)
+    weight_block_size: int | None = None
+    # int8/int4 weights from float ones: rtn | awq | smoothquant (calibration_text: its text); None: the default form
+    quant_method: str | None = None
+    # int8/int4: the weight_matmul_accuracy the build records as its serving default (auto | int8 | float;
+    # runtime/execution/session_plan.py); None: by method (limits.default_matmul_accuracy)
+    weight_matmul_accuracy: str | None = None
 
     def __post_init__(self) -> None:
         for name, cls in (("layout", io.KVLayout), ("attention", io.Attention), ("dtype", io.DType),
@@ -104,17 +110,22 @@ class BuildOptions:
                               "as a TensorRT plugin)")
         if self.backend == "tensorrt" and self.dtype is not io.DType.FP16:
             raise ConfigError("--backend tensorrt needs --dtype fp16 (the plugin kernels take fp16/bf16 activations)")
+        wq = self.weight_quantization()  # checks weights / weight_block_size / quant_method
         if ((self.calibration_text is not None or self.calibration_tokens != 2048) and self.kv_dtype is not io.DType.INT8
-                and self.quant_method not in CALIBRATED_METHODS):
+                and not (wq.quantized and wq.method in CALIBRATED_METHODS)):
             raise ConfigError("--calibration-text / --calibration-tokens only apply to --kv-dtype int8 or "
                               "--quant-method awq / smoothquant")
-        wq = self.weight_quantization()  # checks weights / weight_block_size / quant_method
         if wq.precision == "fp16" and self.dtype is io.DType.FP32:
             object.__setattr__(self, "dtype", io.DType.FP16)
         elif wq.precision == "fp32" and self.dtype is io.DType.FP16 and self.weights is not None:
             raise ConfigError("--weights fp32 contradicts --dtype fp16; drop one of them")
-        if not wq.quantized and (self.weight_block_size is not None or self.quant_method != "rtn"):
-            raise ConfigError("--weight-block-size / --quant-method only apply to --weights int8 or int4")
+        if not wq.quantized and (self.weight_block_size is not None or self.quant_method is not None
+                                 or self.weight_matmul_accuracy is not None):
+            raise ConfigError("--weight-block-size / --quant-method / --weight-matmul-accuracy only apply to "
+                              "--weights int8 or int4")
+        if self.weight_matmul_accuracy is not None and self.weight_matmul_accuracy not in WEIGHT_MATMUL_ACCURACY:
+            raise ConfigError(f"--weight-matmul-accuracy must be one of {', '.join(WEIGHT_MATMUL_ACCURACY)}, "
+                              f"got {self.weight_matmul_accuracy!r}")
         if self.backend == "tensorrt" and wq.quantized:  # what TensorRT's Q/DQ takes, before any work
             from .tensorrt_build import weight_problems
 
@@ -131,6 +142,42 @@ class BuildOptions:
 
 
 Progress = Callable[[str], contextlib.AbstractContextManager]
+
+
+def _weight_form(src: source.ModelSource, opts: BuildOptions, tokenizer):
+    """The build's WeightQuantization: the options', except that for a pre-quantized checkpoint
+    what --weight-block-size / --quant-method leave out follows the checkpoint (its group size,
+    its codes mapped as they are) instead of the default form. A default form that searches
+    scales on calibration text (int8: smoothquant) needs that text: ConfigError saying so, and
+    what to do, before the weights are quantized."""
+    wq = opts.weight_quantization()
+    if not wq.quantized or (opts.weight_block_size is not None and opts.quant_method is not None):
+        return wq
+    from . import prequantized
+    from .quantize import WeightQuantization
+
+    pq = prequantized.config_of(src.directory) if src.kind == "hf" else None
+    if pq is not None:  # what is not given follows the checkpoint (a given method is refused: presets())
+        block = pq.group_size if opts.weight_block_size is None else opts.weight_block_size
+        return WeightQuantization(wq.precision, block, opts.quant_method or "rtn")
+    if opts.quant_method is None and wq.method in CALIBRATED_METHODS and tokenizer is not None \
+            and opts.calibration_text is None:
+        from . import calibrate
+
+        calibrate.default_text(why=f"--weights {wq.precision} defaults to --weight-block-size "
+                                   f"{wq.block_size or 'channel'} --quant-method {wq.method}, whose scales are "
+                                   f"searched on calibration text; --weight-block-size 32 (round-to-nearest) "
+                                   f"needs none")
+    return wq
+
+
+def serving_words(q, dtype: str) -> str:
+    """How onnxruntime's CPU serves weights `q` (a WeightQuantizationEntry) at the build's default
+    accuracy, in words (the manifest's weights.quantization.serving; session_plan.describe)."""
+    from kvexport.runtime.execution.session_plan import describe, plan_sessions, resolve_accuracy
+
+    accuracy = resolve_accuracy(q, None)
+    return f"onnxruntime CPU, weight_matmul_accuracy {accuracy}: " + describe(plan_sessions(q, dtype, accuracy), q)
 
 
 @contextlib.contextmanager
@@ -218,7 +265,7 @@ def _build_into(d: Path, src: source.ModelSource, opts: BuildOptions, progress: 
             scales = calibrate.compute_scales(model, ids, rotary_dim=spec.rotary_dim if spec.rope else 0)
             quantization = calibrate.quantization_entry(scales, text.name if text else "random-ids", ids)
 
-    wq, qweights, wrecord = opts.weight_quantization(), None, None
+    wq, qweights, wrecord = _weight_form(src, opts, tokenizer), None, None
     if wq.quantized:
         from .quantize import describe
         from .weight_sources import quantized_weights
@@ -228,13 +275,15 @@ def _build_into(d: Path, src: source.ModelSource, opts: BuildOptions, progress: 
             weights, qweights, requantized, method_info = quantized_weights(
                 src, model, spec, weights, wq, tokenizer, opts.calibration_text, opts.calibration_tokens,
                 head_block=0 if opts.backend == "tensorrt" else None)
-            wrecord = describe(qweights, wq, opts.dtype.numpy_name, KEPT, requantized) | method_info
+            accuracy = opts.weight_matmul_accuracy or default_matmul_accuracy(wq.method)
+            wrecord = describe(qweights, wq, opts.dtype.numpy_name, KEPT, requantized, method_info, accuracy)
+            wrecord = replace(wrecord, serving=serving_words(wrecord, opts.dtype.value))
 
     # paged builds of full-attention + windowed layers: the windowed layers' KV is its own cache
     # group (kvexport/io.py), released behind the window by the runtime
-    groups = io.kv_groups(spec.window(i) for i in range(spec.num_layers))
-    local_window = (max(w for i in range(spec.num_layers) if (w := spec.window(i)) is not None)
-                    if opts.layout is io.KVLayout.PAGED and io.LOCAL_GROUP in groups else None)
+    windows = tuple(spec.window(i) for i in range(spec.num_layers))
+    groups = io.kv_groups(windows)
+    local_window = io.local_window(windows) if opts.layout is io.KVLayout.PAGED else None
     layer_groups = groups if local_window is not None else None
     store = WeightStore()
     graphs = {}
@@ -263,8 +312,8 @@ def _build_into(d: Path, src: source.ModelSource, opts: BuildOptions, progress: 
     if opts.dtype is io.DType.FP16:
         notes.append("fp16: matmul weights/activations in float16; norms, RoPE and attention in float32")
     if wq.quantized:
-        notes.append(f"{wq.precision} weights ({wq.method}, blocks of {wq.block_size} along K): DequantizeLinear "
-                     f"-> MatMul (opset 21); LM head and tied embeddings int8 (weights.quantization)")
+        notes.append(f"{wrecord.form()} weights: DequantizeLinear -> MatMul (opset 21); LM head and tied "
+                     f"embeddings int8; served as {wrecord.serving} (weights.quantization)")
     if kv_dtype is io.DType.INT8:
         notes.append("int8 KV: static symmetric scales per layer and KV head (kv.quantization); "
                      "QuantizeLinear on write, DequantizeLinear on read")

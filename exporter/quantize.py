@@ -25,8 +25,10 @@ import numpy as np
 from onnx import TensorProto
 
 from kvexport.errors import ConfigError
+from kvexport.manifest_weights import CalibrationEntry, QuantizedMatrices, QuantizedTable, WeightQuantizationEntry
 
-from .limits import CALIBRATED_METHODS, DEFAULT_WEIGHT_BLOCK, QUANT_METHODS, WEIGHT_BLOCK_SIZES, WEIGHT_PRECISIONS
+from .limits import (CALIBRATED_METHODS, DEFAULT_WEIGHT_FORM, FALLBACK_WEIGHT_BLOCK, QUANT_METHODS, WEIGHT_BLOCK_SIZES,
+                     WEIGHT_PRECISIONS)
 
 QUANTIZED_HEAD = "lm_head.quantized.weight"  # graph name of a quantized LM head's [hidden, vocab] codes
 # graph name of the token embeddings' int8 [hidden, vocab] codes in quantized builds: tied, the
@@ -47,6 +49,10 @@ LINEARS = ("attn.qkv", "attn.o", "mlp.up", "mlp.down")  # per layer, graph names
 BITS = {"int8": 8, "int4": 4}
 CHANNEL = 0  # block_size of per-output-channel scales: one block spans all of K (`--weight-block-size channel`)
 QMAX = {8: 127, 4: 7}  # symmetric codes lie in [-QMAX - 1, QMAX]; we use [-QMAX, QMAX]
+# (precision, per channel) of the builds --quant-method smoothquant makes: weights that onnxruntime's
+# CPU runs as int8 x int8 with per-token int8 activations, per-channel int8 always, int4 blocks in
+# the large steps under weight_matmul_accuracy "int8" (re-rounded per channel; awq.py scores that)
+SMOOTHQUANT_FORMS = (("int8", True), ("int4", False))
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,15 +60,23 @@ class WeightQuantization:
     """How a build quantizes its matmul weights (validated when made)."""
 
     precision: str = "fp32"  # one of WEIGHT_PRECISIONS; fp32/fp16 follow the build's --dtype
-    block_size: int | None = None  # rows of K sharing one scale; CHANNEL: per output column; None: per precision
-    method: str = "rtn"  # one of QUANT_METHODS (from float weights; pre-quantized sources map exactly)
+    # rows of K sharing one scale; CHANNEL: per output column; None: the precision's default form
+    block_size: int | None = None
+    # one of QUANT_METHODS (from float weights; pre-quantized sources map exactly); None: the default form
+    method: str | None = None
     calibration_text: str | None = None  # awq: text file (None: the bundled text)
 
     def __post_init__(self) -> None:
+        """Validates, and fills what is None from limits.DEFAULT_WEIGHT_FORM (its comment says how)."""
         if self.precision not in WEIGHT_PRECISIONS:
             raise ConfigError(f"--weights must be one of {', '.join(WEIGHT_PRECISIONS)}, got {self.precision!r}")
+        block, method = DEFAULT_WEIGHT_FORM.get(self.precision, (FALLBACK_WEIGHT_BLOCK, "rtn"))
         if self.block_size is None:
-            object.__setattr__(self, "block_size", DEFAULT_WEIGHT_BLOCK.get(self.precision, 32))
+            given = self.method is not None and self.method != method
+            object.__setattr__(self, "block_size", FALLBACK_WEIGHT_BLOCK if given else block)
+        if self.method is None:
+            sq_ok = (self.precision, self.block_size == CHANNEL) in SMOOTHQUANT_FORMS
+            object.__setattr__(self, "method", method if method != "smoothquant" or sq_ok else "rtn")
         if isinstance(self.block_size, bool) or self.block_size not in WEIGHT_BLOCK_SIZES:
             raise ConfigError("--weight-block-size must be one of channel (0), "
                               f"{', '.join(str(b) for b in WEIGHT_BLOCK_SIZES if b)}, got {self.block_size!r}")
@@ -70,9 +84,10 @@ class WeightQuantization:
             raise ConfigError(f"--quant-method must be one of {', '.join(QUANT_METHODS)}, got {self.method!r}")
         if self.calibration_text is not None and self.method not in CALIBRATED_METHODS:
             raise ConfigError("--calibration-text for weights only applies to --quant-method awq or smoothquant")
-        if self.method == "smoothquant" and (self.precision != "int8" or self.block_size != CHANNEL):
-            raise ConfigError("--quant-method smoothquant makes per-channel int8 weights for int8 x int8 matmuls "
-                              "(per-token activations): use --weights int8 --weight-block-size channel, got "
+        if self.method == "smoothquant" and ((self.precision, self.block_size == CHANNEL) not in SMOOTHQUANT_FORMS):
+            raise ConfigError("--quant-method smoothquant scales weights for int8 x int8 matmuls (per-token int8 "
+                              "activations): per-channel int8 (--weights int8 --weight-block-size channel) or int4 "
+                              "blocks (--weights int4 --weight-block-size 32|64|128), got "
                               f"--weights {self.precision} --weight-block-size {self.block_size or 'channel'}")
 
     @property
@@ -213,30 +228,37 @@ def quantize_model(weights, wq: WeightQuantization, presets: dict[str, Quantized
 
 
 def describe(q: dict[str, QuantizedMatrix], wq: WeightQuantization, act_dtype: str, kept: dict[str, str],
-             requantized_from: str | None) -> dict:
-    """The manifest's `weights.quantization` record: what is quantized, how, and what is not."""
+             requantized_from: str | None, method_info: dict, matmul_accuracy: str) -> WeightQuantizationEntry:
+    """The manifest's `weights.quantization` record: what is quantized, how, and what is not;
+    `method_info` (weight_sources.quantized_weights) adds the method's own record and the LM
+    head's; `matmul_accuracy` is the build's serving default (limits.default_matmul_accuracy)."""
     table = q.get(QUANTIZED_EMBED)  # untied embeddings: a table, not a matmul (named below)
     q = {n: m for n, m in q.items() if n != QUANTIZED_EMBED}
     origins: dict[str, int] = {}
     for m in q.values():
         origins[m.origin] = origins.get(m.origin, 0) + 1
     any_m = next(iter(q.values()))
-    return {
-        "precision": wq.precision, "bits": wq.bits, "block_size": wq.block_size or "channel",
-        "axis": "output (N): one scale per column" if wq.block_size == CHANNEL else "input (K)",
-        "method": wq.method, "symmetric": all(m.zero_point is None for m in q.values()),
-        "block_offsets": any(m.offset is not None for m in q.values()),
-        "scales_dtype": act_dtype, "code_dtype": "int4 (two per byte)" if any_m.bits == 4 else "int8",
-        "format": ("onnx QDQ: DequantizeLinear(axis=1, scale [N]) -> MatMul (opset 21); onnxruntime CPU "
-                   "sessions run it as int8 x int8 MatMulIntegerToFloat with per-token activation scales "
-                   "(runtime/execution/ort_quant.py)"
-                   if wq.block_size == CHANNEL else "onnx QDQ: DequantizeLinear(axis=0, block_size) -> MatMul (opset 21)"),
-        "quantized": {"matrices": len(q), "origins": origins,
-                      "names": "model.layers.*.{" + ",".join(LINEARS) + "}" + (
-                          f", {QUANTIZED_HEAD} (int8, [hidden, vocab]; tied embeddings gather its rows)"
-                          if QUANTIZED_HEAD in q else "")},
-        "embeddings": ({"bits": table.bits, "block_size": table.block_size or "channel", "origin": table.origin,
-                        "name": f"{QUANTIZED_EMBED} (int8, [hidden, vocab]; a Gather on axis 1 reads a token's column)"}
-                       if table is not None else "tied: the LM head's codes" if QUANTIZED_HEAD in q else None),
-        "kept": kept, "requantized_from": requantized_from,
-    }
+    info = dict(method_info)
+    calibration, head = info.pop("calibration", None), info.pop("lm_head")
+    if "alpha_grid" in info:
+        info["alpha_grid"] = tuple(info["alpha_grid"])
+    return WeightQuantizationEntry(
+        precision=wq.precision, bits=wq.bits, block_size=wq.block_size or "channel",
+        axis="output (N): one scale per column" if wq.block_size == CHANNEL else "input (K)",
+        method=info.pop("method", wq.method), symmetric=all(m.zero_point is None for m in q.values()),
+        block_offsets=any(m.offset is not None for m in q.values()),
+        scales_dtype=act_dtype, code_dtype="int4 (two per byte)" if any_m.bits == 4 else "int8",
+        format=("onnx QDQ: DequantizeLinear(axis=1, scale [N]) -> MatMul (opset 21); onnxruntime CPU "
+                "sessions run it as int8 x int8 MatMulIntegerToFloat with per-token activation scales "
+                "(runtime/execution/ort_quant.py)"
+                if wq.block_size == CHANNEL else "onnx QDQ: DequantizeLinear(axis=0, block_size) -> MatMul (opset 21)"),
+        quantized=QuantizedMatrices(len(q), origins, "model.layers.*.{" + ",".join(LINEARS) + "}" + (
+            f", {QUANTIZED_HEAD} (int8, [hidden, vocab]; tied embeddings gather its rows)" if QUANTIZED_HEAD in q
+            else "")),
+        embeddings=(QuantizedTable(table.bits, table.block_size or "channel", table.origin,
+                                   f"{QUANTIZED_EMBED} (int8, [hidden, vocab]; a Gather on axis 1 reads a token's "
+                                   f"column)")
+                    if table is not None else "tied: the LM head's codes" if QUANTIZED_HEAD in q else None),
+        kept=kept, requantized_from=requantized_from,
+        calibration=CalibrationEntry(**calibration) if calibration is not None else None,
+        lm_head=QuantizedTable(**head), matmul_accuracy=matmul_accuracy, **info)

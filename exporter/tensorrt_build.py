@@ -194,15 +194,12 @@ def engine_quantization(weights: mf.WeightsEntry) -> EngineQuantization:
     if q is None:
         return EngineQuantization(weights.precision or "fp16", "none", None)
     block = lambda b: 0 if b == "channel" else int(b)  # noqa: E731 - the manifest writes CHANNEL as "channel"
-    head = None
-    if "lm_head.quantized" in str(q.get("quantized", {}).get("names", "")):  # builds before the record: blocks
-        head = block((q.get("lm_head") or {}).get("block_size", q["block_size"]))
-    problems = weight_problems(int(q["bits"]), block(q["block_size"]), bool(q.get("symmetric", True)),
-                               bool(q.get("block_offsets", False)), head)
+    head = block(q.head_block_size) if "lm_head.quantized" in q.quantized.names else None
+    problems = weight_problems(q.bits, block(q.block_size), q.symmetric, q.block_offsets, head)
     if problems:
-        raise ConfigError(f"TensorRT cannot build engines from these {q['precision']} weights:\n  - "
+        raise ConfigError(f"TensorRT cannot build engines from these {q.precision} weights:\n  - "
                           + "\n  - ".join(problems))
-    return EngineQuantization(q["precision"], "weight-only", block(q["block_size"]))
+    return EngineQuantization(q.precision, "weight-only", block(q.block_size))
 
 
 # ---- writing engines/ atomically ---------------------------------------------------------------

@@ -23,6 +23,7 @@ from kvexport.exporter.limits import (BACKENDS, DTYPES, KV_DTYPES, QUANT_METHODS
 
 from . import io
 from .errors import KvExportError
+from .manifest_weights import WEIGHT_MATMUL_ACCURACY
 
 # NOTE: user text (paths, prompts, error messages) reaches this console only through escape()
 # or markup=False; emoji=False keeps ":name:" in a path or prompt as typed
@@ -258,16 +259,23 @@ def _new_path(ctx, param, value: str | None) -> str | None:
 @click.option("--force", is_flag=True, help="Replace an earlier kvexport build at --out (never anything else).")
 @click.option("--no-validate", is_flag=True, help="Skip the comparison with transformers.")
 @click.option("--weights", type=click.Choice(WEIGHT_PRECISIONS),
-              help="Matmul weights: fp32/fp16, or int8/int4 block-wise QDQ [--dtype].")
+              help="Matmul weights: fp32/fp16, or int8/int4 QDQ in the fast CPU forms unless told otherwise "
+                   "(docs/QUANTIZATION.md) [--dtype].")
 @click.option("--weight-block-size", type=click.Choice([str(b) if b else "channel" for b in WEIGHT_BLOCK_SIZES]),
-              help="int8/int4 weights: input rows per scale, or one scale per output channel "
-                   "[32]; channel: onnxruntime runs int8 as int8 x int8 GEMMs with per-token activation "
-                   "scales (~3x fp32 GEMMs from 64 rows; use --quant-method smoothquant).")
+              help="int8/int4 weights: input rows per scale, or one scale per output channel (int8 runs as "
+                   "int8 x int8 GEMMs with per-token activation scales) [int8: channel with smoothquant, or 32 "
+                   "with another --quant-method (32: exact, GGUF Q8_0 blocks kept); int4: 32].")
 @click.option("--quant-method", type=click.Choice(QUANT_METHODS),
               help="int8/int4 from float weights: round-to-nearest, AWQ scales on --calibration-text, or "
-                   "smoothquant (int8 per channel: scales that also spare the int8 activations) [rtn].")
+                   "smoothquant (scales that also spare the int8 activations: int8 per channel, int4 blocks) "
+                   "[int8: smoothquant per channel, rtn in blocks; int4: rtn].")
+@click.option("--weight-matmul-accuracy", type=click.Choice(WEIGHT_MATMUL_ACCURACY),
+              help="int8/int4: how onnxruntime's CPU serves the weights by default (the manifest records it; "
+                   "serving commands' --weight-matmul-accuracy overrides it): auto (int8 pairs, ~exact), int8 "
+                   "(fastest), float (exact) [int8 for smoothquant, else auto].")
 def build(model, out, layout, dtype, attention, kv_dtype, calibration_text, calibration_tokens, backend, block_size,
-          max_seq_len, all_logits, recipe, allow_pickle, force, no_validate, weights, weight_block_size, quant_method):
+          max_seq_len, all_logits, recipe, allow_pickle, force, no_validate, weights, weight_block_size, quant_method,
+          weight_matmul_accuracy):
     """Export a model (HF folder, .gguf file or alias) into a validated build directory."""
     from kvexport.exporter.build import BuildOptions, build as run_build
     from kvexport.exporter.source import DEFAULT_MODEL
@@ -282,7 +290,7 @@ def build(model, out, layout, dtype, attention, kv_dtype, calibration_text, cali
              "calibration_text": calibration_text, "calibration_tokens": calibration_tokens, "backend": backend,
              "block_size": block_size, "max_seq_len": max_seq_len, "all_logits": all_logits, "weights": weights,
              "weight_block_size": None if weight_block_size is None else int(weight_block_size.replace("channel", "0")),
-             "quant_method": quant_method}
+             "quant_method": quant_method, "weight_matmul_accuracy": weight_matmul_accuracy}
     kw.update({k: v for k, v in given.items() if v is not None})
     if no_validate:
         kw["validate"] = False
@@ -366,6 +374,51 @@ def inspect(build_dir, as_json):
         click.echo(json.dumps(summary(build_dir), indent=2))
         return
     render(build_dir, Console(soft_wrap=True, emoji=False))
+
+
+@main.command()
+@click.argument("model")
+@click.option("--memory", metavar="SIZE",
+              help="Memory for weights + KV cache: 24GiB, 80GB, bytes, or 30% of the memory available now.")
+@click.option("--weights", type=click.Choice(WEIGHT_PRECISIONS),
+              help="Weights the fit subtracts [the build's; fp16 for a model].")
+@click.option("--max-model-len", type=click.IntRange(2, RANGES["max_seq_len"][1]),
+              help="Tokens per sequence (prompt + output) [the build's max_seq_len; the model's max positions, "
+                   "capped at 32768].")
+@click.option("--max-num-seqs", type=click.IntRange(min=1),
+              help="Also give the longest context each of this many sequences can have.")
+@click.option("--block-size", type=_range("block_size"), help="Tokens per KV block (paged) [the build's; 16].")
+@click.option("--max-num-batched-tokens", type=click.IntRange(min=1),
+              help="Tokens per engine step: sizes windowed layers' blocks [the engine's default].")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (keys below) instead of the tables.")
+def plan(model, memory, weights, max_model_len, max_num_seqs, block_size, max_num_batched_tokens, as_json):
+    """Will it fit? Weights bytes per precision, KV bytes per token per KV cache group, and, with
+    --memory, how many sequences of --max-model-len fit (or the longest context of --max-num-seqs
+    sequences) per KV dtype and layout, sized as the engine sizes its pool. MODEL is a build, a HF
+    folder (config.json is enough: no weights are read), a config.json, a .gguf file or an alias.
+
+    \b
+    --json keys (sizes in bytes, lengths in tokens):
+      model, source (build|hf|gguf|alias), family, model_type, num_layers, hidden_size, num_heads,
+      num_kv_heads, head_dim, attention (MHA|GQA|MQA), layer_windows [per layer, null = full],
+      max_positions;
+      weights [{precision, block_size, parameters, bytes, matmul_bytes, table_bytes, float32_bytes}],
+      build_weights {precision, bytes, parameters} | null;
+      kv [{kv_dtype, bytes_per_token, static_bytes, groups [{group, layers, window, bytes_per_token}]}];
+      block_size, max_model_len, max_num_seqs, max_num_batched_tokens, memory_bytes, fit_weights,
+      fit_weights_bytes, weights_fit;
+      fits [{kv_dtype, layout (paged|contiguous), kv_budget_bytes, num_blocks, local_num_blocks,
+      max_seqs, max_context, context_limit (memory|model), build}]; notes [text]."""
+    from kvexport.exporter.plan import plan as run_plan, render
+
+    p = run_plan(model, memory, weights=weights, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                 block_size=block_size, max_num_batched_tokens=max_num_batched_tokens)
+    if as_json:
+        import json
+
+        click.echo(json.dumps(p.to_json(), indent=2))
+        return
+    render(p, Console(soft_wrap=True, emoji=False))
 
 
 @main.command()

@@ -24,6 +24,27 @@ def _human(n: float) -> str:
     return str(n)
 
 
+def serving(m: mf.Manifest) -> str:
+    """How onnxruntime's CPU serves the build's quantized weights by default, in words, as this
+    kvexport runs them (runtime/execution/session_plan.py; the manifest's `serving` is what the
+    build's kvexport said), and how to serve them otherwise."""
+    from kvexport.runtime.execution.session_plan import (WEIGHT_MATMUL_ACCURACY, describe, plan_sessions,
+                                                         resolve_accuracy)
+
+    from kvexport.runtime.execution.ort_quant import ACT_QMAX
+
+    q = m.weights.quantization
+    accuracy = resolve_accuracy(q, None)
+    recorded = q is not None and q.matmul_accuracy
+    whose = "the build's default" if recorded else "the default for builds before it was recorded"
+    others = "|".join(a for a in WEIGHT_MATMUL_ACCURACY if a != accuracy)
+    plans = plan_sessions(q, m.dtype, accuracy)
+    cpu = ("; on this CPU (no VNNI: u8 x s8 saturates) the int8 x int8 activations get 7 bits"
+           if ACT_QMAX < 127 and any(p.rewrites and p.form != "float" for p in plans) else "")
+    return (f"onnxruntime CPU, weight_matmul_accuracy {accuracy} ({whose}; --weight-matmul-accuracy {others} "
+            f"to serve otherwise): {describe(plans, q)}{cpu}")
+
+
 def render(build_dir: str | Path, console: Console) -> mf.Manifest:
     m = mf.load(build_dir)
     spec = m.model
@@ -37,15 +58,15 @@ def render(build_dir: str | Path, console: Console) -> mf.Manifest:
     console.print(f"parameters: {m.weights.parameters / 1e6:.1f} M, weights file "
                   f"{_human(m.weights.bytes)}, dtype {m.dtype}")
     if (q := m.weights.quantization) is not None:
-        console.print(f"weights: {q['precision']} ({q['method']}), scale blocks {q['block_size']} "
-                      f"(axis {q.get('axis', 'input (K)')}), "
-                      f"{'symmetric' if q['symmetric'] else 'zero points'}{', block offsets' if q['block_offsets'] else ''}, "
-                      f"scales {q['scales_dtype']}; {q['quantized']['matrices']} matrices "
-                      f"({', '.join(f'{k}: {v}' for k, v in q['quantized']['origins'].items())})", markup=False)
-        for what, why in q["kept"].items():
+        console.print(f"weights: {q.form()}, scales along {q.axis}, "
+                      f"{'symmetric' if q.symmetric else 'zero points'}{', block offsets' if q.block_offsets else ''}, "
+                      f"scales {q.scales_dtype}; {q.quantized.matrices} matrices "
+                      f"({', '.join(f'{k}: {v}' for k, v in q.quantized.origins.items())})", markup=False)
+        console.print(f"  served: {serving(m)}", markup=False)
+        for what, why in q.kept.items():
             console.print(f"  kept in {m.dtype}: {what} ({why})", markup=False)
-        if q.get("requantized_from"):
-            console.print(f"  source: {q['requantized_from']}", markup=False)
+        if q.requantized_from:
+            console.print(f"  source: {q.requantized_from}", markup=False)
     kv = m.kv
     console.print(f"KV cache: layout {kv.layout}, attention {kv.attention}, dtype {kv.dtype}, block size "
                   f"{kv.block_size or '-'}, [bold]{kv.bytes_per_token} bytes/token[/] "

@@ -6,6 +6,7 @@ it through `load()` and never guesses, and nobody reads it by string keys.
              ─ kv: KVSpec               (layout, attention, KV dtype and sizes)
              ─ graphs: {phase: GraphEntry}   (file + io.TensorSpec inputs/outputs)
              ─ weights: WeightsEntry    ─ validation: ValidationEntry | None
+                   ─ quantization: WeightQuantizationEntry | None  (int8/int4: manifest_weights.py)
              ─ engines: EnginesEntry | None  (TensorRT engines: files, limits, GPU; manifest_engines.py)
 
 `Manifest.from_json` checks every field's type and refuses unknown ones (ManifestError naming
@@ -32,9 +33,11 @@ from . import __version__, graph_check, io, outputs
 from .errors import ConfigError, ManifestError
 from .manifest_engines import (EngineBuildOptions, EngineFile, EngineLimits, EnginesEntry, GpuInfo, PluginInfo,
                                ShapeRange)
+from .manifest_weights import CalibrationEntry, QuantizedMatrices, QuantizedTable, WeightQuantizationEntry
 
-__all__ = ["EngineBuildOptions", "EngineFile", "EngineLimits", "EnginesEntry", "GpuInfo", "GraphEntry", "KVSpec",
-           "Manifest", "ModelEntry", "NativeOpValidation", "OpCheck", "PluginInfo", "ShapeRange", "ValidationEntry",
+__all__ = ["CalibrationEntry", "EngineBuildOptions", "EngineFile", "EngineLimits", "EnginesEntry", "GpuInfo",
+           "GraphEntry", "KVSpec", "Manifest", "ModelEntry", "NativeOpValidation", "OpCheck", "PluginInfo",
+           "QuantizedMatrices", "QuantizedTable", "ShapeRange", "ValidationEntry", "WeightQuantizationEntry",
            "WeightsEntry", "load", "sha256", "versions"]
 
 REBUILD = "rebuild with `kvexport build --force`"
@@ -187,8 +190,8 @@ class WeightsEntry:
     bytes: int  # its size, bytes (checked by load(): a truncated copy is refused)
     parameters: int  # model parameters stored in it (RoPE tables not counted)
     precision: str | None = None  # matmul weights: fp32 | fp16 | int8 | int4 (None: builds before; = dtype)
-    # int8/int4: what is quantized and how (exporter/quantize.py describe()); None: float weights
-    quantization: dict | None = None
+    # int8/int4: what is quantized, how, and how it is served (exporter/quantize.py describe()); None: float weights
+    quantization: WeightQuantizationEntry | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -446,7 +449,9 @@ def _decode(tp: Any, value: Any, path: str) -> Any:
                 try:
                     return _decode(a, value, path)
                 except _FieldError as e:
-                    if e.path != path:  # wrong inside a nested object: that is the error to report
+                    # wrong inside a nested object, or an object that is not a valid `a`: the error to report
+                    nested = isinstance(value, dict) and isinstance(a, type) and dataclasses.is_dataclass(a)
+                    if e.path != path or nested:
                         raise
         raise _FieldError(path, f"must be {_type_name(tp)}, got {_got(value)}")
     if tp is ModelEntry:

@@ -22,6 +22,7 @@ from kvexport.errors import ConfigError
 from kvexport.exporter.limits import (BACKENDS, DTYPES, KV_DTYPES, QUANT_METHODS, RANGES, WEIGHT_BLOCK_SIZES,
                                       WEIGHT_PRECISIONS)
 from kvexport.manifest_engines import PRECISIONS, EngineBuildOptions
+from kvexport.manifest_weights import WEIGHT_MATMUL_ACCURACY
 
 RECIPE_DIR = Path(__file__).resolve().parent
 
@@ -46,7 +47,8 @@ class Recipe:
     validate_steps: int | None = None
     weights: str | None = None  # matmul weights: "fp32" | "fp16" | "int8" | "int4" (None: dtype)
     weight_block_size: int | None = None  # int8/int4: rows of K per scale (0 = per output channel | 32 | 64 | 128)
-    quant_method: str | None = None  # int8/int4 from float weights: "rtn" | "awq"
+    quant_method: str | None = None  # int8/int4 from float weights: "rtn" | "awq" | "smoothquant"
+    weight_matmul_accuracy: str | None = None  # int8/int4: the build's serving default: "auto" | "int8" | "float"
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -64,7 +66,8 @@ class Recipe:
 CHOICES = {"layout": tuple(e.value for e in io.KVLayout), "attention": tuple(e.value for e in io.Attention),
            "dtype": tuple(d.value for d in DTYPES), "kv_dtype": tuple(d.value for d in KV_DTYPES),
            "backend": (*BACKENDS, "onnx"), "engines.precision": PRECISIONS, "weights": WEIGHT_PRECISIONS,
-           "weight_block_size": WEIGHT_BLOCK_SIZES, "quant_method": QUANT_METHODS}
+           "weight_block_size": WEIGHT_BLOCK_SIZES, "quant_method": QUANT_METHODS,
+           "weight_matmul_accuracy": WEIGHT_MATMUL_ACCURACY}
 
 
 @functools.cache

@@ -14,12 +14,11 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from kvexport.errors import ConfigError
+from kvexport.manifest_weights import WEIGHT_MATMUL_ACCURACY  # onnxruntime CPU, int8/int4 weights: session_plan.py
 
 from .core.memory import parse_budget
 
 BACKENDS = ("onnxruntime", "tensorrt")
-# onnxruntime CPU, int4 / block-wise int8 weights: how their matmuls compute (ort_backends.py)
-WEIGHT_MATMUL_ACCURACY = ("auto", "int8", "float")
 CHOICES = {"backend": BACKENDS, "weight_matmul_accuracy": WEIGHT_MATMUL_ACCURACY}  # settings with a fixed set of values
 
 
@@ -34,12 +33,14 @@ class EngineConfig:
     backend: str = "onnxruntime"  # "onnxruntime" | "tensorrt" (the build's engines)
     cuda_graph_batch_sizes: tuple[int, ...] = ()  # tensorrt: decode batch sizes captured as CUDA graphs
     max_sequences_per_request: int = 64  # sequences one front-end request may submit (prompts x n), max
-    weight_matmul_accuracy: str = "auto"  # block-wise int4/int8 weights on onnxruntime: "auto" | "int8" | "float"
+    # int8/int4 weights on onnxruntime (CPU): "auto" | "int8" | "float" (execution/session_plan.py);
+    # None: the build's own (weights.quantization.matmul_accuracy; "auto" for builds before it)
+    weight_matmul_accuracy: str | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
-        if self.weight_matmul_accuracy not in WEIGHT_MATMUL_ACCURACY:
+        if self.weight_matmul_accuracy is not None and self.weight_matmul_accuracy not in WEIGHT_MATMUL_ACCURACY:
             raise ConfigError(f"weight_matmul_accuracy must be one of {', '.join(WEIGHT_MATMUL_ACCURACY)}, "
                               f"got {self.weight_matmul_accuracy!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_sequences_per_request"):
@@ -117,12 +118,14 @@ SETTINGS: dict[str, str] = {
     "threads": "onnxruntime intra-op threads [all cores].",
     "backend": "Execution backend: onnxruntime, or tensorrt (the build's engines; needs TensorRT and a GPU).",
     "cuda_graph_batch_sizes": "tensorrt: decode batch sizes to capture as CUDA graphs, comma-separated (e.g. 1,2,4,8).",
-    "weight_matmul_accuracy": "int4 / block-wise int8 weights on onnxruntime (CPU). auto: steps of 8 tokens or more "
-                              "as int8 pairs (~15-bit activations and weights on int8 x int8 GEMMs, a second "
-                              "session: +2 bytes per weight of RSS), smaller ones with int8 activations "
-                              "(MatMulNBits); fp16 int4 builds: large steps in float. int8: int8 activations "
-                              "throughout, steps of 4+ tokens as per-channel int8 x int8 GEMMs (fastest; smollm2 "
-                              "int4 perplexity +1.9%). float: exact everywhere (slow decode).",
+    "weight_matmul_accuracy": "int8/int4 weights on onnxruntime (CPU) [the build's: `kvexport inspect` says which]. "
+                              "auto: block-wise weights' steps of 8 tokens or more as int8 pairs (~15-bit "
+                              "activations and weights on int8 x int8 GEMMs, a second session: +2 bytes per weight "
+                              "of RSS), smaller ones with int8 activations (MatMulNBits); fp16 int4 builds: large "
+                              "steps in float. int8: int8 activations throughout, steps of 4+ tokens as per-channel "
+                              "int8 x int8 GEMMs (fastest; smollm2 rtn int4 perplexity +1.9% with VNNI, +13% on "
+                              "AVX2-only CPUs, whose int8 activations get 7 bits). float: exact everywhere (slow "
+                              "decode).",
     "max_sequences_per_request": "Sequences one request may ask for (prompts x n), max; more is refused with 400. "
                                  "Requests share the engine in turn, so a large one cannot starve the others.",
 }

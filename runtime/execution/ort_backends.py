@@ -20,8 +20,8 @@ the same inputs and differ only in selecting the last token's logits, which a de
 (one token per sequence) does not need. onnxruntime loads `weights.data` itself and drops
 the file pages once packed. `both_graphs=True` (build validation) opens the decode graph
 as a second session, so each graph is checked on the steps it is exported for. Block-wise
-quantized builds may open one more for large steps (int4 under weight_matmul_accuracy "auto",
-the default; int4 and block int8 under "int8"): LARGE_STEP_TOKENS.
+quantized builds may open one more for large steps, in another form of their weights: which,
+from how many tokens, is session_plan.plan_sessions (of the build and weight_matmul_accuracy).
 Peak RSS of `kvexport generate` (smollm2-135m): 2.20 GB with two sessions sharing a
 memory-mapped weights file -> 1.01 GB; Qwen2.5-0.5B 6.35 -> 2.42 GB
 (bench/results/runtime_core_rss.json).
@@ -41,6 +41,7 @@ from kvexport.errors import KvExportError
 from kvexport.manifest import Manifest
 
 from .model_input import ModelInput
+from .session_plan import ACCURACY_LEVELS, LARGE_STEP_TOKENS, Rewrite, SessionPlan, plan_sessions, resolve_accuracy
 
 if TYPE_CHECKING:
     import onnx
@@ -48,36 +49,32 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ORT_KINDS = ("auto", "onnx", "native", "reference")
-# onnxruntime's accuracy level for the MatMulNBits it fuses from block-wise int4/int8 weights, by
-# EngineConfig.weight_matmul_accuracy: 4 = int8 activations (per block of K), 0 = float. Measured
-# on smollm2-135m (bench/weight_quality.py): int4 perplexity 55.64 (int8) vs 54.617 (float, = the
-# Q4_1 source), decode ~14x slower with float (its int8 LM head dequantizes in full each step)
-ACCURACY_LEVELS = {"int8": 4, "float": 0}
-DEFAULT_ACCURACY = "auto"  # when ort_backend() is not given one
-# Steps of LARGE_STEP_TOKENS tokens or more run in a second session (`large_form`) where another
-# form of the block-wise weights is faster; smaller steps (decode) keep MatMulNBits at level 4.
-# NOTE: level 4 is ~2.3x faster than fp32 at M = 1 but slower from M ~ 32 on, and level 0 (float
-# activations, onnxruntime's only exact kernel for block-wise weights) is 1.1-1.3x slower than
-# fp32 from M = 32 on (576x1536 at M = 512: 3.5-3.8 ms against 3.0-3.2 fp32; scratch timings).
-#   "auto", fp32 builds (int4 and block-wise int8): "pair": every block-wise matmul but the LM
-#       head as int8 x int8 products carrying ~15 bits of activations and weights
+# Which sessions a build opens, each with the rewrites it derives (runtime/execution/session_plan.py,
+# where the whole table is; tests/runtime/test_session_plan.py). Measured on smollm2-135m:
+#   MatMulNBits accuracy level (ACCURACY_LEVELS: "int8" = 4, int8 activations per block of K;
+#       "float" = 0): int4 perplexity 55.64 at level 4 vs 54.617 at 0 (= the Q4_1 source); decode
+#       ~14x slower with float (its int8 LM head dequantizes in full each step). Level 4 is ~2.3x
+#       faster than fp32 at M = 1 but slower from M ~ 32 on; level 0 is 1.1-1.3x slower than fp32
+#       from M = 32 on (576x1536 at M = 512: 3.5-3.8 ms against 3.0-3.2 fp32; scratch timings).
+#   "auto", fp32 builds (int4 and block-wise int8), steps of 8+: "pair": every block-wise matmul but
+#       the LM head as int8 x int8 products carrying ~15 bits of activations and weights
 #       (ort_quant.blocks_to_int8_pair); the head (int8 blocks) at level 4. smollm2 int4
 #       perplexity 54.575 against 54.572 exact and 54.617 for its Q4_1 source (level 4 alone:
 #       55.64); block int8 54.623. ms per step of M tokens, smollm2 int4 (bench/step_sizes.py,
 #       level 4 vs pair): 18.9 vs 25.9 at M=4, 27.3 vs 27.2 at 8, 44.5 vs 39.0 at 16, 138.1 vs
 #       90.8 at 64; in one process against fp32 and the float form (scratch, medians of 5, fp32 /
 #       float / pair): 107.8 / 145.2 / 118.1 at 64, 571.6 / 748.7 / 522.0 at 512. Mixed-64 trace:
-#       int4 at fp32's throughput (0.999x over six turns; README), float form 0.94x.
-#   "auto", fp16 int4 builds: "float", level 0, exact, the int8 LM head kept at level 4 as an
-#       explicit node (ort_quant.int8_blocks_to_matmulnbits); the pair form takes float32 only.
-#   "int8", block-wise fp32 builds: "int8": the blocks as per-channel int8 codes with per-token
-#       int8 activations (ort_quant.blocks_to_int8_channel + int8_dynamic), the LM head still per
-#       block at level 4; int8 activations throughout. int4 int8 x int8 20.0 vs 13.4 ms at M=4,
-#       14.5 vs 13.1 at 2, 12.7 vs 13.6 at 1; block-wise int8 18.6 vs 18.3 at M=4, 26.8 vs 21.0 at 8
-#       (bench/results/step_sizes.json).
-# Costs a second copy of the weights in the large form (see the module NOTE; pair: 2 bytes per
-# weight).
-LARGE_STEP_TOKENS = {"float": 32, "int8": 4, "pair": 8}
+#       int4 at fp32's throughput (0.999x over six turns; docs/BENCHMARKS.md), float form 0.94x.
+#   "auto", fp16 int4 builds, steps of 32+: "float", level 0, exact, the int8 LM head kept at
+#       level 4 as an explicit node (ort_quant.int8_blocks_to_matmulnbits); the pair form takes
+#       float32 only.
+#   "int8", block-wise fp32 builds, steps of 4+: "int8": the blocks as per-channel int8 codes with
+#       per-token int8 activations (ort_quant.blocks_to_int8_channel + int8_dynamic), the LM head
+#       still per block at level 4; int8 activations throughout. int4 int8 x int8 20.0 vs 13.4 ms
+#       at M=4, 14.5 vs 13.1 at 2, 12.7 vs 13.6 at 1; block-wise int8 18.6 vs 18.3 at M=4, 26.8 vs
+#       21.0 at 8 (bench/results/step_sizes.json).
+# A large-step session costs a second copy of the weights in its form (see the module NOTE;
+# pair: 2 bytes per weight).
 
 
 def _providers() -> list[str]:
@@ -168,7 +165,8 @@ class _OrtBackend:
         self.build_dir, self.manifest, self.num_blocks = Path(build_dir), manifest, num_blocks
         self.kv = kv = manifest.kv
         self.threads = threads
-        self.accuracy = accuracy or DEFAULT_ACCURACY  # "auto" or a key of ACCURACY_LEVELS
+        # "auto" | "int8" | "float": the setting, else the build's recorded one (session_plan.resolve_accuracy)
+        self.accuracy = resolve_accuracy(manifest.weights.quantization, accuracy)
         self.profile_prefix = profile_prefix  # onnxruntime profiling of every run, to files with this prefix
         self.providers = providers or _providers()
         dtype = np.dtype(io.DType(kv.dtype).numpy_name)
@@ -187,72 +185,71 @@ class _OrtBackend:
         self.pools = [_zeros_small_pages(shapes[i // 2], dtype) for i in range(2 * kv.num_layers)]
         self._pool_names = [n for i in range(kv.num_layers) for n in (io.key_cache(i), io.value_cache(i))]
         prefill, decode = io.Phase.PREFILL.value, io.Phase.DECODE.value
-        # steps of LARGE_STEP_TOKENS tokens or more, where they differ (DEFAULT_ACCURACY); opened
-        # first: making a session holds its weights twice for a while (onnxruntime's copy and its
-        # pre-packed one), best while nothing else is resident
-        self.large_sessions = {}
-        self.large_step_tokens = LARGE_STEP_TOKENS[self.large_form] if self.splits_by_step else None
-        if self.splits_by_step:
-            self.large_sessions = {prefill: self._open(self.build_dir / manifest.graphs[prefill].file, large=True)}
-            self.large_sessions[decode] = (self._open(self.build_dir / manifest.graphs[decode].file, large=True)
-                                           if both_graphs else self.large_sessions[prefill])
-        self.sessions = {prefill: self._open(self.build_dir / manifest.graphs[prefill].file)}
-        self.sessions[decode] = (self._open(self.build_dir / manifest.graphs[decode].file) if both_graphs
-                                 else self.sessions[prefill])
+        # the sessions and what each derives (session_plan.py); only onnxruntime's CPU provider
+        # runs the derived forms, and only backends that open derived graphs (step_split_ok)
+        self.plans: tuple[SessionPlan, ...] = plan_sessions(
+            manifest.weights.quantization, manifest.dtype, self.accuracy,
+            derive=self.step_split_ok and self.providers == ["CPUExecutionProvider"])
+        # phase -> session, per plan; the largest steps' first: making a session holds its weights
+        # twice for a while (onnxruntime's copy and its pre-packed one), best while nothing else is resident
+        sets: list[dict] = []
+        for plan in reversed(self.plans):
+            first = self._open(self.build_dir / manifest.graphs[prefill].file, plan)
+            sets.append({prefill: first, decode: self._open(self.build_dir / manifest.graphs[decode].file, plan)
+                         if both_graphs else first})
+        self.session_sets = tuple(reversed(sets))
         # NOTE: an --all-logits prefill graph returns a row per token; in a decode step that
         # is one row per sequence, as the decode graph returns
 
+    step_split_ok = True  # backends that can open derived and step-size sessions (not the reference op's)
+
     @property
-    def splits_by_step(self) -> bool:
-        """Whether steps of LARGE_STEP_TOKENS tokens or more run in their own sessions."""
-        return self.large_form is not None and self.step_split_ok and self.providers == ["CPUExecutionProvider"]
+    def sessions(self) -> dict:
+        """phase -> the session of the smallest steps (decode)."""
+        return self.session_sets[0]
+
+    @property
+    def large_sessions(self) -> dict:
+        """phase -> the session of large steps, where the plan has one; else {}."""
+        return self.session_sets[-1] if len(self.plans) > 1 else {}
 
     @property
     def large_form(self) -> str | None:
-        """How a large-step session runs block-wise weights ("pair" | "float" | "int8"), if it
-        differs from a small step's (see LARGE_STEP_TOKENS)."""
-        q = self.manifest.weights.quantization or {}
-        if not isinstance(q.get("block_size"), int):  # fp32/fp16, or per-channel int8 (always int8 x int8)
-            return None
-        # the int8 x int8 rewrites take float32 activations and scales (ort_quant): an fp16 build
-        # would open a second, identical session
-        fp32 = self.manifest.dtype == io.DType.FP32.value
-        if self.accuracy == "auto":
-            return "pair" if fp32 else "float" if q.get("bits") == 4 else None
-        return "int8" if self.accuracy == "int8" and fp32 else None
+        """How large steps run block-wise weights ("pair" | "float" | "int8": LARGE_STEP_TOKENS),
+        where a plan has a session for them."""
+        return self.plans[-1].form if self.plans[-1].form in LARGE_STEP_TOKENS else None
 
-    step_split_ok = True  # backends that can open a step-size session (not the reference op's)
+    @property
+    def large_step_tokens(self) -> int | None:
+        """Steps of this many tokens or more run in the large-step session (None: no such session)."""
+        return self.plans[-1].min_tokens if len(self.plans) > 1 else None
 
-    def level(self, large: bool = False) -> int:
-        """The MatMulNBits accuracy level of a session (see DEFAULT_ACCURACY)."""
-        if self.accuracy == "auto":
-            return ACCURACY_LEVELS["float" if large and self.large_form == "float" else "int8"]
-        return ACCURACY_LEVELS[self.accuracy]
-
-    def session_options(self, large: bool = False):
+    def session_options(self, plan: SessionPlan | None = None):
+        """onnxruntime's options for the session of `plan` (default: the smallest steps')."""
         import onnxruntime as ort
 
+        plan = plan or self.plans[0]
         so = ort.SessionOptions()
         so.log_severity_level = 3
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         so.intra_op_num_threads = self.threads or (os.cpu_count() or 1)
         so.inter_op_num_threads = 1
-        if self.manifest.weights.precision in ("int8", "int4"):
+        if plan.level is not None:
             # NOTE: int8 compute in the MatMulNBits that onnxruntime fuses from block-wise
             # DequantizeLinear -> MatMul (bench/quant_linear.py: the default accuracy level
             # dequantizes to float first and is slower)
-            so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(self.level(large)))
+            so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(plan.level))
         if self.profile_prefix:
             so.enable_profiling = True
             so.profile_file_prefix = self.profile_prefix
         return so
 
-    def _open(self, path: Path, large: bool = False):
+    def _open(self, path: Path, plan: SessionPlan):
         import onnxruntime as ort
 
-        so = self.session_options(large)
+        so = self.session_options(plan)
         store: dict[str, np.ndarray] = {}
-        model = self._cpu_model(path, large, store)
+        model = self._cpu_model(path, plan, store)
         if isinstance(model, str):
             return ort.InferenceSession(model, so, providers=self.providers,
                                         disabled_optimizers=self.disabled_optimizers())
@@ -274,35 +271,33 @@ class _OrtBackend:
         unfused; without it all become MatMulNBits (tests/runtime/test_ort_backends.py)."""
         return ["MatMulAddFusion"] if self.manifest.weights.precision in ("int8", "int4") else []
 
-    def _cpu_model(self, path: Path, large: bool = False, store: dict | None = None) -> str | onnx.ModelProto:
-        """The graph to open: its path, or on the CPU provider a form derived from it in memory
-        (runtime/execution/ort_quant.py) whose external weights are the build folder's: per-channel int8
-        weights as dynamic int8 matmuls (the codes stay int8 on disk); in a large-step session
-        (LARGE_STEP_TOKENS) the block-wise weights but the LM head's as int8 pairs ("pair") or
-        per-channel int8 ("int8"), or the int8 LM head as an explicit MatMulNBits ("float").
+    def _cpu_model(self, path: Path, plan: SessionPlan, store: dict | None = None) -> str | onnx.ModelProto:
+        """The graph `plan` opens: its path, or the form its rewrites derive from it in memory
+        (runtime/execution/ort_quant.py) whose external weights are the build folder's: per-channel
+        int8 weights as dynamic int8 matmuls (the codes stay int8 on disk), block-wise ones but the
+        LM head's as int8 pairs or per-channel int8, the int8 LM head as an explicit MatMulNBits.
         With `store` (a dict) the derived arrays wait there, out of the graph (ort_quant.DERIVED_DATA)."""
-        q = self.manifest.weights.quantization or {}
-        channel = q.get("block_size") == "channel" and q.get("bits") == 8
-        if not (channel or large) or self.providers != ["CPUExecutionProvider"]:
+        if not plan.rewrites:
             return str(path)
         import onnx
 
-        from .ort_quant import (blocks_to_int8_channel, blocks_to_int8_pair, int8_blocks_to_matmulnbits, int8_dynamic,
-                                logits_weight)
+        from . import ort_quant
 
         model = onnx.load(str(path), load_external_data=False)
+        head = ort_quant.logits_weight(model.graph, io.LOGITS)
+        skip = frozenset([head] if head else [])  # the LM head keeps its int8 blocks (session_plan.py)
+        base = str(path.parent)
         changed = 0
-        if large and self.large_form == "int8":
-            head = logits_weight(model.graph, io.LOGITS)
-            changed += blocks_to_int8_channel(model, str(path.parent), skip=frozenset([head] if head else []),
-                                              store=store)
-        if channel or changed:
-            changed += int8_dynamic(model)
-        if large and self.large_form == "pair":
-            head = logits_weight(model.graph, io.LOGITS)
-            changed += blocks_to_int8_pair(model, str(path.parent), skip=frozenset([head] if head else []), store=store)
-        if large and self.large_form == "float":
-            changed += int8_blocks_to_matmulnbits(model, str(path.parent), ACCURACY_LEVELS["int8"], store=store)
+        for rw in plan.rewrites:
+            if rw is Rewrite.BLOCKS_TO_INT8_CHANNEL:
+                changed += ort_quant.blocks_to_int8_channel(model, base, skip=skip, store=store)
+            elif rw is Rewrite.INT8_DYNAMIC:
+                changed += ort_quant.int8_dynamic(model)
+            elif rw is Rewrite.BLOCKS_TO_INT8_PAIR:
+                changed += ort_quant.blocks_to_int8_pair(model, base, skip=skip, store=store)
+            else:
+                assert rw is Rewrite.INT8_BLOCKS_TO_MATMULNBITS, rw
+                changed += ort_quant.int8_blocks_to_matmulnbits(model, base, ACCURACY_LEVELS["int8"], store=store)
         return model if changed else str(path)
 
     @property
@@ -315,13 +310,14 @@ class _OrtBackend:
 
     def _all_sessions(self) -> list:
         """Every distinct session (the phases may share one)."""
-        return list({id(s): s for s in (*self.sessions.values(), *self.large_sessions.values())}.values())
+        return list({id(s): s for sessions in self.session_sets for s in sessions.values()}.values())
 
     def execute(self, inp: ModelInput, all_tokens: bool = False) -> np.ndarray:
         """Run one step (storing its K/V in the pools); logits [S, vocab] float32, or
         [T, vocab] with `all_tokens` (an --all-logits build's prefill)."""
-        large = self.large_sessions and len(inp.token_ids) >= self.large_step_tokens
-        logits = self._run((self.large_sessions if large else self.sessions)[inp.phase.value], inp)
+        n = len(inp.token_ids)
+        sessions = next(s for p, s in zip(self.plans, self.session_sets) if p.runs(n))
+        logits = self._run(sessions[inp.phase.value], inp)
         if self.manifest.all_logits and not inp.is_decode and not all_tokens:
             logits = logits[inp.query_start_loc[1:] - 1]
         return logits.astype(np.float32, copy=False)
@@ -379,8 +375,8 @@ class NativeOpBackend(_PluginBackend):
         self._pool_values = [ort.OrtValue.ortvalue_from_numpy(p) for p in self.pools]
         self._bindings = {id(sess): self.in_place_binding(sess) for sess in self._all_sessions()}
 
-    def session_options(self, large: bool = False):
-        so = super().session_options(large)
+    def session_options(self, plan: SessionPlan | None = None):
+        so = super().session_options(plan)
         so.register_custom_ops_library(str(self.library))
         return so
 
@@ -410,10 +406,10 @@ class ReferenceOpBackend(_PluginBackend):
     attention_impl = "plugin (reference PyOp)"
     step_split_ok = False  # it opens the graph file as is
 
-    def _open(self, path: Path, large: bool = False):
+    def _open(self, path: Path, plan: SessionPlan):
         from kvexport.plugins.paged_attention.ort import plugin_session
 
-        return plugin_session(path, options=self.session_options())  # a CPU op: CPU provider only
+        return plugin_session(path, options=self.session_options(plan))  # a CPU op: CPU provider only
 
     def _run(self, sess, inp: ModelInput) -> np.ndarray:
         feeds = inp.feeds()

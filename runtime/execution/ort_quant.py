@@ -11,7 +11,8 @@ Its fast int8 path takes int8 *activations* too, which TensorRT's weight-only en
 the build cannot store it. `int8_dynamic()` rewrites the loaded ModelProto (weights stay
 external, codes stay int8) before the InferenceSession is made, per row (PER_ROW, default):
 
-    x [.., K] ─> s = max|x| / 127 per row ─> uint8(round(x / s) + 128)
+    x [.., K] ─> s = max|x| / 127 per row ─> uint8(round(x / s) + 128)     (7 bits where u8 x s8
+                                                                       saturates: ACT_QMAX)
         ─> com.microsoft.MatMulIntegerToFloat(·, codes, 1, scale [N], 128, zero point [N]) [.., N] ─> × s
     (as nodes: `_per_row`)
 
@@ -31,6 +32,8 @@ NOTE: per row, MatMulIntegerToFloat (float scales applied inside the op) rather 
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -98,7 +101,7 @@ def int8_dynamic(model: onnx.ModelProto, per_row: bool = PER_ROW) -> int:
         del g.node[:]
         g.node.extend(nodes)
         if per_row:
-            _add_constants(model, _ROW_CONSTANTS)
+            _add_constants(model, _row_constants())
     return count
 
 
@@ -122,8 +125,44 @@ def _add_constants(model: onnx.ModelProto, constants) -> None:
 ROW_EPS, ROW_QMAX, ROW_ZERO, ROW_AXES, ROW_ONE = (
     f"kvexport.int8_rows.{n}" for n in ("eps", "qmax", "zero", "axes", "one"))
 MS = "com.microsoft"
-_ROW_CONSTANTS = ((ROW_EPS, np.float32(1e-12 * 127)), (ROW_QMAX, np.float32(127)), (ROW_ZERO, np.uint8(128)),
-                  (ROW_AXES, np.array([-1], np.int64)), (ROW_ONE, np.float32(1)))
+
+
+def u8s8_saturates(cpuinfo: str | None = None, machine: str | None = None) -> bool:
+    """Whether onnxruntime's u8 x s8 integer GEMM (MLAS) saturates on this CPU: on x86-64 without
+    VNNI (AVX2, AVX-512F) it adds pairs of u8 x s8 products into int16 (vpmaddubsw), saturating
+    at 32767 (2 x 255 x 127 = 64770; with u8 <= 127, 2 x 127 x 128 = 32512 fits); VNNI
+    (avx512_vnni, avx_vnni) and AMX sum into int32, other architectures do not pair.
+    `cpuinfo` / `machine`: /proc/cpuinfo's text and platform.machine() (read when None); x86
+    whose flags cannot be read counts as saturating.
+    NOTE: measured on an AMD EPYC (AVX2 only), onnxruntime 1.2x: random u8 [0, 255] x s8 codes were
+    off by up to 23% of the product's range, u8 [0, 127] exact; smollm2 int4 smoothquant served
+    under weight_matmul_accuracy int8 went from perplexity 54.7 (float) to 8166 with 8-bit
+    activations, 56.3 with 7-bit ones (512 tokens of King Lear)."""
+    import platform
+
+    machine = (machine or platform.machine()).lower()
+    if machine not in ("x86_64", "amd64", "i386", "i686", "x86"):
+        return False
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return True
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), None)
+    return flags is None or not {"avx512_vnni", "avx_vnni", "amx_int8"} & set(flags)
+
+
+# The activations' int8 range in every int8 x int8 rewrite: codes in [-ACT_QMAX, ACT_QMAX] stored as
+# uint8 + ACT_QMAX + 1. 127 (8 bits) where u8 x s8 is exact; 63 (7 bits: u8 <= 127, so no pair of
+# products passes 32767) where it saturates (u8s8_saturates). A 7-bit row step is twice as coarse:
+# smollm2 perplexity figures per CPU are in docs/QUANTIZATION.md.
+ACT_QMAX = 63 if u8s8_saturates() else 127
+
+
+def _row_constants() -> tuple:
+    """The constants of `_per_row` / `_pair` for ACT_QMAX (read when a graph is derived)."""
+    return ((ROW_EPS, np.float32(1e-12 * ACT_QMAX)), (ROW_QMAX, np.float32(ACT_QMAX)),
+            (ROW_ZERO, np.uint8(ACT_QMAX + 1)), (ROW_AXES, np.array([-1], np.int64)), (ROW_ONE, np.float32(1)))
 
 # The external-data location of derived arrays that wait in memory for the session: with a
 # `store` (a dict), the rewrites below leave a placeholder initializer that names it and put the
@@ -164,6 +203,8 @@ def _per_row(p: str, x: str, codes: str, scale: str, wzp: str, y: str) -> list[o
 
         x [.., K] ─> r = 127 / max|x| [.., 1] ─> QuantizeLinear(x · r, 1, 128) uint8
             ─> MatMulIntegerToFloat(a_scale 1, b_scale [N], a_zp 128, b_zp [N]) ─> / r
+
+    (127 and 128: ACT_QMAX and ACT_QMAX + 1, 63 and 64 where u8 x s8 saturates.)
 
     NOTE: QuantizeLinear (scale 1) rounds half to even, adds 128 and casts in one node: 576x1536
     at M = 64 / 256 / 512 in 0.20 / 0.77 / 1.49 ms against 0.23 / 0.88 / 1.68 with Round, Add, Cast.
@@ -263,10 +304,7 @@ def blocks_to_int8_channel(model: onnx.ModelProto, base_dir: str, skip: frozense
     g = model.graph
     count = 0
     for d, w in _block_weights(model, base_dir, skip):
-        lo, hi = np.minimum(w.min(axis=0), 0), np.maximum(w.max(axis=0), 0)
-        step = np.maximum(hi - lo, np.float32(1e-30)) / np.float32(254)
-        z = np.clip(np.rint(-lo / step) - 127, -127, 127)
-        q = np.clip(np.rint(w / step) + z, -128, 127).astype(np.int8)
+        q, step, z = int8_channel(w)
         name = d.input[0] + ".int8_channel"
         g.initializer.extend([_tensor(q, name, store), _tensor(step.astype(np.float32), name + ".scale", store),
                               _tensor(z.astype(np.int8), name + ".zero_point", store)])
@@ -278,6 +316,17 @@ def blocks_to_int8_channel(model: onnx.ModelProto, base_dir: str, skip: frozense
     if count:
         _prune(g)
     return count
+
+
+def int8_channel(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`blocks_to_int8_channel`'s rounding of a matrix w [K, N] float32: (codes int8 [K, N], step
+    float32 [N], zero point int8-valued float [N]), w ≈ (codes - zero point) * step; per column
+    [min(w, 0), max(w, 0)] in 254 steps. exporter/awq.py scores int4 smoothquant scales with it."""
+    lo, hi = np.minimum(w.min(axis=0), 0), np.maximum(w.max(axis=0), 0)
+    step = np.maximum(hi - lo, np.float32(1e-30)) / np.float32(254)
+    z = np.clip(np.rint(-lo / step) - 127, -127, 127)
+    q = np.clip(np.rint(w / step) + z, -128, 127).astype(np.int8)
+    return q, step, z
 
 
 def blocks_to_int8_pair(model: onnx.ModelProto, base_dir: str, skip: frozenset[str] = frozenset(),
@@ -294,7 +343,9 @@ def blocks_to_int8_pair(model: onnx.ModelProto, base_dir: str, skip: frozenset[s
     as nodes (`_pair`): one MatMulIntegerToFloat of w1 with xq's and rq's rows concatenated (so
     onnxruntime packs w1 once), one of w2 with xq. Each operand's rounding is at most 1/508 of
     its own int8 step (|x - x̂| <= max|x| / 64516 per row), against MatMulNBits level 4's one
-    int8 step per block of 32. Codes named in `skip` stay as they are. New initializers (w1, w2 int8 [K, N]; s [N])
+    int8 step per block of 32. Where u8 x s8 saturates (ACT_QMAX 63) r = 63 / max|x|, and rq, w2
+    count 126ths: ~14 bits of each, still far below level 4's rounding. Codes named in `skip` stay
+    as they are. New initializers (w1, w2 int8 [K, N]; s [N])
     are embedded in the model, or wait in `store` (see DERIVED_DATA): 2 bytes per weight. Returns
     how many matmuls were rewritten."""
     g = model.graph
@@ -302,7 +353,8 @@ def blocks_to_int8_pair(model: onnx.ModelProto, base_dir: str, skip: frozenset[s
     for d, w in _block_weights(model, base_dir, skip):
         scale = np.maximum(np.abs(w).max(axis=0), np.float32(1e-30)) / np.float32(127)
         w1 = np.clip(np.rint(w / scale), -127, 127)
-        w2 = np.clip(np.rint((w - w1 * scale) * (np.float32(254) / scale)), -127, 127)  # |rest| <= scale / 2
+        rest = np.float32(2 * ACT_QMAX)  # the rests of both operands in steps of 1/(2 ACT_QMAX) of theirs
+        w2 = np.clip(np.rint((w - w1 * scale) * (rest / scale)), -ACT_QMAX, ACT_QMAX)  # |rest| <= scale / 2
         name = d.input[0] + ".int8_pair"
         g.initializer.extend([_tensor(w1.astype(np.int8), name + ".w1", store),
                               _tensor(w2.astype(np.int8), name + ".w2", store),
@@ -319,12 +371,13 @@ def blocks_to_int8_pair(model: onnx.ModelProto, base_dir: str, skip: frozenset[s
             nodes.append(n)
     del g.node[:]
     g.node.extend(nodes)
-    _add_constants(model, ((PAIR_254, np.float32(254)), (PAIR_INV254, np.float32(1 / 254))) + _ROW_CONSTANTS)
+    _add_constants(model, ((PAIR_REST, np.float32(2 * ACT_QMAX)), (PAIR_INV_REST, np.float32(1 / (2 * ACT_QMAX))))
+                   + _row_constants())
     _prune(g)
     return len(replace)
 
 
-PAIR_254, PAIR_INV254 = "kvexport.int8_pair.254", "kvexport.int8_pair.inv254"
+PAIR_REST, PAIR_INV_REST = "kvexport.int8_pair.rest", "kvexport.int8_pair.inv_rest"  # 2 ACT_QMAX, its inverse
 
 
 def _pair(p: str, x: str, name: str, wzp: str, y: str) -> list[onnx.NodeProto]:
@@ -340,7 +393,7 @@ def _pair(p: str, x: str, name: str, wzp: str, y: str) -> list[onnx.NodeProto]:
         mk("QuantizeLinear", [t("xn"), ROW_ONE, ROW_ZERO], [t("xq")], name=t("QuantizeLinear")),
         mk("DequantizeLinear", [t("xq"), ROW_ONE, ROW_ZERO], [t("x1")], name=t("DequantizeLinear")),
         mk("Sub", [t("xn"), t("x1")], [t("rest")], name=t("Rest")),  # |rest| <= 1/2
-        mk("Mul", [t("rest"), PAIR_254], [t("restn")], name=t("RestMul")),
+        mk("Mul", [t("rest"), PAIR_REST], [t("restn")], name=t("RestMul")),
         mk("QuantizeLinear", [t("restn"), ROW_ONE, ROW_ZERO], [t("rq")], name=t("RestQuantizeLinear")),
         mk("Concat", [t("xq"), t("rq")], [t("xr")], name=t("Concat"), axis=0),  # x's rows, then the rests'
         mk("MatMulIntegerToFloat", [t("xr"), name + ".w1", ROW_ONE, name + ".scale", ROW_ZERO, wzp], [t("y1")],
@@ -349,7 +402,7 @@ def _pair(p: str, x: str, name: str, wzp: str, y: str) -> list[onnx.NodeProto]:
         mk("MatMulIntegerToFloat", [t("xq"), name + ".w2", ROW_ONE, name + ".scale", ROW_ZERO, wzp], [t("x_w2")],
            name=t("FineMatMulIntegerToFloat"), domain=MS),
         mk("Add", [t("r_w1"), t("x_w2")], [t("fine")], name=t("FineAdd")),
-        mk("Mul", [t("fine"), PAIR_INV254], [t("fine_")], name=t("FineMul")),
+        mk("Mul", [t("fine"), PAIR_INV_REST], [t("fine_")], name=t("FineMul")),
         mk("Add", [t("x_w1"), t("fine_")], [t("acc")], name=t("Add")),
         mk("Div", [t("acc"), t("r")], [y], name=t("RowDiv")),
     ]

@@ -61,6 +61,20 @@ def test_build_paths(invoke, hf_folder, tmp_path):
                           tmp_path / "none.txt"), "'--calibration-text'", "does not exist")
 
 
+def test_int8_default_without_calibration_text(invoke, text_model, tmp_path, monkeypatch):
+    """--weights int8 defaults to per-channel smoothquant, whose scales are searched on text: with
+    no text installed the build stops before quantizing, saying why and what to do, and leaves
+    nothing at --out; the exact form (--weight-block-size 32, round-to-nearest) needs none."""
+    monkeypatch.setenv("KVEXPORT_TEXT_DIR", str(tmp_path / "no-texts"))
+    expect_refusal(invoke("build", text_model, "--out", tmp_path / "b", "--weights", "int8", "--no-validate"),
+                   "--weights int8 defaults to --weight-block-size channel --quant-method smoothquant",
+                   "scripts/fetch_texts.sh", "--calibration-text FILE", "--weight-block-size 32")
+    assert not (tmp_path / "b").exists()
+    r = invoke("build", text_model, "--out", tmp_path / "b32", "--weights", "int8", "--weight-block-size", "32",
+               "--no-validate", "--block-size", "4", "--max-seq-len", "64")
+    assert r.exit_code == 0, r.output[-1500:]
+
+
 def test_build_out_in_a_folder_it_cannot_write(invoke, hf_folder, tmp_path, monkeypatch):
     """Permission bits do not stop root (these machines run tests as root): os.access decides."""
     real = os.access

@@ -66,3 +66,38 @@ def test_recipe_carries_model_out_and_force(hf_folder, tmp_path):
         r = CliRunner().invoke(main, ["build", "--recipe", str(recipe)])
         assert r.exit_code == 0, r.output
     assert (out / "kvexport.json").is_file()
+
+
+def test_quantized_defaults_and_the_exact_forms_one_flag_away(hf_folder, tmp_path):
+    """`--weights int8` builds the fast CPU form (per-channel smoothquant, served int8 x int8) and
+    `inspect` says so; `--weight-block-size 32` is the exact form (round-to-nearest blocks, int8
+    pairs for large steps); `--weight-matmul-accuracy` records another serving default, and a
+    serving command's flag overrides the recorded one."""
+    from kvexport.manifest import load
+    from kvexport.runtime.execution.ort_backends import ort_backend
+
+    src = str(hf_folder("llama", num_key_value_heads=2))
+    common = ["--no-validate", "--max-seq-len", "64", "--block-size", "4"]
+    forms = {}
+    for name, flags in (("int8", ["--weights", "int8", "--calibration-tokens", "64"]),
+                        ("int8-b32", ["--weights", "int8", "--weight-block-size", "32"]),
+                        ("int4-float", ["--weights", "int4", "--quant-method", "rtn", "--weight-matmul-accuracy",
+                                        "float"])):
+        r = CliRunner().invoke(main, ["build", src, "--out", str(tmp_path / name), *flags, *common])
+        assert r.exit_code == 0, r.output
+        q = load(tmp_path / name).weights.quantization
+        forms[name] = (q.form(), q.matmul_accuracy)
+        r = CliRunner().invoke(main, ["inspect", str(tmp_path / name)])
+        served = [line for line in r.output.splitlines() if line.strip().startswith("served:")]
+        assert r.exit_code == 0 and len(served) == 1, r.output
+        forms[name] += (served[0].strip(),)
+    assert forms["int8"][:2] == ("int8 per-channel, smoothquant", "int8")
+    assert forms["int8"][2].startswith("served: onnxruntime CPU, weight_matmul_accuracy int8 (the build's default; "
+                                       "--weight-matmul-accuracy auto|float to serve otherwise): every step: int8 x "
+                                       "int8 MatMulIntegerToFloat")
+    assert forms["int8-b32"][:2] == ("int8 blocks of 32, rtn", "auto") and "int8 pairs" in forms["int8-b32"][2]
+    assert forms["int4-float"][:2] == ("int4 blocks of 32, rtn", "float")
+    assert "every step: MatMulNBits (float activations, exact)" in forms["int4-float"][2]
+    m = load(tmp_path / "int4-float")
+    assert ort_backend(tmp_path / "int4-float", m, 8).accuracy == "float"  # the build's
+    assert ort_backend(tmp_path / "int4-float", m, 8, accuracy="auto").large_form == "pair"  # the setting's

@@ -136,8 +136,11 @@ CASES = {  # id -> (family, method, bits, group_size, format, sym)
 }
 
 
+@pytest.mark.parametrize("flags", ["explicit", "defaults"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_prequantized_build_maps_codes_exactly(hf_folder, tmp_path, case, cpu_op):
+def test_prequantized_build_maps_codes_exactly(hf_folder, tmp_path, case, flags, cpu_op):
+    """`pq.flags` keep the checkpoint's codes exactly; so does `--weights intN` alone: the default
+    form is then the checkpoint's own (its group size, codes mapped as they are)."""
     family, method, bits, group, fmt, sym = CASES[case]
     src = tmp_path / "ckpt"
     refs = write_checkpoint(hf_folder(family), src, method, bits, group, sym, fmt)
@@ -151,13 +154,14 @@ def test_prequantized_build_maps_codes_exactly(hf_folder, tmp_path, case, cpu_op
     for key, ref in refs.items():
         np.testing.assert_array_equal(sd[key].numpy(), ref, err_msg=key)
 
-    out, m = build(str(src), tmp_path / "b", BuildOptions(weights=f"int{bits}", weight_block_size=block, **OPTS))
+    out, m = build(str(src), tmp_path / "b", BuildOptions(weights=f"int{bits}", **OPTS,
+                                                     **(dict(weight_block_size=block) if flags == "explicit" else {})))
     assert m.validation.passed, m.validation
     q = m.weights.quantization
     n_layers = m.model.num_layers
-    assert q["quantized"]["origins"] == {f"{method}:{fmt}": 4 * n_layers, "rtn": 1}  # + the int8 LM head
-    assert q["symmetric"] is sym and q["source"]["exact_matrices"] == 4 * n_layers
-    assert q["method"].startswith(f"{method}:{fmt} (pre-quantized")
+    assert q.quantized.origins == {f"{method}:{fmt}": 4 * n_layers, "rtn": 1}  # + the int8 LM head
+    assert q.symmetric is sym and q.source["exact_matrices"] == 4 * n_layers
+    assert q.method.startswith(f"{method}:{fmt} (pre-quantized") and q.matmul_accuracy == "auto"
     # every decoder matmul the graph dequantizes is, bit for bit, the checkpoint's
     got = graph_weights(out)
     for i in range(n_layers):

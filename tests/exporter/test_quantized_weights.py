@@ -58,14 +58,15 @@ def test_gguf_blocks_map_exactly(kind):
 
 
 @pytest.mark.parametrize("layout,attention", [("contiguous", "onnx"), ("paged", "onnx"), ("paged", "plugin")])
-@pytest.mark.parametrize("weights,block", [("int8", None), ("int8", 0), ("int4", None)])
+@pytest.mark.parametrize("weights,block", [("int8", 32), ("int8", 0), ("int4", None)])
 def test_quantized_build_validates_in_every_layout(hf_folder, tmp_path, layout, attention, weights, block, cpu_op):
-    """Default blocks of 32 along K (DQ axis=0); int8 block 0 = per output channel (DQ axis=1).
-    Paged builds validate as served (per-channel int8 rewritten to dynamic int8 at session
-    load), contiguous ones in their portable QDQ form."""
+    """Round-to-nearest in blocks of 32 along K (DQ axis=0; int4's default blocks); int8 block 0 =
+    per output channel (DQ axis=1). Paged builds validate as served (per-channel int8 rewritten
+    to dynamic int8 at session load), contiguous ones in their portable QDQ form."""
     src = str(hf_folder("llama", num_key_value_heads=2))
     out, m = build(src, tmp_path / "b", BuildOptions(layout=io.KVLayout(layout), attention=io.Attention(attention),
-                                                     weights=weights, weight_block_size=block, **OPTS))
+                                                     weights=weights, weight_block_size=block, quant_method="rtn",
+                                                     **OPTS))
     v = m.validation
     key = f"{weights}_weights"
     assert v.passed and v.max_abs_diff <= TOLERANCE[key] and v.token_agreement >= MIN_AGREEMENT[key], v
@@ -83,15 +84,16 @@ def test_quantized_build_validates_in_every_layout(hf_folder, tmp_path, layout, 
     assert code_type == (TensorProto.INT4 if weights == "int4" else TensorProto.INT8)
     assert m.weights.precision == weights
     q = m.weights.quantization
-    assert (q["bits"], q["block_size"], q["method"], q["symmetric"]) == (qz.BITS[weights], "channel" if channel
-                                                                         else 32, "rtn", True)
+    assert (q.bits, q.block_size, q.method, q.symmetric) == (qz.BITS[weights], "channel" if channel else 32, "rtn",
+                                                             True)
+    assert q.matmul_accuracy == "auto"  # weight-only rounding: served ~exactly unless told otherwise
     assert int8_dynamic(g) == (len(dq) - 1 if channel else 0)  # what a CPU session derives from it
-    assert "lm_head" in q["kept"] and q["quantized"]["matrices"] == 4 * m.model.num_layers + 1
+    assert "lm_head" in q.kept and q.quantized.matrices == 4 * m.model.num_layers + 1
     types = {i.name: i.data_type for i in g.graph.initializer}
     assert types[qz.QUANTIZED_HEAD + ".q"] == TensorProto.INT8  # the head stays int8 in int4 builds (HEAD_BITS)
     # untied embeddings: int8 too, their own codes, no float table
     assert types[qz.QUANTIZED_EMBED + ".q"] == TensorProto.INT8 and "model.embed_tokens.weight" not in types
-    assert q["embeddings"]["bits"] == 8 and q["embeddings"]["block_size"] == q["lm_head"]["block_size"]
+    assert q.embeddings.bits == 8 and q.embeddings.block_size == q.lm_head.block_size
 
 
 @pytest.mark.parametrize("layout,attention", [("contiguous", "onnx"), ("paged", "plugin")])
@@ -105,7 +107,8 @@ def test_tied_embeddings_read_the_int8_head_codes(hf_folder, tmp_path, layout, a
     if block == 0:  # a per-channel head, as --backend tensorrt builds make it, validated on onnxruntime
         monkeypatch.setattr(qz, "HEAD_CHANNEL_BUILDS_BLOCK", qz.CHANNEL)
     out, m = build(src, tmp_path / "b", BuildOptions(layout=io.KVLayout(layout), attention=io.Attention(attention),
-                                                     weights=weights, weight_block_size=block, **OPTS))
+                                                     weights=weights, weight_block_size=block, quant_method="rtn",
+                                                     **OPTS))
     assert m.validation.passed, m.validation
     g = onnx.load(str(out / io.PREFILL_GRAPH), load_external_data=False)
     names = {i.name for i in g.graph.initializer}
@@ -152,8 +155,8 @@ def test_awq_build_folds_scales_and_validates(hf_folder, tmp_path):
     _, m = build(src, tmp_path / "awq", BuildOptions(weights="int4", quant_method="awq", calibration_tokens=64,
                                                     **OPTS))
     q = m.weights.quantization
-    assert m.validation.passed and q["method"] == "awq" and q["calibration"]["tokens"] == 64
-    assert q["scaled_matrices"] > 0
+    assert m.validation.passed and q.method == "awq" and q.calibration.tokens == 64
+    assert q.scaled_matrices > 0 and q.matmul_accuracy == "auto"
 
 
 def test_smoothquant_scores_the_int8_activation_rounding():
@@ -177,21 +180,74 @@ def test_smoothquant_build_validates(hf_folder, tmp_path):
     _, m = build(src, tmp_path / "sq", BuildOptions(weights="int8", weight_block_size=0, quant_method="smoothquant",
                                                    calibration_tokens=64, **OPTS))
     q = m.weights.quantization
-    assert m.validation.passed and q["method"] == "smoothquant" and "activation" in q["search"]
-    assert q["lm_head"]["block_size"] == qz.HEAD_CHANNEL_BUILDS_BLOCK == 32  # kept off the int8-activation path
+    assert m.validation.passed and q.method == "smoothquant" and "activation" in q.search
+    assert q.lm_head.block_size == qz.HEAD_CHANNEL_BUILDS_BLOCK == 32  # kept off the int8-activation path
+    assert q.matmul_accuracy == "int8"  # its scales are searched for the int8 activations
+
+
+def test_int4_smoothquant_scores_the_served_form():
+    """int4 blocks served under weight_matmul_accuracy "int8" are re-rounded per channel and meet
+    per-token int8 activations: the smoothquant search scores exactly that product, so its
+    error is never above plain rounding's (alpha 0 is a candidate), and clearly below it with
+    loud input channels."""
+    from kvexport.exporter.awq import best_scale, int8_rows
+    from kvexport.runtime.execution.ort_quant import int8_channel
+
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((256, 64)).astype(np.float32)
+    x[:, :3] *= 60
+    w = rng.standard_normal((64, 48)).astype(np.float32)
+    s, alpha, err = best_scale(x, w, 4, 32, int8_activations=True)
+    q, step, z = int8_channel(qz.quantize_rtn(w, 4, 32).dequantize())
+    plain_err = float(((int8_rows(x) @ ((q - z) * step) - x @ w) ** 2).sum() / ((x @ w) ** 2).sum())
+    assert alpha > 0 and err < 0.5 * plain_err
+
+
+def test_int4_smoothquant_build_validates(hf_folder, tmp_path):
+    src = str(hf_folder("llama", num_key_value_heads=2))
+    _, m = build(src, tmp_path / "sq4", BuildOptions(weights="int4", weight_block_size=32, quant_method="smoothquant",
+                                                    calibration_tokens=64, **OPTS))
+    q = m.weights.quantization
+    assert m.validation.passed and (q.method, q.bits, q.block_size, q.matmul_accuracy) == ("smoothquant", 4, 32, "int8")
 
 
 @pytest.mark.parametrize("kw,field", [
     (dict(weights="int4", weight_block_size=0, quant_method="smoothquant"), "smoothquant"),
-    (dict(weights="int8", quant_method="smoothquant"), "smoothquant"),
+    (dict(weights="int8", weight_block_size=32, quant_method="smoothquant"), "smoothquant"),
     (dict(weights="int3"), "--weights"), (dict(weights="int4", weight_block_size=48), "--weight-block-size"),
     (dict(weights="int4", quant_method="gptq"), "--quant-method"),
     (dict(quant_method="awq"), "--weight-block-size / --quant-method"),
+    (dict(weight_matmul_accuracy="int8"), "--weight-matmul-accuracy only apply"),
+    (dict(weights="int4", weight_matmul_accuracy="fp8"), "--weight-matmul-accuracy must be one of auto, int8, float"),
     (dict(weights="fp32", dtype=io.DType.FP16), "--weights fp32"),
 ])
 def test_bad_weight_options_name_the_field(kw, field):
     with pytest.raises(ConfigError, match=field.replace("/", ".")):
         BuildOptions(**kw)
+
+
+@pytest.mark.parametrize("kw,form,accuracy", [
+    (dict(weights="int8"), (qz.CHANNEL, "smoothquant"), "int8"),  # the fast CPU form
+    (dict(weights="int8", weight_block_size=32), (32, "rtn"), "auto"),  # the exact form, one flag away
+    (dict(weights="int8", quant_method="rtn"), (32, "rtn"), "auto"),
+    (dict(weights="int8", quant_method="awq"), (32, "awq"), "auto"),
+    (dict(weights="int8", weight_block_size=0), (qz.CHANNEL, "smoothquant"), "int8"),
+    (dict(weights="int8", weight_block_size=0, quant_method="rtn"), (qz.CHANNEL, "rtn"), "auto"),
+    (dict(weights="int4"), (32, "rtn"), "auto"),
+    (dict(weights="int4", weight_block_size=64), (64, "rtn"), "auto"),
+    (dict(weights="int4", quant_method="smoothquant"), (32, "smoothquant"), "int8"),
+    (dict(weights="int4", weight_matmul_accuracy="float"), (32, "rtn"), "float"),
+])
+def test_default_weight_forms(kw, form, accuracy):
+    """What --weights int8 / int4 build when --weight-block-size / --quant-method are left out,
+    and the serving accuracy each records (exporter/limits.py DEFAULT_WEIGHT_FORM,
+    default_matmul_accuracy; --weight-matmul-accuracy overrides it)."""
+    from kvexport.exporter.limits import default_matmul_accuracy
+
+    opts = BuildOptions(**kw)
+    wq = opts.weight_quantization()
+    assert (wq.block_size, wq.method) == form
+    assert (opts.weight_matmul_accuracy or default_matmul_accuracy(wq.method)) == accuracy
 
 
 def test_weights_fp16_means_dtype_fp16():
@@ -207,6 +263,39 @@ def test_manifest_of_earlier_builds_still_loads(hf_folder, tmp_path):
     m = Manifest.from_json(d)
     assert m.weights == WeightsEntry(d["weights"]["file"], d["weights"]["bytes"], d["weights"]["parameters"])
     assert load(out).weights.precision == "fp32"
+
+
+def test_quantization_record_is_typed_and_earlier_records_load(hf_folder, tmp_path):
+    """weights.quantization is a typed entry (manifest_weights.py): records written before a field
+    existed (no matmul_accuracy / serving / lm_head / embeddings) load, save back byte for byte
+    and are served at the default accuracy; a mistyped, unknown or invalid field is refused by name."""
+    from kvexport import inspect
+    from kvexport.errors import ManifestError
+    from kvexport.manifest import WeightQuantizationEntry
+    from kvexport.runtime.execution.ort_backends import ort_backend
+
+    out, m = build(str(hf_folder("llama", num_key_value_heads=2)), tmp_path / "b",
+                   BuildOptions(weights="int4", quant_method="rtn", weight_matmul_accuracy="int8", validate=False,
+                                **OPTS))
+    assert isinstance(m.weights.quantization, WeightQuantizationEntry)
+    assert m.weights.quantization.matmul_accuracy == "int8"
+    d = json.loads((out / io.MANIFEST_NAME).read_text())
+    for k in ("matmul_accuracy", "serving", "lm_head", "embeddings"):
+        d["weights"]["quantization"].pop(k)
+    old = Manifest.from_json(d)
+    assert json.dumps(old.to_json()) == json.dumps(d)  # same fields, same order
+    q = old.weights.quantization
+    assert (q.matmul_accuracy, q.lm_head, q.head_block_size) == (None, None, 32)
+    assert ort_backend(out, old, 8).accuracy == "auto"  # what builds before the record were served with
+    assert "weight_matmul_accuracy auto (the default for builds before it was recorded" in inspect.serving(old)
+    for path, value, what in (("bits", "8", "must be an int"), ("rounding", "x", "is not a field"),
+                              ("matmul_accuracy", "fp8", "matmul_accuracy must be one of auto, int8, float"),
+                              ("quantized", {"matrices": 1}, "'weights.quantization.quantized.origins' is missing")):
+        bad = json.loads(json.dumps(d))
+        bad["weights"]["quantization"][path] = value
+        with pytest.raises(ManifestError, match="weights.quantization") as e:
+            Manifest.from_json(bad)
+        assert what in str(e.value), e.value
 
 
 def test_weight_matmul_accuracy_sets_the_session_level(hf_folder, tmp_path):
@@ -237,7 +326,8 @@ def test_every_quantized_matmul_fuses_to_matmulnbits_in_the_runtime_session(hf_f
     from kvexport.runtime.execution.ort_backends import ort_backend
 
     out, m = build(str(hf_folder("qwen2")), tmp_path / "b",
-                   BuildOptions(attention=io.Attention.PLUGIN, weights=weights, validate=False, **OPTS))
+                   BuildOptions(attention=io.Attention.PLUGIN, weights=weights, weight_block_size=32,
+                                quant_method="rtn", validate=False, **OPTS))
     backend = ort_backend(out, m, 4)  # the native op (its attention output has a static rank)
     counts = {}
     for disabled in ([], backend.disabled_optimizers()):
@@ -287,8 +377,9 @@ def test_auto_accuracy_runs_large_steps_as_int8_pairs(hf_folder, tmp_path, weigh
     monkeypatch.setattr(ort_backends, "_release", lambda a, real=ort_backends._release: released.append(a.nbytes)
                         or real(a))
     src = str(hf_folder("llama", num_key_value_heads=2))
-    out, m = build(src, tmp_path / "b", BuildOptions(weights=weights, attention=io.Attention(attention),
-                                                     validate=False, **OPTS))
+    out, m = build(src, tmp_path / "b", BuildOptions(weights=weights, weight_block_size=32, quant_method="rtn",
+                                                     attention=io.Attention(attention), validate=False, **OPTS))
+    assert m.weights.quantization.matmul_accuracy == "auto"  # what these builds serve by default
     tokens = LARGE_STEP_TOKENS["pair"] + 3
     tables = list(range(1, tokens // m.kv.block_size + 2))
     ids = np.random.default_rng(0).integers(0, m.model.vocab_size, tokens).tolist()
@@ -303,9 +394,9 @@ def test_auto_accuracy_runs_large_steps_as_int8_pairs(hf_folder, tmp_path, weigh
         kept, _, _ = logits("auto", tokens)
     np.testing.assert_array_equal(auto, kept)  # onnxruntime does not read them after
     assert sess is be.large_sessions[io.Phase.PREFILL.value] and sess is not be.sessions[io.Phase.PREFILL.value]
-    g = be._cpu_model(out / io.PREFILL_GRAPH, large=True).graph
+    g = be._cpu_model(out / io.PREFILL_GRAPH, be.plans[-1]).graph
     assert collections.Counter(n.op_type for n in g.node)["MatMulIntegerToFloat"] == 2 * 4 * m.kv.num_layers
-    small, be, sess = logits("auto", LARGE_STEP_TOKENS["pair"] - 1)
+    small, be, sess = logits(None, LARGE_STEP_TOKENS["pair"] - 1)  # None: the build's, auto
     assert sess is be.sessions[io.Phase.PREFILL.value]
     exact, be, _ = logits("float", tokens)
     assert not be.large_sessions
@@ -313,7 +404,8 @@ def test_auto_accuracy_runs_large_steps_as_int8_pairs(hf_folder, tmp_path, weigh
     assert np.abs(auto - exact).max() < 0.5 * np.abs(int8 - exact).max()
     assert (auto.argmax(-1) == exact.argmax(-1)).all()
     if weights == "int4":
-        _, m16 = build(src, tmp_path / "b16", BuildOptions(weights="int4", dtype=io.DType.FP16, validate=False, **OPTS))
+        _, m16 = build(src, tmp_path / "b16", BuildOptions(weights="int4", quant_method="rtn", dtype=io.DType.FP16,
+                                                           validate=False, **OPTS))
         assert ort_backend(tmp_path / "b16", m16, 8).large_form == "float"
 
 
@@ -329,10 +421,11 @@ def test_int8_accuracy_runs_large_steps_as_per_channel_int8(hf_folder, tmp_path,
     from kvexport.runtime.execution.ort_backends import LARGE_STEP_TOKENS, _spill, ort_backend
 
     out, m = build(str(hf_folder("llama", num_key_value_heads=2)), tmp_path / "b",
-                   BuildOptions(weights=weights, attention=io.Attention.ONNX, validate=False, **OPTS))
+                   BuildOptions(weights=weights, weight_block_size=32, quant_method="rtn", attention=io.Attention.ONNX,
+                                validate=False, **OPTS))
     be = ort_backend(out, m, 8, accuracy="int8")
     assert be.large_form == "int8" and be.large_sessions
-    derived = be._cpu_model(out / io.PREFILL_GRAPH, large=True)
+    derived = be._cpu_model(out / io.PREFILL_GRAPH, be.plans[-1])
     g = onnx.ModelProto.FromString(derived.SerializeToString()).graph
     monkeypatch.setattr(ort_backends, "SPILL_BYTES", 256)  # this model's matrices are small
     graph, spilled = _spill(derived)  # the derived codes leave the graph bytes for the session

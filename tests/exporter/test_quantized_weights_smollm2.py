@@ -9,6 +9,7 @@ from kvexport.exporter import source
 from kvexport.exporter.build import BuildOptions, build
 from kvexport.exporter.families import FAMILIES, read_spec
 from kvexport.exporter.weight_sources import gguf_presets
+from kvexport.manifest import QuantizedTable
 
 pytestmark = pytest.mark.slow
 
@@ -33,10 +34,12 @@ def test_int4_build_size_and_validation(tmp_path):
     from kvexport.runtime.execution.model_runner import chunk, pack
     from kvexport.runtime.execution.ort_backends import ort_backend
 
-    out, m = build("smollm2-135m", tmp_path / "int4", BuildOptions(weights="int4", max_seq_len=512))
+    out, m = build("smollm2-135m", tmp_path / "int4", BuildOptions(weights="int4", quant_method="rtn",
+                                                                   max_seq_len=512))
     assert m.validation.passed, m.validation
     q = m.weights.quantization
-    assert q["quantized"]["origins"] == {"gguf:Q4_1": 120, "gguf:Q8_0": 1} and q["block_offsets"]
+    assert q.quantized.origins == {"gguf:Q4_1": 120, "gguf:Q8_0": 1} and q.block_offsets
+    assert q.matmul_accuracy == "auto"  # the exact path: Q4_1 blocks as they are, int8 pairs for large steps
     fp32_bytes = 4 * m.weights.parameters  # the fp32 build stores every parameter as float32
     assert m.weights.bytes <= 0.3 * fp32_bytes, (m.weights.bytes, fp32_bytes)
     tok = source.load_tokenizer(source.resolve("smollm2-135m"))
@@ -53,22 +56,24 @@ def test_int4_build_size_and_validation(tmp_path):
     assert logits["int8"].argmax() == logits["float"].argmax() == tok(" Madrid")["input_ids"][0]
 
 
-def test_smoothquant_int8_build_validates_as_served(tmp_path):
-    """--weights int8 --weight-block-size channel --quant-method smoothquant on the real weights:
-    validation runs the build as the runtime serves it (every decoder matmul rewritten to int8 x
-    int8 with per-token activation scales) and passes the int8 bounds; the head keeps blocks of 32
-    (its GGUF Q8_0 blocks, exactly) and the weights file is under 0.3x of fp32."""
+def test_int8_default_is_smoothquant_and_validates_as_served(tmp_path):
+    """--weights int8 alone is --weight-block-size channel --quant-method smoothquant (the fast CPU
+    form) on the real weights: validation runs the build as the runtime serves it (every decoder
+    matmul rewritten to int8 x int8 with per-token activation scales) and passes the int8 bounds;
+    the head keeps blocks of 32 (its GGUF Q8_0 blocks, exactly) and the weights file is under
+    0.3x of fp32; the manifest says how it is served."""
     import onnx
 
     from kvexport import io
     from kvexport.runtime.execution.ort_quant import int8_dynamic
 
-    out, m = build("smollm2-135m", tmp_path / "sq", BuildOptions(weights="int8", weight_block_size=0,
-                                                                 quant_method="smoothquant", max_seq_len=512))
+    out, m = build("smollm2-135m", tmp_path / "sq", BuildOptions(weights="int8", max_seq_len=512))
     assert m.validation.passed, m.validation
     q = m.weights.quantization
-    assert q["method"] == "smoothquant" and 0 < q["scaled_matrices"] <= 3 * 30  # of qkv, gate|up, down per layer
-    assert q["quantized"]["origins"]["smoothquant"] == q["scaled_matrices"]
-    assert q["lm_head"] == {"bits": 8, "block_size": 32, "origin": "gguf:Q8_0"}
+    assert (q.form(), q.matmul_accuracy) == ("int8 per-channel, smoothquant", "int8")
+    assert "every step: int8 x int8 MatMulIntegerToFloat" in q.serving
+    assert q.calibration.text == "hamlet.txt" and 0 < q.scaled_matrices <= 3 * 30  # of qkv, gate|up, down per layer
+    assert q.quantized.origins["smoothquant"] == q.scaled_matrices
+    assert q.lm_head == QuantizedTable(8, 32, "gguf:Q8_0")
     assert int8_dynamic(onnx.load(str(out / io.PREFILL_GRAPH), load_external_data=False)) == 4 * 30
     assert m.weights.bytes <= 0.3 * 4 * m.weights.parameters

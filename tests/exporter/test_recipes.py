@@ -53,3 +53,14 @@ def test_recipe_carries_plugin_int8_and_engine_options(tmp_path):
     p.write_text("engines:\n  max_seqs: 16\n")
     with pytest.raises(ConfigError, match="unknown option.*max_seqs"):
         load_recipe(p).options()
+
+
+def test_recipe_carries_the_weights_form_and_serving_accuracy(tmp_path):
+    """A recipe names the exact int4 form (Q4_1-exact codes, float serving) as flags would."""
+    p = tmp_path / "r.yaml"
+    p.write_text("weights: int4\nquant_method: rtn\nweight_block_size: 32\nweight_matmul_accuracy: float\n")
+    opts = BuildOptions(**load_recipe(p).options())
+    assert (opts.weight_quantization().method, opts.weight_matmul_accuracy) == ("rtn", "float")
+    p.write_text("weights: int4\nweight_matmul_accuracy: fp8\n")
+    with pytest.raises(ConfigError, match="weight_matmul_accuracy must be one of auto, int8, float"):
+        load_recipe(p)

@@ -112,3 +112,29 @@ def test_a_two_token_context_still_validates(hf_folder, tmp_path):
     _, m = build(str(hf_folder("llama")), tmp_path / "b", BuildOptions(block_size=4, max_seq_len=2,
                                                                         attention=io.Attention.ONNX))
     assert m.validation.passed and m.validation.prompt_lengths == (1, 1, 1, 1) and m.validation.steps == 1
+
+
+def test_int8_activations_of_7_bits_double_the_weights_bound(hf_folder, tmp_path, monkeypatch):
+    """Where u8 x s8 saturates the runtime gives int8 x int8 activations 7 bits (ort_quant.ACT_QMAX):
+    a quantized paged build served that way (per-channel int8; weight_matmul_accuracy "int8") is
+    held to twice the bound, recorded in the manifest, and its verdicts print the recorded bound;
+    the int8 pairs (~exact) and the contiguous layout (stored graphs) keep the bound."""
+    from kvexport.runtime.execution import ort_quant
+
+    src = str(hf_folder("llama", num_key_value_heads=2))
+    common = dict(validate=False, **OPTS)
+    _, ch = build(src, tmp_path / "ch", BuildOptions(weights="int8", calibration_tokens=64, **common))
+    _, b32 = build(src, tmp_path / "b32", BuildOptions(weights="int8", weight_block_size=32, **common))
+    _, fast = build(src, tmp_path / "fast", BuildOptions(weights="int4", weight_matmul_accuracy="int8", **common))
+    _, cont = build(src, tmp_path / "cont", BuildOptions(weights="int8", calibration_tokens=64,
+                                                         layout=io.KVLayout.CONTIGUOUS, **common))
+    for qmax, factor in ((127, 1), (63, 2)):
+        monkeypatch.setattr(ort_quant, "ACT_QMAX", qmax)
+        assert val.tolerance(ch) == factor * val.TOLERANCE["int8_weights"]
+        assert val.tolerance(fast) == factor * val.TOLERANCE["int4_weights"]
+        assert val.tolerance(b32) == val.TOLERANCE["int8_weights"]
+        assert val.tolerance(cont) == val.TOLERANCE["int8_weights"]
+    v = entry(max_abs_diff=6.0, tolerance=8.0, token_agreement=0.941, cross_check=None)
+    (line,) = val.verdicts(dataclasses.replace(ch, validation=v))
+    assert line == ("validation (native CPU op, 4 prompts, 16 steps): PASS (int8 weights bound: |Δ| ≤ 8, agreement "
+                    "≥ 70%): max |Δ| 6, 94.1% greedy agreement")

@@ -14,7 +14,8 @@ from kvexport import io
 from kvexport.errors import ConfigError, TensorRTUnavailableError
 from kvexport.exporter import tensorrt_build as tb
 from kvexport.exporter.build import BuildOptions, build
-from kvexport.manifest import EngineBuildOptions, WeightsEntry, load
+from kvexport.manifest import (EngineBuildOptions, QuantizedMatrices, QuantizedTable, WeightQuantizationEntry, WeightsEntry,
+                               load)
 
 
 @pytest.mark.parametrize("bits,block,ok", [(4, 64, True), (4, 128, True), (4, 32, False), (4, 0, False),
@@ -30,9 +31,12 @@ def test_weight_problems_follow_tensorrt_quantization_schemes(bits, block, ok):
 def test_float_and_asymmetric_weight_entries():
     plan = tb.engine_quantization(WeightsEntry("weights.data", 1, 1, "fp16", None))
     assert (plan.mode, plan.block_size, plan.builder_flags) == ("none", None, ())
-    awq = {"precision": "int4", "bits": 4, "block_size": 128, "symmetric": False, "block_offsets": False,
-           "quantized": {"names": "model.layers.*.{attn.qkv}, lm_head.quantized.weight (int8)"},
-           "lm_head": {"bits": 8, "block_size": "channel"}}
+    awq = WeightQuantizationEntry(
+        precision="int4", bits=4, block_size=128, axis="input (K)", method="awq:gemm (pre-quantized codes)",
+        symmetric=False, block_offsets=False, scales_dtype="float16", code_dtype="int4 (two per byte)",
+        format="onnx QDQ", quantized=QuantizedMatrices(2, {"awq:gemm": 1, "rtn": 1},
+                                                       "model.layers.*.{attn.qkv}, lm_head.quantized.weight (int8)"),
+        kept={}, requantized_from=None, lm_head=QuantizedTable(8, "channel", "rtn"))
     with pytest.raises(ConfigError, match=r"int4 weights:\n  - the codes have zero points") as e:
         tb.engine_quantization(WeightsEntry("weights.data", 1, 1, "int4", awq))
     assert "LM head" not in str(e.value)  # the per-channel head is fine
@@ -60,7 +64,7 @@ def test_int4_builds_for_tensorrt_and_for_onnxruntime(hf_folder, tmp_path):
     except TensorRTUnavailableError:
         pass  # no TensorRT or GPU here: the ONNX build is complete regardless
     m = load(out)
-    assert m.weights.quantization["lm_head"]["block_size"] == "channel"
+    assert m.weights.quantization.lm_head.block_size == "channel"
     assert tb.check_buildable(m, EngineBuildOptions()) == "fp16"
     plan = tb.engine_quantization(m.weights)
     assert (plan.weights, plan.mode, plan.block_size, plan.builder_flags) == ("int4", "weight-only", 64, ())
