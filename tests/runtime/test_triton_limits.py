@@ -58,11 +58,22 @@ class CountingTokenizer:
     ({"input_ids": I64(1, 2**32 + 1)}, "token id 4294967297 is outside"),  # INT32 made it 1
     ({"input_ids": I64(1, 2), "seed": I64(-1)}, "seed must be a non-negative integer"),
     ({"input_ids": I64(1, 2), "top_k": I64(-(2**33))}, "top_k must be an integer >= 0"),
-    ({"input_ids": I64(1, 2), "seed": np.array([1], np.uint64)}, "must be INT64"),
+    ({"input_ids": I64(1, 2), "seed": np.array([1.0], np.float32)}, "must be INT64, got numpy dtype float32"),
 ])
 def test_integer_inputs_are_range_checked(arrays, msg):
     with pytest.raises(RequestError, match=msg):
         parse_request(arrays, RequestParser(None, 50, 100))
+
+
+def test_a_repository_written_before_int64_still_sends_unsigned_seeds():
+    """A repository written before the split declares seed UINT64 (and the rest INT32) and loads
+    this same model code: unsigned and 32-bit integers are taken and range-checked like INT64."""
+    arrays = {"input_ids": np.array([1, 2], np.int32), "seed": np.array([7], np.uint64),
+              "max_tokens": np.array([3], np.int32)}
+    prompt, params, _ = parse_request(arrays, RequestParser(None, 50, 100))
+    assert (prompt, params.seed, params.max_tokens) == ([1, 2], 7, 3)
+    with pytest.raises(RequestError, match="max_tokens"):
+        parse_request({**arrays, "max_tokens": np.array([0], np.uint32)}, RequestParser(None, 50, 100))
 
 
 def test_limits_are_checked_before_tokenizing():
