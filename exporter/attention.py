@@ -18,6 +18,7 @@ import numpy as np
 
 from kvexport import io
 
+from . import kv_int4
 from .onnx_builder import GraphBuilder, onnx_dtype
 from .spec import ModelSpec
 
@@ -77,7 +78,7 @@ def contiguous_context(b: GraphBuilder, spec: ModelSpec, window: int | None) -> 
 
 
 def paged_context(b: GraphBuilder, spec: ModelSpec, block_size: int, window: int | None,
-                  group: str = io.FULL_GROUP) -> AttnContext:
+                  group: str = io.FULL_GROUP, kv_dtype: str = "float32") -> AttnContext:
     """Index tensors and mask for a packed ragged batch.
 
         query_start_loc ──> q_start, q_len ──> gather_idx [S, Qmax] (pads queries per seq)
@@ -86,7 +87,8 @@ def paged_context(b: GraphBuilder, spec: ModelSpec, block_size: int, window: int
         cached key j visible  iff  j < ctx_len            (and inside the window)
         new key j' visible    iff  j' <= i                 (and inside the window)
     `window`: the layers' sliding window (None: full attention); `group`: their KV cache
-    group (kvexport/io.py), whose block table they read.
+    group (kvexport/io.py), whose block table they read; `kv_dtype`: the pools' (a numpy name;
+    int4 rows are io.kv_row_width wide).
     """
     b.scope = "/attn_mask" if window is None else f"/attn_mask_w{window}"
     q_start = b.op("Slice", io.QUERY_START_LOC, b.const([0]), b.const([-1]))  # [S]
@@ -134,7 +136,8 @@ def paged_context(b: GraphBuilder, spec: ModelSpec, block_size: int, window: int
         bias=b.op("Unsqueeze", b.op("Where", new_ok, b.const(0.0, "float32"), b.const(NEG, "float32")),
                   b.const([0, 2])),  # [1, S, 1, Qmax, Qmax]
         gather_idx=gather_idx, valid=valid, cached_bias=cached, block_tables=tables,
-        keys_shape=b.op("Concat", b.const([spec.num_kv_heads]), s1, lc1, b.const([d]), axis=0),
+        keys_shape=b.op("Concat", b.const([spec.num_kv_heads]), s1, lc1, b.const([io.kv_row_width(d, kv_dtype)]),
+                        axis=0),
         scores_shape=b.op("Concat", b.const([spec.num_kv_heads]), s1, lc1, b.const([g]), q_max1, axis=0),
         probs_shape=b.op("Concat", b.const([spec.num_kv_heads]), s1, lc1, gq, axis=0))
 
@@ -174,12 +177,13 @@ def contiguous_attention(b: GraphBuilder, spec: ModelSpec, layer: int, ctx: Attn
     kvh = spec.num_kv_heads
     k = b.op("Transpose", k, perm=[0, 2, 1, 3])  # [B, kvH, S, D]
     v = b.op("Transpose", v, perm=[0, 2, 1, 3])
-    k, v = to_kv(b, k, kv_dtype, ks, axis=1, heads=kvh, rank=4), to_kv(b, v, kv_dtype, vs, axis=1, heads=kvh, rank=4)
+    k = to_kv(b, k, kv_dtype, ks, axis=1, heads=kvh, d=spec.head_dim, rank=4)
+    v = to_kv(b, v, kv_dtype, vs, axis=1, heads=kvh, d=spec.head_dim, rank=4)
     if has_past:
         k = b.op("Concat", io.past_key(layer), k, axis=2)  # [B, kvH, P+S, D]
         v = b.op("Concat", io.past_value(layer), v, axis=2)
-    out = _attend(b, spec, q, from_kv(b, k, kv_dtype, ks, axis=1, heads=kvh, rank=4),
-                  from_kv(b, v, kv_dtype, vs, axis=1, heads=kvh, rank=4), ctx.bias)
+    out = _attend(b, spec, q, from_kv(b, k, kv_dtype, ks, axis=1, heads=kvh, d=spec.head_dim, rank=4),
+                  from_kv(b, v, kv_dtype, vs, axis=1, heads=kvh, d=spec.head_dim, rank=4), ctx.bias)
     return out, k, v
 
 
@@ -199,8 +203,8 @@ def paged_attention(b: GraphBuilder, spec: ModelSpec, layer: int, ctx: AttnConte
     """
     ks, vs = scales or (None, None)
     kvh, g, d = spec.num_kv_heads, spec.group_size, spec.head_dim
-    new_k = to_kv(b, k, kv_dtype, ks, axis=1, heads=kvh)  # [T, kvH, D]
-    new_v = to_kv(b, v, kv_dtype, vs, axis=1, heads=kvh)
+    new_k = to_kv(b, k, kv_dtype, ks, axis=1, heads=kvh, d=spec.head_dim)  # [T, kvH, D]
+    new_v = to_kv(b, v, kv_dtype, vs, axis=1, heads=kvh, d=spec.head_dim)
     idx = ctx.gather_idx
     q = b.op("Reshape", b.op("Gather", q, idx, axis=0), b.const([0, 0, kvh, g, d]))  # [S, Qmax, kvH, G, D]
     q5 = b.op("Transpose", q, perm=[2, 0, 3, 1, 4])  # [kvH, S, G, Qmax, D]
@@ -209,8 +213,10 @@ def paged_attention(b: GraphBuilder, spec: ModelSpec, layer: int, ctx: AttnConte
     # the pool: each sequence's blocks, per head, in token order
     kc = b.op("Gather", io.key_cache(layer), ctx.block_tables, axis=1)  # [kvH, S, B, bs, D]
     vc = b.op("Gather", io.value_cache(layer), ctx.block_tables, axis=1)
-    kc = from_kv(b, b.op("Reshape", kc, ctx.keys_shape, allowzero=1), kv_dtype, ks, axis=0, heads=kvh, rank=4)  # [kvH, S, Lc, D]
-    vc = from_kv(b, b.op("Reshape", vc, ctx.keys_shape, allowzero=1), kv_dtype, vs, axis=0, heads=kvh, rank=4)
+    kc = from_kv(b, b.op("Reshape", kc, ctx.keys_shape, allowzero=1), kv_dtype, ks, axis=0, heads=kvh,
+                 d=spec.head_dim, rank=4)  # [kvH, S, Lc, D]
+    vc = from_kv(b, b.op("Reshape", vc, ctx.keys_shape, allowzero=1), kv_dtype, vs, axis=0, heads=kvh,
+                 d=spec.head_dim, rank=4)
     # NOTE: K·qᵀ, not q·Kᵀ: the big operand is then the GEMM's A side, which MLAS reads in
     # place, instead of the B side it would pack (copy) on every call (1.46x measured)
     qt = b.op("Transpose", q, perm=[0, 1, 3, 2])  # [kvH, S, D, G*Qmax]
@@ -219,8 +225,8 @@ def paged_attention(b: GraphBuilder, spec: ModelSpec, layer: int, ctx: AttnConte
     sc = b.op("Add", sc, ctx.cached_bias)  # [kvH, S, Lc, G, Qmax]
     # this step's keys
     # NOTE: this step's keys are read as stored (rounded to kv_dtype), as the plugin reads them
-    kn = b.op("Gather", from_kv(b, new_k, kv_dtype, ks, axis=1, heads=kvh), idx, axis=0)  # [S, Qmax, kvH, D]
-    vn = b.op("Gather", from_kv(b, new_v, kv_dtype, vs, axis=1, heads=kvh), idx, axis=0)
+    kn = b.op("Gather", from_kv(b, new_k, kv_dtype, ks, axis=1, heads=kvh, d=spec.head_dim), idx, axis=0)  # [S, Qmax, kvH, D]
+    vn = b.op("Gather", from_kv(b, new_v, kv_dtype, vs, axis=1, heads=kvh, d=spec.head_dim), idx, axis=0)
     kn = b.op("Unsqueeze", b.op("Transpose", kn, perm=[2, 0, 3, 1]), b.const([2]))  # [kvH, S, 1, D, Qmax]
     sn = b.op("Add", _softcap(b, b.op("MatMul", q5, kn), spec.attn_softcap), ctx.bias)  # [kvH, S, G, Qmax, Qmax]
     # one softmax over both key sets; [kvH, S, 1, G, Qmax] and [kvH, S, G, Qmax, 1] are the
@@ -276,7 +282,8 @@ def _scale_for(b: GraphBuilder, scale: str, axis: int, rank: int) -> str:
     return scale if between == 0 else b.op("Unsqueeze", scale, b.const(list(range(1, 1 + between))))
 
 
-def to_kv(b: GraphBuilder, x: str, kv_dtype: str, scale: str | None, axis: int, heads: int, rank: int = 3) -> str:
+def to_kv(b: GraphBuilder, x: str, kv_dtype: str, scale: str | None, axis: int, heads: int, rank: int = 3,
+          d: int = 0) -> str:
     """float32 x (`rank` dims, KV heads on `axis`, head_dim last) -> what the pool stores: a
     cast, or for int8 QuantizeLinear by the per-channel `scale` [kvH, D] (round half to even,
     saturate; zero point 0).
@@ -286,16 +293,22 @@ def to_kv(b: GraphBuilder, x: str, kv_dtype: str, scale: str | None, axis: int, 
     NOTE: Div then QuantizeLinear with a unit scale is QuantizeLinear(x, scale) bit for bit
     (onnxruntime divides in float32, IEEE-rounded, as Div does; y / 1 is exact), and works for
     any broadcast, which per-axis QuantizeLinear (one axis) does not. `heads` is unused since
-    per-channel scales; kept for the callers' signature."""
+    per-channel scales; kept for the callers' signature. int4: `d` = head_dim, rows of
+    io.KV_INT4_FORMAT (exporter/kv_int4.py), `scale` unused (the scales are per token, in the row)."""
+    if kv_dtype == "int4":  # rows of codes and per-token group scales (exporter/kv_int4.py)
+        return kv_int4.quantize_rows(b, x, d, rank)
     if kv_dtype != "int8":
         return _cast(b, x, "float32", kv_dtype)
     y = b.op("Div", x, _scale_for(b, scale, axis, rank))
     return b.op("QuantizeLinear", y, b.const(1.0, "float32"), b.const(0, "int8"))
 
 
-def from_kv(b: GraphBuilder, x: str, kv_dtype: str, scale: str | None, axis: int, heads: int, rank: int = 3) -> str:
+def from_kv(b: GraphBuilder, x: str, kv_dtype: str, scale: str | None, axis: int, heads: int, rank: int = 3,
+            d: int = 0) -> str:
     """What the pool stores -> float32 (int8: code * scale, the per-channel `scale` [kvH, D]
     broadcast as in to_kv; float32 products, as DequantizeLinear's)."""
+    if kv_dtype == "int4":
+        return kv_int4.dequantize_rows(b, x, d, rank)
     if kv_dtype != "int8":
         return _cast(b, x, kv_dtype, "float32")
     return b.op("Mul", b.op("Cast", x, to=onnx_dtype("float32")), _scale_for(b, scale, axis, rank))

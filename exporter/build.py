@@ -23,7 +23,7 @@ from kvexport.errors import ConfigError, ValidationError
 from kvexport.manifest import EngineBuildOptions, GraphEntry, KVSpec, Manifest, ModelEntry, WeightsEntry, versions
 from kvexport.manifest_weights import WEIGHT_MATMUL_ACCURACY
 
-from . import interop, source
+from . import end_tokens, interop, source
 from .families import FAMILIES, read_spec
 from .graph import DecoderGraph, GraphOptions, model_rope_tables
 from .limits import BACKENDS, CALIBRATED_METHODS, DTYPES, KV_DTYPES, RANGES, default_matmul_accuracy
@@ -100,7 +100,7 @@ class BuildOptions:
             raise ConfigError(f"--dtype {self.dtype.value} is not supported; use fp32 or fp16")
         if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
             raise ConfigError(f"--kv-dtype {self.kv_dtype.value} is not supported on the ONNX path; "
-                              f"use fp32, fp16 or int8")
+                              f"use fp32, fp16, int8 or int4")
         if self.backend == "onnx":  # the old name, kept for recipes written before
             object.__setattr__(self, "backend", "onnxruntime")
         if self.backend not in BACKENDS:
@@ -201,7 +201,7 @@ def default_attention(opts: BuildOptions) -> tuple[BuildOptions, str | None]:
     if native.library() is None:
         why = f"the native CPU PagedAttention op is not built ({native.default_library()}; scripts/build_cpu_ops.sh)"
     elif not native.supports(opts.dtype.numpy_name, kv_dtype.numpy_name):
-        why = (f"the native CPU PagedAttention op takes float32 activations with float32/int8 KV, not "
+        why = (f"the native CPU PagedAttention op takes float32 activations with float32/int8/int4 KV, not "
                f"{opts.dtype.value}/{kv_dtype.value}")
     else:
         return replace(opts, attention=io.Attention.PLUGIN), None
@@ -243,11 +243,17 @@ def _build_into(d: Path, src: source.ModelSource, opts: BuildOptions, progress: 
     with progress("reading config"):
         config = source.load_config(src)
         spec = read_spec(config)
+        source.check_weights_hold(src, spec.num_layers)  # NOTE: before transformers builds the model
+        spec = end_tokens.with_generation_eos(spec, src)
     max_len = opts.max_seq_len or min(spec.max_positions, MAX_ROPE_TABLE)
     if spec.position == "learned" and max_len > spec.max_positions:
         raise ConfigError(f"--max-seq-len {max_len} exceeds the {spec.max_positions} learned positions "
                           f"of this model")
     kv_dtype = opts.kv_dtype or opts.dtype
+    if kv_dtype is io.DType.INT4 and spec.head_dim % io.KV_INT4_GROUP:
+        raise ConfigError(f"--kv-dtype int4 needs head_dim a multiple of {io.KV_INT4_GROUP} (its channels share a "
+                          f"scale in groups of {io.KV_INT4_GROUP}); this model's head_dim is {spec.head_dim}: "
+                          f"use --kv-dtype int8 or fp32")
     with progress("loading weights"):
         model = source.load_model(src)
         weights = FAMILIES[spec.family].weights(model.state_dict(), spec)
@@ -264,6 +270,9 @@ def _build_into(d: Path, src: source.ModelSource, opts: BuildOptions, progress: 
             ids = calibrate.calibration_ids(tokenizer, spec.vocab_size, text, opts.calibration_tokens)
             scales = calibrate.compute_scales(model, ids, rotary_dim=spec.rotary_dim if spec.rope else 0)
             quantization = calibrate.quantization_entry(scales, text.name if text else "random-ids", ids)
+    elif kv_dtype is io.DType.INT4:  # dynamic: nothing to calibrate
+        quantization = {"scheme": io.KV_INT4_FORMAT, "group": io.KV_INT4_GROUP, "rotation": "hadamard",
+                        "row_bytes": io.kv_row_width(spec.head_dim, "int4")}
 
     wq, qweights, wrecord = _weight_form(src, opts, tokenizer), None, None
     if wq.quantized:
@@ -317,6 +326,9 @@ def _build_into(d: Path, src: source.ModelSource, opts: BuildOptions, progress: 
     if kv_dtype is io.DType.INT8:
         notes.append("int8 KV: static symmetric scales per layer and KV head (kv.quantization); "
                      "QuantizeLinear on write, DequantizeLinear on read")
+    if kv_dtype is io.DType.INT4:
+        notes.append(f"int4 KV: {io.KV_INT4_FORMAT} (kv.quantization): 4-bit codes with a float16 scale per "
+                     f"token, KV head and {io.KV_INT4_GROUP} channels in the pool rows; q, k, v Hadamard-rotated")
     if opts.attention is io.Attention.PLUGIN:
         notes.append("plugin attention: kvexport::PagedAttention nodes; onnxruntime (CPU) runs them with the "
                      "native op library (kvexport.plugins.paged_attention.native; scripts/build_cpu_ops.sh) or "

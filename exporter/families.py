@@ -300,8 +300,12 @@ def read_spec(config) -> ModelSpec:
     heads = _int(config, "num_attention_heads")
     if not hidden or not heads:
         raise ConfigError("config fields 'hidden_size' and 'num_attention_heads' are required")
-    kv_heads = _int(config, "num_key_value_heads") or heads
-    head_dim = _int(config, "head_dim") or hidden // heads
+    # NOTE: `is None`, not `or`: an explicit 0 is a broken config (ModelSpec refuses it by name),
+    # never silently the default (transformers then divides by it)
+    kv_heads = _int(config, "num_key_value_heads")
+    kv_heads = heads if kv_heads is None else kv_heads
+    head_dim = _int(config, "head_dim")
+    head_dim = hidden // heads if head_dim is None else head_dim
     inter = (_int(config, "intermediate_size") or _int(config, "n_inner") or 4 * hidden)
     eps = getattr(config, "rms_norm_eps", None) if fam.norm == "rmsnorm" else \
         getattr(config, "layer_norm_epsilon", None)

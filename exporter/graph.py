@@ -21,6 +21,7 @@ import torch
 from kvexport import io
 
 from . import attention as attn
+from . import kv_int4
 from .families import LayerWeights, ModelWeights
 from .onnx_builder import GraphBuilder, WeightStore, onnx_dtype
 from .quantize import CHANNEL, QUANTIZED_EMBED, QUANTIZED_HEAD, QuantizedMatrix, stored_codes
@@ -279,7 +280,7 @@ class DecoderGraph:
         if not self.plugin:
             group_of = {spec.window(i): self.groups[i] for i in range(spec.num_layers)}  # one group per window
             for w in sorted(group_of, key=lambda w: w or 0):
-                ctxs[w] = (attn.paged_context(b, spec, o.block_size, w, group_of[w]) if self.paged
+                ctxs[w] = (attn.paged_context(b, spec, o.block_size, w, group_of[w], kv_dtype=self.kv) if self.paged
                            else attn.contiguous_context(b, spec, w))
 
         kv_out: list[tuple[str, str]] = []
@@ -352,6 +353,9 @@ class DecoderGraph:
             if cos is not None:
                 q, k = self.apply_rope(q, cos, sin), self.apply_rope(k, cos, sin)
         v = b.op("Reshape", v, b.const(lead + [kvh, d]))
+        rotated = self.kv == "int4"  # NOTE: int4 KV stores q, k, v rotated (exporter/kv_int4.py hadamard)
+        if rotated:  # after RoPE, in float32: q·kᵀ unchanged, the output rotated back below
+            q, k, v = (kv_int4.rotate(b, t, d) for t in (q, k, v))
         scales = None
         if self.opts.kv_scales is not None:  # per channel [kvH, D]; per-head [kvH] broadcast to it
             sc = np.broadcast_to(self.opts.kv_scales[i].reshape(2, kvh, -1), (2, kvh, d)).astype(np.float32)
@@ -360,6 +364,8 @@ class DecoderGraph:
             q, k, v = (self._to(t, "float32", self.act) for t in (q, k, v))
             a, k_out, v_out = attn.plugin_attention(b, spec, i, q, k, v, block_size=self.opts.block_size,
                                                     kv_dtype=self.kv, scales=scales, group=self.groups[i])
+            if rotated:  # [T, H, D]
+                a = self._to(kv_int4.rotate(b, self._to(a, self.act, "float32"), d), "float32", self.act)
             a = b.op("Reshape", a, b.const([0, h * d]))  # [T, H*D]
         else:
             q = b.op("Mul", q, b.const(spec.scale, "float32"))
@@ -369,6 +375,9 @@ class DecoderGraph:
                 a, k_out, v_out = attn.contiguous_attention(b, spec, i, ctx, q, k, v,
                                                             has_past=self.opts.phase is io.Phase.DECODE,
                                                             kv_dtype=self.kv, scales=scales)
+            if rotated:  # [.., H*D] -> per head, rotated back
+                a = b.op("Reshape", kv_int4.rotate(b, b.op("Reshape", a, b.const(lead + [h, d])), d),
+                         b.const(lead + [h * d]))
             a = self._to(a, "float32", self.act)
         a = self.linear(a, self._mat(p + "attn.o.weight", lw.o_w), self._mat(p + "attn.o.bias", lw.o_b))
         if lw.post_attn_w is not None:

@@ -167,11 +167,15 @@ def write_side_files(d: Path, *, manifest, config, model_generation_config=None)
     _write_json(d / HF_CONFIG, hf_config(config, io.DType(manifest.dtype)))
     written.append(HF_CONFIG)
     gen = generation_config(config, model_generation_config)
+    ends = list(manifest.model.eos_token_ids)
+    if len(ends) > 1:  # NOTE: every end token the runtime stops on, so transformers' generate stops there too
+        gen["eos_token_id"] = ends
     _write_json(d / GENERATION_CONFIG, gen)
     written.append(GENERATION_CONFIG)
-    # NOTE: int8 KV (quantize on write, static scales inside the graphs) is not a KV cache onnxruntime-genai
-    # knows how to allocate; such builds get no genai_config.json
-    if manifest.kv.layout == io.KVLayout.CONTIGUOUS.value and manifest.kv.dtype != io.DType.INT8.value:
+    # NOTE: int8 KV (quantize on write, static scales inside the graphs) and int4 KV (uint8 rows of codes and
+    # scales) are not KV caches onnxruntime-genai knows how to allocate; such builds get no genai_config.json
+    if manifest.kv.layout == io.KVLayout.CONTIGUOUS.value and manifest.kv.dtype not in (io.DType.INT8.value,
+                                                                                        io.DType.INT4.value):
         graphs = {g.file: ([x.name for x in g.inputs], [x.name for x in g.outputs]) for g in manifest.graphs.values()}
         _write_json(d / GENAI_CONFIG, genai_config(spec=manifest.model, max_len=manifest.kv.max_seq_len,
                                                    token_ids=gen, inputs=graphs))

@@ -19,7 +19,7 @@ RANGES: dict[str, tuple[int, int]] = {
     "validate_steps": (1, 1024),  # decode steps
 }
 DTYPES = (io.DType.FP32, io.DType.FP16)  # weights/activations
-KV_DTYPES = (io.DType.FP32, io.DType.FP16, io.DType.INT8)
+KV_DTYPES = (io.DType.FP32, io.DType.FP16, io.DType.INT8, io.DType.INT4)  # int4: docs/QUANTIZATION.md "int4 KV"
 BACKENDS = ("onnxruntime", "tensorrt")  # the runtime's --backend names ("onnx": the old name of onnxruntime)
 # matmul weights (exporter/quantize.py): --weights, --weight-block-size (rows of K per scale), --quant-method
 WEIGHT_PRECISIONS = ("fp32", "fp16", "int8", "int4")

@@ -14,6 +14,7 @@ from kvexport import io
 _ONNX_DTYPES = {
     "float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "int64": TensorProto.INT64,
     "int32": TensorProto.INT32, "int8": TensorProto.INT8, "bool": TensorProto.BOOL,
+    "uint8": TensorProto.UINT8,  # int4 KV rows (kvexport/io.py KV_INT4_FORMAT)
 }
 
 

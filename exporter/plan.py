@@ -402,7 +402,9 @@ def plan(model: str, memory: str | int | None = None, *, weights: str | None = N
     build_weights = None
     if man is not None:
         build_weights = BuildWeights(man.weights.precision or man.dtype, man.weights.bytes, man.weights.parameters)
-    kvs = tuple(kv_bytes(spec, d) for d in KV_DTYPES)
+    # int4 KV only where its groups of io.KV_INT4_GROUP channels fit the heads
+    kvs = tuple(kv_bytes(spec, d) for d in KV_DTYPES
+                if d is not io.DType.INT4 or spec.head_dim % io.KV_INT4_GROUP == 0)
     mem: int | None = None
     fit_w: str | None = None
     fit_w_bytes: int | None = None

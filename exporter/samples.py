@@ -15,7 +15,7 @@ from kvexport import io
 def sample_feeds(manifest, phase: io.Phase, seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     kv, vocab = manifest.kv, manifest.model.vocab_size
-    kv_np = np.dtype(io.DType(kv.dtype).numpy_name)
+    kv_np = np.dtype(io.DType(kv.dtype).pool_dtype)
     ids = lambda *shape: rng.integers(0, vocab, size=shape, dtype=np.int64)  # noqa: E731
     if kv.layout == io.KVLayout.CONTIGUOUS.value:
         batch, seq, past = 2, (5 if phase is io.Phase.PREFILL else 1), (0 if phase is io.Phase.PREFILL else 5)
@@ -26,7 +26,8 @@ def sample_feeds(manifest, phase: io.Phase, seed: int = 0) -> dict[str, np.ndarr
         if phase is io.Phase.DECODE:
             for i in range(kv.num_layers):
                 for name in (io.past_key(i), io.past_value(i)):
-                    feeds[name] = rng.standard_normal((batch, kv.num_kv_heads, past, kv.head_dim)).astype(kv_np)
+                    row = io.kv_row_width(kv.head_dim, io.DType(kv.dtype).numpy_name)
+                    feeds[name] = rng.standard_normal((batch, kv.num_kv_heads, past, row)).astype(kv_np)
         return feeds
     # paged: two sequences; in prefill the second already has 4 tokens cached (chunked
     # prefill). Packed by the runtime's own pack() (runtime/execution/model_runner.py).
@@ -40,7 +41,7 @@ def sample_feeds(manifest, phase: io.Phase, seed: int = 0) -> dict[str, np.ndarr
     # a build with a local KV cache group: its tables mirror the full group's (pools of equal size)
     groups = sorted(set(manifest.layer_groups or ()) - {io.FULL_GROUP})
     feeds = pack(chunks, bs, full_tables=kv.attention == io.Attention.PLUGIN.value, groups=groups).feeds()
-    shape = io.paged_pool_shape(1 + 2 * per_seq, kv.num_kv_heads, bs, kv.head_dim)
+    shape = io.paged_pool_shape(1 + 2 * per_seq, kv.num_kv_heads, bs, kv.head_dim, io.DType(kv.dtype).numpy_name)
     for i in range(kv.num_layers):
         for name in (io.key_cache(i), io.value_cache(i)):
             feeds[name] = rng.standard_normal(shape).astype(kv_np)

@@ -4,9 +4,11 @@ weight formats fail fast), and loads config, weights and tokenizer with transfor
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import json
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,17 +67,39 @@ def resolve(model: str, *, allow_pickle: bool = False) -> ModelSource:
                       f"nor a built-in alias ({aliases})")
 
 
-def check_gguf(path: Path) -> None:
-    """Refuse a GGUF of an unsupported architecture before transformers dequantizes it."""
+# GGUF metadata keys read here (reading a GGUF's header takes seconds: it is read once)
+GGUF_ARCH = "general.architecture"
+GGUF_END_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+
+
+def gguf_metadata(path: Path) -> dict[str, object]:
+    """The GGUF metadata kvexport reads (GGUF_ARCH: str, GGUF_END_KEYS: int where present) of
+    the file at `path`; SourceError for an unreadable file. Cached per (path, size, mtime)."""
+    st = Path(path).stat()
+    return _gguf_metadata(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _gguf_metadata(path: str, size: int, mtime_ns: int) -> dict[str, object]:
     import gguf
 
     try:
-        reader = gguf.GGUFReader(str(path))
-        field = reader.fields["general.architecture"]
-        arch = bytes(field.parts[field.data[0]]).decode()
+        reader = gguf.GGUFReader(path)
+        field = reader.fields[GGUF_ARCH]
+        out: dict[str, object] = {GGUF_ARCH: bytes(field.parts[field.data[0]]).decode()}
+        for key in GGUF_END_KEYS:
+            f = reader.fields.get(key)
+            if f is not None and f.data:
+                out[key] = int(f.parts[f.data[0]][0])
     except Exception as e:  # noqa: BLE001 - any parse failure means a corrupt file
         raise SourceError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e}); it may be "
                           f"truncated or corrupt: download it again") from None
+    return out
+
+
+def check_gguf(path: Path) -> None:
+    """Refuse a GGUF of an unsupported architecture before transformers dequantizes it."""
+    arch = gguf_metadata(path)[GGUF_ARCH]
     if arch not in supported_gguf_archs():
         raise UnsupportedModelError(
             f"GGUF field 'general.architecture' of {path.name} is {arch!r}, which kvexport does not "
@@ -150,6 +174,30 @@ def _check_safetensors(path: Path) -> None:
     except Exception as e:  # noqa: BLE001 - SafetensorError and OS errors alike
         raise SourceError(f"{path} is not a readable safetensors file ({e}); it may be truncated "
                           f"or corrupt: download it again") from None
+
+
+# a decoder layer's tensors: model.layers.7.… (llama-like), transformer.h.7.… (gpt2)
+_LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)\.")
+
+
+def check_weights_hold(src: ModelSource, num_layers: int) -> None:
+    """Refuse, before any weight is loaded, a config that claims more decoder layers than the
+    safetensors files hold (from their headers: names only, no tensor data). transformers would
+    build all of them and fill the missing ones with random values first, minutes and gigabytes
+    before it reports them missing. More layers in the weights than in the config is left to
+    transformers (some checkpoints carry extra heads, e.g. MTP layers)."""
+    if src.kind != "hf" or any(f.suffix != ".safetensors" for f in src.weight_files):
+        return  # GGUF: the config is derived from the file's own metadata; pickled weights: no cheap header
+    from safetensors import safe_open
+
+    held: set[int] = set()
+    for f in src.weight_files:
+        with safe_open(str(f), framework="np") as st:
+            held.update(int(m[1]) for m in map(_LAYER_INDEX.search, st.keys()) if m)
+    if held and num_layers > len(held):
+        raise ConfigError(f"config field 'num_hidden_layers' of {src.name} is {num_layers}, but its weights hold "
+                          f"{len(held)} decoder layer(s) (layer indices {min(held)}..{max(held)}): the config.json "
+                          f"does not match the weights; fix it or download the model again")
 
 
 def load_config(src: ModelSource):

@@ -17,6 +17,9 @@ ACTIVATION_FIELD = {"gpt2": "activation_function"}  # family -> config field; de
 LAYER_NORMS = ("pre", "post", "sandwich")  # norms before / after / around attention and MLP
 QK_NORMS = ("head", "all")  # RMSNorm of q and k per head (qwen3, gemma3) or over all heads (olmo2)
 ROPE_KINDS = ("global", "local", "none")  # per layer: the model's RoPE, the local layers' RoPE, no RoPE
+# spec field -> the config.json field it is read from, where the names differ (for messages)
+_CONFIG_FIELDS = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+                  "num_kv_heads": "num_key_value_heads", "max_positions": "max_position_embeddings"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +72,10 @@ class ModelSpec:
     attn_scale: float | None = None
     attn_softcap: float | None = None  # scores = cap * tanh(scores / cap) before the mask; None: off
     final_softcap: float | None = None  # logits = cap * tanh(logits / cap); None: off
+    # the end tokens the source names beyond config.json's eos_token_id: generation_config.json's
+    # eos_token_id (GGUF: the eos / eot / eom ids of its metadata); the runtime stops on both lists
+    # (exporter/end_tokens.py). None: the source names none beyond config.json's (and builds before it)
+    generation_eos_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         # ConfigError: a malformed value; UnsupportedModelError: a valid option kvexport lacks
@@ -79,7 +86,8 @@ class ModelSpec:
         for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
                       "intermediate_size", "vocab_size", "max_positions"):
             value = getattr(self, field)
-            need(isinstance(value, int) and value > 0, field, f"must be a positive integer, got {value!r}")
+            need(isinstance(value, int) and value > 0, _CONFIG_FIELDS.get(field, field),
+                 f"must be a positive integer, got {value!r}")
         need(self.num_heads % self.num_kv_heads == 0, "num_key_value_heads",
              f"must divide num_attention_heads ({self.num_heads}), got {self.num_kv_heads}")
         need(self.norm in NORMS, "norm", f"must be one of {NORMS}, got {self.norm!r}")
@@ -156,6 +164,8 @@ class ModelSpec:
     def to_json(self) -> dict:
         d = asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)
+        if self.generation_eos_token_ids is not None:
+            d["generation_eos_token_ids"] = list(self.generation_eos_token_ids)
         for f in _OPTIONAL:  # see the NOTE on the fields
             if getattr(self, f.name) == f.default:
                 del d[f.name]
@@ -179,7 +189,7 @@ class ModelSpec:
         for name in ("rope", "rope_local"):
             if isinstance(kw.get(name), dict):
                 kw[name] = RopeSpec(**kw[name])
-        for name in ("eos_token_ids", "layer_windows", "layer_rope"):
+        for name in ("eos_token_ids", "generation_eos_token_ids", "layer_windows", "layer_rope"):
             if kw.get(name) is not None:
                 kw[name] = tuple(kw[name])
         return cls(**kw)

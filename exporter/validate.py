@@ -57,9 +57,19 @@ from kvexport.manifest import OpCheck, ValidationEntry
 # sit at a few units of logit plus a share of agreeing greedy tokens; identical tokens are not
 # required (a near-tie flip changes every later step). Perplexity is the quality measure
 # (bench/kv_quality.py): int8 moves it by <1%, int4 by a few %.
-TOLERANCE = {"fp32": 5e-3, "fp16": 0.5, "int8_kv": 3.0, "int8_weights": 4.0, "int4_weights": 10.0}
-REQUIRE_GREEDY = {"fp32": True, "fp16": False, "int8_kv": False, "int8_weights": False, "int4_weights": False}
-MIN_AGREEMENT = {"fp32": 1.0, "fp16": 0.0, "int8_kv": 0.75, "int8_weights": 0.7, "int4_weights": 0.4}
+# int4 KV (dynamic, per token and KV head, groups of 32 channels, q4_0's 16 levels, q/k/v
+# Hadamard-rotated: kvexport/io.py KV_INT4_FORMAT): every cached key/value is rounded to 1/16 of
+# its group's extreme, ~8x coarser than int8 KV's 1/254 of a calibrated range, on every token and
+# layer, so the logits move by a few units more than int8 KV's (the quantization's error, not a
+# bug's): the bound is twice int8 KV's, still well under the logits' own magnitude (~20-30) that a
+# wrong nibble order, group, scale sign or a missing rotation produces on every row. Near-ties
+# flip more greedy tokens than with int8, hence a lower minimum share. Perplexity is the quality
+# measure (docs/QUANTIZATION.md "int4 KV": +2.9% on smollm2-135m). NOTE: set before a real-model
+# measurement of max |Δ|; the tiny-model builds of tests/exporter/test_int4_kv_graphs.py pass it.
+TOLERANCE = {"fp32": 5e-3, "fp16": 0.5, "int8_kv": 3.0, "int4_kv": 6.0, "int8_weights": 4.0, "int4_weights": 10.0}
+REQUIRE_GREEDY = {"fp32": True, "fp16": False, "int8_kv": False, "int4_kv": False, "int8_weights": False,
+                  "int4_weights": False}
+MIN_AGREEMENT = {"fp32": 1.0, "fp16": 0.0, "int8_kv": 0.75, "int4_kv": 0.5, "int8_weights": 0.7, "int4_weights": 0.4}
 
 
 # The reference op's cut-down check of plugin graphs that the native op validated: prefill in
@@ -73,15 +83,20 @@ CROSS_CHECK_PROMPTS = 2  # the first prompts of the main check's
 CROSS_CHECK_STEPS = 2  # decode steps after the prefill
 
 OP_NAMES = {"onnx": "onnx attention", "native": "native CPU op", "reference": "reference op"}  # VALIDATION_OPS
-_KEY_NAMES = {"fp32": "fp32", "fp16": "fp16", "int8_kv": "int8 KV", "int8_weights": "int8 weights",
+_KEY_NAMES = {"fp32": "fp32", "fp16": "fp16", "int8_kv": "int8 KV", "int4_kv": "int4 KV", "int8_weights": "int8 weights",
               "int4_weights": "int4 weights"}
 
 Progress = Callable[[str], contextlib.AbstractContextManager]
 
 
 def tolerance_key(manifest) -> str:
-    if (precision := manifest.weights.precision) in ("int8", "int4"):
-        return f"{precision}_weights"
+    precision = manifest.weights.precision
+    if precision == "int4":  # the loosest bound; it covers int8 / int4 KV with these weights too
+        return "int4_weights"
+    if manifest.kv.dtype == "int4":  # looser than int8 weights' bound, so it covers them
+        return "int4_kv"
+    if precision == "int8":
+        return "int8_weights"
     return "int8_kv" if manifest.kv.dtype == "int8" else manifest.dtype
 
 

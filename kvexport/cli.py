@@ -441,6 +441,7 @@ def generate(build_dir, prompts, max_tokens, temperature, top_p, top_k, seed, st
     prompts each answer is preceded by a header line on stderr ("[2/3] 'prompt…'") and
     followed by a blank line on stdout. A failed request is an error on stderr, and the exit
     code is 2 once the others are answered."""
+    from kvexport.manifest import model_source_refusal
     from kvexport.runtime.llm import LLM
     from kvexport.runtime.sampling_params import SamplingParams
 
@@ -450,6 +451,8 @@ def generate(build_dir, prompts, max_tokens, temperature, top_p, top_k, seed, st
             raise click.BadParameter(f"{what} is not valid UTF-8 text: {_clip(ascii(text))}")
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             seed=seed, stop=tuple(stop))
+    if (why := model_source_refusal(build_dir, "`kvexport generate BUILD ...`")) is not None:
+        raise KvExportError(why)  # NOTE: before LLM(), whose words are for Python callers
     llm = LLM(build_dir, _engine_config(settings))
     out, n, failed = sys.stdout, len(prompts), 0
 
@@ -498,10 +501,21 @@ def generate(build_dir, prompts, max_tokens, temperature, top_p, top_k, seed, st
               help="Requests/s of a seeded Poisson arrival process [all at t=0].")
 @click.option("--prefix-ttft", type=click.IntRange(min=1), metavar="TOKENS",
               help="Also measure TTFT of a request sharing a TOKENS-long prefix, prefix caching on vs off.")
+@click.option("--chat", metavar="NxTxS",
+              help="Instead of the trace: N interleaved conversations x T turns sharing an S-token system prompt, "
+                   "run with KV offload off / host / host+disk / after a restart (docs/BENCHMARKS.md).")
+@click.option("--chat-pool-conversations", type=click.IntRange(min=1), default=4, show_default=True,
+              help="--chat: the KV pool (and max_num_seqs) holds about this many whole conversations.")
+@click.option("--chat-turn2", is_flag=True,
+              help="--chat: measure only a lone turn 2 after its blocks were evicted (median TTFT of 3), per mode.")
 @engine_options
-def bench(build_dir, trace, limit, json_out, arrival_rate, prefix_ttft, **settings):
+def bench(build_dir, trace, limit, json_out, arrival_rate, prefix_ttft, chat, chat_pool_conversations, chat_turn2,
+          **settings):
     """Serve a fixed-seed request trace; report tokens/s, TTFT, TPOT, KV use, preemptions."""
     import json as _json
+
+    if chat:
+        return _chat_bench(build_dir, chat, chat_pool_conversations, json_out, _engine_config(settings), chat_turn2)
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
@@ -527,6 +541,31 @@ def bench(build_dir, trace, limit, json_out, arrival_rate, prefix_ttft, **settin
         sys.exit(2)
 
 
+def _chat_bench(build_dir, chat: str, pool_conversations: int, json_out, cfg, turn2: bool = False) -> None:
+    """`bench --chat`: the multi-turn benchmark of the KV tiers (runtime/serving/chat_bench.py)."""
+    import json as _json
+
+    from kvexport.runtime.serving.chat_bench import ChatShape, markdown, run_chat, turn2_ttft
+
+    shape = ChatShape.parse(chat, pool_conversations=pool_conversations)
+    if turn2:
+        text = _json.dumps(turn2_ttft(build_dir, cfg, shape), indent=2)
+        click.echo(text)
+        if json_out:
+            with open(json_out, "w") as f:
+                f.write(text + "\n")
+        return
+    with console.status("chat bench") as status:
+        result = run_chat(build_dir, cfg, shape,
+                          progress=lambda mode, done, total: status.update(f"chat bench: {mode} {done}/{total} turns"))
+    text = _json.dumps(result, indent=2)
+    click.echo(text)
+    click.echo(markdown(result))
+    if json_out:
+        with open(json_out, "w") as f:
+            f.write(text + "\n")
+
+
 @main.command()
 @click.argument("build_dir", type=click.Path(exists=True, file_okay=False))
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0 exposes the server).")
@@ -534,14 +573,20 @@ def bench(build_dir, trace, limit, json_out, arrival_rate, prefix_ttft, **settin
 @click.option("--served-model-name", help="The model name clients must send [the build directory's name].")
 @click.option("--shutdown-grace", type=click.FloatRange(min=0), default=10.0, show_default=True, metavar="SECONDS",
               help="On SIGTERM/SIGINT, how long running requests may take to finish before they are ended (503).")
+@click.option("--api-keys", envvar="KVEXPORT_API_KEYS", metavar="FILE",
+              help="Require `Authorization: Bearer KEY`: a file of `KEY TENANT` lines; each tenant's prefix cache "
+                   "is its own [$KVEXPORT_API_KEYS; none: no keys, one shared cache].")
 @engine_options
-def serve(build_dir, host, port, served_model_name, shutdown_grace, **settings):
+def serve(build_dir, host, port, served_model_name, shutdown_grace, api_keys, **settings):
     """Serve a paged build over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
+    from kvexport.runtime.serving.auth import ApiKeys
     from kvexport.runtime.serving.server import serve as run_server
 
     cfg = _engine_config(settings)
-    run_server(build_dir, host, port, cfg, served_model_name, shutdown_grace=shutdown_grace,
-               on_ready=lambda url: console.print(f"serving {escape(str(build_dir))} on {escape(url)}/v1",
+    keys = ApiKeys.load(api_keys) if api_keys else None  # before the port and the model: a bad file fails at once
+    guard = f" ({len(keys.tenants)} tenant(s) with API keys)" if keys else ""
+    run_server(build_dir, host, port, cfg, served_model_name, shutdown_grace=shutdown_grace, api_keys=keys,
+               on_ready=lambda url: console.print(f"serving {escape(str(build_dir))} on {escape(url)}/v1{guard}",
                                                   highlight=False))
 
 
@@ -568,6 +613,31 @@ def triton(build_dir, out, name, copy_build, instances, execution_env, force, **
     console.print(f"[bold green]Triton model repository ready:[/] {repo} (model {model_dir.name!r}); "
                   f"start it with `kvexport triton-serve {repo}` (or tritonserver --model-repository={repo}: "
                   f"see docs/DEPLOYMENT.md)")
+
+
+@main.command()
+@click.argument("build_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--mode", type=click.Choice(["agg"]), default="agg", show_default=True,
+              help="Disaggregation role (aggregated: prompt and generation in this worker).")
+@click.option("--namespace", default="kvexport", show_default=True, help="Dynamo namespace (the frontend's --namespace).")
+@click.option("--component", default="backend", show_default=True, help="Dynamo component name of the workers.")
+@click.option("--endpoint", default="generate", show_default=True, help="Dynamo endpoint name.")
+@click.option("--served-model-name", help="The model name clients must send [the build directory's name].")
+@click.option("--discovery-backend", type=click.Choice(["etcd", "file", "kubernetes", "mem"]),
+              help="How workers and frontend find each other [$DYN_DISCOVERY_BACKEND, else etcd; file: "
+                   "$DYN_FILE_KV, one machine].")
+@click.option("--request-plane", type=click.Choice(["tcp", "nats"]), help="Request transport [$DYN_REQUEST_PLANE, else tcp].")
+@engine_options
+def dynamo(build_dir, mode, namespace, component, endpoint, served_model_name, discovery_backend, request_plane,
+           **settings):
+    """Serve a paged build as an NVIDIA Dynamo worker (behind `python -m dynamo.frontend`; KV-aware routing)."""
+    from kvexport.runtime.serving.dynamo_worker import DynamoWorkerOptions, serve_dynamo
+
+    opts = DynamoWorkerOptions(engine=_engine_config(settings), mode=mode, namespace=namespace, component=component,
+                               endpoint=endpoint, served_model_name=served_model_name,
+                               discovery_backend=discovery_backend, request_plane=request_plane)
+    serve_dynamo(build_dir, opts, on_ready=lambda name, path: console.print(
+        f"dynamo worker: model {escape(repr(name))} on {escape(path)}", highlight=False))
 
 
 @main.command("triton-serve")

@@ -93,8 +93,10 @@ def check_graph_io(m: Manifest, phase: io.Phase, inputs: tuple[io.TensorSpec, ..
                             f"{layers} layers; the manifest does not describe this build: {_REBUILD}")
 
     sizes = {_HEADS: ("kv.num_kv_heads", kv.num_kv_heads), _BLOCK: ("kv.block_size", kv.block_size),
-             _HEAD_DIM: ("kv.head_dim", kv.head_dim), _VOCAB: ("model.vocab_size", m.model.vocab_size)}
-    dtypes = {_ACT: ("dtype", io.DType(m.dtype).numpy_name), _KV: ("kv.dtype", io.DType(kv.dtype).numpy_name)}
+             # NOTE: the KV tensors' last axis; int4 pools hold io.kv_row_width bytes per head_dim channels
+             _HEAD_DIM: ("kv.head_dim", io.kv_row_width(kv.head_dim, io.DType(kv.dtype).numpy_name)),
+             _VOCAB: ("model.vocab_size", m.model.vocab_size)}
+    dtypes = {_ACT: ("dtype", io.DType(m.dtype).numpy_name), _KV: ("kv.dtype", io.DType(kv.dtype).pool_dtype)}
     template = io.graph_io(layout=io.KVLayout(kv.layout), phase=phase, num_layers=kv.num_layers,
                            num_kv_heads=_HEADS, head_dim=_HEAD_DIM, vocab_size=_VOCAB, block_size=_BLOCK,
                            act_dtype=_ACT, kv_dtype=_KV, all_logits=m.all_logits, attention=io.Attention(kv.attention),

@@ -61,6 +61,12 @@ int8 KV: static symmetric scales per layer, KV head and channel (``kvexport cali
 stored in both graphs as float32 initializers ``kv_scales.{i}.key/value`` [kv_heads, head_dim]
 ([kv_heads] in builds made before per-channel scales) and in the manifest; pools hold
 ``saturate(round_half_even(x / scale))`` (ONNX QuantizeLinear).
+
+int4 KV: dynamic (nothing calibrated), symmetric per token, KV head and group of
+``KV_INT4_GROUP`` channels. The pools are uint8 and each (token, KV head) row of
+``kv_row_width(head_dim, "int4")`` bytes holds the codes and their scales (`KV_INT4_FORMAT`);
+the int4 graphs rotate q, k and v by a fixed orthogonal Hadamard matrix after RoPE
+(exporter/attention.py `hadamard`), so the pools hold rotated keys and values.
 """
 
 from __future__ import annotations
@@ -107,14 +113,52 @@ class DType(str, enum.Enum):
     FP16 = "fp16"
     BF16 = "bf16"  # reserved for GPU engines
     INT8 = "int8"  # KV only, with static per-channel scales
+    INT4 = "int4"  # KV only: 4-bit codes with dynamic per-token group scales in the pool (KV_INT4_FORMAT)
 
     @property
     def numpy_name(self) -> str:
-        return {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int8": "int8"}[self.value]
+        """The element type's name (PagedAttention's kv_dtype attribute); "int4" is not a numpy
+        dtype: its pools are `pool_dtype` (uint8)."""
+        return {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int8": "int8", "int4": "int4"}[self.value]
+
+    @property
+    def pool_dtype(self) -> str:
+        """The numpy / ONNX element type of KV pools and of graph KV tensors in this dtype."""
+        return kv_element_type(self.numpy_name)
 
     @property
     def itemsize(self) -> int:
-        return {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1}[self.value]
+        """Bytes per element of the pools' last axis (int4: one byte of `kv_row_width`)."""
+        return {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1, "int4": 1}[self.value]
+
+
+# int4 KV rows (one per token and KV head, uint8): the 4-bit codes of head_dim channels, two
+# per byte, then per group of KV_INT4_GROUP channels its scale as float16 (llama.cpp's q4_0 form):
+#   bytes [0, D/2)         channel 2i in the low nibble of byte i, 2i+1 in the high one (nibble = code + 8)
+#   bytes [D/2 + 2g, +2)   scale_g (float16, little-endian)
+# x ≈ code * scale_g, code = clamp(round_half_even(x / scale_g), -8, 7); the group's extreme
+# e = max if max >= -min else min maps to -8: s = f16(max(|e| / 8, 2^-14)), scale_g = -s if
+# e >= 0 else s; f16 = IEEE round-to-nearest-even to float16 (saturating at 65504), every step
+# in float32. Dequantized values are exact float32 (code * scale_g has <= 15 significant bits).
+# This form won the measurement (docs/QUANTIZATION.md "int4 KV"). plugins/paged_attention/spec.py
+# is the definition, reference.py the executable one.
+KV_INT4_GROUP = 32  # channels per scale
+KV_INT4_FORMAT = "int4-q4_0-g32-f16-hadamard"  # the manifest's kv.quantization["scheme"]
+
+
+def kv_element_type(kv_dtype: str) -> str:
+    """Element type (numpy / ONNX name) of pools and KV tensors of kv_dtype (a numpy_name)."""
+    return "uint8" if kv_dtype == "int4" else kv_dtype
+
+
+def kv_row_width(head_dim: int, kv_dtype: str) -> int:
+    """Length of the pools' last axis (one token of one KV head): head_dim, or for int4
+    head_dim / 2 code bytes + 2 bytes per group (KV_INT4_FORMAT). kv_dtype: a numpy_name."""
+    if kv_dtype != "int4":
+        return head_dim
+    if head_dim % KV_INT4_GROUP:
+        raise ValueError(f"int4 KV needs head_dim a multiple of {KV_INT4_GROUP}, got {head_dim}")
+    return head_dim // 2 + 2 * (head_dim // KV_INT4_GROUP)
 
 
 class Phase(str, enum.Enum):
@@ -272,15 +316,16 @@ def graph_io(
             TensorSpec(ATTENTION_MASK, "int64", (BATCH, TOTAL_SEQ)),
             TensorSpec(POSITION_IDS, "int64", (BATCH, seq)),
         ]
+        elem, row = kv_element_type(kv_dtype), kv_row_width(head_dim, kv_dtype)
         if phase is Phase.DECODE:
             for i in range(num_layers):
                 for name in (past_key(i), past_value(i)):
-                    inputs.append(TensorSpec(name, kv_dtype, (BATCH, num_kv_heads, PAST_SEQ, head_dim)))
+                    inputs.append(TensorSpec(name, elem, (BATCH, num_kv_heads, PAST_SEQ, row)))
         logits_seq = seq if (all_logits or phase is Phase.DECODE) else 1
         outputs = [TensorSpec(LOGITS, act_dtype, (BATCH, logits_seq, vocab_size))]
         for i in range(num_layers):
             for name in (present_key(i), present_value(i)):
-                outputs.append(TensorSpec(name, kv_dtype, (BATCH, num_kv_heads, TOTAL_SEQ, head_dim)))
+                outputs.append(TensorSpec(name, elem, (BATCH, num_kv_heads, TOTAL_SEQ, row)))
         return GraphIO(tuple(inputs), tuple(outputs))
 
     ntok = NUM_TOKENS if phase is Phase.PREFILL else NUM_SEQS
@@ -297,23 +342,25 @@ def graph_io(
         raise ValueError(f"layer_groups lists {len(groups)} layers, the graph has {num_layers}")
     for g in sorted(set(groups) - {FULL_GROUP}):
         inputs += [TensorSpec(block_tables(g), "int64", (NUM_SEQS, MAX_BLOCKS)), TensorSpec(slot_mapping(g), "int64", (ntok,))]
-    pools = [paged_pool_shape(num_blocks_axis(g), num_kv_heads, block_size, head_dim) for g in groups]
+    pools = [paged_pool_shape(num_blocks_axis(g), num_kv_heads, block_size, head_dim, kv_dtype) for g in groups]
+    elem, row = kv_element_type(kv_dtype), kv_row_width(head_dim, kv_dtype)
     for i in range(num_layers):
         for name in (key_cache(i), value_cache(i)):
-            inputs.append(TensorSpec(name, kv_dtype, pools[i]))
+            inputs.append(TensorSpec(name, elem, pools[i]))
     logits_rows = ntok if all_logits else NUM_SEQS
     outputs = [TensorSpec(LOGITS, act_dtype, (logits_rows, vocab_size))]
     for i in range(num_layers):
         if attention is Attention.PLUGIN:
-            outputs += [TensorSpec(key_cache_out(i), kv_dtype, pools[i]), TensorSpec(value_cache_out(i), kv_dtype, pools[i])]
+            outputs += [TensorSpec(key_cache_out(i), elem, pools[i]), TensorSpec(value_cache_out(i), elem, pools[i])]
         else:
             for name in (new_key(i), new_value(i)):
-                outputs.append(TensorSpec(name, kv_dtype, (ntok, num_kv_heads, head_dim)))
+                outputs.append(TensorSpec(name, elem, (ntok, num_kv_heads, row)))
     return GraphIO(tuple(inputs), tuple(outputs))
 
 
-def paged_pool_shape(num_blocks, num_kv_heads: int, block_size: int, head_dim: int) -> tuple:
-    """One layer's K (or V) pool: [kv_heads, num_blocks, block_size, head_dim].
+def paged_pool_shape(num_blocks, num_kv_heads: int, block_size: int, head_dim: int, kv_dtype: str = "float32") -> tuple:
+    """One layer's K (or V) pool: [kv_heads, num_blocks, block_size, head_dim] (int4:
+    [.., kv_row_width] bytes; kv_dtype is a DType.numpy_name).
 
     NOTE: heads outermost. Gathering a sequence's blocks along axis 1 yields
     [kv_heads, seqs, blocks, block_size, head_dim], which is already each head's keys in
@@ -321,7 +368,7 @@ def paged_pool_shape(num_blocks, num_kv_heads: int, block_size: int, head_dim: i
     one GEMM per (head, sequence) with no transpose or concat of the gathered KV. A
     block-major pool would need either a transpose per step or thousands of tiny
     per-block GEMMs (both measured: 24% and ~25% of a decode step)."""
-    return (num_kv_heads, num_blocks, block_size, head_dim)
+    return (num_kv_heads, num_blocks, block_size, kv_row_width(head_dim, kv_dtype))
 
 
 def store_paged_kv(pool, slot_mapping, new) -> None:
@@ -334,11 +381,12 @@ def store_paged_kv(pool, slot_mapping, new) -> None:
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: DType) -> int:
     """Memory one token occupies in the KV cache: 2 (K and V) x layers x kv_heads x
-    head_dim x bytes. The runtime and every planner use exactly this formula (per KV cache
-    group: `kv_bytes_per_token_by_group`; the manifest's ``kv.bytes_per_token``: all layers).
+    head_dim x bytes (int4: x `kv_row_width` bytes, its per-token scales included). The runtime
+    and every planner use exactly this formula (per KV cache group: `kv_bytes_per_token_by_group`;
+    the manifest's ``kv.bytes_per_token``: all layers).
     NOTE: int8 scales are static (per layer, head and channel, not per token), so they add
     nothing here: they live in the graphs, outside the pool (`kv_static_bytes`)."""
-    return 2 * num_layers * num_kv_heads * head_dim * kv_dtype.itemsize
+    return 2 * num_layers * num_kv_heads * kv_row_width(head_dim, kv_dtype.numpy_name) * kv_dtype.itemsize
 
 
 def kv_bytes_per_token_by_group(layer_groups: tuple[str, ...], num_kv_heads: int, head_dim: int,

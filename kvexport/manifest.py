@@ -38,7 +38,7 @@ from .manifest_weights import CalibrationEntry, QuantizedMatrices, QuantizedTabl
 __all__ = ["CalibrationEntry", "EngineBuildOptions", "EngineFile", "EngineLimits", "EnginesEntry", "GpuInfo",
            "GraphEntry", "KVSpec", "Manifest", "ModelEntry", "NativeOpValidation", "OpCheck", "PluginInfo",
            "QuantizedMatrices", "QuantizedTable", "ShapeRange", "ValidationEntry", "WeightQuantizationEntry",
-           "WeightsEntry", "load", "sha256", "versions"]
+           "WeightsEntry", "load", "missing_tokenizer", "model_source_refusal", "sha256", "versions"]
 
 REBUILD = "rebuild with `kvexport build --force`"
 REBUILD_ENGINES = "rebuild the engines with `kvexport engines BUILD_DIR`"
@@ -86,6 +86,7 @@ _MODEL_FIELDS: dict[str, Any] = {
 # checked when present; absent in the manifests of builds made before they existed.
 _OPTIONAL_MODEL_FIELDS: dict[str, Any] = {
     "layer_windows": tuple[int | None, ...],
+    "generation_eos_token_ids": tuple[int, ...],  # builds before it: config.json's eos_token_ids only
 }
 
 
@@ -180,8 +181,11 @@ class ModelEntry:
         return self.spec["bos_token_id"]
 
     @property
-    def eos_token_ids(self) -> tuple[int, ...]:  # any of them ends a sequence
-        return tuple(self.spec["eos_token_ids"])
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The end tokens: any of them ends a sequence. config.json's eos_token_id, then those
+        generation_config.json (GGUF: its metadata) adds (exporter/end_tokens.py); builds made
+        before `generation_eos_token_ids` have config.json's only."""
+        return tuple(dict.fromkeys((*self.spec["eos_token_ids"], *(self.spec.get("generation_eos_token_ids") or ()))))
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,12 +298,41 @@ class Manifest:
         return m
 
 
+def model_source_refusal(path: str | os.PathLike, then: str = "pass BUILD") -> str | None:
+    """Why `path`, given where a build belongs, is a model source (a Hugging Face folder, a GGUF
+    file, a built-in alias), saying to build it first and `then` what; None when it is not one."""
+    p = Path(path)
+    hint = f"build it first with `kvexport build {path} --out BUILD`, then {then}"
+    # NOTE: a build holds a config.json too (for other tools), but never the source's weight files
+    if p.is_dir() and not (p / io.MANIFEST_NAME).exists() and (p / "config.json").is_file() and (
+            any(p.glob("*.safetensors")) or any(p.glob("pytorch_model*.bin"))):
+        return f"{path} is a model source (a Hugging Face folder), not a kvexport build: {hint}"
+    if p.is_file() and p.suffix.lower() == ".gguf":
+        return f"{path} is a model source (a GGUF file), not a kvexport build: {hint}"
+    if not p.exists():
+        from kvexport.exporter.source import ALIASES  # NOTE: here, not at the top: exporter imports this module
+
+        if str(path) in ALIASES:
+            return f"{str(path)!r} is a model alias, not a kvexport build: {hint}"
+    return None
+
+
+def missing_tokenizer(build_dir: Path, folder: str, why: str = "") -> str:
+    """What to do about a build whose manifest lists a tokenizer folder that is gone or broken."""
+    what = f"cannot be loaded ({why})" if why else "is missing"
+    return (f"{build_dir / folder}, the build's tokenizer listed in its manifest, {what}: copy the model's "
+            f"tokenizer files (tokenizer.json, tokenizer_config.json, ...) into it, or rebuild with "
+            f"`kvexport build MODEL --out {build_dir} --force`")
+
+
 def load(build_dir: str | Path, check_graphs: bool = True) -> Manifest:
     """Read and check a build directory's manifest: every field typed, every referenced file
     present, and (`check_graphs`) the kv spec and graph I/O agreeing with the .onnx files."""
     build_dir = Path(build_dir)
     path = build_dir / io.MANIFEST_NAME
     if not path.is_file():
+        if (why := model_source_refusal(build_dir)) is not None:
+            raise ManifestError(why)
         raise ManifestError(f"{build_dir} has no {io.MANIFEST_NAME}: it is not a (complete) kvexport "
                             f"build; run `kvexport build MODEL --out {build_dir}`")
     try:
@@ -321,6 +354,8 @@ def load(build_dir: str | Path, check_graphs: bool = True) -> Manifest:
     if (size := weights.stat().st_size) != m.weights.bytes:
         raise ManifestError(f"{weights} has {size} bytes, the manifest says {m.weights.bytes} "
                             f"(truncated?); {REBUILD}")
+    if m.tokenizer is not None and not (build_dir / m.tokenizer).is_dir():
+        raise ManifestError(missing_tokenizer(build_dir, m.tokenizer))
     if check_graphs:  # cheap: graph protos without their weights
         graph_check.check_graphs(build_dir, m)
     return m

@@ -97,6 +97,49 @@ def write_dir(out: str | Path, produce: Callable[[Path], _T], *, kind: Kind, for
     return result
 
 
+def rewrite_dir(final: Path, produce: Callable[[Path], _T], *, leave_out: Iterable[str] = ()) -> _T:
+    """Change the existing output `final` the way write_dir writes one: a temporary sibling
+    gets a hard-linked copy of `final` (real copies where the file system has no hard links),
+    less its top-level names in `leave_out` and its own temporary entries; produce(tmp)
+    changes that copy, and it is swapped into place. On any failure or interruption `final` is
+    as it was, whole. A `final` that is a symbolic link is followed: the folder it names is
+    rewritten, the link kept.
+
+    NOTE: produce must replace a file it changes (write a new file, rename it over the old),
+    never write into one: the copy's files are the same inodes as `final`'s until then."""
+    final = Path(os.path.realpath(final))
+    clean_stale(final)
+    tmp = new_temp_dir(final.parent, sibling_prefix(final))
+    try:
+        skip = set(leave_out) | {OWNER_FILE}
+        for name in os.listdir(final):
+            if name not in skip and not _is_temp(final / name, _BUILD_NAMES):
+                _link_tree(final / name, tmp / name)
+        result = produce(tmp)
+        replace_dir(tmp, final)
+    except BaseException:
+        remove_dir(tmp)
+        raise
+    return result
+
+
+def _link_tree(src: Path, dst: Path) -> None:
+    """`dst` as a copy of `src` made of hard links (symbolic links copied as links)."""
+    if src.is_symlink():
+        os.symlink(os.readlink(src), dst)
+    elif src.is_dir():
+        os.mkdir(dst)
+        for name in os.listdir(src):
+            _link_tree(src / name, dst / name)
+    else:
+        try:
+            os.link(src, dst)
+        except OSError as e:
+            if e.errno not in (errno.EPERM, errno.EXDEV, errno.ENOTSUP, errno.EMLINK, errno.EACCES):
+                raise
+            shutil.copy2(src, dst)
+
+
 def location(out: str | Path) -> Path:
     """The absolute path `out` names (its folder's symlinks resolved, not a link at `out`
     itself); OutputError for a path no folder can be written at."""

@@ -117,13 +117,53 @@ def _got(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+MAX_DEPTH = 16  # YAML nesting a recipe may have (its deepest option, engines.X, is 2 levels)
+
+
+class _RecipeLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses what safe_load takes silently or crashes on: a key given
+    twice in one mapping (safe_load keeps the last) and nesting deeper than MAX_DEPTH (safe_load
+    recurses per level, so a few thousand levels end in RecursionError)."""
+
+    _depth = 0
+
+    def compose_node(self, parent, index):  # noqa: ANN001 - PyYAML's signature
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                mark = self.peek_event().start_mark
+                raise ConfigError(f"nested more than {MAX_DEPTH} levels deep (line {mark.line + 1}); a recipe is a "
+                                  f"flat mapping of option: value (engines: a mapping of its options)")
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def construct_mapping(self, node, deep=False):  # noqa: ANN001
+        seen: set = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # "<<: *anchor": merged keys may be overridden, as YAML says
+            key = self.construct_object(key_node, deep=True)
+            try:
+                dup = key in seen
+            except TypeError:  # an unhashable key: SafeConstructor reports it
+                break
+            if dup:
+                raise ConfigError(f"key {_got(key)} is given twice (line {key_node.start_mark.line + 1}); give each "
+                                  f"option once")
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def load_recipe(path: str | Path) -> Recipe:
     """A recipe file, or the name of a shipped one ("llama" -> recipes/llama.yaml)."""
     p = Path(path)
     if not p.is_file() and (RECIPE_DIR / f"{path}.yaml").is_file():
         p = RECIPE_DIR / f"{path}.yaml"
     try:
-        data = yaml.safe_load(p.read_text())
+        data = yaml.load(p.read_text(), Loader=_RecipeLoader)  # noqa: S506 - a SafeLoader subclass
+    except ConfigError as e:
+        raise ConfigError(f"recipe {p}: {e}") from None
     except (OSError, ValueError) as e:  # ValueError: not UTF-8, a NUL in the path
         raise ConfigError(f"cannot read recipe {path}: {e}") from None
     except yaml.YAMLError as e:

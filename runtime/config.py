@@ -16,10 +16,12 @@ from typing import Any
 from kvexport.errors import ConfigError
 from kvexport.manifest_weights import WEIGHT_MATMUL_ACCURACY  # onnxruntime CPU, int8/int4 weights: session_plan.py
 
-from .core.memory import parse_budget
+from .core.memory import parse_budget, parse_size
 
 BACKENDS = ("onnxruntime", "tensorrt")
-CHOICES = {"backend": BACKENDS, "weight_matmul_accuracy": WEIGHT_MATMUL_ACCURACY}  # settings with a fixed set of values
+KV_EVICTIONS = ("none", "streaming")  # core/streaming.py: attention sinks + a recent window
+CHOICES = {"backend": BACKENDS, "weight_matmul_accuracy": WEIGHT_MATMUL_ACCURACY,
+           "kv_eviction": KV_EVICTIONS}  # settings with a fixed set of values
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +38,16 @@ class EngineConfig:
     # int8/int4 weights on onnxruntime (CPU): "auto" | "int8" | "float" (execution/session_plan.py);
     # None: the build's own (weights.quantization.matmul_accuracy; "auto" for builds before it)
     weight_matmul_accuracy: str | None = None
+    # KV tiers below the pool (runtime/core/kv_tiers.py): evicted prefix-cache blocks go to host memory,
+    # then to disk; a prefix found there is copied back instead of recomputed
+    kv_offload_memory: str | int = "0"  # host tier budget: a size ("4GiB", bytes); "0": no host tier
+    kv_offload_dir: str = ""  # disk tier folder (survives restarts); "": no disk tier
+    kv_offload_disk: str | int = "8GiB"  # disk tier budget, a size; used with kv_offload_dir
+    # "streaming": a sequence keeps its first kv_sink_tokens and its last kv_recent_tokens tokens' KV,
+    # the blocks between are freed, and it may run past max_model_len (runtime/core/streaming.py)
+    kv_eviction: str = "none"
+    kv_sink_tokens: int = 4  # streaming: tokens kept at the start (rounded up to whole blocks)
+    kv_recent_tokens: int | None = None  # streaming: tokens kept at the end; None: half of max_model_len
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -43,6 +55,14 @@ class EngineConfig:
         if self.weight_matmul_accuracy is not None and self.weight_matmul_accuracy not in WEIGHT_MATMUL_ACCURACY:
             raise ConfigError(f"weight_matmul_accuracy must be one of {', '.join(WEIGHT_MATMUL_ACCURACY)}, "
                               f"got {self.weight_matmul_accuracy!r}")
+        if self.kv_eviction not in KV_EVICTIONS:
+            raise ConfigError(f"kv_eviction must be one of {', '.join(KV_EVICTIONS)}, got {self.kv_eviction!r}")
+        v = self.kv_sink_tokens
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ConfigError(f"kv_sink_tokens must be an integer >= 0 (0: a plain sliding window), got {v!r}")
+        v = self.kv_recent_tokens
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ConfigError(f"kv_recent_tokens must be an integer >= 1 (or unset: half of max_model_len), got {v!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_sequences_per_request"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -60,6 +80,19 @@ class EngineConfig:
         if not isinstance(sizes, tuple) or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in sizes):
             raise ConfigError(f"cuda_graph_batch_sizes must be a tuple of integers >= 1, got {sizes!r}")
         parse_budget(self.kv_cache_memory)  # raises ConfigError naming the accepted forms
+        for name in ("kv_offload_memory", "kv_offload_disk"):
+            try:
+                parse_size(getattr(self, name))
+            except ConfigError as e:
+                raise ConfigError(f"{name}: {e}") from None
+        if not isinstance(self.kv_offload_dir, str):
+            raise ConfigError(f"kv_offload_dir must be a folder path (or empty: no disk tier), got {self.kv_offload_dir!r}")
+        if self.kv_offload_dir and parse_size(self.kv_offload_disk) < 1:
+            raise ConfigError(f"kv_offload_disk is 0 bytes but kv_offload_dir is set: give the disk tier a size such "
+                              f"as 8GiB, or leave kv_offload_dir empty")
+        if (self.kv_offload_dir or parse_size(self.kv_offload_memory)) and not self.enable_prefix_caching:
+            raise ConfigError("kv_offload_memory / kv_offload_dir keep prefix-cache blocks, so they need "
+                              "enable_prefix_caching; turn prefix caching on or the offload off")
 
     # ---- string form (Triton model parameters) ----------------------------------------
     def to_strings(self) -> dict[str, str]:
@@ -91,7 +124,7 @@ class EngineConfig:
                 continue
             try:
                 if name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "threads",
-                            "max_sequences_per_request"):
+                            "max_sequences_per_request", "kv_sink_tokens", "kv_recent_tokens"):
                     kw[name] = int(text)
                 elif name == "enable_prefix_caching":
                     if text.lower() not in ("true", "false", "1", "0"):
@@ -126,6 +159,18 @@ SETTINGS: dict[str, str] = {
                               "int8 x int8 GEMMs (fastest; smollm2 rtn int4 perplexity +1.9% with VNNI, +13% on "
                               "AVX2-only CPUs, whose int8 activations get 7 bits). float: exact everywhere (slow "
                               "decode).",
+    "kv_eviction": "KV eviction: none (a sequence stops at max_model_len), or streaming (attention sinks: keep "
+                   "the first --kv-sink-tokens and the last --kv-recent-tokens tokens' KV, free the blocks between; "
+                   "max_tokens may exceed max_model_len; docs/ARCHITECTURE.md \"Streaming\").",
+    "kv_sink_tokens": "streaming: tokens kept at the start of each sequence (rounded up to whole KV blocks; 0: a "
+                      "plain sliding window).",
+    "kv_recent_tokens": "streaming: most recent tokens kept [half of max_model_len]; at least one KV block, and "
+                        "sinks + recent + one block within max_model_len and the KV pool.",
+    "kv_offload_memory": "Host-memory tier for prefix-cache blocks evicted from the KV pool, a size (4GiB); 0: off. "
+                         "A prefix found there is copied back instead of recomputed.",
+    "kv_offload_dir": "Disk tier folder for evicted prefix-cache blocks (below the host tier; survives restarts). "
+                      "It holds only kvexport's block files, marked; a folder with other files is refused.",
+    "kv_offload_disk": "Disk tier budget, a size (used with --kv-offload-dir); a full disk turns the tier off.",
     "max_sequences_per_request": "Sequences one request may ask for (prompts x n), max; more is refused with 400. "
                                  "Requests share the engine in turn, so a large one cannot starve the others.",
 }

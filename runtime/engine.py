@@ -14,6 +14,7 @@ vocabulary, a backend error it caused — fails alone; the engine keeps serving 
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -26,15 +27,24 @@ from .config import EngineConfig
 from .core.hybrid_kv_cache_manager import HybridKVCacheManager
 from .core.kv_cache_interface import KVCacheManagerProtocol
 from .core.kv_cache_manager import KVCacheManager
-from .core.memory import kv_pool_sizes, parse_budget, physical_memory
+from .core.kv_tiers import TierIndex
+from .core.memory import kv_pool_sizes, parse_budget, parse_size, physical_memory
+from .execution.kv_offload import KVOffload
 from .execution.model_input import Backend
 from .execution.model_runner import ModelRunner
 from .execution.output_processor import OutputProcessor, RequestOutput
 from .serving.requests import RequestError, check_token_ids, prompt_logprobs_refusal
 from .sampling_params import SamplerState, SamplingParams
+from .tokenizer import load_build_tokenizer
 from .core.scheduler import Scheduler, SchedulerConfig, Status
+from .core.streaming import StreamingWindow, check_model, streaming_window
 
 __all__ = ["EngineConfig", "LLMEngine", "RequestOutput"]
+
+TIER_STAT_KEYS = ("offload_host_blocks", "offload_disk_blocks", "offload_host_hits", "offload_disk_hits",
+                  "offload_host_write_bytes", "offload_host_read_bytes", "offload_disk_write_bytes",
+                  "offload_disk_read_bytes", "offload_load_seconds", "offload_loads", "offload_disk_errors",
+                  "offload_disk_on")
 
 
 class LLMEngine:
@@ -71,23 +81,66 @@ class LLMEngine:
         eos = model.eos_token_ids
         window = model.uniform_window
         self.pool = BlockPool(backend.num_blocks, kv.block_size, enable_prefix_caching=config.enable_prefix_caching)
-        self.kv: KVCacheManagerProtocol[Any] = KVCacheManager(self.pool)
+        self.tiers, offload = self._kv_tiers(config, backend)  # KV tiers below the pool (core/kv_tiers.py)
+        self.kv: KVCacheManagerProtocol[Any] = KVCacheManager(self.pool, self.tiers)
         if groups is not None:  # two KV cache groups (kvexport/io.py): windowed layers freed behind the window
             local = BlockPool(getattr(backend, "local_num_blocks", None) or backend.num_blocks, kv.block_size,
                               enable_prefix_caching=config.enable_prefix_caching)
             window = kv.local_window
-            self.kv = HybridKVCacheManager(self.pool, local, window)
+            self.kv = HybridKVCacheManager(self.pool, local, window, self.tiers)
         max_model_len = min(config.max_model_len or kv.max_seq_len, kv.max_seq_len)
+        streaming = self._streaming(config, max_model_len) if config.kv_eviction == "streaming" else None
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len,
-                                                   window, eos), self.kv)
-        self.runner = ModelRunner(backend, kv.block_size, eos)
+                                                   None if streaming else window, eos, streaming=streaming), self.kv)
+        self.runner = ModelRunner(backend, kv.block_size, eos, offload=offload)
         self.tokenizer = None
         if self.manifest.tokenizer:
-            from transformers import AutoTokenizer
-
-            self.tokenizer = AutoTokenizer.from_pretrained(self.build_dir / self.manifest.tokenizer)
+            self.tokenizer = load_build_tokenizer(self.build_dir, self.manifest.tokenizer)
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = 0
+
+    def _kv_tiers(self, config: EngineConfig, backend: Backend) -> tuple[TierIndex | None, KVOffload | None]:
+        """The host and disk tiers below the pool (core/kv_tiers.py, execution/kv_offload.py), or
+        (None, None) when both are off. The disk tier's index is rebuilt from its files (a restart)."""
+        host = parse_size(config.kv_offload_memory)
+        folder = config.kv_offload_dir
+        if not host and not folder:
+            return None, None
+        if host > physical_memory():
+            raise ConfigError(f"kv_offload_memory {config.kv_offload_memory!r} ({host / 2**30:.4g} GiB) is more than "
+                              f"this machine's memory ({physical_memory() / 2**30:.1f} GiB): give a smaller size")
+        disk = parse_size(config.kv_offload_disk) if folder else 0
+        offload = KVOffload(backend, self.manifest)
+        need = max(offload.block_bytes.values())
+        if host and host < need:
+            raise ConfigError(f"kv_offload_memory {config.kv_offload_memory!r} holds no KV block (one block of this "
+                              f"build is {need} bytes): give at least {need} bytes, or 0 to turn the host tier off")
+        if folder:
+            at = Path(folder).expanduser().absolute()
+            while not at.exists() and at != at.parent:
+                at = at.parent
+            total = shutil.disk_usage(at).total
+            if not need <= disk <= total:
+                raise ConfigError(f"kv_offload_disk {config.kv_offload_disk!r} must be between one KV block ({need} "
+                                  f"bytes) and the size of the disk holding kv_offload_dir ({total} bytes)")
+            offload.open_disk(folder)  # checks the folder (ConfigError naming kv_offload_dir)
+        tiers = TierIndex(offload.block_bytes, host, disk, staged_cap=backend.num_blocks)
+        tiers.add_disk_blocks(offload.disk_blocks())
+        return tiers, offload
+
+    def _streaming(self, config: EngineConfig, max_model_len: int) -> StreamingWindow:
+        """The streaming eviction policy for this build and pool (core/streaming.py); refuses what it cannot serve."""
+        model, kv = self.manifest.model, self.manifest.kv
+        if self.manifest.layer_groups is not None:
+            raise ConfigError(f"--kv-eviction streaming: {self.build_dir} has a windowed-layer KV cache group "
+                              f"(window {kv.local_window}), which already bounds those layers' KV; serve it with "
+                              f"--kv-eviction none")
+        check_model(windows=model.layer_windows, ropes=[r for r in (model.spec.get("rope"), model.spec.get("rope_local"))
+                                                        if isinstance(r, dict)], max_model_len=max_model_len)
+        return streaming_window(sink_tokens=config.kv_sink_tokens, recent_tokens=config.kv_recent_tokens,
+                                block_size=kv.block_size, max_model_len=max_model_len,
+                                pool_tokens=self.pool.num_usable_blocks * kv.block_size,
+                                max_num_batched_tokens=config.max_num_batched_tokens)
 
     @property
     def backend(self) -> Backend:
@@ -96,14 +149,22 @@ class LLMEngine:
 
     @property
     def max_model_len(self) -> int:
-        """Longest sequence (prompt + output) served: the build's context, capped by the pool."""
+        """Longest sequence (prompt + output) served: the build's context, capped by the pool.
+        With streaming eviction: the longest prompt + 1 (outputs go on past it)."""
         return self.scheduler.max_model_len
 
+    @property
+    def streaming(self) -> bool:
+        """--kv-eviction streaming: max_tokens is not bounded by max_model_len."""
+        return self.scheduler.streaming is not None
+
     def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
-                    sample_index: int = 0, share_prompt_with: str | None = None) -> str:
+                    sample_index: int = 0, share_prompt_with: str | None = None, salt: str | None = None) -> str:
         """Queue a request; returns its id. Token ids outside the vocabulary raise
         RequestError before anything is queued. A prompt the context cannot hold is
-        accepted and finished at once with an error output (see `output()`)."""
+        accepted and finished at once with an error output (see `output()`). `salt`: its
+        prefix-cache salt (core/block_hash.request_salt): it shares cached KV blocks only with
+        requests of the same salt."""
         if not isinstance(params, SamplingParams):
             raise KvExportError("params must be a SamplingParams")
         prompt = check_token_ids(prompt, self.vocab_size)
@@ -115,7 +176,7 @@ class LLMEngine:
         if rid in self.outputs:
             raise RequestError(f"request id {rid!r} is already in use; pick a unique id", "request_id")
         req = self.scheduler.new_request(rid, prompt, params, SamplerState.create(params, sample_index, prompt),
-                                         share_prompt_with=share_prompt_with)
+                                         salt=salt, share_prompt_with=share_prompt_with)
         self.outputs.add_request(rid, prompt, params)
         if req.status is Status.FINISHED:  # refused at admission (too long, empty)
             self.outputs.finish(rid, req.finish_reason or "error", req.error)
@@ -131,7 +192,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns the outputs that changed (new tokens or finished)."""
         scheduled = self.scheduler.schedule()
-        result = self.runner.execute(scheduled) if scheduled.scheduled else None
+        # NOTE: a step with only KV tier transfers (or a disk read to wait for) still goes to the runner
+        busy = scheduled.scheduled or scheduled.kv_ops or self.scheduler.tiers_loading
+        result = self.runner.execute(scheduled) if busy else None
         return self._postprocess(scheduled, result) if result is not None else []
 
     def _postprocess(self, scheduled, result) -> list[RequestOutput]:
@@ -152,5 +215,35 @@ class LLMEngine:
         st = self.pool.stats
         return {"blocks_total": self.pool.num_usable_blocks, "blocks_used": self.pool.num_used_blocks,
                 "usage": self.pool.usage, "prefix_queries": st.queries, "prefix_hits": st.hits,
-                "preemptions": self.scheduler.num_preemptions}
+                "preemptions": self.scheduler.num_preemptions, "context_shifts": self.scheduler.num_context_shifts,
+                **self.tier_stats()}
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Before the process ends (a server stopping; call it from the thread that owns the engine,
+        with no step running): write the prefix-cache blocks the pool still holds to the disk tier
+        and wait for the disk writes, so a restart on the same kv_offload_dir finds them. No-op
+        without a disk tier."""
+        if self.tiers is None or not self.tiers.disk_on:
+            return
+        pools = [(io.FULL_GROUP, self.pool)]
+        if isinstance(self.kv, HybridKVCacheManager):
+            pools.append((io.LOCAL_GROUP, self.kv.local_pool))
+        for group, pool in pools:
+            for block_id, block_hash in pool.cached_blocks():
+                self.tiers.persist(group, block_id, block_hash)
+        self.runner.offload.run(self.tiers.take_ops())
+        self.runner.offload.flush(timeout_s)
+
+    def tier_stats(self) -> dict:
+        """The KV tiers' figures (all 0 without tiers): blocks held, hits and bytes moved per tier,
+        load time (seconds, tier hits copied into the pool plus disk reads) and blocks loaded."""
+        if self.tiers is None:
+            return dict.fromkeys(TIER_STAT_KEYS, 0)
+        t, o = self.tiers.stats(), self.runner.offload.stats
+        return {"offload_host_blocks": t.host_blocks, "offload_disk_blocks": t.disk_blocks,
+                "offload_host_hits": t.host_hits, "offload_disk_hits": t.disk_hits,
+                "offload_host_write_bytes": o.host_write_bytes, "offload_host_read_bytes": o.host_read_bytes,
+                "offload_disk_write_bytes": o.disk_write_bytes, "offload_disk_read_bytes": o.disk_read_bytes,
+                "offload_load_seconds": o.load_seconds, "offload_loads": o.loads,
+                "offload_disk_errors": o.disk_errors, "offload_disk_on": int(t.disk_on)}
 

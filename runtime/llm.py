@@ -1,6 +1,10 @@
 """The public Python API: `LLM(build_dir).generate(prompts, SamplingParams(...))`, a
 streaming iterator and an async iterator.
 
+A prompt is text, token ids, chat messages, or (as vLLM's TextPrompt / TokensPrompt) a dict
+`{"prompt": text}` or `{"prompt_token_ids": ids}` with an optional `"cache_salt"`: the
+prompt then shares prefix-cache blocks only with prompts of the same salt.
+
 One `LLM` may be used from several threads at once: every touch of the engine (adding,
 stepping, aborting, popping) holds one lock, and whichever caller holds it steps the engine
 for everyone, so the requests of concurrent `generate`/`stream` calls are batched together.
@@ -18,34 +22,50 @@ from pathlib import Path
 from typing import AsyncIterator, Iterator, Sequence
 
 from kvexport.errors import KvExportError
+from kvexport.manifest import model_source_refusal
 
 from .engine import EngineConfig, LLMEngine, RequestOutput
-from .serving.requests import RequestError, RequestParser
+from .core.block_hash import request_salt
+from .serving.requests import RequestError, RequestParser, check_cache_salt
 from .sampling_params import SamplingParams
 
-Prompt = str | list[int] | list[dict]  # text, token ids, or chat messages
+Prompt = str | list[int] | list[dict] | dict  # text, token ids, chat messages, or a prompt dict (below)
+PROMPT_DICT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")  # vLLM's TextPrompt / TokensPrompt fields
 
 
 def _model_source_refusal(build_dir: str | os.PathLike) -> str | None:
-    """Why `build_dir` is a model source rather than a build (a Hugging Face folder, a GGUF
-    file, a built-in alias), saying how to build it; None when it is not one."""
-    p = Path(build_dir)
-    hint = f"build it first with `kvexport build {build_dir} --out BUILD`, then LLM(BUILD)"
-    if p.is_dir() and not (p / "kvexport.json").exists() and (p / "config.json").is_file():
-        return f"{build_dir} is a model source (a Hugging Face folder), not a kvexport build: {hint}"
-    if p.is_file() and p.suffix.lower() == ".gguf":
-        return f"{build_dir} is a model source (a GGUF file), not a kvexport build: {hint}"
-    if not p.exists():
-        from kvexport.exporter.source import ALIASES
+    """Why `build_dir` is a model source rather than a build, saying to build it first
+    (the words every command uses: kvexport/manifest.py); None when it is not one."""
+    return model_source_refusal(build_dir, "LLM(BUILD)")
 
-        if str(build_dir) in ALIASES:
-            return f"{build_dir!r} is a model alias, not a kvexport build: {hint}"
-    return None
+
+def _is_prompt_dict(p) -> bool:
+    """A vLLM-style prompt dict ({"prompt": ...} or {"prompt_token_ids": ...}), not a chat message."""
+    return isinstance(p, dict) and ("prompt" in p or "prompt_token_ids" in p) and "role" not in p
 
 
 def _is_one_prompt(prompts) -> bool:
-    return isinstance(prompts, str) or (isinstance(prompts, list) and bool(prompts)
-                                        and isinstance(prompts[0], (int, dict)))
+    return isinstance(prompts, str) or _is_prompt_dict(prompts) or (
+        isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], (int, dict))
+        and not _is_prompt_dict(prompts[0]))
+
+
+def _unwrap(prompt: Prompt, param: str) -> tuple[Prompt, str | None]:
+    """(the prompt itself, its prefix-cache salt): a prompt dict's "prompt" or
+    "prompt_token_ids" and its checked "cache_salt"; any other prompt as it is, unsalted."""
+    if not isinstance(prompt, dict):
+        return prompt, None
+    if unknown := sorted(map(str, set(prompt) - set(PROMPT_DICT_KEYS))):
+        raise RequestError(f"{param}: unknown key(s) {unknown} in a prompt dict; keys: {', '.join(PROMPT_DICT_KEYS)}",
+                           param)
+    if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+        raise RequestError(f"{param}: a prompt dict takes exactly one of 'prompt' (text) and 'prompt_token_ids'",
+                           param)
+    salt = check_cache_salt(prompt.get("cache_salt"), f"{param}.cache_salt")
+    inner = prompt["prompt"] if "prompt" in prompt else prompt["prompt_token_ids"]
+    if "prompt" in prompt and not isinstance(inner, str):
+        raise RequestError(f"{param}.prompt must be a string (token ids go in 'prompt_token_ids')", f"{param}.prompt")
+    return inner, request_salt(None, salt)
 
 
 class LLM:
@@ -85,15 +105,15 @@ class LLM:
                                     param)
         return self.parser.prompt(prompt, param)
 
-    def _add(self, ids: list[int], params: SamplingParams) -> list[str]:
+    def _add(self, ids: list[int], params: SamplingParams, salt: str | None = None) -> list[str]:
         """Queue one tokenized prompt (the lock held). n > 1: sample i draws from its own seeded
         stream; samples after the first are admitted once the first has computed the prompt,
         so they reuse its KV blocks.
         NOTE: the prompt's length is not checked here: an empty or too long prompt fails
         alone (its output carries the engine's error), as DESIGN.md asks."""
-        rids = [self.engine.add_request(ids, params)]
+        rids = [self.engine.add_request(ids, params, salt=salt)]
         for i in range(1, params.n):
-            rids.append(self.engine.add_request(ids, params, sample_index=i, share_prompt_with=rids[0]))
+            rids.append(self.engine.add_request(ids, params, sample_index=i, share_prompt_with=rids[0], salt=salt))
         return rids
 
     def _params_per_prompt(self, params, count: int) -> list[SamplingParams]:
@@ -140,13 +160,14 @@ class LLM:
                                f"{type(prompts).__name__}", "prompts")
         per_prompt = self._params_per_prompt(params, len(prompts))
         # tokenized before the lock: a chat template or a long text does not hold up the other callers
+        unwrapped = [_unwrap(p, "prompt" if len(prompts) == 1 else f"prompts[{i}]") for i, p in enumerate(prompts)]
         ids = [self._tokens(p, chat, "prompt" if len(prompts) == 1 else f"prompts[{i}]")
-               for i, p in enumerate(prompts)]
+               for i, (p, _) in enumerate(unwrapped)]
         rids: list[str] = []
         try:
             with self._lock:
-                for tokens, sp in zip(ids, per_prompt):
-                    rids += self._add(tokens, sp)
+                for tokens, sp, (_, salt) in zip(ids, per_prompt, unwrapped):
+                    rids += self._add(tokens, sp, salt)
             while True:
                 with self._lock:
                     if all(self.engine.output(r).finished for r in rids):
@@ -163,9 +184,10 @@ class LLM:
             raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}", "params")
         if params.n != 1:
             raise KvExportError("stream() serves one sample; use generate() for n > 1")
+        prompt, salt = _unwrap(prompt, "prompt")
         ids = self._tokens(prompt, chat)
         with self._lock:
-            (rid,) = self._add(ids, params)
+            (rid,) = self._add(ids, params, salt)
             out = self.engine.output(rid)
             q = self._streams[rid] = collections.deque()
         try:

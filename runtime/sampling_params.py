@@ -35,7 +35,7 @@ class SamplingParams:
     seed: int | None = None  # per-request RNG seed
     ignore_eos: bool = False  # keep going past EOS (benchmarks need forced lengths)
     stop_token_ids: tuple[int, ...] = ()
-    stop: tuple[str, ...] = ()  # stop strings (may span tokens); not included in the text
+    stop: tuple[str, ...] = ()  # stop strings (may span tokens); not included in the text; a str is one
     n: int = 1  # parallel samples sharing the prompt's KV blocks
     logprobs: int | None = None  # return the top-k logprobs of each generated token (0 = chosen only)
     # return the log-probability of each prompt token (and its rank, and the top-k at its position; 0 = the
@@ -46,6 +46,32 @@ class SamplingParams:
         def bad(msg: str) -> None:
             raise SamplingError(f"invalid sampling parameters: {msg}")
 
+        # NOTE: types first, by name, so a wrong type never reaches a comparison (a bare TypeError)
+        # or the engine (a traceback at the first step)
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+                bad(f"{name} must be a number, got {type(v).__name__} {v!r}")
+            object.__setattr__(self, name, float(v))
+        for name in ("max_tokens", "min_tokens", "top_k", "n"):
+            v = getattr(self, name)
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+                bad(f"{name} must be an integer, got {type(v).__name__} {v!r}")
+            object.__setattr__(self, name, int(v))
+        if not isinstance(self.ignore_eos, (bool, np.bool_)):
+            bad(f"ignore_eos must be true or false, got {type(self.ignore_eos).__name__} {self.ignore_eos!r}")
+        object.__setattr__(self, "ignore_eos", bool(self.ignore_eos))
+        if isinstance(self.stop, str):  # one stop string, as vLLM takes it (never its characters)
+            object.__setattr__(self, "stop", (self.stop,))
+        elif isinstance(self.stop, (bytes, dict)) or not isinstance(self.stop, (list, tuple)):
+            bad(f"stop must be a string or a list of strings, got {type(self.stop).__name__} {self.stop!r}")
+        stop_ids = self.stop_token_ids
+        if isinstance(stop_ids, (str, bytes, dict)) or not isinstance(stop_ids, (list, tuple, np.ndarray)):
+            bad(f"stop_token_ids must be a list of token ids, got {type(stop_ids).__name__} {stop_ids!r}"
+                + (f" (one id: [{stop_ids}])" if isinstance(stop_ids, int) and not isinstance(stop_ids, bool) else ""))
+        for t in stop_ids:
+            if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)) or t < 0:
+                bad(f"stop_token_ids must hold token ids (integers >= 0), got {t!r}")
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 0:
             bad(f"max_tokens must be an integer >= 0 (0: the prompt only), got {self.max_tokens!r}")
         if not (0 <= self.min_tokens <= self.max_tokens):
@@ -69,7 +95,7 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 20):
                 bad(f"{name} must be an integer in [0, 20], got {v!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
             bad(f"seed must be a non-negative integer, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop strings must be non-empty strings")

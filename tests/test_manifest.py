@@ -122,7 +122,7 @@ def test_wrong_schema_version(build_copy, version):
     (lambda d: d["model"].pop("sliding_window"), "'model.sliding_window' is missing"),
     (lambda d: d.update(tokenizer=3), "'tokenizer' must be a string or null, got 3"),
     (lambda d: d.update(notes="one note"), "'notes' must be a list of strings, got 'one note'"),
-    (lambda d: d.update(dtype="fp8"), "'dtype' is 'fp8', not one of ['fp32', 'fp16', 'bf16', 'int8']"),
+    (lambda d: d.update(dtype="fp8"), "'dtype' is 'fp8', not one of ['fp32', 'fp16', 'bf16', 'int8', 'int4']"),
     (lambda d: d["kv"].update(layout="ring"), "'kv.layout' is 'ring', not one of ['contiguous', 'paged']"),
     (lambda d: d["kv"].update(num_layers=3), "'kv.num_layers' is 3, but 'model.num_layers' is 2"),
     (lambda d: d["kv"].update(bytes_per_token=1), "'kv.bytes_per_token' is 1, but the kv spec gives 512"),

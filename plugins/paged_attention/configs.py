@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from .spec import PagedAttentionAttrs
 
 # Triton type names of the activation / pool dtypes (spec.ACT_DTYPES, spec.KV_DTYPES)
-TRITON_TYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "int8": "i8"}
+TRITON_TYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "int8": "i8", "int4": "u8"}  # int4: byte rows
 AOT_TARGETS = (80, 90)  # CUDA compute capabilities CI compiles for (A100, H100/H200)
 
 
@@ -78,8 +78,8 @@ GPU_ACT_DTYPES = ("float16", "bfloat16")  # TensorRT plugin / GPU activations (f
 
 def kv_pairs(act_dtypes=GPU_ACT_DTYPES) -> list[tuple[str, str]]:
     """(activation dtype, pool dtype) combinations of the TensorRT plugin: pool = activation
-    dtype, or int8."""
-    return [(a, kv) for a in act_dtypes for kv in (a, "int8")]
+    dtype, int8, or int4 (uint8 rows of codes and per-token scales)."""
+    return [(a, kv) for a in act_dtypes for kv in (a, "int8", "int4")]
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +130,7 @@ def attn_constexprs(attrs: PagedAttentionAttrs, block_m: int, block_n: int,
     return dict(NUM_KV_HEADS=attrs.num_kv_heads, GROUP=attrs.group_size, HEAD_DIM=attrs.head_dim,
                 BLOCK_SIZE=attrs.block_size, SCALE=float(attrs.scale), WINDOW=attrs.sliding_window,
                 KV_INT8=attrs.quantized, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=pow2(attrs.head_dim),
-                SOFTCAP=float(attrs.logit_softcap), SCALES_PER_CHANNEL=per_channel_scales)
+                SOFTCAP=float(attrs.logit_softcap), SCALES_PER_CHANNEL=per_channel_scales, KV_INT4=attrs.int4)
 
 
 def prefill_source(attrs: PagedAttentionAttrs, act: str, tile: TileConfig,
@@ -167,8 +167,8 @@ MAX_SPLITS = 64  # upper bound of decode splits (the reduce kernel's vector widt
 def all_sources() -> list[KernelSource]:
     """Every GPU configuration, as CI compiles it to PTX: for Llama-3-8B's shape, fp16
     activations × (fp16, int8) pools × every tile of the prefill (AOT) kernel, of the decode
-    kernel with and without split-K, and the reduce kernel; bf16 the same with the first
-    tiles (a TensorRT build may still pick any tactic for bf16); for the other shapes
+    kernel with and without split-K, and the reduce kernel; bf16, and int4 pools, the same with
+    the first tiles (a TensorRT build may still pick any tactic for them); for the other shapes
     (group 3 / head_dim 64, sliding window, Gemma-2 window + soft-cap + scale, head_dim 256),
     fp16 × both pool kinds × the first tiles of the prefill and split decode kernels. fp32 activations are a CPU (interpreter) mode only."""
     out: dict[tuple, KernelSource] = {}
@@ -181,7 +181,8 @@ def all_sources() -> list[KernelSource]:
         for act, kv in kv_pairs(GPU_ACT_DTYPES):
             attrs = shape.attrs(kv)
             if shape is SHAPES[0]:
-                every = act == "float16"  # tiles change no dtype handling: bf16 with the first ones
+                # tiles change no dtype handling: bf16 and int4 pools with the first ones
+                every = act == "float16" and kv != "int4"
                 for t in PREFILL_TILES if every else PREFILL_TILES[:1]:
                     add(prefill_source(attrs, act, t))
                 for t in DECODE_TILES if every else DECODE_TILES[:1]:

@@ -2,11 +2,11 @@
 
   1. correctness at Llama-3-8B shapes (32 query heads, 8 KV heads, head_dim 128, blocks of
      16) against the float64 torch reference on the GPU: decode batch 1-64, contexts up to
-     8k, split-K on/off, fp16/bf16, int8 KV, sliding window, a ragged prefill; pools bit-exact;
+     8k, split-K on/off, fp16/bf16, int8 and int4 KV, sliding window, a ragged prefill; pools bit-exact;
   2. decode time with CUDA events (median), achieved bandwidth = bytes the call must move
-     (K/V read + q read + out written + block tables) / time, against the device-to-device
+     (K/V read, int4 scales included, + q read + out written + block tables) / time, against the device-to-device
      copy bandwidth measured in the same run: goal >= 70% at batch 64 × context 4096 fp16;
-  3. int8 KV vs fp16 at long context: goal >= 1.6× faster.
+  3. int8 KV vs fp16 at long context: goal >= 1.6× faster; int4 KV (5/16 of fp16's bytes) the same goal.
 
 Writes <out>/gpu_check.json and prints a summary. `--tiny` runs the same logic at toy sizes
 on CPU under TRITON_INTERPRET=1 (tests/plugins/test_gpu_check_dry_run.py).
@@ -26,6 +26,7 @@ from datetime import datetime, timezone
 
 LLAMA = dict(num_heads=32, num_kv_heads=8, head_dim=128, block_size=16)
 TINY = dict(num_heads=4, num_kv_heads=2, head_dim=16, block_size=4)
+TINY_INT4 = dict(TINY, head_dim=32)  # int4 KV groups 32 channels
 
 
 def _clone(inputs: dict) -> dict:
@@ -53,12 +54,13 @@ def check_correctness(shape: dict, device: str, cases: list[dict]) -> list[dict]
     for c in cases:
         c = dict(c)
         name, splits = c.pop("name"), c.pop("num_splits", None)
+        case_shape = c.pop("shape", shape)
         # aot: run decode inputs through prefill_kernel, the one kernel TensorRT engines launch
         # (a max_q_len above the real one only selects it; its grid does not depend on it)
         force = dict(max_q_len=2) if c.pop("aot", False) else {}
         t0 = time.perf_counter()
         try:
-            inputs, attrs = _case(shape, device=device, **c)
+            inputs, attrs = _case(case_shape, device=device, **c)
             ref_in = _clone(inputs)
             out = paged_attention_triton(**inputs, attrs=attrs, num_splits=splits, **force)
             ref = paged_attention(**ref_in, attrs=attrs)
@@ -113,12 +115,12 @@ def decode_bytes(inputs: dict, attrs) -> int:
     """Bytes one decode call must move: every sequence's K and V (seq_len tokens × kv heads ×
     head_dim), q read, out written, block tables, the new K/V read and stored."""
     seq = int(inputs["seq_lens"].sum())
-    kv_elem = inputs["key_cache"].element_size()
+    row = inputs["key_cache"].shape[-1] * inputs["key_cache"].element_size()  # bytes per token and head (int4: + scales)
     act = inputs["query"].element_size()
     t = inputs["query"].shape[0]
-    kv = 2 * seq * attrs.num_kv_heads * attrs.head_dim * kv_elem
+    kv = 2 * seq * attrs.num_kv_heads * row
     qo = 2 * t * attrs.num_heads * attrs.head_dim * act
-    new = 2 * t * attrs.num_kv_heads * attrs.head_dim * (act + kv_elem)
+    new = 2 * t * attrs.num_kv_heads * (attrs.head_dim * act + row)
     return kv + qo + new + inputs["block_tables"].numel() * 8
 
 
@@ -175,6 +177,7 @@ def run(tiny: bool, out_dir: str) -> dict:
         report["gpu"] = torch.cuda.get_device_name()
         report["cuda"] = torch.version.cuda
     t0 = time.perf_counter()
+    int4_shape = TINY_INT4 if tiny else LLAMA
     if tiny:
         ctx_long, big_batch, ctxs, warm, iters, copy_mb = 40, 4, (36, 40), 1, 2, 8
     else:
@@ -201,6 +204,12 @@ def run(tiny: bool, out_dir: str) -> dict:
         dict(name="prefill b2 q300 int8 bf16 window 256", batch=2, ctx=800 if not tiny else 20,
              q_len=300 if not tiny else 7, act_dtype="bfloat16", kv_dtype="int8",
              sliding_window=256 if not tiny else 5),
+        dict(name="decode b16 ctx8k int4 (fp16 act)", batch=16, ctx=ctxs[1], q_len=1, act_dtype="float16",
+             kv_dtype="int4", shape=int4_shape),
+        dict(name="decode b16 ctx8k int4 via prefill_kernel (AOT path)", batch=16, ctx=ctxs[1], q_len=1,
+             act_dtype="float16", kv_dtype="int4", aot=True, shape=int4_shape),
+        dict(name="prefill b2 q300 int4 bf16", batch=2, ctx=800 if not tiny else 20,
+             q_len=300 if not tiny else 7, act_dtype="bfloat16", kv_dtype="int4", shape=int4_shape),
     ]
     report["correctness"] = check_correctness(shape, device, cases)
     report["seconds_correctness"] = round(time.perf_counter() - t0, 1)
@@ -222,8 +231,16 @@ def run(tiny: bool, out_dir: str) -> dict:
     speedup = (long_fp16["best"]["seconds"] / long_int8["best"]["seconds"]
                if long_fp16["best"] and long_int8["best"] else 0.0)
     report["int8_speedup"] = speedup
+    long_int4 = time_decode(int4_shape, device, 16, ctx_long, "int4", "float16", warm, iters, splits, tiles,
+                            aot_tiles)
+    long_fp16_4 = long_fp16 if int4_shape is shape else time_decode(
+        int4_shape, device, 16, ctx_long, "float16", "float16", warm, iters, splits, tiles, aot_tiles)
+    report["decode_b16_long_int4"] = long_int4
+    speedup4 = (long_fp16_4["best"]["seconds"] / long_int4["best"]["seconds"]
+                if long_fp16_4["best"] and long_int4["best"] else 0.0)
+    report["int4_speedup"] = speedup4
     report["goals"] = dict(correctness=all(c["ok"] for c in report["correctness"]),
-                           bandwidth_70pct=frac >= 0.70, int8_1p6x=speedup >= 1.6)
+                           bandwidth_70pct=frac >= 0.70, int8_1p6x=speedup >= 1.6, int4_1p6x=speedup4 >= 1.6)
     report["seconds_total"] = round(time.perf_counter() - t0, 1)
     return report
 
@@ -236,7 +253,7 @@ def summary(r: dict) -> str:
                   if "max_err" in c else c.get("error", ""))
         lines.append(f"  [{'ok' if c['ok'] else 'FAIL'}] {c['name']}: {detail}")
     lines.append(f"  copy bandwidth {r['copy_bytes_per_s'] / 1e9:.0f} GB/s")
-    for key in ("decode_b64_ctx4k_fp16", "decode_b16_long_fp16", "decode_b16_long_int8"):
+    for key in ("decode_b64_ctx4k_fp16", "decode_b16_long_fp16", "decode_b16_long_int8", "decode_b16_long_int4"):
         d = r[key]
         b = d["best"]
         if b:
@@ -250,7 +267,8 @@ def summary(r: dict) -> str:
                      f"({[v.get('error') for v in d.get('aot_variants', [])][:2]})")
     lines.append(f"  bandwidth fraction {r['bandwidth_fraction']:.2f} (AOT kernel "
                  f"{r['bandwidth_fraction_aot_kernel']:.2f}; goal >= 0.70); int8 speedup "
-                 f"{r['int8_speedup']:.2f}x (goal >= 1.6); goals {r['goals']}; {r['seconds_total']} s")
+                 f"{r['int8_speedup']:.2f}x, int4 speedup {r['int4_speedup']:.2f}x (goals >= 1.6); goals "
+                 f"{r['goals']}; {r['seconds_total']} s")
     return "\n".join(lines)
 
 

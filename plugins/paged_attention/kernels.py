@@ -29,6 +29,13 @@ x / scale divided in float32 with IEEE rounding (div_rn, as onnxruntime's Quanti
 does), then rounded half to even and saturated to [-128, 127], so pools match the reference
 and the `onnx` attention bit for bit.
 
+INT4 KV (KV_INT4): pool rows of ROW = HEAD_DIM / 2 + HEAD_DIM / 16 bytes (kvexport/io.py
+KV_INT4_FORMAT). The store quantizes each (token, KV head) row in registers: per group of 32
+lanes the extreme (max if max >= -min else min) / 8 rounded to float16, negated for a positive
+extreme (it maps to -8), codes div_rn(x, scale) rounded half to even into -8..7, packed + 8 two
+per byte, the float16 bits stored as little-endian bytes — the reference's bytes. Reads
+dequantize (nibble - 8) * scale in float32 (exact) before the dot's operand cast.
+
 Soft-capping (SOFTCAP > 0, Gemma 2): scores s = SCALE q·k become SOFTCAP tanh(s / SOFTCAP)
 before the mask and softmax; in the log2 domain the kernels work in that is
 C tanh(s' / C) with s' = s log2(e), C = SOFTCAP log2(e).
@@ -52,6 +59,82 @@ def _quantize(x, scale):
     return tl.where(((r - y) == 0.5) & odd, r - 1.0, r)
 
 
+@triton.constexpr_function
+def _row(head_dim, kv_int4):
+    """Elements of one pool row: HEAD_DIM, or int4's bytes (io.kv_row_width)."""
+    return head_dim // 2 + head_dim // 16 if kv_int4 else head_dim
+
+
+@triton.jit
+def _round_half_even(y):
+    """float64 y (|y| small) rounded half to even, exactly."""
+    r = tl.floor(y + 0.5)
+    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
+    return tl.where(((r - y) == 0.5) & odd, r - 1.0, r)
+
+
+@triton.jit
+def _f16_value(x):
+    """float32 -> the nearest float16 (ties to even, saturating at ±65504), as float32."""
+    return tl.minimum(tl.maximum(x, -65504.0), 65504.0).to(tl.float16).to(tl.float32)
+
+
+@triton.jit
+def _int4_quantize(x, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """x [ROWS, BLOCK_D] float32 -> (codes [ROWS, BLOCK_D] float32 in -8..7, scale [ROWS,
+    BLOCK_D // 32] float32 holding float16 values), io.KV_INT4_FORMAT. Lanes past HEAD_DIM are
+    whole groups of their own (HEAD_DIM % 32 == 0), never stored."""
+    xg = tl.reshape(x, (ROWS, BLOCK_D // 32, 32))
+    lo = tl.min(xg, 2)
+    hi = tl.max(xg, 2)
+    pos = hi >= -lo  # the extreme is the maximum (ties: the maximum); it maps to -8
+    mag = _f16_value(tl.maximum(tl.where(pos, hi, -lo) * 0.125, 6.103515625e-05))  # / 8: exact
+    scale = tl.where(pos, -mag, mag)
+    y = tl.math.div_rn(xg, tl.broadcast_to(scale[:, :, None], xg.shape)).to(tl.float64)
+    codes = _round_half_even(tl.minimum(tl.maximum(y, -8.0), 7.0)).to(tl.float32)
+    return tl.reshape(codes, (ROWS, BLOCK_D)), scale
+
+
+@triton.jit
+def _int4_dequantize(codes, scale, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """codes [ROWS, BLOCK_D], scale [ROWS, BLOCK_D // 32] -> [ROWS, BLOCK_D] float32."""
+    cg = tl.reshape(codes, (ROWS, BLOCK_D // 32, 32))
+    return tl.reshape(cg * scale[:, :, None], (ROWS, BLOCK_D))
+
+
+@triton.jit
+def _int4_store(ptr, row_base, x, ok, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows x [ROWS, BLOCK_D] float32 -> int4 pool rows at byte offsets row_base [ROWS] (rows with ok)."""
+    codes, scale = _int4_quantize(x, ROWS, BLOCK_D)
+    even, odd = tl.split(tl.reshape(codes.to(tl.int32) + 8, (ROWS, BLOCK_D // 2, 2)))
+    c = tl.arange(0, BLOCK_D // 2)
+    tl.store(ptr + row_base[:, None] + c[None, :], (even | (odd << 4)).to(tl.uint8),
+             mask=ok[:, None] & (c < HEAD_DIM // 2)[None, :])
+    g = tl.arange(0, BLOCK_D // 32)
+    at = row_base[:, None] + HEAD_DIM // 2 + 2 * g[None, :]  # [ROWS, groups]
+    gm = ok[:, None] & (g < HEAD_DIM // 32)[None, :]
+    sb = scale.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.int32)
+    tl.store(ptr + at, (sb & 255).to(tl.uint8), mask=gm)
+    tl.store(ptr + at + 1, (sb >> 8).to(tl.uint8), mask=gm)
+
+
+@triton.jit
+def _f16_at(ptr, off, mask):
+    """The float16 stored little-endian at byte offsets `off`, as float32 (0 where masked)."""
+    lo = tl.load(ptr + off, mask=mask, other=0).to(tl.uint16)
+    hi = tl.load(ptr + off + 1, mask=mask, other=0).to(tl.uint16)
+    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _int4_load(ptr, row_base, ok, d, HEAD_DIM: tl.constexpr):
+    """int4 pool rows at byte offsets row_base [N] -> [N, BLOCK_D] float32 (lanes d)."""
+    byte = tl.load(ptr + row_base[:, None] + (d // 2)[None, :], mask=ok, other=0).to(tl.int32)
+    code = ((byte >> ((d % 2) * 4)[None, :]) & 15) - 8
+    at = row_base[:, None] + (HEAD_DIM // 2 + 2 * (d // 32))[None, :]
+    return code.to(tl.float32) * _f16_at(ptr, at, ok)
+
+
 @triton.jit
 def _tanh(x):
     """tanh in float32 from exp2 (no libdevice: the interpreter runs it too); |error| < 1e-7."""
@@ -63,38 +146,54 @@ def _tanh(x):
 @triton.jit
 def _store_rows(k_ptr, v_ptr, slot_ptr, kc_out_ptr, vc_out_ptr, k_scale, v_scale, tok, row_ok, kvh,
                 head_base, d, d_ok, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                KV_INT8: tl.constexpr):
-    """Pools <- this step's K/V of tokens `tok` [BLOCK_M] (rows with row_ok) for KV head kvh;
+                KV_INT8: tl.constexpr, KV_INT4: tl.constexpr = False, ROWS: tl.constexpr = 0,
+                BLOCK_D: tl.constexpr = 0):
+    """Pools <- this step's K/V of tokens `tok` [ROWS] (rows with row_ok) for KV head kvh;
     k_scale / v_scale [BLOCK_D] (int8)."""
-    slot = tl.load(slot_ptr + tok, mask=row_ok, other=-1)  # [BLOCK_M] int64
+    ROW: tl.constexpr = _row(HEAD_DIM, KV_INT4)
+    slot = tl.load(slot_ptr + tok, mask=row_ok, other=-1)  # [ROWS] int64
     ok = (row_ok & (slot >= 0))[:, None] & d_ok[None, :]
-    src = (tok * NUM_KV_HEADS + kvh)[:, None] * HEAD_DIM + d[None, :]  # [BLOCK_M, BLOCK_D]
-    dst = head_base + slot[:, None] * HEAD_DIM + d[None, :]  # slot = block * bs + offset
+    src = (tok * NUM_KV_HEADS + kvh)[:, None] * HEAD_DIM + d[None, :]  # [ROWS, BLOCK_D]
+    dst = head_base + slot[:, None] * ROW + d[None, :]  # slot = block * bs + offset
     kx = tl.load(k_ptr + src, mask=ok, other=0.0)
     vx = tl.load(v_ptr + src, mask=ok, other=0.0)
-    if KV_INT8:
-        kx = _quantize(kx, k_scale[None, :])
-        vx = _quantize(vx, v_scale[None, :])
-    tl.store(kc_out_ptr + dst, kx.to(tl.float32).to(kc_out_ptr.dtype.element_ty), mask=ok)
-    tl.store(vc_out_ptr + dst, vx.to(tl.float32).to(vc_out_ptr.dtype.element_ty), mask=ok)
+    if KV_INT4:
+        row_base = head_base + slot * ROW  # [ROWS]
+        _int4_store(kc_out_ptr, row_base, kx.to(tl.float32), row_ok & (slot >= 0), HEAD_DIM, ROWS, BLOCK_D)
+        _int4_store(vc_out_ptr, row_base, vx.to(tl.float32), row_ok & (slot >= 0), HEAD_DIM, ROWS, BLOCK_D)
+    else:
+        if KV_INT8:
+            kx = _quantize(kx, k_scale[None, :])
+            vx = _quantize(vx, v_scale[None, :])
+        tl.store(kc_out_ptr + dst, kx.to(tl.float32).to(kc_out_ptr.dtype.element_ty), mask=ok)
+        tl.store(vc_out_ptr + dst, vx.to(tl.float32).to(vc_out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
 def _kv_tile(cache_ptr, new_ptr, bt_row_ptr, scale, pos, lim, ctx, q_start, kvh, head_base, d, d_ok,
              FROM_POOL: tl.constexpr, KV_INT8: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-             NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, CDT: tl.constexpr):
+             NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, CDT: tl.constexpr,
+             KV_INT4: tl.constexpr = False, BLOCK_N: tl.constexpr = 0, BLOCK_D: tl.constexpr = 0):
     """K or V at positions `pos` [BLOCK_N] (< lim) of one sequence: [BLOCK_N, BLOCK_D] in CDT,
-    int8 codes unscaled. FROM_POOL: through the block table; else this step's input."""
+    int8 codes unscaled, int4 rows dequantized. FROM_POOL: through the block table; else this
+    step's input (rounded as the store rounds it)."""
+    ROW: tl.constexpr = _row(HEAD_DIM, KV_INT4)
     ok = (pos < lim)[:, None] & d_ok[None, :]
     if FROM_POOL:
         blk = tl.load(bt_row_ptr + pos // BLOCK_SIZE, mask=pos < lim, other=0)  # [BLOCK_N] int64
-        off = head_base + (blk * BLOCK_SIZE + pos % BLOCK_SIZE) * HEAD_DIM
-        x = tl.load(cache_ptr + off[:, None] + d[None, :], mask=ok, other=0).to(CDT)
+        off = head_base + (blk * BLOCK_SIZE + pos % BLOCK_SIZE) * ROW
+        if KV_INT4:
+            x = _int4_load(cache_ptr, off, ok, d, HEAD_DIM).to(CDT)
+        else:
+            x = tl.load(cache_ptr + off[:, None] + d[None, :], mask=ok, other=0).to(CDT)
     else:
         tok = q_start + pos - ctx  # [BLOCK_N] token index of this step
         src = (tok * NUM_KV_HEADS + kvh)[:, None] * HEAD_DIM + d[None, :]
         x = tl.load(new_ptr + src, mask=ok, other=0.0)
-        if KV_INT8:
+        if KV_INT4:
+            codes, sc = _int4_quantize(x.to(tl.float32), BLOCK_N, BLOCK_D)
+            x = tl.where(ok, _int4_dequantize(codes, sc, BLOCK_N, BLOCK_D), 0.0).to(CDT)
+        elif KV_INT8:
             x = _quantize(x, scale[None, :]).to(CDT)
         else:
             x = x.to(tl.float32).to(cache_ptr.dtype.element_ty).to(CDT)  # rounded as stored
@@ -106,14 +205,15 @@ def _attend_step(acc, m_i, l_i, q, j0, kc_ptr, vc_ptr, k_ptr, v_ptr, bt_row_ptr,
                  ctx, q_start, qpos, kvh, head_base, d, d_ok, qk_scale,
                  FROM_POOL: tl.constexpr, KV_INT8: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
                  BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 BLOCK_N: tl.constexpr, CDT: tl.constexpr, PREC: tl.constexpr):
+                 BLOCK_N: tl.constexpr, CDT: tl.constexpr, PREC: tl.constexpr, KV_INT4: tl.constexpr = False,
+                 BLOCK_D: tl.constexpr = 0):
     """Online-softmax update of (acc [BLOCK_M, BLOCK_D], m_i, l_i [BLOCK_M]) with the keys at
     positions [j0, j0 + BLOCK_N) ∩ [.., hi); scores in the log2 domain (qk_scale has log2 e)."""
     pos = j0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     k = _kv_tile(kc_ptr, k_ptr, bt_row_ptr, k_scale, pos, hi, ctx, q_start, kvh, head_base, d, d_ok,
-                 FROM_POOL, KV_INT8, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, CDT)
+                 FROM_POOL, KV_INT8, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, CDT, KV_INT4, BLOCK_N, BLOCK_D)
     v = _kv_tile(vc_ptr, v_ptr, bt_row_ptr, v_scale, pos, hi, ctx, q_start, kvh, head_base, d, d_ok,
-                 FROM_POOL, KV_INT8, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, CDT)
+                 FROM_POOL, KV_INT8, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, CDT, KV_INT4, BLOCK_N, BLOCK_D)
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # [BLOCK_M, BLOCK_N]
     if SOFTCAP > 0:
         s = (SOFTCAP * LOG2E) * _tanh(s / (SOFTCAP * LOG2E))
@@ -135,7 +235,8 @@ def _attend(acc, m_i, l_i, q, kc_ptr, vc_ptr, k_ptr, v_ptr, bt_row_ptr, k_scale,
             ctx, q_start, qpos, kvh, head_base, d, d_ok, qk_scale,
             FROM_POOL: tl.constexpr, KV_INT8: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
             BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-            BLOCK_N: tl.constexpr, CDT: tl.constexpr, PREC: tl.constexpr, INTERPRET: tl.constexpr):
+            BLOCK_N: tl.constexpr, CDT: tl.constexpr, PREC: tl.constexpr, INTERPRET: tl.constexpr,
+            KV_INT4: tl.constexpr = False, BLOCK_D: tl.constexpr = 0):
     """`_attend_step` over the keys at positions [lo, hi).
     NOTE: a `for` loop (software-pipelined by the compiler) on the GPU; a `while` loop under
     TRITON_INTERPRET=1, whose `range()` over device scalars fails with numpy >= 2.3
@@ -146,14 +247,14 @@ def _attend(acc, m_i, l_i, q, kc_ptr, vc_ptr, k_ptr, v_ptr, bt_row_ptr, k_scale,
             acc, m_i, l_i = _attend_step(acc, m_i, l_i, q, j0, kc_ptr, vc_ptr, k_ptr, v_ptr, bt_row_ptr,
                                          k_scale, v_scale, hi, ctx, q_start, qpos, kvh, head_base, d, d_ok,
                                          qk_scale, FROM_POOL, KV_INT8, WINDOW, SOFTCAP, BLOCK_SIZE,
-                                         NUM_KV_HEADS, HEAD_DIM, BLOCK_N, CDT, PREC)
+                                         NUM_KV_HEADS, HEAD_DIM, BLOCK_N, CDT, PREC, KV_INT4, BLOCK_D)
             j0 += BLOCK_N
     else:
         for j0 in range(lo, hi, BLOCK_N):
             acc, m_i, l_i = _attend_step(acc, m_i, l_i, q, j0, kc_ptr, vc_ptr, k_ptr, v_ptr, bt_row_ptr,
                                          k_scale, v_scale, hi, ctx, q_start, qpos, kvh, head_base, d, d_ok,
                                          qk_scale, FROM_POOL, KV_INT8, WINDOW, SOFTCAP, BLOCK_SIZE,
-                                         NUM_KV_HEADS, HEAD_DIM, BLOCK_N, CDT, PREC)
+                                         NUM_KV_HEADS, HEAD_DIM, BLOCK_N, CDT, PREC, KV_INT4, BLOCK_D)
     return acc, m_i, l_i
 
 
@@ -182,13 +283,14 @@ def _find_seq(qsl_ptr, num_seqs, q_block, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _kv_head(ks_ptr, vs_ptr, kvh, num_blocks, KV_INT8: tl.constexpr, SCALES_PER_CHANNEL: tl.constexpr,
-             BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+             BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+             KV_INT4: tl.constexpr = False):
     """What a program needs of its KV head: the head_dim lanes and their mask, the head's
     offset in the pool, and its int8 scales as [BLOCK_D] float32 vectors (ones for float
     pools and masked lanes; a per-head scale repeated when not SCALES_PER_CHANNEL)."""
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    head_base = kvh.to(tl.int64) * num_blocks * BLOCK_SIZE * HEAD_DIM
+    head_base = kvh.to(tl.int64) * num_blocks * BLOCK_SIZE * _row(HEAD_DIM, KV_INT4)
     k_scale = tl.full([BLOCK_D], 1.0, dtype=tl.float32)
     v_scale = tl.full([BLOCK_D], 1.0, dtype=tl.float32)
     if KV_INT8:
@@ -215,7 +317,8 @@ def _attend_pool_then_step(q, kc_ptr, vc_ptr, k_ptr, v_ptr, bt_row, k_scale, v_s
                            kvh, head_base, d, d_ok, qk_scale, KV_INT8: tl.constexpr, WINDOW: tl.constexpr,
                            SOFTCAP: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                           CDT: tl.constexpr, PREC: tl.constexpr, INTERPRET: tl.constexpr):
+                           CDT: tl.constexpr, PREC: tl.constexpr, INTERPRET: tl.constexpr,
+                           KV_INT4: tl.constexpr = False):
     """Online softmax over keys [lo, hi): those before `ctx` from the pool, the rest (this
     step's) from the step's own K/V. Returns (acc, m_i, l_i) unnormalised."""
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -224,11 +327,11 @@ def _attend_pool_then_step(q, kc_ptr, vc_ptr, k_ptr, v_ptr, bt_row, k_scale, v_s
     acc, m_i, l_i = _attend(acc, m_i, l_i, q, kc_ptr, vc_ptr, k_ptr, v_ptr, bt_row, k_scale, v_scale,
                             lo, tl.minimum(hi, ctx), ctx, q_start, qpos, kvh, head_base, d, d_ok,
                             qk_scale, True, KV_INT8, WINDOW, SOFTCAP, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM,
-                            BLOCK_N, CDT, PREC, INTERPRET)
+                            BLOCK_N, CDT, PREC, INTERPRET, KV_INT4, BLOCK_D)
     acc, m_i, l_i = _attend(acc, m_i, l_i, q, kc_ptr, vc_ptr, k_ptr, v_ptr, bt_row, k_scale, v_scale,
                             tl.maximum(lo, ctx), hi, ctx, q_start, qpos, kvh, head_base, d, d_ok,
                             qk_scale, False, KV_INT8, WINDOW, SOFTCAP, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM,
-                            BLOCK_N, CDT, PREC, INTERPRET)
+                            BLOCK_N, CDT, PREC, INTERPRET, KV_INT4, BLOCK_D)
     return acc, m_i, l_i
 
 
@@ -239,7 +342,7 @@ def prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qs
                    BLOCK_SIZE: tl.constexpr, SCALE: tl.constexpr, WINDOW: tl.constexpr,
                    KV_INT8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr = 0.0, SCALES_PER_CHANNEL: tl.constexpr = True,
-                   INTERPRET: tl.constexpr = False):
+                   INTERPRET: tl.constexpr = False, KV_INT4: tl.constexpr = False):
     """Argument order = the AOT plugin's: the 11 inputs, the int32 extras, the 3 outputs."""
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
     CDT: tl.constexpr = _compute_dtype(q_ptr.dtype.element_ty, INTERPRET)
@@ -258,9 +361,10 @@ def prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qs
         tok = q_start + tok_i
         head = kvh * GROUP + rows % GROUP
         d, d_ok, head_base, k_scale, v_scale = _kv_head(ks_ptr, vs_ptr, kvh, num_blocks, KV_INT8,
-                                                        SCALES_PER_CHANNEL, BLOCK_SIZE, HEAD_DIM, BLOCK_D)
+                                                        SCALES_PER_CHANNEL, BLOCK_SIZE, HEAD_DIM, BLOCK_D, KV_INT4)
         _store_rows(k_ptr, v_ptr, slot_ptr, kc_out_ptr, vc_out_ptr, k_scale, v_scale, tok,
-                    row_ok & (rows % GROUP == 0), kvh, head_base, d, d_ok, NUM_KV_HEADS, HEAD_DIM, KV_INT8)
+                    row_ok & (rows % GROUP == 0), kvh, head_base, d, d_ok, NUM_KV_HEADS, HEAD_DIM, KV_INT8,
+                    KV_INT4, BLOCK_M, BLOCK_D)
         q_off = (tok * (NUM_KV_HEADS * GROUP) + head)[:, None] * HEAD_DIM + d[None, :]
         q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
         q = _fold_k_scale(q, k_scale, KV_INT8).to(CDT)
@@ -274,7 +378,7 @@ def prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qs
         acc, m_i, l_i = _attend_pool_then_step(q, kc_ptr, vc_ptr, k_ptr, v_ptr, bt_row, k_scale, v_scale, lo, hi, ctx,
                                                q_start, qpos, kvh, head_base, d, d_ok, qk_scale, KV_INT8, WINDOW,
                                                SOFTCAP, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, CDT,
-                                               PREC, INTERPRET)
+                                               PREC, INTERPRET, KV_INT4)
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc * (1.0 / l_i)[:, None] * v_scale[None, :]  # [BLOCK_M, BLOCK_D]
         tl.store(out_ptr + q_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -288,7 +392,8 @@ def decode_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl
                   BLOCK_SIZE: tl.constexpr, SCALE: tl.constexpr, WINDOW: tl.constexpr,
                   KV_INT8: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr = 0.0,
-                  SCALES_PER_CHANNEL: tl.constexpr = True, INTERPRET: tl.constexpr = False):
+                  SCALES_PER_CHANNEL: tl.constexpr = True, INTERPRET: tl.constexpr = False,
+                  KV_INT4: tl.constexpr = False):
     """One new token per sequence (q_len 0: nothing to do). `partition` (a multiple of
     BLOCK_N) context positions per split; part_* [S, H, splits(, D)] float32 when SPLIT."""
     CDT: tl.constexpr = _compute_dtype(q_ptr.dtype.element_ty, INTERPRET)
@@ -306,11 +411,11 @@ def decode_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl
         row_ok = rows < GROUP
         head = kvh * GROUP + rows  # [BLOCK_M]
         d, d_ok, head_base, k_scale, v_scale = _kv_head(ks_ptr, vs_ptr, kvh, num_blocks, KV_INT8,
-                                                        SCALES_PER_CHANNEL, BLOCK_SIZE, HEAD_DIM, BLOCK_D)
+                                                        SCALES_PER_CHANNEL, BLOCK_SIZE, HEAD_DIM, BLOCK_D, KV_INT4)
         tok = q_start + rows * 0  # [BLOCK_M] all rows are the same token
         if split == 0:
             _store_rows(k_ptr, v_ptr, slot_ptr, kc_out_ptr, vc_out_ptr, k_scale, v_scale, tok, rows == 0,
-                        kvh, head_base, d, d_ok, NUM_KV_HEADS, HEAD_DIM, KV_INT8)
+                        kvh, head_base, d, d_ok, NUM_KV_HEADS, HEAD_DIM, KV_INT8, KV_INT4, BLOCK_M, BLOCK_D)
         q_off = (tok * (NUM_KV_HEADS * GROUP) + head)[:, None] * HEAD_DIM + d[None, :]
         q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
         q = _fold_k_scale(q, k_scale, KV_INT8).to(CDT)
@@ -324,7 +429,7 @@ def decode_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl
         acc, m_i, l_i = _attend_pool_then_step(q, kc_ptr, vc_ptr, k_ptr, v_ptr, bt_row, k_scale, v_scale, lo, hi, ctx,
                                                q_start, qpos, kvh, head_base, d, d_ok, qk_scale, KV_INT8, WINDOW,
                                                SOFTCAP, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, CDT,
-                                               PREC, INTERPRET)
+                                               PREC, INTERPRET, KV_INT4)
         out = acc * (1.0 / tl.where(l_i == 0.0, 1.0, l_i))[:, None] * v_scale[None, :]  # [BLOCK_M, BLOCK_D]
         if SPLIT:
             idx = (s * (NUM_KV_HEADS * GROUP) + head) * num_splits + split  # [BLOCK_M]

@@ -14,7 +14,7 @@ from . import configs, kernels
 from .spec import PagedAttentionAttrs
 
 _ACT = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-_KV = {**_ACT, torch.int8: "int8"}
+_KV = {**_ACT, torch.int8: "int8", torch.uint8: "int4"}  # int4: uint8 rows (kvexport/io.py KV_INT4_FORMAT)
 MIN_PARTITION = 256  # fewest context tokens per decode split worth a partial
 
 

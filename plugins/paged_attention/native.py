@@ -4,7 +4,7 @@ onnxruntime custom-op library and finding it at run time.
 With it, `--attention plugin` graphs run on onnxruntime's CPU execution provider at full
 speed: attention reads the KV pool through the block tables in place (no gather into a
 padded batch, no mask tensors), and the pools are updated in place through IOBinding.
-It covers float32 activations with float32 or int8 pools; other dtypes run as TensorRT
+It covers float32 activations with float32, int8 or int4 pools; other dtypes run as TensorRT
 engines (or through the reference harness in ort.py, for tests).
 
 The library is compiled on the machine that uses it (`-march=native`), against the
@@ -119,7 +119,7 @@ def library() -> Path | None:
 
 def supports(act_dtype: str, kv_dtype: str) -> bool:
     """Whether the native op runs a plugin graph with these activation / pool dtypes."""
-    return act_dtype == "float32" and kv_dtype in ("float32", "int8")
+    return act_dtype == "float32" and kv_dtype in ("float32", "int8", "int4")
 
 
 def library_for(manifest) -> tuple[Path | None, str]:
@@ -133,20 +133,20 @@ def library_for(manifest) -> tuple[Path | None, str]:
     if lib is None:
         return None, "the CPU op is not built (scripts/build_cpu_ops.sh)"
     if not supports(act, kv):
-        return None, f"the CPU op takes float32 activations with float32/int8 pools, not {act}/{kv}"
+        return None, f"the CPU op takes float32 activations with float32/int8/int4 pools, not {act}/{kv}"
     return lib, ""
 
 
 def one_node_model(attrs, kv_dtype: str):
     """An ONNX model of one PagedAttention node (inputs/outputs named as in spec.py), to run
-    or measure the op on its own; float32 activations, `kv_dtype` float32 or int8 pools."""
+    or measure the op on its own; float32 activations, `kv_dtype` float32, int8 or int4 (uint8) pools."""
     from onnx import TensorProto, helper
 
     from kvexport import io
 
     from .spec import INPUTS, OUTPUTS
 
-    pool = TensorProto.INT8 if kv_dtype == "int8" else TensorProto.FLOAT
+    pool = {"int8": TensorProto.INT8, "int4": TensorProto.UINT8}.get(kv_dtype, TensorProto.FLOAT)
     types = [TensorProto.FLOAT] * 3 + [pool] * 2 + [TensorProto.INT64] * 4 + [TensorProto.FLOAT] * 2
     ins = [helper.make_tensor_value_info(n, t, None) for n, t in zip(INPUTS, types)]
     outs = [helper.make_tensor_value_info(n, t, None) for n, t in zip(OUTPUTS, [TensorProto.FLOAT, pool, pool])]

@@ -53,7 +53,8 @@ def _register(act: str, kv: str, n_inputs: int) -> str:
         return name
     ortx = _extensions()
     d = ortx.PyCustomOpDef
-    dt = {"float32": d.dt_float, "float16": d.dt_float16, "int8": d.dt_int8, "int64": d.dt_int64}
+    dt = {"float32": d.dt_float, "float16": d.dt_float16, "int8": d.dt_int8, "int64": d.dt_int64,
+          "uint8": d.dt_uint8}  # uint8: int4 KV rows
     types = [dt[act]] * 3 + [dt[kv]] * 2 + [d.dt_int64] * 4 + [d.dt_float] * (n_inputs - 9)
     attrs = {k: {"int": d.dt_int64, "float": d.dt_float, "str": d.dt_string}[t] for k, t in _ATTR_TYPES.items()}
 

@@ -9,9 +9,15 @@ from __future__ import annotations
 
 import torch
 
+from kvexport import io
+
 from .spec import PagedAttentionAttrs
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int8": torch.int8}
+# the pools' torch dtype by kv_dtype (int4: uint8 rows of codes and scales, io.KV_INT4_FORMAT)
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int8": torch.int8,
+           "int4": torch.uint8}
+F16_MAX = 65504.0
+INT4_MIN_SCALE = 2.0 ** -14  # the smallest normal float16: a constant group still divides
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -36,6 +42,49 @@ def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.clamp(-128, 127).to(torch.int8)
 
 
+def _f16(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> float16, round to nearest even, saturating at ±65504."""
+    return x.clamp(-F16_MAX, F16_MAX).to(torch.float16)
+
+
+def _f16_bytes(x: torch.Tensor) -> torch.Tensor:
+    """float16 [...] -> its IEEE bits as little-endian bytes [..., 2] uint8."""
+    bits = x.view(torch.int16).to(torch.int32) & 0xFFFF
+    return torch.stack([bits & 0xFF, bits >> 8], -1).to(torch.uint8)
+
+
+def _f16_from_bytes(b: torch.Tensor) -> torch.Tensor:
+    """little-endian bytes [..., 2] uint8 -> float16 [...] (bit for bit)."""
+    bits = b[..., 0].to(torch.int32) | (b[..., 1].to(torch.int32) << 8)
+    return torch.where(bits >= 32768, bits - 65536, bits).to(torch.int16).view(torch.float16)
+
+
+def quantize_int4(x: torch.Tensor) -> torch.Tensor:
+    """x [..., head_dim] -> int4 rows [..., io.kv_row_width(head_dim, "int4")] uint8
+    (io.KV_INT4_FORMAT; every step in float32, as spec.py writes it)."""
+    x = x.float()
+    d = x.shape[-1]
+    g = x.reshape(*x.shape[:-1], d // io.KV_INT4_GROUP, io.KV_INT4_GROUP)  # [..., groups, 32]
+    lo, hi = g.amin(-1), g.amax(-1)
+    pos = hi >= -lo  # the extreme is the maximum (ties: the maximum)
+    mag = _f16(torch.clamp(torch.where(pos, hi, -lo) / 8.0, min=INT4_MIN_SCALE))  # [..., groups] float16
+    scale = torch.where(pos, -mag, mag)  # the extreme maps to code -8
+    code = torch.round(g / scale.float()[..., None]).clamp(-8, 7) + 8  # nibble = code + 8
+    pairs = code.to(torch.uint8).reshape(*x.shape[:-1], d // 2, 2)
+    packed = pairs[..., 0] | (pairs[..., 1] << 4)  # [..., D/2]
+    return torch.cat([packed, _f16_bytes(scale).reshape(*x.shape[:-1], -1)], -1)  # [..., D/2 + groups * 2]
+
+
+def dequantize_int4(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """int4 rows [..., row_width] uint8 -> [..., head_dim] float32: code * scale (exact)."""
+    groups = head_dim // io.KV_INT4_GROUP
+    packed = rows[..., :head_dim // 2]
+    code = torch.stack([packed & 15, packed >> 4], -1).reshape(*rows.shape[:-1], groups, io.KV_INT4_GROUP)
+    scale = _f16_from_bytes(rows[..., head_dim // 2:].reshape(*rows.shape[:-1], groups, 2)).float()
+    x = (code.float() - 8.0) * scale[..., None]
+    return x.reshape(*rows.shape[:-1], head_dim)
+
+
 def store_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, new: torch.Tensor, attrs: PagedAttentionAttrs,
              scale: torch.Tensor | None) -> None:
     """cache [kvH, NB, bs, D] (in place) <- new [T, kvH, D] at slot_mapping (slot < 0: skipped)."""
@@ -43,6 +92,8 @@ def store_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, new: torch.Tensor,
     slots, new = slot_mapping[keep], new[keep]
     if attrs.quantized:
         vals = quantize(new, channel_scales(scale, attrs))  # [T, kvH, D]
+    elif attrs.int4:
+        vals = quantize_int4(new)  # [T, kvH, row_width]
     else:  # rounded to the pool's declared dtype even when handed a wider buffer (ort.py)
         vals = new.to(torch_dtype(attrs.kv_dtype)).to(cache.dtype)
     cache[:, slots // attrs.block_size, slots % attrs.block_size, :] = vals.transpose(0, 1)
@@ -55,6 +106,8 @@ def read_kv(cache: torch.Tensor, table: torch.Tensor, n: int, attrs: PagedAttent
     x = cache[:, table[pos // attrs.block_size], pos % attrs.block_size, :]  # [kvH, n, D]
     if attrs.quantized:  # q * scale, exact in float64
         return x.double() * channel_scales(scale, attrs).double()[:, None, :]
+    if attrs.int4:
+        return dequantize_int4(x, attrs.head_dim).double()
     return x.double()
 
 
@@ -125,7 +178,11 @@ def make_case(*, num_heads: int, num_kv_heads: int, head_dim: int, block_size: i
     pool_dtype = torch_dtype(kv_dtype)
     kvh, d = num_kv_heads, head_dim
     pool_shape = (kvh, num_blocks, block_size, d)
-    if kv_dtype == "int8":
+    if kv_dtype == "int4":  # valid rows (finite scales): random values quantized
+        key_cache = quantize_int4(torch.randn(pool_shape, generator=gen))
+        value_cache = quantize_int4(torch.randn(pool_shape, generator=gen))
+        k_scale = v_scale = None
+    elif kv_dtype == "int8":
         key_cache = torch.randint(-127, 128, pool_shape, generator=gen, dtype=torch.int8)
         value_cache = torch.randint(-127, 128, pool_shape, generator=gen, dtype=torch.int8)
         scale_shape = (kvh,) if per_head_scales else (kvh, d)

@@ -9,7 +9,7 @@ Semantics (the reference in `reference.py` is the executable definition):
     for each sequence s with q_len = qsl[s+1] - qsl[s] new tokens and ctx = seq_lens[s] - q_len
     tokens already in the pool:
       1. store: token t of this step goes to slot_mapping[t] (= block * block_size + offset) of
-         the pool, quantized when kv_dtype is int8; slot < 0 means "do not store" (padding);
+         the pool, quantized when kv_dtype is int8 or int4; slot < 0 means "do not store" (padding);
       2. attend: new token i (position p = ctx + i) of sequence s reads the keys at positions
          j = 0..p of s (and only p - j < sliding_window when sliding_window > 0), key j at
          block_tables[s, j // block_size], offset j % block_size — read back from the pool,
@@ -28,12 +28,13 @@ Inputs (in order)::
     2 value           [num_tokens, num_kv_heads, head_dim]    same as query
     3 key_cache       [num_kv_heads, num_blocks, block_size, head_dim]   kv dtype (io.paged_pool_shape)
     4 value_cache     [num_kv_heads, num_blocks, block_size, head_dim]   kv dtype
+                      (int4: uint8 [.., block_size, io.kv_row_width(head_dim, "int4")], see INT4 KV)
     5 block_tables    [num_seqs, max_blocks] int64   (padded with io.PAD_BLOCK_ID)
     6 seq_lens        [num_seqs] int64               KV length after this step
     7 query_start_loc [num_seqs + 1] int64           cumulative new-token offsets
     8 slot_mapping    [num_tokens] int64
     9 k_scale         [num_kv_heads, head_dim] float32  int8: x ≈ code * scale (static, per channel);
-   10 v_scale         [num_kv_heads, head_dim] float32  float pools: present but ignored (ones)
+   10 v_scale         [num_kv_heads, head_dim] float32  float and int4 pools: present but ignored (ones)
                       ([num_kv_heads]: per-head scales of builds made before per-channel ones;
                       still accepted, broadcast along head_dim)
 
@@ -59,6 +60,26 @@ a handful of levels. A scale per channel costs nothing at run time (the key scal
 the query, the value scales into the output) and keeps the pool a plain int8 tensor. The op
 takes any [kvH, D] scales; `kvexport calibrate` gives keys one scale per RoPE channel pair and
 values one per head, broadcast over the channels (exporter/calibrate.py says why).
+
+INT4 KV (dynamic: nothing calibrated, k_scale / v_scale ignored): the pools are uint8 and each
+(token, KV head) row holds head_dim 4-bit codes, two per byte, then one float16 scale per
+group of io.KV_INT4_GROUP (32) channels (llama.cpp's q4_0 form) — io.KV_INT4_FORMAT spells out
+the bytes:
+
+    row = [ codes + 8: head_dim / 2 bytes | scale_g float16 LE, g = 0 .. head_dim / 32 - 1 ]
+    e_g     = max_i x_i if max_i x_i >= -min_i x_i else min_i x_i   (the group's extreme)
+    scale_g = -f16(max(|e_g| / 8, 2^-14)) if e_g >= 0 else +f16(...)  (e_g maps to code -8)
+    code_i  = clamp(round_half_even(f32(x_i / scale_g)), -8, 7)       (nibble = code + 8)
+    x_i    ≈ code_i * scale_g                      (exact: <= 15 significant bits)
+
+f16 is IEEE round-to-nearest-even to float16, saturating at 65504; every other step is one
+IEEE float32 operation, so the reference, the native CPU op, the `onnx` attention (standard
+ops: BitShift / BitwiseAnd for the nibbles, the float16 bits by exact arithmetic) and the
+Triton kernels store the same bytes. The op quantizes the keys and values it is given:
+int4 graphs rotate q, k and v by a fixed orthogonal Hadamard matrix after RoPE (qᵀk is
+unchanged; the output is rotated back), which spreads outlier channels over the group before
+they set its range (exporter/attention.py `hadamard`; docs/QUANTIZATION.md has the measurements
+that chose this scheme).
 """
 
 from __future__ import annotations
@@ -79,7 +100,7 @@ OUTPUTS = ("output", "key_cache_out", "value_cache_out")
 ALIASES = {1: 3, 2: 4}  # output index -> the input index it aliases (in-place pool update)
 NUM_INPUTS = 11  # scales included for every kv dtype (see the NOTE above)
 
-KV_DTYPES = ("float32", "float16", "bfloat16", "int8")
+KV_DTYPES = ("float32", "float16", "bfloat16", "int8", "int4")
 ACT_DTYPES = ("float32", "float16", "bfloat16")
 
 # max |implementation - reference| over outputs, by query dtype; the reference computes in
@@ -111,6 +132,9 @@ class PagedAttentionAttrs:
             raise ConfigError(f"PagedAttention: sliding_window must be >= 0, got {self.sliding_window}")
         if self.kv_dtype not in KV_DTYPES:
             raise ConfigError(f"PagedAttention: kv_dtype {self.kv_dtype!r} is not one of {KV_DTYPES}")
+        if self.kv_dtype == "int4" and self.head_dim % io.KV_INT4_GROUP:
+            raise ConfigError(f"PagedAttention: kv_dtype int4 needs head_dim a multiple of {io.KV_INT4_GROUP} "
+                              f"(groups of channels share a scale), got {self.head_dim}: use --kv-dtype int8 or fp32")
         if not self.logit_softcap >= 0:
             raise ConfigError(f"PagedAttention: logit_softcap must be >= 0, got {self.logit_softcap}")
         if not self.scale > 0:
@@ -122,7 +146,18 @@ class PagedAttentionAttrs:
 
     @property
     def quantized(self) -> bool:
+        """int8: static per-channel scales (k_scale / v_scale inputs)."""
         return self.kv_dtype == "int8"
+
+    @property
+    def int4(self) -> bool:
+        """int4: codes and per-token group scales in the pool rows (the scale inputs ignored)."""
+        return self.kv_dtype == "int4"
+
+    @property
+    def row_width(self) -> int:
+        """Elements of one pool row (one token of one KV head): io.kv_row_width."""
+        return io.kv_row_width(self.head_dim, self.kv_dtype)
 
     def onnx_attributes(self) -> dict:
         """Attributes of the ONNX node (TensorRT's ONNX parser passes them to the plugin as

@@ -13,6 +13,8 @@ NOTE (one launch): an AOT plugin is a single kernel launch, so the AOT kernel is
 store + attention `prefill_kernel` (any q_len; decode too) without split-K; split-K decode
 (two launches) is a JIT-only (launch.py) path. NOTE (11 inputs): a QDP signature has no
 optional tensors, so the plugin always takes k_scale / v_scale (ignored unless int8).
+NOTE (int4): int4 pools are UINT8 tensors of rows (codes + per-token float16 scales,
+kvexport/io.py KV_INT4_FORMAT); the kv_dtype attribute "int4" tells them from other byte tensors.
 NOTE: no `from __future__ import annotations` here — tensorrt.plugin reads the annotations
 of the decorated functions as classes.
 
@@ -29,7 +31,7 @@ from . import configs, spec
 from .spec import PagedAttentionAttrs
 
 # TensorRT type names (tensorrt.plugin AutoTuneCombination) of the spec's dtypes
-TRT_TYPES = {"float32": "FP32", "float16": "FP16", "bfloat16": "BF16", "int8": "INT8"}
+TRT_TYPES = {"float32": "FP32", "float16": "FP16", "bfloat16": "BF16", "int8": "INT8", "int4": "UINT8"}
 _INDEX_TYPES = ("INT64",) * 4  # block_tables, seq_lens, query_start_loc, slot_mapping
 _registered = False
 
@@ -79,7 +81,7 @@ def register() -> None:
         raise TensorRTUnavailableError(f"TensorRT {getattr(trt, '__version__', '?')} has no "
                                        "tensorrt.plugin.aot_impl; ahead-of-time plugins need TensorRT >= 10.10")
     dtype_names: Dict[trt.DataType, str] = {trt.float32: "float32", trt.float16: "float16",
-                                            trt.bfloat16: "bfloat16", trt.int8: "int8"}
+                                            trt.bfloat16: "bfloat16", trt.int8: "int8", trt.uint8: "int4"}
     _define(dtype_names)
     _registered = True
 

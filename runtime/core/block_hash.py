@@ -2,8 +2,15 @@
 prefix cache: a chained hash over (parent block's hash, the block's token ids, salt).
 
 Chaining makes a block's key depend on every token before it, so two blocks with equal
-keys hold the same KV (KV at position p depends on tokens 0..p). The salt (e.g. a
-per-user or per-LoRA string) keeps requests that must not share KV apart.
+keys hold the same KV (KV at position p depends on tokens 0..p). The salt keeps requests
+that must not share KV apart: `request_salt(tenant, cache_salt)` names it, from the API
+key's tenant (`kvexport serve --api-keys`) and the request's `cache_salt` (as vLLM's).
+
+NOTE: only a request's first block is salted (as vLLM: its `cache_salt` joins the extra
+keys of the block starting at token 0; TensorRT-LLM mixes its cache_salt_id into the root
+only). Every later key hashes its parent's, so the salt reaches the whole chain; salting each
+block again would add nothing. Everything keyed by these hashes (the pool, and the host and
+disk tiers below it) is therefore salted without knowing salts exist.
 
 NOTE: keys are SHA-256 digests (32 bytes), not Python ``hash()`` of tuples. They are
 deterministic across processes (no PYTHONHASHSEED) and a collision, which would make a
@@ -58,5 +65,21 @@ def hash_full_blocks(
     num_full = len(token_ids) // block_size
     for i in range(len(hashes), num_full):
         parent = hashes[-1] if hashes else None
-        hashes.append(hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size], salt))
+        # the salt goes into the first block only; the chain carries it (see the module's NOTE)
+        hashes.append(hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size],
+                                        salt if parent is None else None))
     return hashes
+
+
+def request_salt(tenant: str | None, cache_salt: str | None) -> str | None:
+    """The prefix-cache salt of a request: its tenant (the API key's, None without keys) and its
+    own `cache_salt` (None: none), or None when it has neither (it shares with every unsalted
+    request). Requests share cached blocks only when both parts are equal.
+
+    NOTE: both parts are length-prefixed under their own tag, so no choice of one can equal
+    another choice of the other: tenant "a" without a salt, salt "a" without a tenant, tenant
+    "a|s" and tenant "a" with salt "s" all differ (vLLM's flat extra keys once let a LoRA name
+    equal a cache_salt)."""
+    if tenant is None and cache_salt is None:
+        return None
+    return "".join(f"{tag}{len(v)}:{v};" for tag, v in (("tenant", tenant), ("salt", cache_salt)) if v is not None)

@@ -33,6 +33,22 @@ from .errors import KVCacheError
 
 
 @dataclass(frozen=True, slots=True)
+class BlockStored:
+    """Observer event: a full block became a prefix-cache entry (`BlockPool.record_events`)."""
+
+    block_hash: BlockHash  # its key
+    parent_hash: BlockHash | None  # the key of the block before it in its sequence; None for a first block
+    token_ids: tuple[int, ...] | None  # the block's tokens (block_size of them); None when the caller gave none
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """Observer event: a prefix-cache entry was dropped (evicted, or the cache was reset)."""
+
+    block_hash: BlockHash
+
+
+@dataclass(frozen=True, slots=True)
 class PrefixCacheStats:
     """Prefix-cache counters since the pool was built (or `reset_stats`)."""
 
@@ -73,6 +89,35 @@ class BlockPool:
         self._queries = 0
         self._hits = 0
         self._evictions = 0
+        # (block id, key) of cached blocks evicted since `pop_evicted`, when a KV tier keeps them
+        # (runtime/core/kv_tiers.py); None: not recorded
+        self._evicted: list[tuple[int, BlockHash]] | None = None
+        # prefix-cache events since `pop_events`, when an observer drains them; None: not recorded
+        self._events: list[BlockStored | BlockRemoved] | None = None
+
+    def record_events(self) -> None:
+        """From now on, record every prefix-cache change as a `BlockStored` / `BlockRemoved`
+        event for `pop_events` (an observer outside the engine, e.g. a cluster router fed by
+        runtime/serving/dynamo_worker.py). Off by default: nobody drains them."""
+        if self._events is None:
+            self._events = []
+
+    def pop_events(self) -> list[BlockStored | BlockRemoved]:
+        """The prefix-cache events since the last call, in the order they happened."""
+        out, self._events = self._events or [], [] if self._events is not None else None
+        return out
+
+    def record_evictions(self) -> None:
+        """From now on, remember every evicted cached block for `pop_evicted` (a KV tier below
+        the pool copies it out before the step overwrites it)."""
+        if self._evicted is None:
+            self._evicted = []
+
+    def pop_evicted(self) -> list[tuple[int, BlockHash]]:
+        """(block id, key) of the cached blocks evicted since the last call, in order. The block
+        ids are handed out again already: their KV is intact only until the step runs."""
+        out, self._evicted = self._evicted or [], [] if self._evicted is not None else None
+        return out
 
     # ---- counts -------------------------------------------------------------------
     @property
@@ -160,6 +205,10 @@ class BlockPool:
                     self._free.append(block_id)
 
     # ---- prefix cache ---------------------------------------------------------------
+    def cached_blocks(self) -> list[tuple[int, BlockHash]]:
+        """(block id, key) of every block registered in the prefix cache (held or evictable)."""
+        return [(b, h) for h, b in self._cached.items()]
+
     def get_cached_block(self, block_hash: BlockHash) -> int | None:
         """The block holding ``block_hash``, or None. Counts nothing."""
         return self._cached.get(block_hash)
@@ -203,9 +252,12 @@ class BlockPool:
                 del self._evictable[block_id]
             self._ref[block_id] += 1
 
-    def cache_full_blocks(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash]) -> int:
+    def cache_full_blocks(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash], *,
+                          parent_hashes: Sequence[BlockHash | None] | None = None,
+                          block_tokens: Sequence[Sequence[int]] | None = None) -> int:
         """Register each held, full block under its key so later prompts can hit it.
-        Returns how many blocks were newly registered.
+        Returns how many blocks were newly registered. ``parent_hashes`` and ``block_tokens``
+        (per block: the key before it, its tokens) only go into the `BlockStored` events.
 
         A block already registered under the same key is skipped; a key already held by
         another block is skipped too (two requests computed the same prefix at once: the
@@ -228,11 +280,15 @@ class BlockPool:
         if not self.enable_prefix_caching:
             return 0
         added = 0
-        for block_id, block_hash in zip(block_ids, block_hashes):
+        for i, (block_id, block_hash) in enumerate(zip(block_ids, block_hashes)):
             if self._hash[block_id] is None and block_hash not in self._cached:
                 self._hash[block_id] = block_hash
                 self._cached[block_hash] = block_id
                 added += 1
+                if self._events is not None:
+                    self._events.append(BlockStored(
+                        block_hash, parent_hashes[i] if parent_hashes is not None else None,
+                        tuple(block_tokens[i]) if block_tokens is not None else None))
         return added
 
     def reset_prefix_cache(self) -> bool:
@@ -242,6 +298,8 @@ class BlockPool:
             return False
         while self._evictable:
             block_id, _ = self._evictable.popitem(last=False)
+            if self._events is not None:
+                self._events.append(BlockRemoved(self._hash[block_id]))
             self._hash[block_id] = None
             self._free.append(block_id)
         self._cached.clear()
@@ -254,6 +312,10 @@ class BlockPool:
         del self._cached[block_hash]
         self._hash[block_id] = None
         self._evictions += 1
+        if self._events is not None:
+            self._events.append(BlockRemoved(block_hash))
+        if self._evicted is not None:
+            self._evicted.append((block_id, block_hash))
 
     def _check_id(self, block_id: int) -> None:
         if not isinstance(block_id, int) or block_id == PAD_BLOCK_ID or not 0 <= block_id < self.num_blocks:

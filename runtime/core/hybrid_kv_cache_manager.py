@@ -31,7 +31,8 @@ from kvexport.errors import ConfigError
 
 from .block_hash import hash_full_blocks
 from .block_pool import BlockPool
-from .kv_cache_manager import ComputedBlocks, GroupBlocks, KVCacheManager
+from .kv_cache_manager import TIER_BLOCK, ComputedBlocks, GroupBlocks, KVCacheManager
+from .kv_tiers import TierEvents, TierIndex, TierOp
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +97,7 @@ def split_budget(budget_bytes: int, block_size: int, full_bytes_per_token: int, 
 class HybridKVCacheManager:
     """Per-request block tables over a full and a local `BlockPool` (see the module doc)."""
 
-    def __init__(self, full: BlockPool, local: BlockPool, window: int) -> None:
+    def __init__(self, full: BlockPool, local: BlockPool, window: int, tiers: TierIndex | None = None) -> None:
         if full.block_size != local.block_size:
             raise ConfigError(f"the KV groups' block sizes differ ({full.block_size} vs {local.block_size})")
         if window < 1:
@@ -105,8 +106,10 @@ class HybridKVCacheManager:
         self.local_pool = local
         self.window = window  # tokens the local group's layers look back, the query included
         self.block_size = full.block_size  # tokens per block
-        self.full = KVCacheManager(full)
-        self.local = KVCacheManager(local)
+        # NOTE: one TierIndex for both groups: its keys carry the group, its budgets are shared
+        self.tiers = tiers
+        self.full = KVCacheManager(full, tiers, io.FULL_GROUP)
+        self.local = KVCacheManager(local, tiers, io.LOCAL_GROUP)
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self.full
@@ -149,20 +152,47 @@ class HybridKVCacheManager:
         max_hits = max(len(request_tokens) - 1, 0) // bs
         full: list[int] = []
         for h in hashes[:max_hits]:
-            b = self.pool.get_cached_block(h)
+            b = self._find(self.pool, io.FULL_GROUP, h)
             if b is None:
                 break
             full.append(b)
         for n in range(len(full), -1, -1):  # the longest prefix whose window the local group holds
             lo = self.first_needed_block(n * bs)
-            local = [self.local_pool.get_cached_block(h) for h in hashes[lo:n]]
+            local = [self._find(self.local_pool, io.LOCAL_GROUP, h) for h in hashes[lo:n]]
             if all(b is not None for b in local):
                 break
         self.pool.count_lookup(max_hits, n)
         pad = (io.PAD_BLOCK_ID,) * min(lo, n)
+        local_ids = tuple(b for b in local if b is not None)
         return HybridComputedBlocks(
-            ComputedBlocks(tuple(full[:n]), n * bs, tuple(hashes), salt),
-            ComputedBlocks(pad + tuple(b for b in local if b is not None), n * bs, tuple(hashes), salt))
+            ComputedBlocks(tuple(full[:n]), n * bs, tuple(hashes), salt,
+                           self._tier_hits(io.FULL_GROUP, full[:n], hashes)),
+            ComputedBlocks(pad + local_ids, n * bs, tuple(hashes), salt,
+                           self._tier_hits(io.LOCAL_GROUP, pad + local_ids, hashes)))
+
+    def _find(self, pool: BlockPool, group: str, h) -> int | None:
+        """A block's place: its pool block, TIER_BLOCK when a KV tier holds it, else None."""
+        b = pool.get_cached_block(h)
+        if b is None and self.tiers is not None and self.tiers.where((group, h)) is not None:
+            return TIER_BLOCK
+        return b
+
+    def _tier_hits(self, group: str, block_ids, hashes) -> tuple:
+        return tuple((hashes[i], self.tiers.where((group, hashes[i])))
+                     for i, b in enumerate(block_ids) if b == TIER_BLOCK)
+
+    # ---- KV tiers (kv_tiers.py) ------------------------------------------------------
+    def prefetch_tier_hits(self, computed: HybridComputedBlocks) -> bool:
+        """Both groups' disk hits asked for; True while any is still on disk or being read."""
+        a = self.full.prefetch_tier_hits(computed.full)
+        return self.local.prefetch_tier_hits(computed.local) or a
+
+    def take_tier_ops(self) -> tuple[TierOp, ...]:
+        return self.tiers.take_ops() if self.tiers is not None else ()
+
+    def apply_tier_events(self, events: TierEvents) -> None:
+        if self.tiers is not None:
+            self.tiers.apply(events)
 
     def first_needed_block(self, position: int) -> int:
         """The first block the local group's layers read for a token at `position`."""
@@ -187,12 +217,18 @@ class HybridKVCacheManager:
         else:
             full, local = computed_blocks.full, computed_blocks.local
             total = local.num_computed_tokens + num_new_tokens
-            need = math.ceil(total / bs) - len(local.block_ids)
-            free = self.local.num_free_after_hits([b for b in local.block_ids if b != io.PAD_BLOCK_ID])
+            need = math.ceil(total / bs) - len(local.block_ids) + local.block_ids.count(TIER_BLOCK)
+            free = self.local.num_free_after_hits([b for b in local.block_ids if b not in (io.PAD_BLOCK_ID, TIER_BLOCK)])
         if need > free:
             return None
+        pinned = [(g, h) for g, c in ((io.FULL_GROUP, full), (io.LOCAL_GROUP, local)) if c is not None
+                  for h, _ in c.tier_hits]
+        if pinned:  # NOTE: the full group's evictions must not push the local group's hits out of a tier
+            self.tiers.pin(pinned)
         new = self.full.allocate_slots(request_id, num_new_tokens, full)
         if new is None:
+            if pinned:
+                self.tiers.unpin(pinned)
             return None
         got = self.local.allocate_slots(request_id, num_new_tokens, local)
         assert got is not None, "the local pool's free count was checked above"
@@ -210,13 +246,14 @@ class HybridKVCacheManager:
 
 def hybrid_manager(budget_bytes: int, block_size: int, full_bytes_per_token: int, local_bytes_per_token: int,
                    window: int, max_num_seqs: int, max_num_batched_tokens: int,
-                   enable_prefix_caching: bool = True) -> tuple[HybridKVCacheManager, GroupSizes]:
+                   enable_prefix_caching: bool = True, tiers: TierIndex | None = None
+                   ) -> tuple[HybridKVCacheManager, GroupSizes]:
     """A hybrid manager whose pools split `budget_bytes` as `split_budget` says."""
     sizes = split_budget(budget_bytes, block_size, full_bytes_per_token, local_bytes_per_token, window,
                          max_num_seqs, max_num_batched_tokens)
     pools = (BlockPool(sizes.full_blocks, block_size, enable_prefix_caching),
              BlockPool(sizes.local_blocks, block_size, enable_prefix_caching))
-    return HybridKVCacheManager(*pools, window), sizes
+    return HybridKVCacheManager(*pools, window, tiers), sizes
 
 
 __all__ = ["GroupSizes", "HybridComputedBlocks", "HybridKVCacheManager", "hybrid_manager", "local_blocks_needed",

@@ -13,6 +13,7 @@ from typing import Protocol, Sequence, TypeVar
 
 from .block_pool import BlockPool
 from .kv_cache_manager import GroupBlocks
+from .kv_tiers import TierEvents, TierOp
 
 
 class ComputedHits(Protocol):
@@ -51,4 +52,12 @@ class KVCacheManagerProtocol(Protocol[C]):
 
     def free(self, request_id: str) -> None: ...
 
-    def free_outside_window(self, request_id: str, num_computed_tokens: int, window: int) -> list[int]: ...
+    # KV tiers below the pool (runtime/core/kv_tiers.py); managers without tiers find nothing there
+    def prefetch_tier_hits(self, computed_blocks: C) -> bool: ...  # True: wait for disk reads first
+
+    def take_tier_ops(self) -> tuple[TierOp, ...]: ...  # this step's transfers, for SchedulerOutput.kv_ops
+
+    def apply_tier_events(self, events: TierEvents) -> None: ...
+
+    def free_outside_window(self, request_id: str, num_computed_tokens: int, window: int,
+                            keep_first: int = 0) -> list[int]: ...

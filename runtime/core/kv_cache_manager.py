@@ -27,11 +27,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvexport.io import PAD_BLOCK_ID
+from kvexport.io import FULL_GROUP, PAD_BLOCK_ID
 
 from .block_hash import BlockHash, hash_full_blocks
 from .block_pool import BlockPool
 from .errors import KVCacheError
+from .kv_tiers import DISK, TierEvents, TierIndex, TierOp
+
+# A ComputedBlocks entry found in a KV tier below the pool (kv_tiers.py), not in it: `allocate_slots`
+# gives it a fresh block and the runner loads the KV into it before the step (never a real block id)
+TIER_BLOCK = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +47,9 @@ class ComputedBlocks:
     block_ids: tuple[int, ...]  # cached blocks holding the prompt's first tokens, in order
     num_computed_tokens: int  # tokens those blocks hold (len(block_ids) * block_size)
     block_hashes: tuple[BlockHash, ...]  # keys of every full block of the prompt; () if caching is off
-    salt: str | None = None  # the request's salt, used for keys of its later blocks
+    salt: str | None = None  # the request's salt (block_hash.request_salt; keyed into its first block)
+    # (key, tier) of each TIER_BLOCK entry of block_ids, in order: hits in the host or disk tier
+    tier_hits: tuple[tuple[BlockHash, str], ...] = ()
 
     @classmethod
     def empty(cls, salt: str | None = None) -> ComputedBlocks:
@@ -76,10 +83,14 @@ def _cdiv(a: int, b: int) -> int:
 class KVCacheManager:
     """Per-request block tables over one `BlockPool`."""
 
-    def __init__(self, pool: BlockPool) -> None:
+    def __init__(self, pool: BlockPool, tiers: TierIndex | None = None, group: str = FULL_GROUP) -> None:
         self.pool = pool
         self.block_size = pool.block_size  # tokens per block
         self._reqs: dict[str, _RequestBlocks] = {}
+        # the KV tiers below the pool (kv_tiers.py; shared by a hybrid build's groups), this pool's group
+        self.tiers, self.group = tiers, group
+        if tiers is not None:
+            pool.record_evictions()
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._reqs
@@ -111,12 +122,45 @@ class KVCacheManager:
         hashes = hash_full_blocks(request_tokens, self.block_size, salt)
         max_hits = max(len(request_tokens) - 1, 0) // self.block_size
         hits = self.pool.lookup(hashes[:max_hits])
+        tier_hits = []
+        if self.tiers is not None:  # pool -> host -> disk: the prefix continues in the tiers
+            for h in hashes[len(hits):max_hits]:
+                tier = self.tiers.where((self.group, h))
+                if tier is None:
+                    break
+                tier_hits.append((h, tier))
         return ComputedBlocks(
-            block_ids=tuple(hits),
-            num_computed_tokens=len(hits) * self.block_size,
+            block_ids=tuple(hits) + (TIER_BLOCK,) * len(tier_hits),
+            num_computed_tokens=(len(hits) + len(tier_hits)) * self.block_size,
             block_hashes=tuple(hashes),
             salt=salt,
+            tier_hits=tuple(tier_hits),
         )
+
+    # ---- KV tiers (kv_tiers.py) ----------------------------------------------------------
+    def prefetch_tier_hits(self, computed: ComputedBlocks) -> bool:
+        """Ask for `computed`'s disk hits to be read (off the step); True while any is still
+        on disk or being read: the request waits ("loading") and looks its prefix up again."""
+        waiting = False
+        for h, tier in computed.tier_hits:
+            if tier == DISK:
+                self.tiers.prefetch((self.group, h))
+                waiting = True
+        return waiting
+
+    def take_tier_ops(self) -> tuple[TierOp, ...]:
+        """The transfers this step's allocations asked for, in order (SchedulerOutput.kv_ops)."""
+        return self.tiers.take_ops() if self.tiers is not None else ()
+
+    def apply_tier_events(self, events: TierEvents) -> None:
+        if self.tiers is not None:
+            self.tiers.apply(events)
+
+    def _offload_evicted(self) -> None:
+        """Hand the cached blocks the pool just evicted to the tiers (saved before the step)."""
+        if self.tiers is not None:
+            for block_id, block_hash in self.pool.pop_evicted():
+                self.tiers.offer(self.group, block_id, block_hash)
 
     def cache_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """Publish the request's blocks that became full once the KV of its first
@@ -137,12 +181,12 @@ class KVCacheManager:
             req.block_hashes = hash_full_blocks(
                 full_tokens, self.block_size, req.salt, parent_hashes=req.block_hashes
             )
-        pairs = [
-            (req.block_ids[i], req.block_hashes[i])
-            for i in range(req.num_cached_blocks, num_full)
-            if req.block_ids[i] != PAD_BLOCK_ID
-        ]
-        self.pool.cache_full_blocks([b for b, _ in pairs], [h for _, h in pairs])
+        idx = [i for i in range(req.num_cached_blocks, num_full) if req.block_ids[i] != PAD_BLOCK_ID]
+        bs = self.block_size
+        # parents and tokens only feed the pool's observer events (BlockPool.record_events)
+        self.pool.cache_full_blocks([req.block_ids[i] for i in idx], [req.block_hashes[i] for i in idx],
+                                    parent_hashes=[req.block_hashes[i - 1] if i else None for i in idx],
+                                    block_tokens=[token_ids[i * bs:(i + 1) * bs] for i in idx])
         req.num_cached_blocks = num_full
 
     # ---- allocation ---------------------------------------------------------------
@@ -167,6 +211,7 @@ class KVCacheManager:
             new = self.pool.get_new_blocks(_cdiv(total, self.block_size) - len(req.block_ids))
             if new is None:
                 return None
+            self._offload_evicted()
             req.block_ids.extend(new)
             req.num_slots = total
             return new
@@ -181,14 +226,18 @@ class KVCacheManager:
         # NOTE: PAD_BLOCK_ID hits: blocks a sliding window no longer needs (a hybrid build's
         # local group, runtime/core/hybrid_kv_cache_manager.py): kept as released, never touched
         hits = list(computed.block_ids)
-        held = [b for b in hits if b != PAD_BLOCK_ID]
+        held = [b for b in hits if b not in (PAD_BLOCK_ID, TIER_BLOCK)]
+        num_tier = hits.count(TIER_BLOCK)
+        if num_tier != len(computed.tier_hits) or (num_tier and self.tiers is None):
+            raise KVCacheError(f"allocate_slots({request_id!r}): computed_blocks' tier hits do not match its "
+                               "block ids; pass get_computed_blocks()'s result unchanged")
         if computed.num_computed_tokens != len(hits) * self.block_size:
             raise KVCacheError(
                 f"allocate_slots({request_id!r}): computed_blocks holds {len(hits)} blocks but "
                 f"claims {computed.num_computed_tokens} tokens; pass get_computed_blocks()'s result unchanged"
             )
         for i, block_id in enumerate(hits):
-            if block_id == PAD_BLOCK_ID:
+            if block_id in (PAD_BLOCK_ID, TIER_BLOCK):
                 continue
             if i >= len(computed.block_hashes) or self.pool.block_hash(block_id) != computed.block_hashes[i]:
                 raise KVCacheError(
@@ -196,14 +245,25 @@ class KVCacheManager:
                     "get_computed_blocks(); call both in the same step with no allocation between"
                 )
         total = computed.num_computed_tokens + num_new_tokens
-        num_needed = _cdiv(total, self.block_size) - len(hits)
+        num_needed = _cdiv(total, self.block_size) - len(hits) + num_tier
         # Touching an evictable hit takes it out of the free count, so it cannot pay
         # for the new blocks too.
         if num_needed > self.num_free_after_hits(held):
             return None
+        if num_tier:  # NOTE: the evictions below must not push these hits out of their tier
+            self.tiers.pin((self.group, h) for h, _ in computed.tier_hits)
         self.pool.touch(held)
         new = self.pool.get_new_blocks(num_needed)
         assert new is not None, "free count was checked above"
+        self._offload_evicted()  # NOTE: first: a reused block's old KV is saved before a load overwrites it
+        if num_tier:  # tier hits: fresh blocks, loaded before the step, published at once
+            loaded, new = new[:num_tier], new[num_tier:]
+            it = iter(loaded)
+            hits = [next(it) if b == TIER_BLOCK else b for b in hits]
+            keys = [h for h, _ in computed.tier_hits]
+            for block_id, block_hash in zip(loaded, keys):
+                self.tiers.load(self.group, block_id, block_hash)
+            self.pool.cache_full_blocks(loaded, keys)
         self._reqs[request_id] = _RequestBlocks(
             block_ids=hits + new,
             num_slots=total,
@@ -255,14 +315,16 @@ class KVCacheManager:
         )
         return n * self.block_size
 
-    def free_outside_window(self, request_id: str, num_computed_tokens: int, window: int) -> list[int]:
+    def free_outside_window(self, request_id: str, num_computed_tokens: int, window: int,
+                            keep_first: int = 0) -> list[int]:
         """Sliding window: release the request's blocks that no future token can attend
         to, replacing them by ``PAD_BLOCK_ID`` so block ``i`` still means positions
         ``i*block_size..``. Returns the released block ids.
 
         The next token, at position ``num_computed_tokens``, attends to positions
         ``>= num_computed_tokens - window + 1`` (HF Mistral's convention), so blocks
-        ending before that are released."""
+        ending before that are released, except the first ``keep_first`` blocks (streaming
+        eviction's attention sinks, runtime/core/streaming.py)."""
         req = self._get(request_id, "free_outside_window")
         if window < 1:
             raise KVCacheError(f"free_outside_window({request_id!r}): window={window} must be >= 1")
@@ -273,7 +335,7 @@ class KVCacheManager:
             )
         first_needed = max(num_computed_tokens - window + 1, 0)
         released = []
-        for i in range(first_needed // self.block_size):
+        for i in range(keep_first, first_needed // self.block_size):
             if req.block_ids[i] != PAD_BLOCK_ID:
                 released.append(req.block_ids[i])
                 req.block_ids[i] = PAD_BLOCK_ID

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from ..sampling_params import SamplerState
 from .kv_cache_manager import GroupBlocks
+from .kv_tiers import TierEvents, TierOp
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +66,9 @@ class ScheduledRequest:
     prompt_targets: tuple[int, ...] = ()
     prompt_target_start: int = 0
     prompt_top_k: int = 0
+    # streaming eviction (core/streaming.py): tokens of released blocks that `block_table` leaves out,
+    # between the sinks and the recent window; a position p past them is attention index p - kv_gap
+    kv_gap: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +91,9 @@ class SchedulerOutput:
     scheduled: tuple[ScheduledRequest, ...]
     num_batched_tokens: int
     preempted: tuple[str, ...]
+    # KV tier transfers (kv_tiers.py), in order, for the runner to carry out before the step's compute:
+    # evicted blocks saved, blocks moved host -> disk or dropped, disk reads started, hits loaded into blocks
+    kv_ops: tuple[TierOp, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,3 +109,4 @@ class ModelRunnerOutput:
     failed: dict[str, str]  # request id -> why its part of the step failed (the rest of the step ran)
     # request id -> the log-probabilities of its chunk's prompt_targets (chunks that have some)
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+    tier_events: TierEvents | None = None  # the KV tiers' reads finished or failed (kv_tiers.py); None: no tiers

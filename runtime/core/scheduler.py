@@ -25,6 +25,14 @@ output carries all of them. NOTE (choices):
 - chunked prefill: each chunk scores its own rows; preemption by recompute computes the
   prompt again but scores only the positions not yet scored, so nothing is duplicated.
 - max_tokens 0: the request computes its prompt and finishes ("length") without sampling.
+
+Streaming eviction (SchedulerConfig.streaming, runtime/core/streaming.py): after each step a
+running sequence's blocks between its sinks and its recent window are released; its chunks get
+the table without them (`ScheduledRequest.kv_gap`); no "length" at max_model_len: a sequence whose
+next token would reach it takes a context shift (its middle tokens leave its KV token list,
+`Request.num_dropped`, and the kept ones are recomputed, as a preemption would), and so does a
+preempted one. NOTE: blocks computed once a release hid part of their prefix are not published to
+the prefix cache (their KV is not the prefix's): only the blocks before the first release are.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from kvexport.errors import KvExportError
 
 from ..sampling_params import SamplerState, SamplingParams
 from .kv_cache_interface import KVCacheManagerProtocol
+from .streaming import StreamingWindow, compact
 from .outputs import EngineCoreOutput, ModelRunnerOutput, PromptLogprobs, ScheduledRequest, SchedulerOutput
 
 
@@ -51,6 +60,7 @@ class SchedulerConfig:
     # (one KV group), or the windowed layers' (a HybridKVCacheManager's local group); None: keep all
     sliding_window: int | None = None
     eos_token_ids: tuple[int, ...] = ()  # a sampled one finishes the request ("stop") unless ignore_eos
+    streaming: StreamingWindow | None = None  # --kv-eviction streaming (core/streaming.py); None: keep all
 
     def __post_init__(self) -> None:
         from kvexport.errors import ConfigError
@@ -68,6 +78,7 @@ class SchedulerStats:
     num_waiting: int  # requests queued for admission (new or preempted)
     num_preemptions: int  # preemptions since start
     running_computed_tokens: tuple[tuple[str, int], ...]  # (request id, tokens whose KV is stored)
+    num_context_shifts: int = 0  # streaming: context shifts since start (core/streaming.py)
 
 
 class Status(str, enum.Enum):
@@ -93,10 +104,27 @@ class Request:
     salt: str | None = None
     share_prompt_with: str | None = None  # parallel sample: admitted once that request's prompt is cached
     prompt_scores: list[PromptLogprobs] | None = None  # prompt logprobs scored so far, consecutive from position 1
+    # streaming (core/streaming.py): tokens after the sinks dropped from the KV token list by context shifts
+    num_dropped: int = 0
+    num_shifts: int = 0  # context shifts so far
+    publish_limit: int | None = None  # KV tokens whose blocks may be published (None: all; set at the first release)
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_kv_tokens(self) -> int:
+        """Tokens of the KV token list (token_ids without the ones context shifts dropped)."""
+        return len(self.token_ids) - self.num_dropped
+
+    def kv_token_ids(self, start: int = 0, end: int | None = None, sink_tokens: int = 0) -> list[int]:
+        """Entries start..end of the KV token list: token_ids[:sink_tokens] + token_ids[sink_tokens + num_dropped:]."""
+        end = self.num_kv_tokens if end is None else end
+        ids, k, d = self.token_ids, sink_tokens, self.num_dropped
+        if not d:
+            return ids[start:end]
+        return (ids[start:min(end, k)] if start < k else []) + (ids[max(start, k) + d:end + d] if end > k else [])
 
     @property
     def num_output_tokens(self) -> int:
@@ -130,6 +158,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self.num_preemptions = 0
+        self.tiers_loading = False  # the last schedule() left the queue's head waiting for a disk-tier read
+        self.num_context_shifts = 0
+        self.streaming = config.streaming
         # NOTE: a sequence may never need more slots than the whole pool, or a lone request
         # would preempt itself forever; the usable context is capped by the pool's size.
         self.pool_tokens = kv.pool.num_usable_blocks * kv.block_size
@@ -167,7 +198,8 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(len(self.running), len(self.waiting), self.num_preemptions,
-                              tuple((r.request_id, r.num_computed_tokens) for r in self.running))
+                              tuple((r.request_id, r.num_computed_tokens) for r in self.running),
+                              self.num_context_shifts)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -175,12 +207,13 @@ class Scheduler:
     # ---- one step --------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
+        self.tiers_loading = False  # the queue's head waits for a disk-tier read (set below)
         chunks: list[tuple[Request, int]] = []
         preempted: list[str] = []
         for req in list(self.running):
             if req.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_kv_tokens - req.num_computed_tokens, budget)
             if n <= 0:
                 continue
             while True:
@@ -203,12 +236,17 @@ class Scheduler:
                 self._copy_leader_scores(req)
                 # NOTE: no lookup (an empty token list hits nothing) while the prompt's logprobs are
                 # still to be scored: cached blocks have no logits (module docstring)
-                computed = self.kv.get_computed_blocks(() if req.scoring else req.token_ids, req.salt)
-                n = min(req.num_tokens - computed.num_computed_tokens, budget)
+                computed = self.kv.get_computed_blocks(() if req.scoring else self._kv_ids(req), req.salt)
+                if self.kv.prefetch_tier_hits(computed):
+                    # NOTE: part of its prefix is being read from the disk tier (kv_tiers.py, off the
+                    # step): the running requests go on; it is looked up again next step
+                    self.tiers_loading = True
+                    break
+                n = min(req.num_kv_tokens - computed.num_computed_tokens, budget)
                 if self.kv.allocate_slots(req.request_id, n, computed) is None:
                     break  # FCFS: nobody overtakes the head of the queue
                 self.waiting.popleft()
-                if req.num_preemptions == 0:
+                if req.num_preemptions == 0 and req.num_shifts == 0:
                     req.num_cached_prompt_tokens = computed.num_computed_tokens
                 req.num_computed_tokens = computed.num_computed_tokens
                 req.status = Status.RUNNING
@@ -218,24 +256,29 @@ class Scheduler:
         out = []
         for req, n in chunks:
             start = req.num_computed_tokens
-            samples = start + n == req.num_tokens and req.params.max_tokens > 0
+            samples = start + n == req.num_kv_tokens and req.params.max_tokens > 0
             # rows at positions start..start+n-1 predict the tokens after them; those still to be scored
             first = max(start + 1, req.next_scored_position)
             targets = tuple(req.token_ids[first:min(start + n + 1, req.num_prompt_tokens)]) if req.scoring else ()
+            table, gap = tuple(self.kv.block_table(req.request_id)), 0
+            if self.streaming is not None:
+                table, gap = compact(table, self.kv.block_size)
             out.append(ScheduledRequest(
-                req.request_id, tuple(req.token_ids[start:start + n]), start,
-                tuple(self.kv.block_table(req.request_id)),
+                req.request_id, tuple(self._kv_ids(req, start, start + n)), start, table,
                 tuple(self.kv.slot_mapping(req.request_id, start, n)),
                 samples, req.sampler if samples else None, req.num_output_tokens,
                 self.kv.extra_groups(req.request_id, start, n),
-                targets, first, req.params.prompt_logprobs or 0))
-        return SchedulerOutput(tuple(out), self.config.max_num_batched_tokens - budget, tuple(preempted))
+                targets, first, req.params.prompt_logprobs or 0, kv_gap=gap))
+        return SchedulerOutput(tuple(out), self.config.max_num_batched_tokens - budget, tuple(preempted),
+                               self.kv.take_tier_ops())
 
     def update_from_output(self, output: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Record that the step's KV is stored, append sampled tokens, apply the stop rules
         and finish requests (freeing their blocks). Requests whose part of the step failed
         finish with "error". Returns one EngineCoreOutput per request the step changed."""
         outs = []
+        if result.tier_events is not None:  # reads and failures of the KV tiers (kv_tiers.py)
+            self.kv.apply_tier_events(result.tier_events)
         for s in output.scheduled:
             req = self.requests.get(s.request_id)
             if req is None or req.status is not Status.RUNNING:
@@ -245,7 +288,9 @@ class Scheduler:
                 outs.append(EngineCoreOutput(req.request_id, (), "error", req.error))
                 continue
             req.num_computed_tokens += len(s.token_ids)
-            self.kv.cache_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
+            if req.publish_limit is None:
+                self.kv.cache_blocks(req.request_id, self._kv_ids(req) if req.num_dropped else req.token_ids,
+                                     req.num_computed_tokens)
             scores = result.prompt_logprobs.get(s.request_id)
             if scores is not None and req.prompt_scores is not None:
                 scores = scores.since(req.next_scored_position)  # NOTE: defensive; the scheduler asks for new ones only
@@ -258,15 +303,17 @@ class Scheduler:
                     outs.append(EngineCoreOutput(req.request_id, (), "length", None,
                                                  num_cached_prompt_tokens=req.num_cached_prompt_tokens,
                                                  prompt_logprobs=self._all_scores(req)))
-                elif self.config.sliding_window:
-                    self.kv.free_outside_window(req.request_id, req.num_computed_tokens, self.config.sliding_window)
+                else:
+                    self._release(req)
                 continue
             req.token_ids.append(tok.token_id)
             reason = self._stop_reason(req, tok.token_id)
             if reason:
                 self._finish(req, reason)
-            elif self.config.sliding_window:
-                self.kv.free_outside_window(req.request_id, req.num_computed_tokens, self.config.sliding_window)
+            elif self.streaming is not None and req.num_kv_tokens > self.max_model_len:
+                self._context_shift(req)  # the next token's position would reach max_model_len
+            else:
+                self._release(req)
             outs.append(EngineCoreOutput(req.request_id, (tok.token_id,), reason, None, tok.logprob, tok.top_logprobs,
                                          req.num_cached_prompt_tokens,
                                          self._all_scores(req) if req.num_output_tokens == 1 else None))
@@ -285,11 +332,46 @@ class Scheduler:
         p, n = req.params, req.num_output_tokens
         if n >= p.min_tokens and ((token in self.config.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids):
             return "stop"
-        if n >= p.max_tokens or req.num_tokens >= self.max_model_len:
+        if n >= p.max_tokens or (self.streaming is None and req.num_tokens >= self.max_model_len):
             return "length"
         return None
 
     # ---- internals -------------------------------------------------------------------
+    def _kv_ids(self, req: Request, start: int = 0, end: int | None = None) -> list[int]:
+        """Entries start..end of the request's KV token list (its token_ids unless streaming dropped some)."""
+        return req.kv_token_ids(start, end, self.streaming.sink_tokens if self.streaming else 0)
+
+    def _release(self, req: Request) -> None:
+        """After a step: free the blocks no future token of the request reads (the model's sliding
+        window, or streaming's middle blocks)."""
+        w = self.streaming
+        if w is not None:
+            released = self.kv.free_outside_window(req.request_id, req.num_computed_tokens, w.release_window,
+                                                    keep_first=w.sink_blocks)
+            if released and req.publish_limit is None:
+                req.publish_limit = req.num_computed_tokens  # later tokens no longer see their whole prefix
+        elif self.config.sliding_window:
+            self.kv.free_outside_window(req.request_id, req.num_computed_tokens, self.config.sliding_window)
+
+    def _drop_middle(self, req: Request) -> None:
+        """Streaming: keep the sinks and the last recent_tokens (+ the next token) of the KV token list."""
+        w = self.streaming
+        assert w is not None
+        drop = req.num_kv_tokens - w.kept_after_shift
+        if drop > 0 and req.num_kv_tokens > w.sink_tokens:
+            req.num_dropped += drop
+
+    def _context_shift(self, req: Request) -> None:
+        """Streaming: drop the middle of the request's KV token list and recompute the kept tokens
+        at positions 0.. (it goes back to the front of the queue, as a preempted request does)."""
+        self.running.remove(req)
+        self.kv.free(req.request_id)
+        self._drop_middle(req)
+        req.num_shifts += 1
+        self.num_context_shifts += 1
+        req.status, req.num_computed_tokens, req.publish_limit = Status.WAITING, 0, None
+        self.waiting.appendleft(req)
+
     @staticmethod
     def _all_scores(req: Request) -> PromptLogprobs | None:
         """Every prompt token's logprob from position 1 (empty for a one-token prompt), or None
@@ -313,11 +395,14 @@ class Scheduler:
         """A parallel sample waits while its leader is still computing the shared prompt."""
         lead = self.requests.get(req.share_prompt_with) if req.share_prompt_with else None
         return (lead is not None and lead.status is Status.RUNNING
-                and lead.num_computed_tokens < lead.num_prompt_tokens)
+                and lead.num_computed_tokens < min(lead.num_prompt_tokens, lead.num_kv_tokens))
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.kv.free(req.request_id)
+        if self.streaming is not None and not req.scoring:
+            self._drop_middle(req)  # NOTE: recomputed anyway: only the kept tokens (as a context shift)
+            req.publish_limit = None
         req.status = Status.WAITING
         req.num_computed_tokens = 0
         req.num_preemptions += 1

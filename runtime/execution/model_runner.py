@@ -23,6 +23,7 @@ import numpy as np
 from kvexport import io
 
 from ..core.outputs import ModelRunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput
+from .kv_offload import KVOffload
 from .model_input import Backend, ModelInput
 from .prompt_logprobs import score
 from .sampling import sample
@@ -53,9 +54,14 @@ def pack(chunks: Sequence[ScheduledRequest], block_size: int, full_tables: bool,
     steps (this step's keys come from the step itself), so its tables are cut to the blocks
     holding those: a fresh prompt passes a table of width 0 and attends to nothing stale.
     The `plugin` attention stores this step's KV first and reads it back (`full_tables`):
-    its tables cover every block up to seq_lens."""
+    its tables cover every block up to seq_lens.
+
+    NOTE: streaming eviction (`kv_gap`): the table leaves out released blocks, so seq_lens and the
+    table's extent count kept tokens (start_pos - kv_gap + ...) while positions stay the tokens' own;
+    the graphs mask cached keys by their index in the table, never by position."""
     ids, pos, slots, qsl, lens = [], [], [], [0], []
-    end = (lambda s: s.start_pos + len(s.token_ids)) if full_tables else (lambda s: s.start_pos)
+    end = ((lambda s: s.start_pos - s.kv_gap + len(s.token_ids)) if full_tables
+           else (lambda s: s.start_pos - s.kv_gap))
     width = max(-(-end(s) // block_size) for s in chunks)
     tables = np.full((len(chunks), width), io.PAD_BLOCK_ID, np.int64)  # [S, max_blocks]
     for r, s in enumerate(chunks):
@@ -63,7 +69,7 @@ def pack(chunks: Sequence[ScheduledRequest], block_size: int, full_tables: bool,
         pos.extend(range(s.start_pos, s.start_pos + len(s.token_ids)))
         slots.extend(s.slot_mapping)
         qsl.append(qsl[-1] + len(s.token_ids))
-        lens.append(s.start_pos + len(s.token_ids))
+        lens.append(s.start_pos - s.kv_gap + len(s.token_ids))
         used = -(-end(s) // block_size)
         assert len(s.block_table) >= used, "a block table must cover the blocks the step reads"
         tables[r, :used] = s.block_table[:used]
@@ -100,8 +106,10 @@ def _groups(q_len: list[int], slack: float) -> list[list[int]]:
 class ModelRunner:
     """Owns the backend: packs a step, runs it, samples."""
 
-    def __init__(self, backend: Backend, block_size: int, eos_token_ids: tuple[int, ...] = ()):
+    def __init__(self, backend: Backend, block_size: int, eos_token_ids: tuple[int, ...] = (),
+                 offload: KVOffload | None = None):
         self.backend, self.block_size, self.eos_token_ids = backend, block_size, tuple(eos_token_ids)
+        self.offload = offload  # the KV tiers' copier (kv_offload.py); None: no tiers
 
     def logits(self, chunks: Sequence[ScheduledRequest], all_tokens: bool = False) -> np.ndarray:
         """Run the chunks (storing their K/V in the pool); logits [len(chunks), vocab] float32,
@@ -142,7 +150,12 @@ class ModelRunner:
         step returns every token's logits, which an --all-logits build computes anyway). A
         request whose part of the step fails (in the backend, in scoring or in sampling) is
         reported in `failed`; the others' tokens are still sampled."""
+        if self.offload is not None:  # NOTE: before the compute: evicted blocks are saved, tier hits loaded
+            self.offload.run(out.kv_ops)
         rows = list(out.scheduled)
+        if not rows:  # only transfers (a request waits for a disk read): wait a little for it
+            events = self.offload.poll(wait_s=0.005) if self.offload is not None else None
+            return ModelRunnerOutput({}, {}, tier_events=events)
         all_tokens = any(s.prompt_targets for s in rows)
         logits, failed = self._isolating(rows, all_tokens)
         spans = _rows(rows, all_tokens)
@@ -170,7 +183,7 @@ class ModelRunner:
                 failed[s.request_id] = f"sampling failed: {e}"
                 continue
             sampled[s.request_id] = SampledToken(tok, lp, tuple(top) if top is not None else None)
-        return ModelRunnerOutput(sampled, failed, scored)
+        return ModelRunnerOutput(sampled, failed, scored, self.offload.poll() if self.offload is not None else None)
 
     def _isolating(self, rows: list[ScheduledRequest],
                    all_tokens: bool = False) -> tuple[np.ndarray | None, dict[str, str]]:

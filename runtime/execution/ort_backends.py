@@ -169,7 +169,7 @@ class _OrtBackend:
         self.accuracy = resolve_accuracy(manifest.weights.quantization, accuracy)
         self.profile_prefix = profile_prefix  # onnxruntime profiling of every run, to files with this prefix
         self.providers = providers or _providers()
-        dtype = np.dtype(io.DType(kv.dtype).numpy_name)
+        dtype = np.dtype(io.DType(kv.dtype).pool_dtype)  # int4: uint8 rows (io.KV_INT4_FORMAT)
         # KV cache groups (kvexport/io.py): a layer of the local group has `local_num_blocks`
         # blocks (default: as many as the full group's, for callers with one table per sequence)
         layer_groups = manifest.layer_groups or (io.FULL_GROUP,) * kv.num_layers
@@ -180,7 +180,8 @@ class _OrtBackend:
                                 f"{self.local_num_blocks}")
         self.layer_groups = layer_groups
         blocks = {io.FULL_GROUP: num_blocks, io.LOCAL_GROUP: self.local_num_blocks}
-        shapes = [io.paged_pool_shape(blocks[g], kv.num_kv_heads, kv.block_size, kv.head_dim) for g in layer_groups]
+        shapes = [io.paged_pool_shape(blocks[g], kv.num_kv_heads, kv.block_size, kv.head_dim,
+                                      io.DType(kv.dtype).numpy_name) for g in layer_groups]
         # [K_0, V_0, K_1, V_1, ...], each [kv_heads, num_blocks (of the layer's group), block_size, head_dim]
         self.pools = [_zeros_small_pages(shapes[i // 2], dtype) for i in range(2 * kv.num_layers)]
         self._pool_names = [n for i in range(kv.num_layers) for n in (io.key_cache(i), io.value_cache(i))]

@@ -14,14 +14,23 @@ from __future__ import annotations
 import numpy as np
 
 from ..core.outputs import PromptLogprobs
+from .sampling import NonFiniteLogitsError, floor
 
 
 def log_softmax(rows: np.ndarray) -> np.ndarray:
     """log_softmax over the last axis of [m, vocab] float32 rows, in float32 (a new array).
     NOTE: float32 keeps the transient at the size of the rows (a 512-token chunk of a
-    49k vocabulary is 100 MB in float32); the error against float64 is ~1e-6 here."""
+    49k vocabulary is 100 MB in float32); the error against float64 is ~1e-6 here.
+    Non-finite logits as the sampler takes them (runtime/execution/sampling.py): NaN counts as
+    -inf, +inf as the largest float; a row with no finite logit raises NonFiniteLogitsError."""
     x = rows.astype(np.float32, copy=True)
-    x -= x.max(axis=-1, keepdims=True)
+    x[np.isnan(x)] = -np.inf
+    np.minimum(x, np.finfo(np.float32).max, out=x)
+    top = x.max(axis=-1, keepdims=True)
+    if not (top > -np.inf).all():
+        raise NonFiniteLogitsError("the model returned no finite logit at a prompt position (its weights or "
+                                   "activations hold NaN; check the build with `kvexport inspect`)")
+    x -= top
     x -= np.log(np.exp(x).sum(axis=-1, keepdims=True))
     return x
 
@@ -43,4 +52,6 @@ def score(rows: np.ndarray, targets: tuple[int, ...], start: int, top_k: int) ->
         order = np.argsort(-vals, axis=-1, kind="stable")
         part, vals = np.take_along_axis(part, order, axis=-1), np.take_along_axis(vals, order, axis=-1)
         top = tuple(tuple(zip(map(int, p), map(float, v))) for p, v in zip(part, vals))
-    return PromptLogprobs(start, tuple(targets), tuple(map(float, chosen)), tuple(map(int, ranks)), top)
+    if top is not None:
+        top = tuple(tuple((t, floor(v)) for t, v in row) for row in top)
+    return PromptLogprobs(start, tuple(targets), tuple(floor(float(v)) for v in chosen), tuple(map(int, ranks)), top)

@@ -4,6 +4,12 @@ under the request's `SamplingParams` (runtime/sampling_params.py).
 NOTE: every request owns its random generator, seeded from `seed`, and draws exactly one
 number per generated token, so a seeded request gives the same tokens whatever else shares
 its batch.
+
+Non-finite numbers never leave the sampler: a NaN logit (or one a penalty turned into NaN,
+0 x inf) counts as -inf (never chosen), +inf (a penalty's or a temperature's overflow) is
+clamped to the largest float, and a log-probability of -inf (a token the step ruled out) is
+reported as LOGPROB_FLOOR, as vLLM's OpenAI server reports it. A row with no finite logit at
+all (NaN weights) fails the request, naming the cause, rather than returning an arbitrary token.
 """
 
 from __future__ import annotations
@@ -13,9 +19,33 @@ import numpy as np
 from ..sampling_params import SamplerState
 
 
+LOGPROB_FLOOR = -9999.0  # the log-probability reported for -inf (vLLM's OpenAI server: max(logprob, -9999.0))
+_FMAX = np.finfo(np.float64).max
+
+
+class NonFiniteLogitsError(ValueError):
+    """The model gave no finite logit for a sequence's step (NaN weights or activations)."""
+
+
+def _finite(x: np.ndarray) -> np.ndarray:
+    """`x` (float64) with NaN as -inf and +inf as the largest float, in place; raises
+    NonFiniteLogitsError when no entry is left above -inf."""
+    x[np.isnan(x)] = -np.inf
+    np.minimum(x, _FMAX, out=x)
+    if not x.max() > -np.inf:
+        raise NonFiniteLogitsError("the model returned no finite logit for this step (NaN or -inf everywhere: its "
+                                   "weights or activations hold NaN; check the build with `kvexport inspect`)")
+    return x
+
+
 def _log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x - x.max()
+    x = x - x.max()  # NOTE: x.max() is finite (_finite): entries are finite or -inf, none NaN
     return x - np.log(np.exp(x).sum())
+
+
+def floor(logprob: float) -> float:
+    """A log-probability as reported: finite (-inf -> LOGPROB_FLOOR)."""
+    return logprob if logprob > LOGPROB_FLOOR else LOGPROB_FLOOR
 
 
 def sample(logits: np.ndarray, state: SamplerState, prompt_tokens: set[int], num_generated: int,
@@ -31,18 +61,21 @@ def sample(logits: np.ndarray, state: SamplerState, prompt_tokens: set[int], num
         seen = np.fromiter(prompt_tokens | state.counts.keys(), dtype=np.int64)
         if seen.size:
             v = x[seen]
-            x[seen] = np.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+            with np.errstate(over="ignore", invalid="ignore"):  # NOTE: inf and NaN are _finite()'s to handle
+                x[seen] = np.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
     if state.counts and (p.presence_penalty or p.frequency_penalty):
         ids = np.fromiter(state.counts.keys(), dtype=np.int64)
         cnt = np.fromiter(state.counts.values(), dtype=np.float64)
         x[ids] -= p.presence_penalty + p.frequency_penalty * cnt
+    _finite(x)
     logprobs_src = _log_softmax(x) if p.logprobs is not None else None
 
     if p.greedy:
         token = int(np.argmax(x))
         state.rng.random()  # NOTE: keep one draw per token even when greedy
     else:
-        x = x / p.temperature
+        with np.errstate(over="ignore"):
+            x = _finite(x / p.temperature)  # NOTE: a tiny temperature overflows to inf
         if p.top_k and p.top_k < x.size:
             kth = np.partition(x, -p.top_k)[-p.top_k]
             x[x < kth] = -np.inf
@@ -67,5 +100,5 @@ def sample(logits: np.ndarray, state: SamplerState, prompt_tokens: set[int], num
     if p.logprobs:
         idx = np.argpartition(-logprobs_src, p.logprobs)[:p.logprobs]
         idx = idx[np.argsort(-logprobs_src[idx])]
-        top = [(int(i), float(logprobs_src[i])) for i in idx]
-    return token, float(logprobs_src[token]), top
+        top = [(int(i), floor(float(logprobs_src[i]))) for i in idx]
+    return token, floor(float(logprobs_src[token])), top

@@ -106,7 +106,8 @@ def _torch_dtype(trt_dtype: trt.DataType) -> Any:
     import torch
 
     table = {trt.DataType.FLOAT: torch.float32, trt.DataType.HALF: torch.float16, trt.DataType.BF16: torch.bfloat16,
-             trt.DataType.INT8: torch.int8, trt.DataType.INT32: torch.int32, trt.DataType.INT64: torch.int64}
+             trt.DataType.INT8: torch.int8, trt.DataType.INT32: torch.int32, trt.DataType.INT64: torch.int64,
+             trt.DataType.UINT8: torch.uint8}  # UINT8: int4 KV pools (rows of codes + scales)
     if trt_dtype not in table:
         raise KvExportError(f"the engine has a tensor of type {trt_dtype}, which this backend does not bind")
     return table[trt_dtype]
@@ -220,9 +221,10 @@ class TensorRTBackend:
         self._runtime = trt.Runtime(self._logger)
         kv = manifest.kv
         pool_dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
-                      "int8": torch.int8}[kv.dtype]
+                      "int8": torch.int8, "int4": torch.uint8}[kv.dtype]  # int4: rows of codes + scales
         blocks = {io.FULL_GROUP: num_blocks, io.LOCAL_GROUP: self.local_num_blocks or num_blocks}
-        shapes = [io.paged_pool_shape(blocks[g], kv.num_kv_heads, kv.block_size, kv.head_dim) for g in layer_groups]
+        shapes = [io.paged_pool_shape(blocks[g], kv.num_kv_heads, kv.block_size, kv.head_dim,
+                                      io.DType(kv.dtype).numpy_name) for g in layer_groups]
         # [K_0, V_0, K_1, V_1, ...], each [kv_heads, num_blocks (of the layer's group), block_size, head_dim]
         self.pools = [torch.zeros(shapes[i // 2], dtype=pool_dtype, device="cuda") for i in range(2 * kv.num_layers)]
         pool_names = [n for i in range(kv.num_layers) for n in (io.key_cache(i), io.value_cache(i))]

@@ -60,6 +60,7 @@ class Event:
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     prompt_logprobs: PromptLogprobs | None = None  # once the prompt is computed (SamplingParams.prompt_logprobs)
+    num_cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache (tokens)
 
 
 Deliver = Callable[[Event], None]
@@ -78,6 +79,7 @@ class _Add:
     params: SamplingParams
     sinks: list[_Sink]
     group: str  # the front-end request these samples belong to (fair admission)
+    salt: str | None = None  # the prefix-cache salt (core/block_hash.request_salt)
 
 
 @dataclass(slots=True)
@@ -87,6 +89,7 @@ class _Queued:
     params: SamplingParams
     sample_index: int  # within its prompt (seeds its RNG)
     leader: str | None  # the request id of sample 0 of the same prompt (prompt blocks shared)
+    salt: str | None = None  # the prefix-cache salt (core/block_hash.request_salt)
 
 
 @dataclass
@@ -152,16 +155,24 @@ class EngineThread:
                 self._lock.release()
         for rid, sink in left:
             self._push_to(sink, rid, Event(sink.index, "", [], 0, True, "error", reason))
+        close = getattr(self.engine, "close", None)
+        if close is not None and not self._thread.is_alive():  # NOTE: only once nothing steps the engine
+            try:
+                close()  # the pool's prefix-cache blocks to the disk tier (kv_offload_dir): a restart finds them
+            except Exception:  # noqa: BLE001 - stopping must finish
+                log.exception("writing the KV cache to the disk tier at shutdown failed")
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
     def submit(self, prompt: list[int], params: SamplingParams, deliver: Deliver, first_index: int = 0,
-               request_ids: list[str] | None = None, group: str | None = None) -> list[str]:
+               request_ids: list[str] | None = None, group: str | None = None,
+               salt: str | None = None) -> list[str]:
         """Queue `params.n` samples of one prompt; returns their engine request ids. Each
         sample's events go to `deliver` with index first_index + sample. `group` names the
         front-end request they belong to (all its prompts pass the same one); groups enter
-        the engine in turn. Default: a group of their own."""
+        the engine in turn. Default: a group of their own. `salt`: the prefix-cache salt
+        (core/block_hash.request_salt; the tenant's and the request's cache_salt)."""
         if request_ids is None:
             base = uuid.uuid4().hex
             request_ids = [f"{base}-{i}" for i in range(params.n)]
@@ -171,7 +182,7 @@ class EngineThread:
                 raise KvExportError("the engine thread has stopped (see the log); restart the server")
             self._inbox.put(_Add(list(request_ids), prompt, params,
                                  [_Sink(deliver, first_index + i) for i in range(params.n)],
-                                 group or request_ids[0]))
+                                 group or request_ids[0], salt))
         return list(request_ids)
 
     def abort(self, request_ids: list[str]) -> None:
@@ -202,7 +213,8 @@ class EngineThread:
         return Event(self._sinks[rid].index, o.new_text, o.new_token_ids, len(o.token_ids), o.finished,
                      o.finish_reason, o.error,
                      o.logprobs[-k:] if o.logprobs is not None and k else None,
-                     o.top_logprobs[-k:] if o.top_logprobs is not None and k else None, o.prompt_logprobs)
+                     o.top_logprobs[-k:] if o.top_logprobs is not None and k else None, o.prompt_logprobs,
+                     o.num_cached_prompt_tokens)
 
     def _finish(self, rid: str) -> None:
         self._sinks.pop(rid, None)
@@ -213,7 +225,7 @@ class EngineThread:
             queue_ = self._queued.setdefault(msg.group, OrderedDict())
             for i, (rid, sink) in enumerate(zip(msg.request_ids, msg.sinks)):
                 self._sinks[rid] = sink
-                queue_[rid] = _Queued(msg.prompt, msg.params, i, msg.request_ids[0] if i else None)
+                queue_[rid] = _Queued(msg.prompt, msg.params, i, msg.request_ids[0] if i else None, msg.salt)
                 self._group_of[rid] = msg.group
         elif isinstance(msg, tuple) and msg[0] == "abort":
             for rid in msg[1]:
@@ -249,7 +261,7 @@ class EngineThread:
         eng, sink = self.engine, self._sinks[rid]
         try:
             eng.add_request(q.prompt, q.params, request_id=rid, sample_index=q.sample_index,
-                            share_prompt_with=q.leader)
+                            share_prompt_with=q.leader, salt=q.salt)
         except Exception as e:  # noqa: BLE001 - report it to the request, keep serving
             self._push(rid, Event(sink.index, "", [], 0, True, "error", str(e)))
             self._sinks.pop(rid, None)

@@ -49,11 +49,37 @@ METRICS: tuple[Metric, ...] = (
     Metric("prefix_cache_hits_total", COUNTER, "Full blocks found in the prefix cache",
            lambda c, _: c.kv["prefix_hits"]),
     Metric("preemptions_total", COUNTER, "Sequences preempted for KV blocks", lambda c, _: c.kv["preemptions"]),
+    Metric("context_shifts_total", COUNTER, "Streaming eviction: sequences whose kept KV was recomputed at "
+           "max_model_len", lambda c, _: c.kv.get("context_shifts", 0)),
+    # the KV tiers below the pool (--kv-offload-memory, --kv-offload-dir; runtime/core/kv_tiers.py)
+    Metric("kv_offload_host_blocks", GAUGE, "KV blocks kept in the host-memory tier",
+           lambda c, _: c.kv.get("offload_host_blocks", 0)),
+    Metric("kv_offload_disk_blocks", GAUGE, "KV blocks kept in the disk tier",
+           lambda c, _: c.kv.get("offload_disk_blocks", 0)),
+    Metric("kv_offload_host_hits_total", COUNTER, "Prefix blocks loaded into the pool from host memory",
+           lambda c, _: c.kv.get("offload_host_hits", 0)),
+    Metric("kv_offload_disk_hits_total", COUNTER, "Prefix blocks loaded into the pool from disk",
+           lambda c, _: c.kv.get("offload_disk_hits", 0)),
+    Metric("kv_offload_host_write_bytes_total", COUNTER, "Bytes copied from the pool into host memory",
+           lambda c, _: c.kv.get("offload_host_write_bytes", 0)),
+    Metric("kv_offload_host_read_bytes_total", COUNTER, "Bytes copied from host memory into the pool",
+           lambda c, _: c.kv.get("offload_host_read_bytes", 0)),
+    Metric("kv_offload_disk_write_bytes_total", COUNTER, "Bytes written to the disk tier",
+           lambda c, _: c.kv.get("offload_disk_write_bytes", 0)),
+    Metric("kv_offload_disk_read_bytes_total", COUNTER, "Bytes read from the disk tier (verified)",
+           lambda c, _: c.kv.get("offload_disk_read_bytes", 0)),
+    Metric("kv_offload_load_seconds_total", COUNTER, "Seconds spent loading tier hits (disk reads + copies "
+           "into the pool); / kv_offload_loads_total = load latency per block", lambda c, _: c.kv.get("offload_load_seconds", 0)),
+    Metric("kv_offload_loads_total", COUNTER, "Blocks loaded into the pool from a tier",
+           lambda c, _: c.kv.get("offload_loads", 0)),
+    Metric("kv_offload_disk_errors_total", COUNTER, "Corrupt, truncated or foreign block files refused (recomputed)",
+           lambda c, _: c.kv.get("offload_disk_errors", 0)),
     Metric("generation_tokens_total", COUNTER, "Tokens generated", lambda c, _: c.generation_tokens),
     Metric("prompt_tokens_total", COUNTER, "Prompt tokens received", lambda c, _: c.prompt_tokens),
     Metric("requests_total", COUNTER, "Sequences admitted (n samples count n)", lambda c, _: c.requests),
     Metric("requests_cancelled_total", COUNTER,
-           "Sequences stopped because the client cancelled or went away", lambda _, cancelled: cancelled),
+           "Sequences stopped because the client cancelled or went away (n samples count n)",
+           lambda _, cancelled: cancelled),
 )
 NAMES = tuple(m.full_name for m in METRICS)
 

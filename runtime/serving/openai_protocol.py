@@ -14,18 +14,13 @@ from __future__ import annotations
 
 import itertools
 import json
+import sys
 from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from .requests import RequestError, RequestParser
+from .requests import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, RequestError, RequestParser
 from ..sampling_params import SamplingParams
-
-# NOTE: stop strings are searched for in every new token's text, so one request's long list
-# would slow every engine step for everyone (OpenAI itself takes 4)
-MAX_STOP_STRINGS = 16  # stop strings per request
-MAX_STOP_CHARS = 256  # characters per stop string
-MAX_STOP_TOKEN_IDS = 256  # stop_token_ids per request
 
 
 # ---- errors ---------------------------------------------------------------------------------
@@ -45,13 +40,43 @@ class ApiError(Exception):
         return cls(400, str(e), param=e.param, code=e.code)
 
 
+# magic bytes of compressed bodies sent without (or with a wrong) Content-Encoding
+_COMPRESSED = ((b"\x1f\x8b", "gzip"), (b"\x28\xb5\x2f\xfd", "zstd"), (b"\x78\x9c", "zlib"), (b"\x78\xda", "zlib"),
+               (b"\x78\x01", "zlib"))
+
+
+def compressed_body_error(coding: str) -> ApiError:
+    """A body sent with a Content-Encoding (gzip, br, ...): 415, this server reads plain JSON only."""
+    return ApiError(415, f"Content-Encoding {coding!r}: this server does not take compressed request bodies; send "
+                         f"the JSON uncompressed (UTF-8, no Content-Encoding)", code="unsupported_content_encoding")
+
+
+def unparsed_body_reason(cause: BaseException | None) -> str:
+    """Why the JSON parser gave up on a request body (`cause`: its exception), in words."""
+    if isinstance(cause, UnicodeDecodeError):
+        raw = bytes(cause.object)
+        for magic, kind in _COMPRESSED:
+            if raw.startswith(magic):
+                return (f"the request body is {kind}-compressed; this server takes the JSON uncompressed "
+                        f"(UTF-8, no Content-Encoding)")
+        return (f"the request body is not UTF-8 text (byte {raw[cause.start:cause.start + 1]!r} at offset "
+                f"{cause.start}: latin-1 or another encoding?); send the JSON encoded as UTF-8")
+    if isinstance(cause, RecursionError):
+        return "the request body could not be parsed as JSON: it is nested too deeply"
+    if isinstance(cause, ValueError) and "digits" in str(cause):
+        return (f"the request body could not be parsed as JSON: a number with too many digits (more than "
+                f"{sys.get_int_max_str_digits()})")
+    return "the request body could not be parsed as JSON"
+
+
 # ---- request bodies -------------------------------------------------------------------------
 class _Body(BaseModel):
     # NOTE: strict: "5" is not an int, 1.0 is not an int, true is not an int (JSON ints are
     # still accepted as floats); NaN and Infinity (which Python's JSON parser reads) are
     # refused. Unknown fields are refused, not ignored: a field this server does not
     # implement (logit_bias, best_of, tools, ...) would silently change what the client gets.
-    # The few OpenAI fields that change nothing in the output are declared and ignored.
+    # The few OpenAI fields that change nothing in the output are declared and ignored; those
+    # this server does not implement are taken at the values that change nothing (check_inert).
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
@@ -94,6 +119,10 @@ class _SamplingBody(_Body):
     ignore_eos: bool | None = None  # extension
     stream: bool | None = None
     stream_options: StreamOptions | None = None
+    # extension (vLLM): prefix-cache blocks are shared only with requests of the same salt (and tenant);
+    # a non-empty string, kept secret (a random 256-bit value, e.g. 43 base64 characters)
+    cache_salt: str | None = None
+    logit_bias: dict[str, float] | None = None  # not implemented: only null, {} or zero biases (check_inert)
     # accepted and ignored: they change nothing in the output
     user: str | None = None  # the end user's id
     store: bool | None = None
@@ -109,6 +138,9 @@ class CompletionRequest(_SamplingBody):
     # max_tokens 0 then answers the prompt only
     echo: bool | None = None
     prompt_logprobs: int | None = None  # extension (vLLM): each prompt token's logprob + the top-k (--all-logits)
+    # not implemented, taken at their defaults only (check_inert)
+    best_of: int | None = None  # only n (1 by default): every sample generated is returned
+    suffix: str | None = None  # only null or ""
 
 
 class ChatCompletionRequest(_SamplingBody):
@@ -117,6 +149,13 @@ class ChatCompletionRequest(_SamplingBody):
     max_completion_tokens: int | None = None  # the newer name of max_tokens
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    # not implemented, taken at their defaults only (check_inert): no tools, no structured output
+    tools: list[dict[str, Any]] | None = None  # only null or []
+    tool_choice: str | dict[str, Any] | None = None  # only "none" or "auto" (with no tools, the same)
+    functions: list[dict[str, Any]] | None = None  # the older name of tools: only null or []
+    function_call: str | dict[str, Any] | None = None  # the older name of tool_choice
+    response_format: dict[str, Any] | None = None  # only {"type": "text"}
+    parallel_tool_calls: bool | None = None  # accepted and ignored: there are no tools to call
 
 
 def _field_names(*models: type[BaseModel]) -> frozenset[str]:
@@ -142,10 +181,15 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens served from the prefix cache (the pool, host or disk tier)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class CompletionLogprobs(BaseModel):
@@ -287,7 +331,8 @@ def validation_error(errors: list[dict]) -> ApiError:
 # ---- request -> token ids, SamplingParams -----------------------------------------------
 def check_unicode(body: BaseModel) -> None:
     """Every string of the body must be encodable: JSON's "\\ud800" escape decodes to a lone
-    surrogate, which no tokenizer (nor UTF-8) takes. ApiError 400 naming the field otherwise."""
+    surrogate, which no tokenizer (nor UTF-8) takes. ApiError 400 naming the field otherwise.
+    O(body): call it off the event loop."""
     def walk(v: Any, path: str) -> None:
         if isinstance(v, str):
             try:
@@ -300,21 +345,69 @@ def check_unicode(body: BaseModel) -> None:
                 walk(k, path)
                 walk(x, f"{path}.{k}" if path else str(k))
         elif isinstance(v, list):
+            if v and type(v[0]) is int and all(type(x) is int for x in v):  # token ids: nothing to encode
+                return
             for i, x in enumerate(v):
                 walk(x, f"{path}[{i}]")
 
     walk(body.model_dump(exclude_none=True), "")
 
 
+# OpenAI fields this server does not implement, taken at the values that change nothing (what
+# SDKs, LangChain and vLLM's clients send as defaults): field -> (is the value inert, what is taken).
+# null is always taken; any other value is refused naming the field.
+_INERT: dict[str, tuple[Callable[[Any, Any], bool], str]] = {
+    "best_of": (lambda v, body: v == (body.n or 1), "best_of equal to n (1 by default)"),
+    "logit_bias": (lambda v, body: all(b == 0 for b in v.values()), "{} (no bias)"),
+    "suffix": (lambda v, body: v == "", '""'),
+    "tools": (lambda v, body: v == [], "[] (no tools)"),
+    "functions": (lambda v, body: v == [], "[] (no functions)"),
+    "tool_choice": (lambda v, body: v in ("none", "auto"), '"none" or "auto" (there are no tools)'),
+    "function_call": (lambda v, body: v in ("none", "auto"), '"none" or "auto" (there are no functions)'),
+    "response_format": (lambda v, body: v == {"type": "text"}, '{"type": "text"} (plain text)'),
+}
+
+
+def check_inert(body: CompletionRequest | ChatCompletionRequest) -> None:
+    """Refuse (400 naming the field) a value of a field this server does not implement that
+    would change the result; its default values are taken (_INERT)."""
+    for name, (inert, taken) in _INERT.items():
+        v = getattr(body, name, None)
+        if v is not None and not inert(v, body):
+            raise ApiError(400, f"{name}: this server does not support {name}; it takes only {taken}, got "
+                                f"{json.dumps(v)[:200]}", param=name, code="unsupported_value")
+
+
+def _several(p: Any) -> bool:
+    """Whether a completions `prompt` is a list of prompts (of texts or of token-id lists).
+    NOTE: the body model holds homogeneous lists only, so the first item tells."""
+    return isinstance(p, list) and bool(p) and isinstance(p[0], (str, list))
+
+
+def num_prompts(body: CompletionRequest | ChatCompletionRequest) -> int:
+    """How many prompts the request holds, without reading them (check_fanout before tokenizing)."""
+    return len(body.prompt) if isinstance(body, CompletionRequest) and _several(body.prompt) else 1
+
+
+def samples_asked(body: CompletionRequest | ChatCompletionRequest) -> int:
+    """`n` as sent when it is a valid count, else 1 (SamplingParams refuses it later, naming it)."""
+    return body.n if body.n is not None and body.n >= 1 else 1
+
+
 def prompts(body: CompletionRequest | ChatCompletionRequest, parser: RequestParser) -> list[list[int]]:
     """The request's prompts as checked token ids (one for chat, one or more for completions),
-    each non-empty and leaving room for an output token."""
+    each non-empty and leaving room for an output token. Tokenizes and renders the chat
+    template: call it off the event loop."""
     if isinstance(body, ChatCompletionRequest):
         out = [parser.chat([m.model_dump(exclude_none=True) for m in body.messages])]
     else:
         p = body.prompt
-        several = isinstance(p, list) and bool(p) and all(isinstance(x, (str, list)) for x in p)
-        out = [parser.prompt(x, f"prompt[{i}]") for i, x in enumerate(p)] if several else [parser.prompt(p)]
+        raw, names = (p, [f"prompt[{i}]" for i in range(len(p))]) if _several(p) else ([p], ["prompt"])
+        out = []
+        for x, name in zip(raw, names):
+            if not isinstance(x, str):  # token ids: the length first, before every id is checked
+                parser.check_length(len(x), name)
+            out.append(parser.prompt(x, name))
     for i, ids in enumerate(out):
         parser.check_length(len(ids), "messages" if isinstance(body, ChatCompletionRequest)
                             else "prompt" if len(out) == 1 else f"prompt[{i}]")
@@ -382,14 +475,22 @@ def echo_top_k(body: CompletionRequest | ChatCompletionRequest) -> int | None:
 def prompt_sources(body: CompletionRequest) -> list[str | None]:
     """Each prompt as sent when it was text (what `echo` repeats), None where it was token ids."""
     p = body.prompt
-    several = isinstance(p, list) and bool(p) and all(isinstance(x, (str, list)) for x in p)
-    return [x if isinstance(x, str) else None for x in p] if several else [p if isinstance(p, str) else None]
+    return [x if isinstance(x, str) else None for x in p] if _several(p) else [p if isinstance(p, str) else None]
 
 
 # ---- responses ----------------------------------------------------------------------------
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; `cached_tokens`: prompt tokens served from the prefix cache (the pool or a
+    KV tier below it, runtime/core/kv_tiers.py), as OpenAI's prompt_tokens_details.cached_tokens."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def cached_tokens(per_choice: list[int], num_prompts: int, n: int) -> int:
+    """Prompt tokens served from cache, counted once per prompt as prompt_tokens are (choices
+    p*n .. p*n+n-1 share prompt p: the most any of them found)."""
+    return sum(max(per_choice[p * n:(p + 1) * n], default=0) for p in range(num_prompts))
 
 
 def logprobs_block(chat: bool, token_ids: list[int], logprobs: list[float] | None,

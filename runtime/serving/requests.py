@@ -9,7 +9,8 @@ HTTP 400, a Triton error response); nothing here knows about HTTP or Triton.
     fields {max_tokens, temperature, stop, ...} + prompt length ──▶ SamplingParams
 
 `RequestParser` holds what parsing needs from an engine (tokenizer, vocabulary size,
-context length); `RequestParser.for_engine(engine)` builds it.
+context length); `RequestParser.for_engine(engine)` builds it. The limits every front end
+applies (body size, stop strings, the chat template's time) are defined here, once.
 """
 
 from __future__ import annotations
@@ -21,8 +22,19 @@ from typing import Any, Mapping, Sequence
 from kvexport.errors import KvExportError
 
 from ..sampling_params import SamplingError, SamplingParams
+from .time_limit import TimeLimitExceeded, time_limit
 
 SAMPLING_FIELDS = frozenset(f.name for f in dc_fields(SamplingParams))
+
+# Request limits every front end applies (`kvexport serve`, the Triton model), before anything is
+# tokenized. NOTE: defined here, not in server.py (which needs FastAPI, absent from Triton's stub)
+MAX_BODY_BYTES = 1 << 20  # request bodies (serve: 413 above it) and Triton's text_input, bytes
+# NOTE: stop strings are searched for in every new token's text, so one request's long list
+# would slow every engine step for everyone (OpenAI itself takes 4)
+MAX_STOP_STRINGS = 16  # stop strings per request
+MAX_STOP_CHARS = 256  # characters per stop string
+MAX_STOP_TOKEN_IDS = 256  # stop_token_ids per request
+CHAT_TEMPLATE_TIMEOUT_S = 5.0  # rendering a chat template longer than this stops it (runtime/serving/time_limit.py)
 
 
 class RequestError(KvExportError):
@@ -94,6 +106,28 @@ def prompt_logprobs_refusal(build_dir, what: str = "prompt_logprobs") -> str:
             f"{build_dir} returns the last token's only: rebuild it with `kvexport build MODEL --all-logits`")
 
 
+MAX_CACHE_SALT_CHARS = 1024  # characters of a request's cache_salt at most (256 random bits are 43 in base64)
+
+
+def check_cache_salt(value: Any, param: str = "cache_salt") -> str | None:
+    """A request's `cache_salt` (vLLM's field: its prefix-cache blocks are shared only with
+    requests of the same salt): None when absent, else a non-empty string of at most
+    MAX_CACHE_SALT_CHARS characters, valid Unicode. Raises RequestError naming `param`.
+    NOTE: the salt is a secret of its tenant: error messages never repeat it."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise RequestError(f"{param} must be a non-empty string if given (as vLLM takes it), got "
+                           f"{'an empty string' if value == '' else type(value).__name__}", param)
+    if len(value) > MAX_CACHE_SALT_CHARS:
+        raise RequestError(f"{param}: at most {MAX_CACHE_SALT_CHARS} characters, got {len(value)}", param)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise RequestError(f"{param}: not valid Unicode (a lone surrogate such as \\ud800)", param) from None
+    return value
+
+
 @dataclass(frozen=True, slots=True)
 class RequestParser:
     """Turns one engine's requests into token ids and SamplingParams."""
@@ -103,13 +137,16 @@ class RequestParser:
     max_model_len: int  # tokens per sequence, prompt + output
     # why prompt_logprobs are refused (a build without --all-logits: prompt_logprobs_refusal); None: served
     no_prompt_logprobs: str | None = None
+    # --kv-eviction streaming: outputs go on past max_model_len, so max_tokens is neither capped nor refused by it
+    unbounded_output: bool = False
+    template_timeout: float | None = CHAT_TEMPLATE_TIMEOUT_S  # seconds a chat template may render; None: no limit
 
     @classmethod
     def for_engine(cls, engine) -> "RequestParser":
         manifest = getattr(engine, "manifest", None)  # NOTE: test doubles of the engine lack it
         scores = manifest is None or manifest.all_logits
         return cls(engine.tokenizer, engine.vocab_size, engine.max_model_len,
-                   None if scores else str(engine.build_dir))
+                   None if scores else str(engine.build_dir), bool(getattr(engine, "streaming", False)))
 
     # ---- prompts ----------------------------------------------------------------------
     def text(self, text: str, param: str = "prompt") -> list[int]:
@@ -136,7 +173,13 @@ class RequestParser:
                                f"(text or token ids) instead", param)
         msgs = chat_messages(messages, param)
         try:
-            ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+            with time_limit(self.template_timeout):  # NOTE: a template that loops for minutes is stopped
+                ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        except TimeLimitExceeded:
+            raise RequestError(f"{param}: rendering this build's chat template (in its tokenizer/ folder) took longer "
+                               f"than {self.template_timeout:g} s on these messages, so it was stopped; fix the "
+                               f"template, or send a plain prompt (text or token ids) instead", param,
+                               code="chat_template_timeout") from None
         except Exception as e:  # noqa: BLE001 - templates raise on e.g. unsupported roles
             raise RequestError(f"{param}: the chat template refused the messages: {e}", param) from None
         ids = ids["input_ids"] if isinstance(ids, Mapping) or hasattr(ids, "keys") else ids
@@ -179,7 +222,8 @@ class RequestParser:
         if max_tokens is None:
             max_tokens = default_max_tokens or room
         bad_int = isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
-        if strict_max_tokens and (bad_int or not 1 <= max_tokens <= self.max_model_len):
+        if strict_max_tokens and (bad_int or not 1 <= max_tokens <= (2**62 if self.unbounded_output
+                                                                      else self.max_model_len)):
             raise RequestError(f"{name('max_tokens')} must be in [1, {self.max_model_len}] (this deployment's "
                                f"context), got {max_tokens!r}", name("max_tokens"))
         zero_ok, note = zero_max_tokens
@@ -200,7 +244,7 @@ class RequestParser:
             kw["stop_token_ids"] = tuple(check_token_ids(kw["stop_token_ids"], self.vocab_size,
                                                          name("stop_token_ids")))
         try:
-            return SamplingParams(max_tokens=min(max_tokens, room), **kw)
+            return SamplingParams(max_tokens=max_tokens if self.unbounded_output else min(max_tokens, room), **kw)
         except SamplingError as e:
             msg = str(e)
             field = msg.split(": ", 1)[-1].split(" ", 1)[0]

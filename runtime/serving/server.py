@@ -40,18 +40,18 @@ from starlette.exceptions import HTTPException
 
 from kvexport.errors import ConfigError, KvExportError
 
-from . import echo
+from . import auth, echo
 from . import metrics as mx
 from . import openai_protocol as proto
+from ..core.block_hash import request_salt
 from ..core.outputs import PromptLogprobs
 from ..config import EngineConfig
 from ..engine import LLMEngine
 from .engine_thread import Deliver, EngineThread, Event
 from .openai_protocol import ApiError, ChatCompletionRequest, CompletionRequest
-from .requests import RequestError, RequestParser
+from .requests import MAX_BODY_BYTES, RequestError, RequestParser, check_cache_salt
 from ..sampling_params import SamplingParams
 
-MAX_BODY_BYTES = 1 << 20  # request bodies above this are refused with 413
 DISCONNECT_POLL_S = 1.0  # how often a running request checks whether its client left (and the shutdown)
 SHUTDOWN_GRACE_S = 10.0  # after SIGTERM/SIGINT, seconds running requests may take to finish before they are ended
 
@@ -73,7 +73,8 @@ def _to_queue(loop: asyncio.AbstractEventLoop, q: asyncio.Queue) -> Deliver:
 
 class BodyLimit:
     """ASGI middleware: refuses request bodies over `max_bytes` with 413 before any route
-    reads them (by Content-Length, or by counting the chunks), then replays the body."""
+    reads them (by Content-Length, or by counting the chunks), then replays the body; a
+    compressed body (a Content-Encoding other than identity) gets 415 without being read."""
 
     def __init__(self, app, max_bytes: int):
         self.app, self.max_bytes = app, max_bytes
@@ -85,7 +86,12 @@ class BodyLimit:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
-        size = dict(scope["headers"]).get(b"content-length", b"")
+        headers = dict(scope["headers"])
+        if (coding := headers.get(b"content-encoding", b"").strip().lower()) not in (b"", b"identity"):
+            err = proto.compressed_body_error(coding.decode("latin-1"))
+            return await JSONResponse(err.body(), status_code=err.status, headers={"Accept-Encoding": "identity"})(
+                scope, receive, send)
+        size = headers.get(b"content-length", b"")
         if size.isdigit() and int(size) > self.max_bytes:
             return await self._refuse(scope, receive, send)
         chunks, n = [], 0
@@ -123,7 +129,7 @@ class OpenAIServer:
         # sequences one request may ask for (prompts x n); EngineConfig.max_sequences_per_request
         self.max_sequences: int = engine.config.max_sequences_per_request
         self.created = int(time.time())
-        self.cancelled = 0  # requests whose client went away (their samples aborted); for /metrics
+        self.cancelled = 0  # sequences stopped because their client went away (aborted unfinished); for /metrics
         self.shutdown_deadline: float | None = None  # time.monotonic() at which running requests are ended
 
     def begin_shutdown(self, grace: float) -> None:
@@ -140,7 +146,7 @@ class OpenAIServer:
                            param="model", code="model_not_found")
 
     async def events(self, request: Request, prompts: list[list[int]], params: SamplingParams,
-                     group: str) -> AsyncGenerator[Event, None]:
+                     group: str, salt: str | None = None) -> AsyncGenerator[Event, None]:
         """Submit every prompt x n samples (one fair-admission `group`); yield their events
         until all are finished. Aborts whatever is unfinished when the consumer stops early,
         the client goes away or the shutdown grace runs out (ApiError 503)."""
@@ -148,7 +154,8 @@ class OpenAIServer:
         rids: list[str] = []
         for i, p in enumerate(prompts):
             try:
-                rids += self.worker.submit(p, params, _to_queue(loop, q), first_index=i * params.n, group=group)
+                rids += self.worker.submit(p, params, _to_queue(loop, q), first_index=i * params.n, group=group,
+                                           salt=salt)
             except KvExportError as e:  # the engine thread is gone
                 self.worker.abort(rids)
                 raise ApiError(503, str(e), type="server_error") from None
@@ -179,16 +186,19 @@ class OpenAIServer:
         finally:
             if pending:
                 self.worker.abort([rids[i] for i in pending])
-                self.cancelled += not failed
+                self.cancelled += 0 if failed else len(pending)  # sequences, as requests_total counts them
 
     async def generate(self, request: Request, body: CompletionRequest | ChatCompletionRequest):
         """Both POST routes: a whole response, or a StreamingResponse of chunks."""
-        proto.check_unicode(body)
         self.check_model(body.model)
+        proto.check_inert(body)
+        # the prefix cache is shared only within a tenant (--api-keys) and a cache_salt
+        salt = request_salt(auth.tenant_of(request.scope), check_cache_salt(body.cache_salt))
         chat = isinstance(body, ChatCompletionRequest)
-        prompts = proto.prompts(body, self.parser)
-        params = proto.sampling_params(body, self.parser, max(len(p) for p in prompts))
-        proto.check_fanout(body, len(prompts), params.n, self.max_sequences)
+        # NOTE: the cheap limits first, on the event loop (counts as sent); tokenizing and the chat
+        # template run in a worker thread, so a big request never holds up /health or other clients
+        proto.check_fanout(body, proto.num_prompts(body), proto.samples_asked(body), self.max_sequences)
+        prompts, params = await asyncio.to_thread(self.prepare, body)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         now = int(time.time())
         prompt_tokens = sum(len(p) for p in prompts)  # counted once per prompt, as OpenAI does
@@ -197,14 +207,14 @@ class OpenAIServer:
             prompt.texts = await asyncio.to_thread(self.echo_texts, body, prompts)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            chunks = self.stream(request, chat, prompts, params, rid, now, prompt_tokens, include_usage, prompt)
+            chunks = self.stream(request, chat, prompts, params, rid, now, prompt_tokens, include_usage, prompt, salt)
             return StreamingResponse(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         n = len(prompts) * params.n
-        texts, ntok = [prompt.text(i) for i in range(n)], [0] * n
+        texts, ntok, cached = [prompt.text(i) for i in range(n)], [0] * n, [0] * n
         reasons: list[str | None] = [None] * n
         lps: list[dict | None] = [None] * n
         scores: list[PromptLogprobs | None] = [None] * n
-        async with aclosing(self.events(request, prompts, params, rid)) as events:  # closing aborts the unfinished
+        async with aclosing(self.events(request, prompts, params, rid, salt)) as events:  # closing aborts the unfinished
             async for ev in events:
                 if ev.finish_reason == "error":
                     raise proto.engine_failure(ev.error)
@@ -213,6 +223,7 @@ class OpenAIServer:
                 lps[ev.index] = proto.merge_logprobs(lps[ev.index], lp, chat)
                 texts[ev.index] += ev.new_text
                 ntok[ev.index] = ev.num_tokens
+                cached[ev.index] = max(cached[ev.index], ev.num_cached_prompt_tokens)
                 if ev.prompt_logprobs is not None:  # NOTE: not `or`: a one-token prompt's scores are empty
                     scores[ev.index] = ev.prompt_logprobs
                 if ev.finished:
@@ -226,7 +237,17 @@ class OpenAIServer:
             for i, (echo_lp, vllm[i]) in enumerate(parts):
                 lps[i] = proto.merge_logprobs(echo_lp, lps[i], chat)  # the prompt's first
         choices = [proto.choice(chat, i, texts[i], lps[i], reasons[i], vllm[i]) for i in range(n)]
-        return proto.response(chat, rid, now, self.model_name, choices, proto.usage(prompt_tokens, sum(ntok)))
+        return proto.response(chat, rid, now, self.model_name, choices,
+                              proto.usage(prompt_tokens, sum(ntok), proto.cached_tokens(cached, len(prompts), params.n)))
+
+    def prepare(self, body: CompletionRequest | ChatCompletionRequest) -> tuple[list[list[int]], SamplingParams]:
+        """The body's checked prompts (token ids) and SamplingParams: walks every string, tokenizes,
+        renders the chat template (within RequestParser.template_timeout): call it off the loop."""
+        proto.check_unicode(body)
+        prompts = proto.prompts(body, self.parser)
+        params = proto.sampling_params(body, self.parser, max(len(p) for p in prompts))
+        proto.check_fanout(body, len(prompts), params.n, self.max_sequences)
+        return prompts, params
 
     def echo_texts(self, body: CompletionRequest, prompts: list[list[int]]) -> list[str]:
         """What `echo` repeats of each prompt (echo.prompt_text)."""
@@ -234,9 +255,10 @@ class OpenAIServer:
         return [echo.prompt_text(tok, src, ids) for src, ids in zip(proto.prompt_sources(body), prompts)]
 
     async def stream(self, request: Request, chat: bool, prompts: list[list[int]], params: SamplingParams, rid: str,
-                     now: int, prompt_tokens: int, include_usage: bool, prompt: "_PromptPart") -> AsyncIterator[str]:
+                     now: int, prompt_tokens: int, include_usage: bool, prompt: "_PromptPart",
+                     salt: str | None = None) -> AsyncIterator[str]:
         n = len(prompts) * params.n
-        offsets, ntok = [0] * n, [0] * n
+        offsets, ntok, cached = [0] * n, [0] * n, [0] * n
         started = [not (prompt.echo or prompt.scored)] * n  # the prompt's part went out (or there is none)
 
         def chunk(choices: list[dict], usage: dict | None = None) -> str:
@@ -244,7 +266,7 @@ class OpenAIServer:
 
         if chat:
             yield chunk(proto.role_chunk_choices(n))
-        gen = self.events(request, prompts, params, rid)
+        gen = self.events(request, prompts, params, rid, salt)
         try:
             async for ev in gen:
                 i = ev.index
@@ -264,11 +286,12 @@ class OpenAIServer:
                                           self.decode)
                 offsets[i] += len(ev.new_text)
                 ntok[i] = ev.num_tokens
+                cached[i] = max(cached[i], ev.num_cached_prompt_tokens)
                 reason = ev.finish_reason if ev.finished else None
                 yield chunk([proto.chunk_choice(chat, i, head + ev.new_text, proto.merge_logprobs(head_lp, lp, chat),
                                                 reason, vllm)])
             if include_usage:
-                yield chunk([], proto.usage(prompt_tokens, sum(ntok)))
+                yield chunk([], proto.usage(prompt_tokens, sum(ntok), proto.cached_tokens(cached, len(prompts), params.n)))
             yield proto.SSE_DONE
         except ApiError as e:  # the shutdown grace ran out: the stream ends with an error event
             yield proto.sse(e.body())
@@ -363,11 +386,12 @@ async def _bad_method(request: Request, e):
 
 
 async def _http_error(request: Request, e: HTTPException):
-    # FastAPI's own 400 for a body its JSON parser gives up on (nesting too deep, a number
-    # with thousands of digits), and any other HTTPException: in OpenAI's shape
+    # FastAPI's own 400 for a body its JSON parser gives up on (not UTF-8, compressed, nesting
+    # too deep, a number with thousands of digits: its cause says which), and any other
+    # HTTPException: in OpenAI's shape
     msg = str(e.detail)
     if e.status_code == 400 and msg == "There was an error parsing the body":
-        msg = "the request body could not be parsed as JSON (nested too deeply, or a number with too many digits)"
+        msg = proto.unparsed_body_reason(e.__cause__)
     return JSONResponse(ApiError(e.status_code, msg, type="invalid_request_error" if e.status_code < 500
                                  else "server_error").body(), status_code=e.status_code, headers=e.headers)
 
@@ -381,8 +405,11 @@ async def _internal_error(request: Request, e: Exception):
 # ---- the OpenAPI description: every status a route answers, with its body -----------------
 def _errors(*statuses: int) -> dict:
     return {s: {"model": proto.ErrorResponse, "description": desc} for s, desc in (
-        (400, "invalid request: `param` names the field"), (404, "unknown model or route"),
-        (413, "request body too large"), (499, "the client went away"),
+        (400, "invalid request: `param` names the field"),
+        (401, "no valid API key (a server started with --api-keys): Authorization: Bearer KEY"),
+        (404, "unknown model or route"),
+        (413, "request body too large"), (415, "compressed request body (Content-Encoding)"),
+        (499, "the client went away"),
         (500, "the engine failed the request"), (503, "the engine has stopped or the server is shutting down"),
     ) if s in statuses}
 
@@ -395,7 +422,7 @@ def _generation_responses(model: type) -> dict:
     return {200: {"model": model, "description": "the completion; with `stream: true`, server-sent events of "
                                                  "chunks, then `data: [DONE]`",
                   "content": {"text/event-stream": {"schema": _SSE_EVENT}}},
-            **_errors(400, 404, 413, 499, 500, 503)}
+            **_errors(400, 401, 404, 413, 415, 499, 500, 503)}
 
 
 def _openapi(app: FastAPI) -> Callable[[], dict]:
@@ -417,15 +444,18 @@ def _openapi(app: FastAPI) -> Callable[[], dict]:
 
 
 def create_app(build_dir: str | Path, config: EngineConfig = EngineConfig(), served_model_name: str | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+               max_body_bytes: int = MAX_BODY_BYTES, api_keys: auth.ApiKeys | None = None) -> FastAPI:
     """The FastAPI app serving `build_dir` (named `served_model_name`, or the build folder's name)."""
     engine = LLMEngine(build_dir, config)
-    return build_app(OpenAIServer(engine, served_model_name or Path(build_dir).resolve().name), max_body_bytes)
+    return build_app(OpenAIServer(engine, served_model_name or Path(build_dir).resolve().name), max_body_bytes,
+                     api_keys)
 
 
-def build_app(server: OpenAIServer, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+def build_app(server: OpenAIServer, max_body_bytes: int = MAX_BODY_BYTES,
+              api_keys: auth.ApiKeys | None = None) -> FastAPI:
     """The app's routes and error handlers over `server`; its engine thread runs while the
-    app's lifespan does."""
+    app's lifespan does. With `api_keys`, every route but /health and /metrics needs a key
+    (runtime/serving/auth.py), and each tenant's prefix cache is its own."""
 
     @asynccontextmanager
     async def lifespan(app):
@@ -442,6 +472,8 @@ def build_app(server: OpenAIServer, max_body_bytes: int = MAX_BODY_BYTES) -> Fas
     app.state.server = server
     app.state.worker = server.worker
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    if api_keys is not None:  # NOTE: added last, so it runs first: no body is read before the key is checked
+        app.add_middleware(auth.ApiKeyAuth, keys=api_keys)
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestError, _request_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
@@ -506,17 +538,19 @@ def listen(host: str, port: int) -> socket.socket:
 
 def serve(build_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, config: EngineConfig = EngineConfig(),
           served_model_name: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
-          shutdown_grace: float = SHUTDOWN_GRACE_S, on_ready: Callable[[str], None] | None = None) -> None:
-    """Serve `build_dir` on host:port until SIGTERM/SIGINT. The port is bound first, then the
-    model loaded; `on_ready(url)` is called once both are done and requests are taken (url:
-    http://host:port, with the real port when `port` is 0). On shutdown, running requests
-    have `shutdown_grace` s to finish; what is left is ended with 503. Raises ServeError (or
-    the build's KvExportError) when the server cannot start."""
+          shutdown_grace: float = SHUTDOWN_GRACE_S, on_ready: Callable[[str], None] | None = None,
+          api_keys: auth.ApiKeys | None = None) -> None:
+    """Serve `build_dir` on host:port until SIGTERM/SIGINT (with `api_keys`: to their holders
+    only). The port is bound first, then the model loaded; `on_ready(url)` is called once
+    both are done and requests are taken (url: http://host:port, with the real port when
+    `port` is 0). On shutdown, running requests have `shutdown_grace` s to finish; what is
+    left is ended with 503. Raises ServeError (or the build's KvExportError) when the server
+    cannot start."""
     if isinstance(shutdown_grace, bool) or not isinstance(shutdown_grace, (int, float)) or not 0 <= shutdown_grace:
         raise ConfigError(f"shutdown_grace must be a number of seconds >= 0, got {shutdown_grace!r}")
     sock = listen(host, port)
     try:
-        app = create_app(build_dir, config, served_model_name, max_body_bytes)
+        app = create_app(build_dir, config, served_model_name, max_body_bytes, api_keys)
         bound = sock.getsockname()[1]
         url = f"http://{f'[{host}]' if ':' in host else host}:{bound}"
         # uvicorn's own limit is a backstop: our requests end at the grace, polled every DISCONNECT_POLL_S

@@ -60,8 +60,9 @@ from kvexport.errors import KvExportError
 
 from . import metrics as mx
 from ..config import EngineConfig
-from .openai_protocol import MAX_STOP_CHARS, MAX_STOP_STRINGS
-from .requests import RequestError, RequestParser
+from ..core.block_hash import request_salt
+from .requests import (MAX_BODY_BYTES, MAX_CACHE_SALT_CHARS, MAX_STOP_CHARS, MAX_STOP_STRINGS, RequestError,
+                       RequestParser, check_cache_salt)
 from ..sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,7 @@ INPUTS = (
     ("seed", "TYPE_INT64", [1], True, "per-request RNG seed, >= 0"),
     ("stop", "TYPE_STRING", [-1], True, "stop strings (not included in the output)"),
     ("ignore_eos", "TYPE_BOOL", [1], True, "keep generating past EOS [false]"),
+    ("cache_salt", "TYPE_STRING", [1], True, "prefix-cache salt: KV is shared only with requests of the same salt"),
 )
 OUTPUTS = (
     ("text_output", "TYPE_STRING", [1], "text added by this response (streaming) or the whole completion"),
@@ -107,9 +109,8 @@ SHUTDOWN_FILE_ENV = "KVEXPORT_SHUTDOWN_FILE"  # when the file it names exists, t
 DEFAULT_MAX_TOKENS = 16  # when a request has no max_tokens input
 METRICS_EVERY_S = 0.1  # how often it republishes the metrics while busy (and once on falling idle)
 # bytes of text_input at most, checked before tokenizing: the request-body limit of `kvexport serve`
-# (runtime/serving/server.py MAX_BODY_BYTES). NOTE: not imported from there, which needs FastAPI,
-# absent from Triton's execution environment; tests/runtime/test_triton_server.py checks they agree
-MAX_TEXT_BYTES = 1 << 20
+# (one constant, runtime/serving/requests.py, which needs no FastAPI: Triton's environment lacks it)
+MAX_TEXT_BYTES = MAX_BODY_BYTES
 
 
 def resolve_build_dir(value: str, model_dir: str | Path) -> Path:
@@ -208,6 +209,25 @@ def parse_request(arrays: dict[str, np.ndarray], parser: RequestParser,
     return prompt, params, stream
 
 
+def parse_cache_salt(arrays: dict[str, np.ndarray]) -> str | None:
+    """The `cache_salt` input -> the request's prefix-cache salt (block_hash.request_salt), or
+    None when absent. Checked as `kvexport serve` checks its body field (requests.check_cache_salt);
+    the byte length before decoding. NOTE: Triton knows no kvexport tenants (its authentication is
+    its own): a gateway that has tenants puts each one's secret salt here."""
+    raw = _scalar(arrays, "cache_salt", None)
+    if raw is None:
+        return None
+    if isinstance(raw, bytes):
+        if len(raw) > 4 * MAX_CACHE_SALT_CHARS:  # UTF-8: at most 4 bytes a character
+            raise RequestError(f"cache_salt: at most {MAX_CACHE_SALT_CHARS} characters, got {len(raw)} bytes",
+                               "cache_salt")
+        try:
+            raw = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise RequestError("cache_salt is not valid UTF-8", "cache_salt") from None
+    return request_salt(None, check_cache_salt(str(raw)))
+
+
 @dataclass(eq=False)
 class _Request:
     """One Triton request in flight; `deliver` and `cancel` run on the engine thread."""
@@ -267,6 +287,7 @@ class TritonPythonModel:
                     if t is not None:
                         arrays[name] = t.as_numpy()
                 prompt, params, stream = parse_request(arrays, self.parser, json.loads(request.parameters() or "{}"))
+                salt = parse_cache_salt(arrays)
             except Exception as e:  # noqa: BLE001 - a bad request gets an error, the model keeps serving
                 msg = str(e) if isinstance(e, KvExportError) else f"invalid request: {e}"
                 sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(msg)),
@@ -283,7 +304,8 @@ class TritonPythonModel:
                             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
             try:
-                self.worker.submit(prompt, params, lambda ev, r=r: self._deliver(r, ev), request_ids=[r.rid])
+                self.worker.submit(prompt, params, lambda ev, r=r: self._deliver(r, ev), request_ids=[r.rid],
+                                   salt=salt)
             except KvExportError as e:  # the engine thread is gone: fail fast instead of hanging
                 if self._release(r):
                     self._send_error(r, str(e))

@@ -18,12 +18,13 @@ def test_gpu_check_tiny_dry_run(tmp_path):
                        text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     r = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
-    assert r["tiny"] and len(r["correctness"]) == 10
+    assert r["tiny"] and len(r["correctness"]) == 13
     assert all(c["ok"] and c["pools_bit_exact"] for c in r["correctness"]), r["correctness"]
     assert r["copy_bytes_per_s"] > 0 and r["decode_b64_ctx4k_fp16"]["best"]["bytes_per_s"] > 0
     assert {v["num_splits"] for v in r["decode_b64_ctx4k_fp16"]["variants"]} == {1, 2}
     assert r["decode_b64_ctx4k_fp16"]["aot_best"]["bytes_per_s"] > 0  # TensorRT's kernel, timed too
     assert 0 < r["bandwidth_fraction_aot_kernel"]
     assert "via prefill_kernel (AOT path)" in p.stdout
-    assert set(r["goals"]) == {"correctness", "bandwidth_70pct", "int8_1p6x"}
+    assert set(r["goals"]) == {"correctness", "bandwidth_70pct", "int8_1p6x", "int4_1p6x"}
+    assert "[ok] decode b16 ctx8k int4 via prefill_kernel (AOT path)" in p.stdout and r["int4_speedup"] > 0
     assert "bandwidth fraction" in p.stdout and "[ok] decode b1 ctx8k fp16 split-auto" in p.stdout

@@ -23,13 +23,13 @@ def test_register_without_tensorrt_raises_a_clear_error():
 
 def test_autotune_combinations_and_tactics():
     combos = trt.type_combinations()
-    assert len(combos) == 4  # fp16/bf16 activations × (same-dtype, int8) pools
+    assert len(combos) == 6  # fp16/bf16 activations × (same-dtype, int8, int4 = UINT8 rows) pools
     for c in combos:
         types = c.split(", ")
         assert len(types) == len(spec.INPUTS) + len(spec.OUTPUTS)
         assert types[5:9] == ["INT64"] * 4 and types[9:11] == ["FP32", "FP32"]
         assert types[3:5] == types[12:14]  # aliased pools keep their dtype
-    assert "FP16, FP16, FP16, INT8, INT8" in combos[1]
+    assert "FP16, FP16, FP16, INT8, INT8" in combos[1] and "FP16, FP16, FP16, UINT8, UINT8" in combos[2]
     tactics = [t.tactic for t in configs.PREFILL_TILES]
     assert tactics == [1, 2, 3]
     assert all(trt.tactic_tile(t) == tile for t, tile in zip(tactics, configs.PREFILL_TILES))

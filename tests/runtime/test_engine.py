@@ -9,6 +9,7 @@ import pytest
 from kvexport import LLM, SamplingParams, io
 from kvexport.exporter.build import BuildOptions, build
 from kvexport.runtime.serving.requests import RequestError
+from kvexport.runtime.sampling_params import SamplingError
 
 POISON = 77
 
@@ -66,8 +67,10 @@ def test_wrong_prompt_and_setting_types_are_clear_errors(tiny):
     llm = LLM(tiny, kv_cache_memory="1MiB")
     with pytest.raises(RequestError, match="expected a list of token ids"):
         llm.generate(np.array([5, 6, 7]), SamplingParams(max_tokens=2))  # read as three prompts of one int each
-    with pytest.raises(RequestError, match="stop_token_ids"):
+    with pytest.raises(SamplingError, match="stop_token_ids"):  # checked when the params are made
         llm.engine.add_request([5, 6], SamplingParams(max_tokens=2, stop_token_ids=(-4,)))
+    with pytest.raises(RequestError, match="stop_token_ids"):  # outside this model's vocabulary
+        llm.engine.add_request([5, 6], SamplingParams(max_tokens=2, stop_token_ids=(10**9,)))
     with pytest.raises(KvExportError, match="unknown runtime setting"):
         LLM(tiny, kv_cache_mem="1MiB")
     out = llm.generate([np.array([5, 6, 7])], SamplingParams(max_tokens=2, ignore_eos=True))[0]

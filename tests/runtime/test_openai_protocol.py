@@ -176,7 +176,10 @@ def test_logprobs_blocks():
 
 def test_response_and_chunk_shapes():
     u = proto.usage(3, 4)
-    assert u == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert u == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
+                 "prompt_tokens_details": {"cached_tokens": 0}}
+    assert proto.usage(3, 4, 2)["prompt_tokens_details"] == {"cached_tokens": 2}
+    assert proto.cached_tokens([16, 16, 0, 8], num_prompts=2, n=2) == 24  # once per prompt, as prompt_tokens
     r = proto.response(True, "id", 1, "m", [proto.choice(True, 0, "hi", None, "stop")], u)
     assert r["object"] == "chat.completion" and r["choices"][0]["message"] == {"role": "assistant", "content": "hi"}
     r = proto.response(False, "id", 1, "m", [proto.choice(False, 0, "hi", None, "length")], u)

@@ -328,7 +328,7 @@ class FakeWorker:
     def is_alive(self):
         return True
 
-    def submit(self, prompt, params, deliver, first_index=0, request_ids=None, group=None):
+    def submit(self, prompt, params, deliver, first_index=0, request_ids=None, group=None, salt=None):
         self.submitted.append((prompt, params))
         self.groups.append(group)
         rids = [f"r{len(self.submitted)}-{i}" for i in range(params.n)]
@@ -373,7 +373,8 @@ def test_completions_and_chat_over_the_app(fake):
     body = r.json()
     assert [ch["index"] for ch in body["choices"]] == [0, 1, 2, 3] and body["choices"][3]["text"] == "aba"
     assert body["choices"][0]["logprobs"]["text_offset"] == [0, 1, 2]
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 12, "total_tokens": 15}
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 12, "total_tokens": 15,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     assert [p for p, _ in worker.submitted] == [[17, 18], [19]] and worker.submitted[0][1].n == 2
     r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}],
                                              "max_completion_tokens": 2})
@@ -415,11 +416,11 @@ def test_streams_over_the_app(fake):
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 99}, "top_logprobs", "20"),
     ({"messages": []}, "messages", "non-empty"),
     # fields this server does not implement are refused, at any depth, not ignored
-    ({"prompt": "x", "logit_bias": {"5": 10}}, "logit_bias", "does not support this field"),
+    ({"prompt": "x", "logit_bias": {"5": 10}}, "logit_bias", "does not support logit_bias; it takes only {}"),
     ({"prompt": "x", "suffix": "y"}, "suffix", "does not support"),
     ({"prompt": "x", "best_of": 2}, "best_of", "does not support"),
     ({"prompt": "x", "stream_options": {"include_usage": True, "x": 1}}, "stream_options.x", "does not support"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": []}, "tools", "does not support"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools", "does not support"),
     ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, "response_format",
      "does not support"),
     ({"messages": [{"role": "user", "content": "x", "tool_call_id": "1"}]}, "messages[0].tool_call_id",
@@ -525,7 +526,7 @@ def test_openapi_schema_describes_the_bodies(fake):
     assert comps["CompletionRequest"]["additionalProperties"] is False  # unknown fields are refused
     # every status a route answers is documented, with its body; validation errors are 400, not 422
     post = schema["paths"]["/v1/completions"]["post"]["responses"]
-    assert set(post) == {"200", "400", "404", "413", "499", "500", "503"}
+    assert {"200", "400", "404", "413", "415", "499", "500", "503"} <= set(post)
     assert post["200"]["content"]["application/json"]["schema"]["$ref"].endswith("/CompletionResponse")
     assert "text/event-stream" in post["200"]["content"]
     assert post["400"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
@@ -550,3 +551,25 @@ def test_a_failed_request_aborts_its_other_samples(fake):
     assert "kvexport_requests_cancelled_total 0\n" in c.get("/metrics").text  # no client cancelled it
     worker.fail = "the prompt is empty"
     assert c.post("/v1/completions", json={"prompt": [3]}).status_code == 400
+
+
+def test_prompt_counts_are_checked_before_anything_is_tokenized(fake):
+    """The cheap limits come first, on the event loop: a request for too many sequences is refused
+    by its counts, before its prompts are tokenized (in a worker thread)."""
+    import dataclasses
+
+    c, worker = fake
+    server, calls = c.app.state.server, []
+
+    class Counting(FakeTokenizer):
+        def __call__(self, text):
+            calls.append(text)
+            return super().__call__(text)
+
+    server.parser = dataclasses.replace(server.parser, tokenizer=Counting())
+    for body in ({"prompt": ["ab"] * 9}, {"prompt": ["ab"] * 3, "n": 3}, {"prompt": "ab", "n": 9}):
+        r = c.post("/v1/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_sequences", r.json()
+    assert calls == [] and not worker.submitted
+    assert c.post("/v1/completions", json={"prompt": ["ab"] * 8, "max_tokens": 1}).status_code == 200
+    assert len(calls) == 8

@@ -33,11 +33,23 @@ def test_every_integer_input_is_int64():
         "input_ids": "TYPE_INT64", "max_tokens": "TYPE_INT64", "top_k": "TYPE_INT64", "seed": "TYPE_INT64"}
 
 
-def test_the_text_limit_is_the_openai_servers_body_limit():
-    from kvexport.runtime.serving.server import MAX_BODY_BYTES
+def test_the_limits_are_one_set_of_constants_in_requests():
+    """The body/text size and stop-string limits are defined once (runtime/serving/requests.py,
+    no FastAPI there) and imported by `kvexport serve` and the Triton model, not copied."""
+    import ast
+    import inspect
 
-    assert MAX_TEXT_BYTES == MAX_BODY_BYTES
-    assert triton_model.MAX_STOP_STRINGS is openai_protocol.MAX_STOP_STRINGS  # imported, not copied
+    from kvexport.runtime.serving import requests, server
+
+    assert MAX_TEXT_BYTES is server.MAX_BODY_BYTES is requests.MAX_BODY_BYTES  # one object: 1 << 20 is not interned
+    for name in ("MAX_STOP_STRINGS", "MAX_STOP_CHARS"):
+        assert getattr(triton_model, name) is getattr(openai_protocol, name) is getattr(requests, name)
+    names = {"MAX_BODY_BYTES", "MAX_STOP_STRINGS", "MAX_STOP_CHARS", "MAX_STOP_TOKEN_IDS"}
+    for module in (server, openai_protocol, triton_model):  # small ints are shared objects anyway: no assignment
+        tree = ast.parse(inspect.getsource(module))
+        assigned = {t.id for node in ast.walk(tree) if isinstance(node, ast.Assign) for t in node.targets
+                    if isinstance(t, ast.Name)}
+        assert not assigned & names, (module.__name__, assigned & names)
 
 
 class CountingTokenizer:

@@ -515,3 +515,30 @@ def test_bad_requests_get_errors_and_the_server_stays_healthy(server):
     m = wait_metric(server, "smol", lambda m: m["kvexport_kv_blocks_used"] == 0)
     assert m["kvexport_kv_blocks_used"] == 0
     assert sorted(m) == sorted(mx.NAMES)  # runtime/serving/metrics.py's table, as `kvexport serve` publishes it
+
+
+def test_cache_salt_separates_prefix_caches(server):
+    """The `cache_salt` input over the real server: the same salt hits the prompt's cached
+    blocks (kvexport_prefix_cache_hits_total on Triton's metrics port), another salt or none
+    does not."""
+    text = "You are a careful assistant. " + " ".join(f"rule {i}: be exact." for i in range(20))
+
+    def new_hits(rid: str, salt: str | None) -> float:
+        before = wait_metric(server, "smol", lambda m: m["kvexport_requests_running"] == 0)
+        inputs = {"text_input": [text], "max_tokens": np.array([1], np.int64)}
+        if salt is not None:
+            inputs["cache_salt"] = [salt]
+        s = Stream(server)
+        try:
+            s.send("smol", rid, **inputs)
+            assert s.collect(1)[rid]["reason"] == "length"
+        finally:
+            s.close()
+        after = wait_metric(server, "smol", lambda m: m["kvexport_requests_running"] == 0
+                            and m["kvexport_requests_total"] == before["kvexport_requests_total"] + 1)
+        return after["kvexport_prefix_cache_hits_total"] - before["kvexport_prefix_cache_hits_total"]
+
+    assert new_hits("s1", "tenant-one-salt") == 0
+    assert new_hits("s2", "tenant-one-salt") > 0
+    assert new_hits("s3", "tenant-two-salt") == 0
+    assert new_hits("s4", None) == 0

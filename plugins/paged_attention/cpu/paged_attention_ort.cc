@@ -4,7 +4,8 @@
 // this file is tested against (tests/plugins/test_cpu_op.py). One node per layer of an
 // `--attention plugin` graph; the same graph builds into TensorRT engines on a GPU.
 //
-//   1. store: token t's K/V go to slot_mapping[t] of the pools (int8: QuantizeLinear rounding);
+//   1. store: token t's K/V go to slot_mapping[t] of the pools (int8: QuantizeLinear rounding;
+//      int4: rows of codes and per-token group scales, paged_attention_int4.h);
 //   2. attend: every new token attends causally (optional sliding window) to its sequence's
 //      keys, read through the block table straight from the pool: no gather, no padding to
 //      the longest sequence, no mask tensor. Query head h reads KV head h / (H / kvH), and the
@@ -33,6 +34,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "paged_attention_int4.h"
+#include "paged_attention_shapes.h"
 #include "paged_attention_simd.h"
 
 namespace {
@@ -42,6 +45,7 @@ constexpr int64_t kTileTokens = 16;  // query tokens per task (x G query heads =
 constexpr int W = 16;                // keys scored at once (one vector of scores)
 
 using namespace kvexport_simd;
+using kvexport_int4::Int4;
 
 
 // Ask for the next block of the sequence while this one is scored: blocks are scattered in
@@ -98,7 +102,8 @@ inline void accumulate(float* acc, float alpha, const float* p, int64_t stride, 
 struct Attrs {
   int64_t num_heads, num_kv_heads, head_dim, block_size, sliding_window;
   float scale, logit_softcap;  // logit_softcap 0: off
-  bool int8;
+  bool int8, int4;
+  int64_t row;  // elements of one pool row: head_dim, or int4's bytes (codes + scales)
 };
 
 struct Task {
@@ -151,13 +156,16 @@ template <int NV, typename KV>
 void attend_dots(const Step& st, const Task& t) {
   const Attrs& a = st.a;
   const Tile tl(st, t);
-  const int64_t d = NV > 0 ? NV * 16 : tl.d, bs = a.block_size, rows = tl.rows;
+  constexpr bool I4 = std::is_same_v<KV, Int4>;
+  using E = std::conditional_t<I4, float, KV>;  // what the dot products read: int4 rows dequantized
+  const int64_t d = NV > 0 ? NV * 16 : tl.d, bs = a.block_size, rows = tl.rows, rs = a.row;
   thread_local std::vector<float> scratch;
-  scratch.resize(static_cast<size_t>(rows * (2 * d + 2)));
+  scratch.resize(static_cast<size_t>(rows * (2 * d + 2) + (I4 ? 2 * W * d : 0)));
   float* q = scratch.data();
   float* acc = q + rows * d;
   float* m = acc + rows * d;
   float* l = m + rows;
+  float* kv_f = l + rows;  // int4: [2][W][d] the chunk's keys and values as float32
   for (int64_t r = 0; r < rows; ++r) {
     tl.load_query(st.query + (tl.token(t, r) * a.num_heads + tl.head(t, r)) * d, q + r * d, 1, a.scale);
     std::fill(acc + r * d, acc + (r + 1) * d, 0.f);
@@ -169,13 +177,23 @@ void attend_dots(const Step& st, const Task& t) {
   const int64_t* table = st.tables + t.seq * st.max_blocks;
   alignas(64) float s[W];
   for (int64_t j0 = tl.first - tl.first % bs; j0 <= tl.last; j0 += bs) {  // one block
-    const size_t base = static_cast<size_t>((t.kv_head * st.num_blocks + table[j0 / bs]) * bs) * d;
+    const size_t base = static_cast<size_t>((t.kv_head * st.num_blocks + table[j0 / bs]) * bs) * rs;
     const int64_t end = std::min(j0 + bs, tl.last + 1);
-    if (j0 + bs <= tl.last) prefetch_block(kpool, vpool, (t.kv_head * st.num_blocks + table[j0 / bs + 1]) * bs * d,
-                                           std::min(bs, tl.last + 1 - j0 - bs) * d);
+    if (j0 + bs <= tl.last) prefetch_block(kpool, vpool, (t.kv_head * st.num_blocks + table[j0 / bs + 1]) * bs * rs,
+                                           std::min(bs, tl.last + 1 - j0 - bs) * rs);
     for (int64_t c0 = j0; c0 < end; c0 += W) {  // up to W keys of the block
-      const KV* kb = kpool + base + (c0 - j0) * d;
-      const KV* vb = vpool + base + (c0 - j0) * d;
+      const E* kb;
+      const E* vb;
+      if constexpr (I4) {  // the chunk's visible rows, dequantized once for every query row
+        const int64_t j_first = std::max(c0, tl.first), n = std::min<int64_t>(c0 + W, end) - j_first;
+        kvexport_int4::dequantize_rows(kpool + base + (j_first - j0) * rs, n, d, rs, kv_f + (j_first - c0) * d);
+        kvexport_int4::dequantize_rows(vpool + base + (j_first - j0) * rs, n, d, rs, kv_f + (W + j_first - c0) * d);
+        kb = kv_f;
+        vb = kv_f + W * d;
+      } else {
+        kb = kpool + base + (c0 - j0) * d;
+        vb = vpool + base + (c0 - j0) * d;
+      }
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t pos = tl.pos(t, r);
         const int64_t lo = a.sliding_window > 0 ? pos - a.sliding_window + 1 : 0;
@@ -208,7 +226,7 @@ template <int NV, typename KV>
 void attend_rows(const Step& st, const Task& t) {
   const Attrs& a = st.a;
   const Tile tl(st, t);
-  const int64_t d = NV > 0 ? NV * 16 : tl.d, bs = a.block_size, rows = tl.rows;
+  const int64_t d = NV > 0 ? NV * 16 : tl.d, bs = a.block_size, rows = tl.rows, rs = a.row;
   const int64_t groups = (rows + 15) / 16;
   thread_local std::vector<float> scratch;
   scratch.resize(static_cast<size_t>(groups * 16 * (2 * d + 2) + 16 * W + 2 * W * d));
@@ -217,7 +235,7 @@ void attend_rows(const Step& st, const Task& t) {
   float* m = acc + groups * 16 * d;   // [groups * 16]
   float* l = m + groups * 16;
   float* p = l + groups * 16;  // [W][16] probabilities of one chunk
-  float* kv_f = p + 16 * W;    // int8 pools: [2][W][d] the chunk's keys and values as float32
+  float* kv_f = p + 16 * W;    // int8 / int4 pools: [2][W][d] the chunk's keys and values as float32
   std::fill(qt, qt + groups * 16 * d, 0.f);
   std::fill(acc, acc + groups * 16 * d, 0.f);
   std::fill(m, m + groups * 16, kNegInf);
@@ -231,17 +249,22 @@ void attend_rows(const Step& st, const Task& t) {
   const KV* vpool = static_cast<const KV*>(st.value_cache);
   const int64_t* table = st.tables + t.seq * st.max_blocks;
   for (int64_t j0 = tl.first - tl.first % bs; j0 <= tl.last; j0 += bs) {  // one block
-    const size_t base = static_cast<size_t>((t.kv_head * st.num_blocks + table[j0 / bs]) * bs) * d;
+    const size_t base = static_cast<size_t>((t.kv_head * st.num_blocks + table[j0 / bs]) * bs) * rs;
     const int64_t end = std::min(j0 + bs, tl.last + 1);
     for (int64_t c0 = j0; c0 < end; c0 += W) {  // up to W keys of the block
       const int64_t n = std::min<int64_t>(W, end - c0);
-      const KV* kb = kpool + base + (c0 - j0) * d;
-      const KV* vb = vpool + base + (c0 - j0) * d;
+      const KV* kb = kpool + base + (c0 - j0) * rs;
+      const KV* vb = vpool + base + (c0 - j0) * rs;
       const float* kf = nullptr;  // the chunk's keys / values as float32
       const float* vf = nullptr;
       if constexpr (std::is_same_v<KV, float>) {
         kf = kb;
         vf = vb;
+      } else if constexpr (std::is_same_v<KV, Int4>) {  // rows -> float once per chunk
+        kvexport_int4::dequantize_rows(kb, n, d, rs, kv_f);
+        kvexport_int4::dequantize_rows(vb, n, d, rs, kv_f + W * d);
+        kf = kv_f;
+        vf = kv_f + W * d;
       } else {  // int8 codes -> float once per chunk, shared by every row group
         int64_t i = 0;
         for (; i + 16 <= n * d; i += 16) {
@@ -353,9 +376,12 @@ struct Kernel {
       a.logit_softcap = 0.f;
     }
     const std::string kv = ki.GetAttribute<std::string>("kv_dtype");
-    if (kv != "float32" && kv != "int8")
-      fail("kv_dtype " + kv + " runs only as a TensorRT plugin; the CPU op takes float32 or int8 pools");
+    if (kv != "float32" && kv != "int8" && kv != "int4")
+      fail("kv_dtype " + kv + " runs only as a TensorRT plugin; the CPU op takes float32, int8 or int4 pools");
     a.int8 = kv == "int8";
+    a.int4 = kv == "int4";
+    if (a.int4 && (a.head_dim < 1 || a.head_dim % kvexport_int4::kGroup)) fail("int4 KV needs head_dim a multiple of 32");
+    a.row = a.int4 ? kvexport_int4::row_bytes(a.head_dim) : a.head_dim;
     if (a.num_heads < 1 || a.num_kv_heads < 1 || a.head_dim < 1 || a.block_size < 1 || a.num_heads % a.num_kv_heads)
       fail("bad head attributes");
     if (a.sliding_window < 0 || a.sliding_window > std::numeric_limits<int32_t>::max())
@@ -384,10 +410,13 @@ struct Kernel {
     const int64_t T = qs.size() == 3 ? qs[0] : -1, H = a.num_heads, kvH = a.num_kv_heads, D = a.head_dim;
     if (qs != std::vector<int64_t>{T, H, D}) fail("query must be [num_tokens, num_heads, head_dim]");
     if (ks != std::vector<int64_t>{T, kvH, D} || vs != ks) fail("key/value must be [num_tokens, num_kv_heads, head_dim]");
-    if (ps.size() != 4 || ps[0] != kvH || ps[2] != a.block_size || ps[3] != D || shape_of(vc) != ps)
-      fail("pools must be [num_kv_heads, num_blocks, block_size, head_dim], key and value alike");
+    if (ps.size() != 4 || ps[0] != kvH || ps[2] != a.block_size || ps[3] != a.row || shape_of(vc) != ps)
+      fail("pools must be [num_kv_heads, num_blocks, block_size, head_dim] (int4: head_dim / 2 + head_dim / 16 "
+           "bytes), key and value alike");
     const ONNXTensorElementDataType pool_type = kc.GetTensorTypeAndShapeInfo().GetElementType();
-    const ONNXTensorElementDataType want = a.int8 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    const ONNXTensorElementDataType want = a.int8   ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8
+                                           : a.int4 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8
+                                                    : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
     if (pool_type != want || vc.GetTensorTypeAndShapeInfo().GetElementType() != want)
       fail("pool element type does not match kv_dtype");
     if (bt.size() != 2 || sl.size() != 1 || bt[0] != sl[0] || ql != std::vector<int64_t>{sl[0] + 1} || sm != std::vector<int64_t>{T})
@@ -442,8 +471,8 @@ struct Kernel {
     Ort::UnownedValue out = ctx.GetOutput(0, qs);
     Ort::UnownedValue kc_out = ctx.GetOutput(1, ps), vc_out = ctx.GetOutput(2, ps);
     st.out = out.GetTensorMutableData<float>();
-    const size_t elem = a.int8 ? 1 : 4;
-    const size_t pool_bytes = static_cast<size_t>(kvH * NB * bs * D) * elem;
+    const size_t elem = a.int8 || a.int4 ? 1 : 4;
+    const size_t pool_bytes = static_cast<size_t>(kvH * NB * bs * a.row) * elem;
     void* kdst = kc_out.GetTensorMutableRawData();
     void* vdst = vc_out.GetTensorMutableRawData();
     if (kdst != kc.GetTensorRawData()) std::memcpy(kdst, kc.GetTensorRawData(), pool_bytes);
@@ -458,10 +487,13 @@ struct Kernel {
       if (slots[t] < 0) continue;
       const int64_t b = slots[t] / bs, o = slots[t] % bs;
       for (int64_t h = 0; h < kvH; ++h) {
-        const size_t at = static_cast<size_t>(((h * NB + b) * bs + o) * D);
+        const size_t at = static_cast<size_t>(((h * NB + b) * bs + o) * a.row);
         const float* ksrc = kin + (t * kvH + h) * D;
         const float* vsrc = vin + (t * kvH + h) * D;
-        if (a.int8) {
+        if (a.int4) {
+          kvexport_int4::quantize_row(ksrc, D, static_cast<uint8_t*>(kdst) + at);
+          kvexport_int4::quantize_row(vsrc, D, static_cast<uint8_t*>(vdst) + at);
+        } else if (a.int8) {
           int8_t* kp = static_cast<int8_t*>(kdst) + at;
           int8_t* vp = static_cast<int8_t*>(vdst) + at;
           for (int64_t i = 0; i < D; ++i) {
@@ -487,60 +519,12 @@ struct Kernel {
       return st.seq_lens[x.seq] - (st.qsl[x.seq + 1] - st.qsl[x.seq]) + x.i1 >
              st.seq_lens[y.seq] - (st.qsl[y.seq + 1] - st.qsl[y.seq]) + y.i1;
     });
-    ctx.ParallelFor(a.int8 ? task_fn<int8_t>(D) : task_fn<float>(D), st.tasks.size(), 0, &st);
+    ctx.ParallelFor(a.int4 ? task_fn<Int4>(D) : a.int8 ? task_fn<int8_t>(D) : task_fn<float>(D), st.tasks.size(), 0, &st);
   }
 };
 
-// Output 0 has the query's type and shape, outputs 1 and 2 the pools' (float32 or int8).
-// NOTE: an input dim that is neither known nor named comes back as -1 with an empty name, and
-// written back as it is it becomes dim_value -1, which later shape inference rejects (a Concat
-// along that axis: "Negative dimension value"). Such dims get a name of their own instead.
-OrtStatusPtr infer_types(const OrtCustomOp*, OrtShapeInferContext* ctx) {
-  const OrtApi& api = Ort::GetApi();
-  static std::atomic<uint64_t> unnamed{0};
-  const size_t from[3] = {0, 3, 4};
-  for (size_t i = 0; i < 3; ++i) {
-    OrtTensorTypeAndShapeInfo* info = nullptr;  // owned by the context (not released here)
-    if (OrtStatusPtr st = api.ShapeInferContext_GetInputTypeShape(ctx, from[i], &info)) return st;
-    size_t rank = 0;
-    if (OrtStatusPtr st = api.GetDimensionsCount(info, &rank)) return st;
-    std::vector<int64_t> dims(rank);
-    std::vector<const char*> names(rank, nullptr);
-    if (rank) {
-      if (OrtStatusPtr st = api.GetDimensions(info, dims.data(), rank)) return st;
-      if (OrtStatusPtr st = api.GetSymbolicDimensions(info, names.data(), rank)) return st;
-    }
-    std::vector<std::string> own(rank);
-    std::vector<const char*> out_names(rank);
-    bool renamed = false;
-    for (size_t d = 0; d < rank; ++d) {
-      out_names[d] = names[d] ? names[d] : "";
-      if (dims[d] < 0 && out_names[d][0] == '\0') {
-        own[d] = "kvexport_paged_attention_dim_" + std::to_string(unnamed++);
-        out_names[d] = own[d].c_str();
-        renamed = true;
-      }
-    }
-    if (!renamed) {
-      if (OrtStatusPtr st = api.ShapeInferContext_SetOutputTypeShape(ctx, i, info)) return st;
-      continue;
-    }
-    ONNXTensorElementDataType type;
-    if (OrtStatusPtr st = api.GetTensorElementType(info, &type)) return st;
-    OrtTensorTypeAndShapeInfo* named = nullptr;
-    if (OrtStatusPtr st = api.CreateTensorTypeAndShapeInfo(&named)) return st;
-    OrtStatusPtr st = api.SetTensorElementType(named, type);
-    if (!st) st = api.SetDimensions(named, dims.data(), rank);
-    if (!st) st = api.SetSymbolicDimensions(named, out_names.data(), rank);
-    if (!st) st = api.ShapeInferContext_SetOutputTypeShape(ctx, i, named);
-    api.ReleaseTensorTypeAndShapeInfo(named);
-    if (st) return st;
-  }
-  return nullptr;
-}
-
 struct Op : Ort::CustomOpBase<Op, Kernel, true> {
-  Op() { OrtCustomOp::InferOutputShapeFn = infer_types; }
+  Op() { OrtCustomOp::InferOutputShapeFn = kvexport_shapes::infer_types; }
   OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
     try {
       *kernel = new Kernel(api, info);
@@ -554,7 +538,7 @@ struct Op : Ort::CustomOpBase<Op, Kernel, true> {
   size_t GetInputTypeCount() const { return kInputs; }
   ONNXTensorElementDataType GetInputType(size_t i) const {
     if (i <= 2 || i >= 9) return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
-    if (i <= 4) return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;  // float32 or int8 pools
+    if (i <= 4) return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;  // float32, int8 or int4 (uint8) pools
     return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
   }
   size_t GetOutputTypeCount() const { return 3; }

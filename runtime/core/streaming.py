@@ -1,0 +1,122 @@
+"""Streaming eviction (`--kv-eviction streaming`): attention sinks + a recent window, so a
+sequence runs past the context with a bounded KV cache (StreamingLLM, Xiao et al. 2023).
+
+`StreamingWindow` is the policy, as the scheduler applies it to every running sequence:
+
+    KV cache of a sequence (block j = positions j*bs..):
+      [ sink blocks | released (PAD_BLOCK_ID) ............ | recent blocks | next token ]
+        first cdiv(kv_sink_tokens, bs) blocks              blocks holding the last kv_recent_tokens
+
+    after every step: the blocks between the sinks and the recent window are released
+                      (KVCacheManager.free_outside_window(keep_first=sink_blocks), the sliding
+                      window's release)
+    the runner sees:  the table without the released blocks (`compact`): attention index =
+                      position for the sinks, position - gap after them (the graphs mask cached
+                      keys by index in the table, never by position: exporter/attention.py)
+    positions:        each token keeps the position it was computed at, and positions stay below
+                      max_model_len (the graphs' RoPE tables end at the build's max_seq_len): when
+                      a sequence's next token would reach max_model_len, a **context shift** drops the
+                      tokens between the sinks and the last kv_recent_tokens from the sequence's KV token
+                      list and recomputes the kept ones at positions 0.. (the sink blocks come back from
+                      the prefix cache), like a preemption by recompute.
+
+Why recompute instead of re-rotating kept keys (llama.cpp's context shift): it needs no RoPE
+arithmetic outside the graphs, so it holds for every position scheme the graphs compute (default,
+linear, llama3, yarn RoPE, learned positions, NoPE) and for every KV form (int8 codes are never
+re-quantized) and backend. The cost: a prefill of sinks + window every
+(max_model_len - sinks - window) tokens. docs/ARCHITECTURE.md "Streaming" has the semantics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvexport.errors import ConfigError
+from kvexport.io import PAD_BLOCK_ID
+
+
+@dataclass(frozen=True, slots=True)
+class StreamingWindow:
+    """What a streaming sequence keeps. Built by `streaming_window`, which checks it."""
+
+    block_size: int  # tokens per KV block
+    sink_blocks: int  # blocks kept at the start: cdiv(kv_sink_tokens, block_size)
+    recent_tokens: int  # the next token attends to (at least) this many tokens before it
+
+    @property
+    def sink_tokens(self) -> int:
+        """Tokens the sink blocks hold (kv_sink_tokens rounded up to whole blocks)."""
+        return self.sink_blocks * self.block_size
+
+    @property
+    def release_window(self) -> int:
+        """The window `free_outside_window` takes: the next token and the recent tokens."""
+        return self.recent_tokens + 1
+
+    @property
+    def kept_after_shift(self) -> int:
+        """KV tokens a sequence keeps at a context shift (the next token included)."""
+        return self.sink_tokens + self.recent_tokens
+
+
+def compact(table: Sequence[int], block_size: int) -> tuple[tuple[int, ...], int]:
+    """A streaming sequence's block table without its released blocks, and the tokens they
+    covered (the gap the runner subtracts from positions after the sinks: model_runner.pack).
+    NOTE: the released blocks are one run between the sinks and the recent window (they are
+    released front to back), so dropping them keeps every kept block in position order."""
+    kept = tuple(b for b in table if b != PAD_BLOCK_ID)
+    return kept, (len(table) - len(kept)) * block_size
+
+
+def streaming_window(*, sink_tokens: int, recent_tokens: int | None, block_size: int, max_model_len: int,
+                     pool_tokens: int, max_num_batched_tokens: int) -> StreamingWindow:
+    """The policy for `--kv-sink-tokens`/`--kv-recent-tokens` on a pool of `pool_tokens` tokens and a
+    context (positions) of `max_model_len`. recent_tokens None: half of max_model_len. Raises
+    ConfigError naming the option when a window is smaller than a block, leaves no room for a token
+    between context shifts, or does not fit the pool with one step's tokens."""
+    sink_blocks = -(-sink_tokens // block_size)
+    recent = max_model_len // 2 if recent_tokens is None else recent_tokens
+    w = StreamingWindow(block_size, sink_blocks, recent)
+    if recent < block_size:
+        raise ConfigError(f"--kv-recent-tokens {recent} is smaller than one KV block ({block_size} tokens): the "
+                          f"recent window is kept and released in whole blocks; give at least {block_size}")
+    if w.kept_after_shift + block_size > max_model_len:
+        raise ConfigError(
+            f"--kv-eviction streaming: sinks ({w.sink_tokens} tokens: --kv-sink-tokens {sink_tokens} in whole "
+            f"blocks of {block_size}) + --kv-recent-tokens {recent} + one block must fit max_model_len "
+            f"{max_model_len} (positions stay below it; a context shift recomputes the kept tokens): lower "
+            f"--kv-recent-tokens to <= {max_model_len - w.sink_tokens - block_size}")
+    need = w.kept_after_shift + 2 * block_size + max_num_batched_tokens
+    if need > pool_tokens:
+        raise ConfigError(
+            f"--kv-recent-tokens {recent}: a streaming sequence holds up to {need} tokens of KV (sinks "
+            f"{w.sink_tokens} + recent {recent} + one step's max_num_batched_tokens {max_num_batched_tokens} + 2 "
+            f"blocks), larger than the KV pool ({pool_tokens} tokens): lower --kv-recent-tokens or "
+            f"--max-num-batched-tokens, or raise --kv-cache-memory")
+    return w
+
+
+def check_model(*, windows: Sequence[int | None], ropes: Sequence[dict], max_model_len: int) -> None:
+    """Refuse `--kv-eviction streaming` on builds whose attention the scheme cannot keep exact:
+    sliding-window layers (the graphs mask their window by index in the block table, which streaming
+    compacts), unless the window covers max_model_len; longrope past its original context (the graphs
+    pick its factor set by the sequence's KV length, which streaming keeps short while positions grow).
+    `ropes`: the manifest's RoPE specs (model.rope, model.rope_local)."""
+    short = [w for w in windows if w is not None and w < max_model_len]
+    if short:
+        raise ConfigError(
+            f"--kv-eviction streaming: this build's layers attend through a sliding window of {min(short)} tokens, "
+            f"shorter than max_model_len {max_model_len}; streaming compacts block tables, which such a window "
+            f"cannot be masked over: serve it with --kv-eviction none (its window already bounds those layers' "
+            f"KV), or with --max-model-len <= {min(short)}")
+    for rope in ropes:
+        omax = rope.get("original_max_positions")
+        if rope.get("rope_type") == "longrope" and omax is not None and max_model_len > omax:
+            raise ConfigError(
+                f"--kv-eviction streaming: longrope switches to its long factors past {omax} tokens (by the "
+                f"sequence's KV length, which streaming keeps short while positions grow), so positions past it "
+                f"would be rotated with the short factors: use --max-model-len <= {omax} with streaming")
+
+
+__all__ = ["StreamingWindow", "check_model", "compact", "streaming_window"]

@@ -1,0 +1,352 @@
+"""The executor side of the KV tiers (runtime/core/kv_tiers.py): it holds the bytes of the blocks
+kept in host memory, reads and writes the disk tier's files (runtime/execution/kv_disk.py) on
+an I/O thread, and copies a block's K/V between the backend's pools and those bytes. The model
+runner calls `KVOffload.run(SchedulerOutput.kv_ops)` before each step's compute and returns
+`poll()`'s events to the scheduler.
+
+A block's bytes (its payload) are, for its KV cache group, every pool tensor of that group's
+layers sliced at the block, in the backend's order ([K_0, V_0, K_1, V_1, ...], then any per-block
+tensors a backend adds such as scales), each C-contiguous:
+
+    payload(group, b) = concat(t[:, b] for t in the group's block tensors)   # block axis 1
+
+`block_tensors()` reads that list from the backend: `backend.kv_block_tensors()` where a backend
+defines it (the hook for pools beyond K/V, e.g. per-block scales), else its `pools` split by the
+manifest's layer groups. `build_identity()` hashes the build (weights checksum, model spec, KV
+layout, dtype, block size, scales) with that layout, so a block is never read into another build.
+
+    numpy pools (onnxruntime, host memory)   copies with numpy, on the engine thread
+    torch CUDA pools (TensorRT)              device <-> pinned host buffers, async on a copy stream;
+                                             the compute stream waits on the copies (documented torch API)
+
+NOTE: saves and loads run on the engine thread before the step (they are memory copies: a
+block of smollm2-135m fp32 is 720 KiB); only disk I/O runs on the I/O thread, so a request
+whose prefix is on disk waits in the queue ("loading") while the others' steps run.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import json
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvexport import io
+from kvexport.manifest import Manifest
+
+from ..core.kv_tiers import HOST, STAGED, DropBlock, LoadBlock, MoveToDisk, Prefetch, SaveBlock, TierEvents, \
+    TierKey, TierOp
+from .kv_disk import CorruptBlock, DiskFull, DiskTier
+
+log = logging.getLogger(__name__)
+
+
+def block_tensors(backend, manifest: Manifest) -> list[tuple[str, Any]]:
+    """(KV cache group, tensor) of every pool tensor with a block axis 1, in the backend's order."""
+    hook = getattr(backend, "kv_block_tensors", None)
+    if hook is not None:
+        return list(hook())
+    groups = manifest.layer_groups or (io.FULL_GROUP,) * manifest.kv.num_layers
+    return [(groups[i // 2], t) for i, t in enumerate(backend.pools)]
+
+
+def _is_torch(t) -> bool:
+    return type(t).__module__.startswith("torch")
+
+
+def layout(tensors: Sequence[tuple[str, Any]]) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
+    """group -> (dtype, shape of one block's slice) of each of its tensors, in order."""
+    out: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
+    for g, t in tensors:
+        shape = tuple(int(x) for x in t.shape)
+        out.setdefault(g, []).append((str(t.dtype).removeprefix("torch."), shape[:1] + shape[2:]))
+    return out
+
+
+def _itemsize(dtype: str) -> int:
+    return {"bfloat16": 2}.get(dtype) or np.dtype(dtype).itemsize
+
+
+def block_bytes(lay: dict[str, list[tuple[str, tuple[int, ...]]]]) -> dict[str, int]:
+    """group -> bytes of one block's payload."""
+    return {g: sum(_itemsize(d) * int(np.prod(s)) for d, s in ts) for g, ts in lay.items()}
+
+
+def build_identity(manifest: Manifest, lay: dict) -> bytes:
+    """32 bytes naming what a block's bytes mean: the build's weights (the source's checksums and
+    the weights file's size and form), model spec, KV spec (layout, dtype, block size, int8 scales)
+    and the payload layout. Two builds share it only if their KV blocks are interchangeable."""
+    kv = manifest.kv
+    ident = {"source": manifest.source, "model": manifest.model.spec, "dtype": manifest.dtype,
+             "kv": {"layout": kv.layout, "attention": kv.attention, "dtype": kv.dtype, "block_size": kv.block_size,
+                    "num_layers": kv.num_layers, "num_kv_heads": kv.num_kv_heads, "head_dim": kv.head_dim,
+                    "local_window": kv.local_window,
+                    "scales": hashlib.sha256(json.dumps(kv.quantization, sort_keys=True).encode()).hexdigest()},
+             "weights": {"bytes": manifest.weights.bytes, "precision": manifest.weights.precision,
+                         "quantization": repr(manifest.weights.quantization)},
+             "graphs": {p: g.bytes for p, g in sorted(manifest.graphs.items())},
+             "layout": {g: [[d, list(s)] for d, s in ts] for g, ts in sorted(lay.items())}}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).digest()
+
+
+class _NumpyCopier:
+    """Blocks of numpy pools (host memory): copies on the calling thread."""
+
+    def __init__(self, backend, manifest: Manifest):
+        self.backend, self.manifest = backend, manifest
+
+    def _tensors(self, group: str) -> list:
+        # NOTE: read every time: the reference-op backend replaces its pools each step
+        return [t for g, t in block_tensors(self.backend, self.manifest) if g == group]
+
+    def read(self, group: str, block_id: int) -> np.ndarray:
+        parts = [np.ascontiguousarray(t[:, block_id]).reshape(-1).view(np.uint8) for t in self._tensors(group)]
+        return np.concatenate(parts)
+
+    def write(self, group: str, block_id: int, payload: np.ndarray) -> None:
+        at = 0
+        for t in self._tensors(group):
+            view = t[:, block_id]  # in place: the pools are bound to the sessions by address
+            n = view.size * view.itemsize
+            view[...] = payload[at:at + n].view(t.dtype).reshape(view.shape)
+            at += n
+        assert at == payload.size, "a payload holds exactly one block of the group's tensors"
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _TorchCopier:
+    """Blocks of torch CUDA pools (TensorRT backend): device -> pinned host on a copy stream
+    (`Tensor.copy_(non_blocking=True)` into `pin_memory()` buffers), host -> device the same way,
+    with the backend's compute stream made to wait on the copies (`Stream.wait_stream`). Written
+    against the documented torch CUDA API; not run here (no GPU)."""
+
+    def __init__(self, backend, manifest: Manifest):
+        import torch
+
+        self.backend, self.manifest = backend, manifest
+        self.copy_stream = torch.cuda.Stream()
+
+    def _tensors(self, group: str) -> list:
+        return [t for g, t in block_tensors(self.backend, self.manifest) if g == group]
+
+    def read(self, group: str, block_id: int) -> np.ndarray:
+        import torch
+
+        ts = self._tensors(group)
+        sizes = [t[:, block_id].numel() * t.element_size() for t in ts]
+        host = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=True)
+        self.copy_stream.wait_stream(self.backend.stream)  # the block's KV was written on the compute stream
+        with torch.cuda.stream(self.copy_stream):
+            at = 0
+            for t, n in zip(ts, sizes):
+                host[at:at + n].copy_(t[:, block_id].contiguous().view(-1).view(torch.uint8), non_blocking=True)
+                at += n
+        self.copy_stream.synchronize()  # NOTE: the block is reused by this step: its bytes must be out first
+        return host.numpy()
+
+    def write(self, group: str, block_id: int, payload: np.ndarray) -> None:
+        import torch
+
+        src = torch.from_numpy(payload).pin_memory()
+        with torch.cuda.stream(self.copy_stream):
+            at = 0
+            for t in self._tensors(group):
+                view = t[:, block_id]
+                n = view.numel() * view.element_size()
+                staged = src[at:at + n].to(t.device, non_blocking=True)
+                view.copy_(staged.view(t.dtype).view(view.shape))
+                at += n
+        self.backend.stream.wait_stream(self.copy_stream)  # the step reads the block after the copy
+
+    def synchronize(self) -> None:
+        self.copy_stream.synchronize()
+
+
+@dataclass
+class OffloadStats:
+    """Bytes moved per tier and load latency since start (the metrics: runtime/serving/metrics.py)."""
+
+    host_write_bytes: int = 0  # pool -> host memory
+    host_read_bytes: int = 0  # host memory -> pool
+    disk_write_bytes: int = 0  # -> disk files
+    disk_read_bytes: int = 0  # disk files -> staging (verified)
+    load_seconds: float = 0.0  # copying tier hits into the pool + reading them from disk
+    loads: int = 0  # blocks loaded into the pool
+    disk_errors: int = 0  # corrupt, truncated or foreign block files refused
+
+
+class KVOffload:
+    """The bytes of the host tier and staging area, the disk tier, and the copies (module doc).
+
+    The host tier's budget is TierIndex's to enforce; `open_disk` adds the disk tier."""
+
+    def __init__(self, backend, manifest: Manifest):
+        tensors = block_tensors(backend, manifest)
+        self.layout = layout(tensors)
+        self.block_bytes = block_bytes(self.layout)  # group -> payload bytes
+        self.identity = build_identity(manifest, self.layout)
+        torch_pools = bool(tensors) and _is_torch(tensors[0][1])
+        self.copier = _TorchCopier(backend, manifest) if torch_pools else _NumpyCopier(backend, manifest)
+        self.host: dict[TierKey, np.ndarray] = {}
+        self.staged: dict[TierKey, np.ndarray] = {}
+        self.stats = OffloadStats()
+        self.disk: DiskTier | None = None
+        self._disk_off: str | None = None  # why the disk tier turned off
+        self._reported_off = False
+        self._done: queue.Queue = queue.Queue()  # (kind, key, payload | reason, seconds) from the I/O thread
+        self._jobs: queue.Queue = queue.Queue()
+        self._inflight = 0  # prefetches not yet polled
+        self._lock = threading.Lock()
+        self._manifest = manifest
+
+    def open_disk(self, folder: str | Path) -> None:
+        """Use `folder` as the disk tier (kv_disk.DiskTier checks it: ConfigError naming
+        --kv-offload-dir) and start the I/O thread."""
+        m = self._manifest
+        describe = {"build": str(m.model.family), "kv_dtype": m.kv.dtype, "block_size": m.kv.block_size}
+        self.disk = DiskTier(folder, self.identity, describe)
+        self._thread = threading.Thread(target=self._io_loop, name="kvexport-kv-disk", daemon=True)
+        self._thread.start()
+        atexit.register(self.flush, 10.0)
+
+    def disk_blocks(self) -> list[TierKey]:
+        """The blocks on disk at start, least recently written first (TierIndex.add_disk_blocks)."""
+        if self.disk is None:
+            return []
+        return [(g, k) for g, k, n in self.disk.scan() if g in self.block_bytes]
+
+    # ---- the step's ops ------------------------------------------------------------------
+    def run(self, ops: Sequence[TierOp]) -> None:
+        """Carry out a step's transfers in order (kv_tiers.py module NOTE)."""
+        for op in ops:
+            key = (op.group, op.block_hash)
+            if isinstance(op, SaveBlock):
+                payload = self.copier.read(op.group, op.block_id)
+                if op.tier == HOST:
+                    self.host[key] = payload
+                    self.stats.host_write_bytes += payload.nbytes
+                else:
+                    self._submit(("write", key, payload))
+            elif isinstance(op, MoveToDisk):
+                payload = self.host.pop(key, None)
+                if payload is not None:
+                    self._submit(("write", key, payload))
+            elif isinstance(op, DropBlock):
+                if op.tier == HOST:
+                    self.host.pop(key, None)
+                elif op.tier == STAGED:
+                    self.staged.pop(key, None)
+                else:
+                    self._submit(("remove", key, None))
+            elif isinstance(op, Prefetch):
+                with self._lock:
+                    self._inflight += 1
+                self._submit(("read", key, None))
+            else:
+                assert isinstance(op, LoadBlock)
+                t = time.perf_counter()
+                payload = self.host[key] if op.tier == HOST else self.staged.pop(key)
+                self.copier.write(op.group, op.block_id, payload)
+                if op.tier == HOST:
+                    self.stats.host_read_bytes += payload.nbytes
+                self.stats.loads += 1
+                self.stats.load_seconds += time.perf_counter() - t
+
+    def poll(self, wait_s: float = 0.0) -> TierEvents:
+        """Disk reads finished since the last poll (waiting up to `wait_s` for one when some are in
+        flight: an engine with nothing else to do), failures, and the disk tier turning off."""
+        prefetched, failed = [], []
+        block = wait_s > 0 and self._inflight > 0
+        while True:
+            try:
+                kind, key, value, seconds = self._done.get(timeout=wait_s) if block else self._done.get_nowait()
+            except queue.Empty:
+                break
+            block = False
+            with self._lock:
+                self._inflight -= 1
+            self.stats.load_seconds += seconds
+            if kind == "ok":
+                self.staged[key] = value
+                self.stats.disk_read_bytes += value.nbytes
+                prefetched.append(key)
+            else:
+                failed.append(key)
+        off = None
+        if self._disk_off is not None and not self._reported_off:
+            off, self._reported_off = self._disk_off, True
+        if not (prefetched or failed or off):
+            return _NO_EVENTS
+        return TierEvents(tuple(prefetched), tuple(failed), off)
+
+    @property
+    def busy(self) -> bool:
+        """Disk reads are in flight."""
+        return self._inflight > 0
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until the disk writes queued so far are done (a restart then finds them); returns
+        whether they all are. Also runs at interpreter exit (a server stopping)."""
+        end = time.monotonic() + timeout_s
+        while self._jobs.unfinished_tasks and time.monotonic() < end:
+            time.sleep(0.005)
+        return not self._jobs.unfinished_tasks
+
+    # ---- the I/O thread -------------------------------------------------------------------------
+    def _submit(self, job) -> None:
+        if self.disk is None or (self._disk_off is not None and job[0] != "read"):
+            if job[0] == "read":  # NOTE: never left waiting: a read the tier cannot serve fails
+                self._done.put(("failed", job[1], "the disk tier is off", 0.0))
+            return
+        self._jobs.put(job)
+
+    def _io_loop(self) -> None:
+        disk = self.disk
+        assert disk is not None
+        while True:
+            job = self._jobs.get()
+            try:
+                self._do(disk, *job)
+            finally:
+                self._jobs.task_done()
+
+    def _do(self, disk: DiskTier, kind: str, gk: TierKey, payload) -> None:
+        group, key = gk
+        try:
+            if kind == "write":
+                if self._disk_off is None:
+                    self.stats.disk_write_bytes += disk.write(group, key, memoryview(payload))
+            elif kind == "remove":
+                disk.remove(group, key)
+            else:
+                t = time.perf_counter()
+                data = np.frombuffer(disk.read(group, key), np.uint8)
+                if data.size != self.block_bytes[group]:
+                    disk.remove(group, key)
+                    raise CorruptBlock(f"{group}-{key.hex()}: {data.size} bytes, a block has {self.block_bytes[group]}")
+                self._done.put(("ok", gk, data, time.perf_counter() - t))
+        except DiskFull as e:
+            self._disk_off = f"writing {disk.root} failed: {e}"
+            log.warning("the disk KV tier is off: %s; serving goes on without it", self._disk_off)
+        except CorruptBlock as e:
+            self.stats.disk_errors += 1
+            log.warning("disk KV tier: %s; the block is recomputed", e)
+            self._done.put(("failed", gk, str(e), 0.0))
+        except Exception as e:  # noqa: BLE001 - the I/O thread must survive anything a file does
+            log.exception("disk KV tier: %s of %s failed", kind, key.hex())
+            if kind == "read":
+                self._done.put(("failed", gk, str(e), 0.0))
+
+
+_NO_EVENTS = TierEvents()

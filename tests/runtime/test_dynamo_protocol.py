@@ -1,0 +1,180 @@
+"""The Dynamo wire format on kvexport's side (runtime/serving/dynamo_protocol.py) and the block
+pool's observer events it is fed from: a PreprocessedRequest -> SamplingParams (and the refusals,
+naming the field), engine events -> response chunks, pool events -> KV event batches, and that
+the blocks kvexport reports stored hash, with Dynamo's own `compute_block_hash_for_seq`, to
+exactly the hashes Dynamo's router computes for the request's tokens (skipped, saying why, where
+the `dynamo` extra is not installed; CI installs it)."""
+
+import pytest
+
+from kvexport.runtime.core.block_hash import hash_full_blocks
+from kvexport.runtime.core.block_pool import BlockPool, BlockRemoved, BlockStored
+from kvexport.runtime.core.kv_cache_manager import KVCacheManager
+from kvexport.runtime.serving.dynamo_protocol import (chunk, completion_usage, external_hash, kv_event_batch,
+                                                      request_to_params)
+from kvexport.runtime.serving.engine_thread import Event
+from kvexport.runtime.serving.requests import RequestError, RequestParser
+
+PARSER = RequestParser(None, 100, 32)  # vocabulary 100, context 32
+
+
+def req(**groups):
+    r = {"token_ids": [5, 6, 7], "stop_conditions": {}, "sampling_options": {}, "output_options": {},
+         "eos_token_ids": [2]}
+    for k, v in groups.items():
+        r[k] = {**r.get(k, {}), **v} if isinstance(v, dict) else v
+    return r
+
+
+# ---- requests ----------------------------------------------------------------------------
+def test_a_frontend_request_maps_onto_sampling_params():
+    # the shape dynamo.frontend 1.6.1 sends for a /v1/completions request (seen on the wire)
+    r = req(stop_conditions={"max_tokens": 8, "stop": ["xx"], "stop_token_ids": None, "stop_token_ids_hidden": [2],
+                             "min_tokens": None, "ignore_eos": None, "max_thinking_tokens": None},
+            sampling_options={"n": None, "best_of": None, "temperature": 0.7, "top_p": 0.9, "top_k": -1,
+                              "seed": 11, "use_beam_search": None, "guided_decoding": None},
+            output_options={"logprobs": 2, "prompt_logprobs": None, "skip_special_tokens": None})
+    prompt, p = request_to_params(r, PARSER)
+    assert prompt == [5, 6, 7]
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, p.logprobs) == (8, 0.7, 0.9, 0, 11, 2)
+    assert p.stop_token_ids == (2,) and p.stop == ()  # stop strings are the frontend's job
+    _, p = request_to_params(req(), PARSER)
+    assert (p.max_tokens, p.temperature, p.stop_token_ids) == (29, 0.0, ())  # the room left; greedy
+    _, p = request_to_params(req(stop_conditions={"ignore_eos": True, "stop_token_ids_hidden": [2, 9],
+                                                  "min_tokens": 3, "max_tokens": 5}), PARSER)
+    assert (p.ignore_eos, p.stop_token_ids, p.min_tokens) == (True, (9,), 3)
+
+
+@pytest.mark.parametrize("groups, field", [
+    ({"sampling_options": {"n": 2}}, "sampling_options.n"),
+    ({"sampling_options": {"use_beam_search": True}}, "sampling_options.use_beam_search"),
+    ({"sampling_options": {"guided_decoding": {"json": {}}}}, "sampling_options.guided_decoding"),
+    ({"output_options": {"prompt_logprobs": 1}}, "output_options.prompt_logprobs"),
+    ({"sampling_options": {"temperature": -1.0}}, "sampling_options.temperature"),
+    ({"stop_conditions": {"max_tokens": 0}}, "stop_conditions.max_tokens"),
+    ({"stop_conditions": {"stop_token_ids_hidden": [100]}}, "stop_conditions.stop_token_ids"),
+    ({"token_ids": [1, 200]}, "token_ids"),
+    ({"token_ids": list(range(40))}, "prompt"),
+    ({"stop_conditions": "x"}, "stop_conditions"),
+])
+def test_requests_kvexport_cannot_serve_are_refused_naming_the_field(groups, field):
+    with pytest.raises(RequestError) as e:
+        request_to_params(req(**groups), PARSER)
+    assert e.value.param == field, str(e.value)
+
+
+# ---- responses ---------------------------------------------------------------------------
+def test_events_become_chunks_with_dynamos_finish_reasons():
+    ev = Event(0, " a", [7], 1, False, None, None, logprobs=[-0.5], top_logprobs=[[(7, -0.5), (9, -1.0)]])
+    assert chunk(ev) == {"token_ids": [7], "log_probs": [-0.5]}
+    assert chunk(ev, decode=lambda t: f"<{t}>")["top_logprobs"] == [
+        [{"rank": 1, "token_id": 7, "token": "<7>", "logprob": -0.5},
+         {"rank": 2, "token_id": 9, "token": "<9>", "logprob": -1.0}]]
+    for ours, theirs in (("stop", "stop"), ("length", "length"), ("abort", "cancelled")):
+        assert chunk(Event(0, "", [3], 2, True, ours, None)) == {"token_ids": [3], "finish_reason": theirs}
+    assert "finish_reason" not in chunk(Event(0, "", [], 0, True, "error", "boom"))
+    assert completion_usage(10, 4, 8) == {"prompt_tokens": 10, "completion_tokens": 4, "total_tokens": 14,
+                                          "prompt_tokens_details": {"cached_tokens": 8}}
+
+
+# ---- KV events -------------------------------------------------------------------------------
+def test_the_pool_records_stored_and_removed_blocks_only_when_asked():
+    p = BlockPool(4, 2)
+    ids = p.get_new_blocks(1)
+    p.cache_full_blocks(ids, hash_full_blocks([1, 2], 2))
+    assert p.pop_events() == []  # not recording: nothing kept
+    p = BlockPool(4, 2)
+    p.record_events()
+    keys = hash_full_blocks([1, 2, 3, 4, 5, 6], 2)
+    ids = p.get_new_blocks(3)
+    assert p.cache_full_blocks(ids, keys, parent_hashes=[None, keys[0], keys[1]],
+                               block_tokens=[[1, 2], [3, 4], [5, 6]]) == 3
+    p.cache_full_blocks(ids[:1], keys[:1])  # already cached: no second event
+    assert p.pop_events() == [BlockStored(keys[0], None, (1, 2)), BlockStored(keys[1], keys[0], (3, 4)),
+                              BlockStored(keys[2], keys[1], (5, 6))]
+    assert p.pop_events() == []
+    p.free_blocks(reversed(ids))  # all three evictable: the tail first, then the head
+    p.get_new_blocks(2)  # evicts the two least recently released: keys[2], keys[1]
+    assert p.pop_events() == [BlockRemoved(keys[2]), BlockRemoved(keys[1])]
+
+
+def test_event_batches_chain_blocks_and_skip_what_the_router_cannot_hash():
+    k = hash_full_blocks(list(range(8)), 2)
+    events = [BlockStored(k[0], None, (0, 1)), BlockStored(k[1], k[0], (2, 3)),  # one chain: one entry
+              BlockStored(k[3], k[2], (6, 7)),  # parent not the previous block: a new entry
+              BlockStored(k[2], k[1], None),  # no tokens (a tier load): skipped
+              BlockRemoved(k[0]), BlockRemoved(k[1])]
+    batch, skipped = kv_event_batch(events, 2)
+    assert skipped == 1
+    assert batch == [
+        {"type": "stored", "token_ids": [0, 1, 2, 3], "num_block_tokens": [2, 2],
+         "block_hashes": [external_hash(k[0]), external_hash(k[1])], "parent_hash": None},
+        {"type": "stored", "token_ids": [6, 7], "num_block_tokens": [2], "block_hashes": [external_hash(k[3])],
+         "parent_hash": external_hash(k[2])},
+        {"type": "removed", "block_hashes": [external_hash(k[0]), external_hash(k[1])]}]
+    assert all(-2**63 <= h < 2**63 for e in batch for h in e["block_hashes"])
+
+
+def test_stored_blocks_hash_as_dynamos_router_hashes_the_request():
+    dyn = pytest.importorskip("dynamo.llm", reason="the dynamo extra is not installed (scripts/install_dev.sh "
+                                                   "installs it; docs/DEPLOYMENT.md)")
+    bs = 4
+    m = KVCacheManager(BlockPool(16, bs))
+    m.pool.record_events()
+    prompt = [17, 3, 99, 4, 8, 8, 1, 0, 55, 21, 7, 7, 30]  # 3 full blocks + 1 token
+    m.allocate_slots("a", len(prompt), computed_blocks=m.get_computed_blocks(prompt))
+    m.cache_blocks("a", prompt, len(prompt))
+    # a second request sharing the first two blocks stores only its own third block
+    other = prompt[:8] + [1, 2, 3, 4, 5]
+    m.allocate_slots("b", len(other) - 8, computed_blocks=m.get_computed_blocks(other))
+    m.cache_blocks("b", other, len(other))
+    batch, skipped = kv_event_batch(m.pool.pop_events(), bs)
+    assert skipped == 0 and [e["num_block_tokens"] for e in batch] == [[bs] * 3, [bs]]
+    router = dyn.compute_block_hash_for_seq(prompt, bs)
+    assert dyn.compute_block_hash_for_seq(batch[0]["token_ids"], bs) == router  # what the publisher hashes
+    assert dyn.compute_block_hash_for_seq(batch[1]["token_ids"], bs) == dyn.compute_block_hash_for_seq(other, bs)[2:]
+    assert batch[1]["parent_hash"] == batch[0]["block_hashes"][1]  # hangs under the shared prefix
+
+
+# ---- the command's refusals (before any engine or Dynamo runtime starts) --------------------------
+@pytest.mark.parametrize("args, says", [
+    (["--namespace", "a.b"], "namespace must be letters, digits"),
+    (["--endpoint", ""], "endpoint must be letters, digits"),
+    (["--served-model-name", " "], "served_model_name must not be empty"),
+    (["--mode", "prefill"], "Invalid value for '--mode'"),
+])
+def test_bad_worker_options_are_refused_naming_them(tmp_path, args, says):
+    from click.testing import CliRunner
+
+    from kvexport.cli import main
+
+    r = CliRunner().invoke(main, ["dynamo", str(tmp_path), *args])
+    assert r.exit_code == 2 and says in r.output, r.output
+
+
+def test_without_the_dynamo_extra_the_command_says_how_to_install_it(tmp_path, monkeypatch):
+    import sys
+
+    from click.testing import CliRunner
+
+    from kvexport.cli import main
+
+    monkeypatch.setitem(sys.modules, "dynamo", None)  # `import dynamo` fails as if not installed
+    r = CliRunner().invoke(main, ["dynamo", str(tmp_path)])
+    assert r.exit_code == 2 and "kvexport[dynamo]" in r.output and "--no-deps ai-dynamo==1.6.1" in r.output, r.output
+
+
+def test_a_build_the_frontend_cannot_load_is_refused(tmp_path):
+    from types import SimpleNamespace
+
+    from kvexport.errors import ConfigError
+    from kvexport.runtime.serving.dynamo_worker import model_folder
+
+    with pytest.raises(ConfigError, match="has no tokenizer"):
+        model_folder(tmp_path, SimpleNamespace(tokenizer=None))
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="lacks tokenizer.json, tokenizer_config.json at its root.*rebuild"):
+        model_folder(tmp_path, SimpleNamespace(tokenizer=object()))
+    for n in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / n).write_text("{}")
+    assert model_folder(tmp_path, SimpleNamespace(tokenizer=object())) == tmp_path
