@@ -47,7 +47,7 @@ def test_without_the_native_op_the_default_falls_back_to_onnx(hf_folder, tmp_pat
 def test_fp16_builds_fall_back_to_onnx(cpu_op):
     for kw in (dict(dtype=io.DType.FP16), dict(kv_dtype=io.DType.FP16)):
         opts, note = default_attention(BuildOptions(**kw, **OPTS))
-        assert opts.attention is io.Attention.ONNX and "takes float32 activations with float32/int8 KV" in note
+        assert opts.attention is io.Attention.ONNX and "takes float32 activations with float32/int8/int4 KV" in note
     opts, note = default_attention(BuildOptions(kv_dtype=io.DType.INT8, **OPTS))
     assert opts.attention is io.Attention.PLUGIN and note is None
 
