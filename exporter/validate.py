@@ -61,12 +61,14 @@ from kvexport.manifest import OpCheck, ValidationEntry
 # Hadamard-rotated: kvexport/io.py KV_INT4_FORMAT): every cached key/value is rounded to 1/16 of
 # its group's extreme, ~8x coarser than int8 KV's 1/254 of a calibrated range, on every token and
 # layer, so the logits move by a few units more than int8 KV's (the quantization's error, not a
-# bug's): the bound is twice int8 KV's, still well under the logits' own magnitude (~20-30) that a
-# wrong nibble order, group, scale sign or a missing rotation produces on every row. Near-ties
-# flip more greedy tokens than with int8, hence a lower minimum share. Perplexity is the quality
-# measure (docs/QUANTIZATION.md "int4 KV": +2.9% on smollm2-135m). NOTE: set before a real-model
-# measurement of max |Δ|; the tiny-model builds of tests/exporter/test_int4_kv_graphs.py pass it.
-TOLERANCE = {"fp32": 5e-3, "fp16": 0.5, "int8_kv": 3.0, "int4_kv": 6.0, "int8_weights": 4.0, "int4_weights": 10.0}
+# bug's): the bound is int4 weights' (the same 16-level rounding), still well under the logits' own
+# magnitude (~20-30) that a wrong nibble order, group, scale sign or a missing rotation produces on
+# every row. Near-ties flip more greedy tokens than with int8, hence a lower minimum share.
+# Perplexity is the quality measure (docs/QUANTIZATION.md "int4 KV": +2.9% on smollm2-135m).
+# Measured: `kvexport build smollm2-135m --kv-dtype int4`, native op, 4 prompts x 16 steps: max |Δ|
+# 8.2 at 89.7% greedy agreement (the first bound, 6 = twice int8 KV's, was set before any real
+# build and failed it; the reference op's 2 x 2 check: 3.6).
+TOLERANCE = {"fp32": 5e-3, "fp16": 0.5, "int8_kv": 3.0, "int4_kv": 10.0, "int8_weights": 4.0, "int4_weights": 10.0}
 REQUIRE_GREEDY = {"fp32": True, "fp16": False, "int8_kv": False, "int4_kv": False, "int8_weights": False,
                   "int4_weights": False}
 MIN_AGREEMENT = {"fp32": 1.0, "fp16": 0.0, "int8_kv": 0.75, "int4_kv": 0.5, "int8_weights": 0.7, "int4_weights": 0.4}
