@@ -6,6 +6,8 @@
    heads, 3 KV heads, head_dim 64, blocks of 16), pools bound in place as the runtime does:
    - decode: 64 sequences, one new token each, contexts drawn from 16..600 (mean ~300);
    - prefill: one 480-token prompt chunk plus 32 decodes (a mixed continuous-batching step);
+   - decode2k: 16 sequences at a 2048-token context, one new token each (issue 23's int4 speed
+     check), float32 / int8 / int4 pools;
    float32 and int8 pools; ms per call, median of 40 after warm-up.
 2. For each --build (a paged smollm2 build: `onnx` or `plugin` attention): the same two
    steps through the runtime's backend (ms per step), and onnxruntime's own profile of the
@@ -41,6 +43,8 @@ def step_shapes(kind: str) -> tuple[list[int], list[int]]:
     rng = np.random.default_rng(RNG_SEED)
     if kind == "decode":
         return [1] * 64, rng.integers(16, 600, 64).tolist()
+    if kind == "decode2k":  # issue 23: decode at a 2k context (16 sequences)
+        return [1] * 16, [2047] * 16
     return [480] + [1] * 32, [0] + rng.integers(16, 600, 32).tolist()
 
 
@@ -144,6 +148,8 @@ def main() -> None:
            "command": " ".join([Path(sys.executable).name] + sys.argv), "onnxruntime": ort.__version__,
            "op_ms_per_layer_call": {f"{kind}/{kv}": round(op_alone(str(lib), kind, kv), 3)
                                     for kind in ("decode", "prefill") for kv in ("float32", "int8")},
+           "op_ms_per_layer_call_2k": {f"decode2k/{kv}": round(op_alone(str(lib), "decode2k", kv), 3)
+                                       for kv in ("float32", "int8", "int4")},
            "builds": [model_steps(b) for b in args.build]}
     text = json.dumps(res, indent=2)
     print(text)

@@ -32,7 +32,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import httpx
 
@@ -58,10 +58,21 @@ def low_free_ports(n: int) -> list[int]:
 
 
 class Cluster:
-    """A running frontend + workers: the frontend's base URL, each worker's /metrics URL."""
+    """A running frontend + workers: the frontend's base URL, each worker's /metrics URL, each
+    worker's process (`workers[i]`; `start_worker(i)` starts worker i again, e.g. after a kill)."""
 
     def __init__(self, base: str, metrics: list[str], env: dict, logs: list[Path], namespace: str):
         self.base, self.metrics, self.env, self.logs, self.namespace = base, metrics, env, logs, namespace
+        self.workers: list[subprocess.Popen] = []
+        self.start_worker: Callable[[int], subprocess.Popen] = lambda i: None  # set by local_cluster
+
+    def ready_workers(self) -> int:
+        """Workers the frontend's /health lists now (0 when it does not answer)."""
+        try:
+            health = httpx.get(f"{self.base}/health", timeout=5).json()
+        except (httpx.HTTPError, ValueError):
+            return 0
+        return sum(i.get("endpoint") == "generate" for i in health.get("instances", []))
 
     def worker_metrics(self, i: int) -> dict[str, float]:
         text = httpx.get(self.metrics[i], timeout=10).text
@@ -82,10 +93,14 @@ def wait_until(cond, what: str, logs, timeout: float = 300.0) -> None:
 @contextlib.contextmanager
 def local_cluster(build_dir: str | Path, tmp: Path, workers: int = 2, router_mode: str = "kv",
                   worker_args: tuple[str, ...] = (), namespace: str = "kvxbench",
-                  model: str = MODEL, timeout: float = 300.0) -> Iterator[Cluster]:
-    """`python -m dynamo.frontend` + `workers` × `kvexport dynamo build_dir` on 127.0.0.1 (file
-    discovery in `tmp`, Dynamo's system server with kvexport's /metrics on a free port per worker);
-    yields once the frontend's /health lists every worker and /v1/models the model; stops them all (SIGTERM, then SIGKILL)."""
+                  model: str = MODEL, timeout: float = 300.0,
+                  frontend_args: tuple[str, ...] = (),
+                  each_worker_args: list[tuple[str, ...]] | None = None) -> Iterator[Cluster]:
+    """`python -m dynamo.frontend` (+ `frontend_args`) + `workers` × `kvexport dynamo build_dir` on
+    127.0.0.1 (file discovery in `tmp`, Dynamo's system server with kvexport's /metrics on a free
+    port per worker); yields once the frontend's /health lists every worker and /v1/models the
+    model; stops them all (SIGTERM, then SIGKILL). `each_worker_args[i]`: worker i's own arguments
+    after `worker_args` (e.g. its --mode prefill / decode: bench/dynamo_disagg.py)."""
     tmp.mkdir(parents=True, exist_ok=True)
     http = low_free_ports(1 + workers)
     env = dict(os.environ, DYN_DISCOVERY_BACKEND="file", DYN_FILE_KV=str(tmp / "kv"), DYN_TCP_RPC_HOST="127.0.0.1",
@@ -94,23 +109,36 @@ def local_cluster(build_dir: str | Path, tmp: Path, workers: int = 2, router_mod
     procs: list[subprocess.Popen] = []
     logs: list[Path] = []
 
-    def start(name: str, args: list[str], **extra) -> None:
+    def start(name: str, args: list[str], **extra) -> subprocess.Popen:
         log = tmp / f"{name}.log"
         logs.append(log)
         with open(log, "w") as f:
             procs.append(subprocess.Popen(args, cwd=str(tmp), stdout=f, stderr=subprocess.STDOUT,
                                           env=dict(env, **extra)))
+        return procs[-1]
 
     c = Cluster(f"http://127.0.0.1:{http[0]}", [f"http://127.0.0.1:{p}/metrics" for p in http[1:]], env, logs,
                 namespace)
+
+    def start_worker(i: int) -> subprocess.Popen:
+        n = sum(1 for p in logs if p.name.startswith(f"worker{i}"))  # worker0.log, then worker0-2.log, ...
+        p = start(f"worker{i}" + (f"-{n + 1}" if n else ""),
+                  [sys.executable, "-m", "kvexport.cli", "dynamo", str(build_dir), "--namespace", namespace,
+                   "--served-model-name", model, "--threads", "1", *worker_args,
+                   *(each_worker_args[i] if each_worker_args else ())], DYN_SYSTEM_PORT=str(http[1 + i]))
+        if i < len(c.workers):
+            c.workers[i] = p
+        else:
+            c.workers.append(p)
+        return p
+
+    c.start_worker = start_worker
     try:
         start("frontend", [sys.executable, "-m", "dynamo.frontend", "--router-mode", router_mode,
                            "--discovery-backend", "file", "--namespace", namespace, "--http-host", "127.0.0.1",
-                           "--http-port", str(http[0])])
+                           "--http-port", str(http[0]), *frontend_args])
         for i in range(workers):
-            start(f"worker{i}", [sys.executable, "-m", "kvexport.cli", "dynamo", str(build_dir), "--namespace",
-                                 namespace, "--served-model-name", model, "--threads", "1", *worker_args],
-                  DYN_SYSTEM_PORT=str(http[1 + i]))
+            start_worker(i)
 
         def up() -> bool:
             for p in procs:

@@ -7,7 +7,9 @@ sequence's blocks from the pool and appends this step's keys.
 
 Masks and index tensors depend only on the step's metadata and the layer's window, so
 `*_context()` builds them once per graph and window, and every layer with that window reuses
-them. Per layer (spec.py): the window, the scale (q arrives scaled) and the soft-cap.
+them. Per layer (spec.py): the window, the scale (q arrives scaled), the soft-cap and the learned
+attention sinks (GPT-OSS: one logit per query head in the softmax denominator, with no value; the
+layer's weights hold them, LayerWeights.attn_sinks; plugins/paged_attention/spec.py says the math).
 """
 
 from __future__ import annotations
@@ -149,20 +151,36 @@ def _softcap(b: GraphBuilder, scores: str, cap: float | None) -> str:
     return b.op("Mul", b.op("Tanh", b.op("Div", scores, b.const(cap, "float32"))), b.const(cap, "float32"))
 
 
-def _attend(b: GraphBuilder, spec: ModelSpec, q: str, k: str, v: str, bias: str) -> str:
-    """Core attention, GQA-aware; scores soft-capped by spec.attn_softcap.
+def sink_logits(b: GraphBuilder, spec: ModelSpec, sinks: np.ndarray | None) -> str | None:
+    """A layer's sinks [H] (query head h = kv head * G + g) as a [kvH, G, 1, 1] float32 constant
+    that broadcasts against scores [.., kvH, G, Q, 1]; None without sinks."""
+    if sinks is None:
+        return None
+    return b.const(np.asarray(sinks, np.float32).reshape(spec.num_kv_heads, spec.group_size, 1, 1), "float32")
+
+
+def _attend(b: GraphBuilder, spec: ModelSpec, q: str, k: str, v: str, bias: str, sinks: str | None = None) -> str:
+    """Core attention, GQA-aware; scores soft-capped by spec.attn_softcap; `sinks` (sink_logits)
+    join each row's softmax denominator:
 
         q    [N, Q, H, D] float32 (already scaled)
         k, v [N, kvH, L, D] float32
         bias [N, 1, 1, Q, L]
         ->   [N, Q, H * D]
+        with sinks: m = max(max_j s_j, sink), p_j = exp(s_j - m) / (exp(sink - m) + sum_k exp(s_k - m))
     """
     kvh, g, d = spec.num_kv_heads, spec.group_size, spec.head_dim
     q = b.op("Reshape", q, b.const([0, 0, kvh, g, d]))  # [N, Q, kvH, G, D]
     q = b.op("Transpose", q, perm=[0, 2, 3, 1, 4])  # [N, kvH, G, Q, D]
     kt = b.op("Unsqueeze", b.op("Transpose", k, perm=[0, 1, 3, 2]), b.const([2]))  # [N, kvH, 1, D, L]
     scores = b.op("Add", _softcap(b, b.op("MatMul", q, kt), spec.attn_softcap), bias)  # [N, kvH, G, Q, L]
-    probs = b.op("Softmax", scores, axis=-1)
+    if sinks is None:
+        probs = b.op("Softmax", scores, axis=-1)
+    else:
+        m = b.op("Max", b.op("ReduceMax", scores, b.const([-1]), keepdims=1), sinks)  # [N, kvH, G, Q, 1]
+        e = b.op("Exp", b.op("Sub", scores, m))
+        denom = b.op("Add", b.op("ReduceSum", e, b.const([-1]), keepdims=1), b.op("Exp", b.op("Sub", sinks, m)))
+        probs = b.op("Div", e, denom)  # [N, kvH, G, Q, L]
     out = b.op("MatMul", probs, b.op("Unsqueeze", v, b.const([2])))  # [N, kvH, G, Q, D]
     out = b.op("Transpose", out, perm=[0, 3, 1, 2, 4])  # [N, Q, kvH, G, D]
     return b.op("Reshape", out, b.const([0, 0, spec.num_heads * d]))  # [N, Q, H*D]
@@ -170,9 +188,10 @@ def _attend(b: GraphBuilder, spec: ModelSpec, q: str, k: str, v: str, bias: str)
 
 def contiguous_attention(b: GraphBuilder, spec: ModelSpec, layer: int, ctx: AttnContext,
                          q: str, k: str, v: str, *, has_past: bool, kv_dtype: str,
-                         scales: tuple[str, str] | None = None) -> tuple[str, str, str]:
+                         scales: tuple[str, str] | None = None,
+                         sinks: np.ndarray | None = None) -> tuple[str, str, str]:
     """q [B, S, H, D], k/v [B, S, kvH, D] (float32, rotated) -> (out [B, S, H*D],
-    present key, present value [B, kvH, total, D] in kv_dtype)."""
+    present key, present value [B, kvH, total, D] in kv_dtype). sinks: the layer's [H] sink logits."""
     ks, vs = scales or (None, None)
     kvh = spec.num_kv_heads
     k = b.op("Transpose", k, perm=[0, 2, 1, 3])  # [B, kvH, S, D]
@@ -183,15 +202,18 @@ def contiguous_attention(b: GraphBuilder, spec: ModelSpec, layer: int, ctx: Attn
         k = b.op("Concat", io.past_key(layer), k, axis=2)  # [B, kvH, P+S, D]
         v = b.op("Concat", io.past_value(layer), v, axis=2)
     out = _attend(b, spec, q, from_kv(b, k, kv_dtype, ks, axis=1, heads=kvh, d=spec.head_dim, rank=4),
-                  from_kv(b, v, kv_dtype, vs, axis=1, heads=kvh, d=spec.head_dim, rank=4), ctx.bias)
+                  from_kv(b, v, kv_dtype, vs, axis=1, heads=kvh, d=spec.head_dim, rank=4), ctx.bias,
+                  sink_logits(b, spec, sinks))
     return out, k, v
 
 
 def paged_attention(b: GraphBuilder, spec: ModelSpec, layer: int, ctx: AttnContext,
                     q: str, k: str, v: str, *, kv_dtype: str,
-                    scales: tuple[str, str] | None = None) -> tuple[str, str, str]:
+                    scales: tuple[str, str] | None = None,
+                    sinks: np.ndarray | None = None) -> tuple[str, str, str]:
     """q [T, H, D], k/v [T, kvH, D] (float32, rotated) -> (out [T, H*D], new key, new value
-    [T, kvH, D] in kv_dtype for the runtime to store at slot_mapping).
+    [T, kvH, D] in kv_dtype for the runtime to store at slot_mapping). sinks: the layer's [H]
+    sink logits (GPT-OSS): m also covers them, and exp(sink - m) joins the denominator.
 
     Keys come in two parts that share one softmax: what earlier steps stored in the pool
     (gathered per head in token order, see io.paged_pool_shape) and this step's keys:
@@ -234,11 +256,17 @@ def paged_attention(b: GraphBuilder, spec: ModelSpec, layer: int, ctx: AttnConte
     to_col = b.const([kvh, 0, g, -1, 1])
     m = b.op("Max", b.op("Reshape", b.op("ReduceMax", sc, b.const([2]), keepdims=1), to_col),
              b.op("ReduceMax", sn, b.const([4]), keepdims=1))  # [kvH, S, G, Qmax, 1]
+    sink = sink_logits(b, spec, sinks)  # [kvH, 1, G, 1, 1] after the Unsqueeze
+    if sink is not None:
+        sink = b.op("Unsqueeze", sink, b.const([1]))
+        m = b.op("Max", m, sink)
     m_row = b.op("Reshape", m, b.const([kvh, 0, 1, g, -1]))  # [kvH, S, 1, G, Qmax]
     ec = b.op("Exp", b.op("Sub", sc, m_row))  # [kvH, S, Lc, G, Qmax]
     en = b.op("Exp", b.op("Sub", sn, m))  # [kvH, S, G, Qmax, Qmax]
     denom = b.op("Add", b.op("Reshape", b.op("ReduceSum", ec, b.const([2]), keepdims=1), to_col),
                  b.op("ReduceSum", en, b.const([4]), keepdims=1))  # [kvH, S, G, Qmax, 1]
+    if sink is not None:
+        denom = b.op("Add", denom, b.op("Exp", b.op("Sub", sink, m)))
     pc = b.op("Transpose", b.op("Reshape", ec, ctx.probs_shape, allowzero=1), perm=[0, 1, 3, 2])  # [kvH, S, G*Qmax, Lc]
     oc = b.op("MatMul", pc, vc)  # [kvH, S, G*Qmax, D]
     on = b.op("MatMul", b.op("Reshape", en, b.const([kvh, 0, -1, 0])),
@@ -253,19 +281,21 @@ def paged_attention(b: GraphBuilder, spec: ModelSpec, layer: int, ctx: AttnConte
 
 def plugin_attention(b: GraphBuilder, spec: ModelSpec, layer: int, q: str, k: str, v: str, *,
                      block_size: int, kv_dtype: str, scales: tuple[str, str] | None = None,
-                     group: str = io.FULL_GROUP) -> tuple[str, str, str]:
+                     group: str = io.FULL_GROUP, sinks: np.ndarray | None = None) -> tuple[str, str, str]:
     """One kvexport::PagedAttention node (plugins/paged_attention/spec.py):
 
         q [T, H, D], k/v [T, kvH, D] (activation dtype, rotated, q NOT scaled)
         key_cache.{i}, value_cache.{i}, block_tables, seq_lens, query_start_loc, slot_mapping
           (block_tables.local / slot_mapping.local for a layer of the local KV cache group)
         kv_scales.{i}.key/value (int8; float pools: unit scales, ignored)
+        sinks [H] (GPT-OSS) -> the node's attention_sinks attribute
           ──> out [T, H, D], key_cache_out.{i}, value_cache_out.{i} (the pools, updated in place)
     """
     from kvexport.plugins.paged_attention.spec import PagedAttentionAttrs
 
     attrs = PagedAttentionAttrs(spec.num_heads, spec.num_kv_heads, spec.head_dim, block_size, spec.scale,
-                                spec.window(layer) or 0, kv_dtype, logit_softcap=spec.attn_softcap or 0.0)
+                                spec.window(layer) or 0, kv_dtype, logit_softcap=spec.attn_softcap or 0.0,
+                                attention_sinks=() if sinks is None else tuple(np.asarray(sinks, np.float32).tolist()))
     # NOTE: float pools get ignored unit scales: the plugin has one 11-input signature (spec.py)
     ones = b.const(np.ones(spec.num_kv_heads), "float32")
     inputs = [q, k, v, io.key_cache(layer), io.value_cache(layer), io.block_tables(group), io.SEQ_LENS,

@@ -23,7 +23,7 @@ from kvexport.errors import ConfigError, ValidationError
 from kvexport.manifest import EngineBuildOptions, GraphEntry, KVSpec, Manifest, ModelEntry, WeightsEntry, versions
 from kvexport.manifest_weights import WEIGHT_MATMUL_ACCURACY
 
-from . import end_tokens, interop, source
+from . import end_tokens, interop, kv_int4, source
 from .families import FAMILIES, read_spec
 from .graph import DecoderGraph, GraphOptions, model_rope_tables
 from .limits import BACKENDS, CALIBRATED_METHODS, DTYPES, KV_DTYPES, RANGES, default_matmul_accuracy
@@ -54,8 +54,8 @@ class BuildOptions:
     validate_steps: int = 16  # greedy decode steps compared with transformers
     force: bool = False
     allow_pickle: bool = False  # accept *.bin weights (loaded with weights_only=True)
-    calibration_text: str | None = None  # int8 KV: text file for the scales (None: bundled Hamlet)
-    calibration_tokens: int = 2048  # int8 KV: tokens of that text run through the model
+    calibration_text: str | None = None  # int8 KV: text for the scales, int4: the key transform (None: bundled Hamlet)
+    calibration_tokens: int = 2048  # int8 / int4 KV: tokens of that text run through the model
     # the backend the build is for, named as the runtime's --backend: "onnxruntime" (ONNX graphs
     # only) | "tensorrt" (also TensorRT engines; needs --attention plugin). "onnx" = onnxruntime
     backend: str = "onnxruntime"
@@ -111,9 +111,10 @@ class BuildOptions:
         if self.backend == "tensorrt" and self.dtype is not io.DType.FP16:
             raise ConfigError("--backend tensorrt needs --dtype fp16 (the plugin kernels take fp16/bf16 activations)")
         wq = self.weight_quantization()  # checks weights / weight_block_size / quant_method
-        if ((self.calibration_text is not None or self.calibration_tokens != 2048) and self.kv_dtype is not io.DType.INT8
+        if ((self.calibration_text is not None or self.calibration_tokens != 2048)
+                and self.kv_dtype not in (io.DType.INT8, io.DType.INT4)
                 and not (wq.quantized and wq.method in CALIBRATED_METHODS)):
-            raise ConfigError("--calibration-text / --calibration-tokens only apply to --kv-dtype int8 or "
+            raise ConfigError("--calibration-text / --calibration-tokens only apply to --kv-dtype int8 / int4 or "
                               "--quant-method awq / smoothquant")
         if wq.precision == "fp16" and self.dtype is io.DType.FP32:
             object.__setattr__(self, "dtype", io.DType.FP16)
@@ -187,28 +188,43 @@ def _quiet_step(name: str) -> Iterator[None]:
     log.info("%s: %.1fs", name, time.perf_counter() - t)
 
 
-def default_attention(opts: BuildOptions) -> tuple[BuildOptions, str | None]:
+def default_attention(opts: BuildOptions, mla: bool = False) -> tuple[BuildOptions, str | None]:
     """`opts` with the attention decided, and a note saying why when a paged build that asked
     for none falls back to `onnx`. Paged builds default to the plugin (PagedAttention nodes):
     the runtime serves it fastest on CPU (the native op) and TensorRT builds only that form;
     but where the native CPU op cannot run the graphs (not built, fp16 activations or KV) the
-    runtime would fall back to the slow float64 reference op, so those get the `onnx` attention."""
+    runtime would fall back to the slow float64 reference op, so those get the `onnx` attention.
+    `mla`: the model has multi-head latent attention, whose nodes are PagedMLA (plugins/paged_mla/)."""
     if opts.attention is not None:
         return opts, None
     from kvexport.plugins.paged_attention import native
 
     kv_dtype = opts.kv_dtype or opts.dtype
-    if native.library() is None:
+    mla_native = None
+    if mla:
+        from kvexport.plugins.paged_mla import native as mla_native
+    if mla and native.library() is not None and not mla_native.has_mla(native.library()):
+        why = f"the native CPU op library ({native.library()}) predates PagedMLA (scripts/build_cpu_ops.sh)"
+    elif mla and not mla_native.supports(opts.dtype.numpy_name, kv_dtype.numpy_name):
+        why = (f"the native CPU PagedMLA op takes float32 activations with float32/float16/bfloat16/int8 pools, not "
+               f"{opts.dtype.value}/{kv_dtype.value}")
+    elif native.library() is None:
         why = f"the native CPU PagedAttention op is not built ({native.default_library()}; scripts/build_cpu_ops.sh)"
     elif not native.supports(opts.dtype.numpy_name, kv_dtype.numpy_name):
         why = (f"the native CPU PagedAttention op takes float32 activations with float32/int8/int4 KV, not "
                f"{opts.dtype.value}/{kv_dtype.value}")
     else:
         return replace(opts, attention=io.Attention.PLUGIN), None
-    note = (f"attention onnx, not the default plugin: {why}; pass --attention plugin to build PagedAttention "
-            f"nodes anyway")
+    note = (f"attention onnx, not the default plugin: {why}; pass --attention plugin to build "
+            f"{'PagedMLA' if mla else 'PagedAttention'} nodes anyway")
     log.warning("%s", note)
     return replace(opts, attention=io.Attention.ONNX), note
+
+
+def io_kv_shape(spec) -> tuple[int, int]:
+    """(KV heads, row width) of the build's pools: the model's, or for MLA one latent "head" of
+    kv_lora_rank + qk_rope_head_dim (kvexport/io.py "MLA")."""
+    return (1, spec.mla.row_width) if spec.mla is not None else (spec.num_kv_heads, spec.head_dim)
 
 
 def default_out_dir(model: str) -> Path:
@@ -239,17 +255,21 @@ def build(model: str, out: str | Path | None = None, opts: BuildOptions = BuildO
 
 
 def _build_into(d: Path, src: source.ModelSource, opts: BuildOptions, progress: Progress) -> Manifest:
-    opts, attention_note = default_attention(opts)
     with progress("reading config"):
         config = source.load_config(src)
         spec = read_spec(config)
         source.check_weights_hold(src, spec.num_layers)  # NOTE: before transformers builds the model
         spec = end_tokens.with_generation_eos(spec, src)
+    opts, attention_note = default_attention(opts, mla=spec.mla is not None)
     max_len = opts.max_seq_len or min(spec.max_positions, MAX_ROPE_TABLE)
     if spec.position == "learned" and max_len > spec.max_positions:
         raise ConfigError(f"--max-seq-len {max_len} exceeds the {spec.max_positions} learned positions "
                           f"of this model")
     kv_dtype = opts.kv_dtype or opts.dtype
+    if spec.mla is not None:
+        from .mla import check_build
+
+        check_build(spec, opts.layout, kv_dtype, opts.weight_quantization().quantized)
     if kv_dtype is io.DType.INT4 and spec.head_dim % io.KV_INT4_GROUP:
         raise ConfigError(f"--kv-dtype int4 needs head_dim a multiple of {io.KV_INT4_GROUP} (its channels share a "
                           f"scale in groups of {io.KV_INT4_GROUP}); this model's head_dim is {spec.head_dim}: "
@@ -259,20 +279,34 @@ def _build_into(d: Path, src: source.ModelSource, opts: BuildOptions, progress: 
         weights = FAMILIES[spec.family].weights(model.state_dict(), spec)
         rope = model_rope_tables(spec, model.model.rotary_emb, max_len) if spec.position == "rope" else None
         tokenizer = source.load_tokenizer(src)
-    scales = quantization = None
-    if kv_dtype is io.DType.INT8:
+    scales = offsets = quantization = None
+    if kv_dtype in (io.DType.INT8, io.DType.INT4):
         from . import calibrate
 
+        text = Path(opts.calibration_text) if opts.calibration_text else None
+        if tokenizer is not None and text is None:
+            text = calibrate.default_text(why=f"--kv-dtype {kv_dtype.value} calibrates on a text")
+        ids = calibrate.calibration_ids(tokenizer, spec.vocab_size, text, opts.calibration_tokens)
+    if kv_dtype is io.DType.INT8 and spec.mla is not None:  # MLA: one scale row [L + R] per layer
+        from . import mla
+
+        with progress("calibrating int8 latent KV scales"):
+            scales = mla.calibrate_latent(model, ids, spec)
+            quantization = mla.quantization_entry(scales, text.name if text else "random-ids", ids)
+    elif kv_dtype is io.DType.INT8:
         with progress("calibrating int8 KV scales"):
-            text = Path(opts.calibration_text) if opts.calibration_text else None
-            if tokenizer is not None and text is None:
-                text = calibrate.default_text()
-            ids = calibrate.calibration_ids(tokenizer, spec.vocab_size, text, opts.calibration_tokens)
             scales = calibrate.compute_scales(model, ids, rotary_dim=spec.rotary_dim if spec.rope else 0)
             quantization = calibrate.quantization_entry(scales, text.name if text else "random-ids", ids)
-    elif kv_dtype is io.DType.INT4:  # dynamic: nothing to calibrate
+    elif kv_dtype is io.DType.INT4 and spec.mla is not None:  # refused by exporter/mla.py with its reason
+        quantization = {"scheme": io.KV_INT4_FORMAT}
+    elif kv_dtype is io.DType.INT4:  # dynamic scales; calibrated: the key transform (exporter/kv_int4.py)
+        with progress("calibrating the int4 KV key transform"):
+            # NOTE: μ is exact only for plain softmax attention: no soft-cap, no learned sinks
+            exact = [spec.attn_softcap is None and lw.attn_sinks is None for lw in weights.layers]
+            offsets = kv_int4.key_transform(model, ids, exact, spec.rotary_dim if spec.rope else 0)
         quantization = {"scheme": io.KV_INT4_FORMAT, "group": io.KV_INT4_GROUP, "rotation": "hadamard",
-                        "row_bytes": io.kv_row_width(spec.head_dim, "int4")}
+                        "row_bytes": io.kv_row_width(spec.head_dim, "int4"),
+                        "key_transform": kv_int4.transform_entry(offsets, text.name if text else "random-ids", ids)}
 
     wq, qweights, wrecord = _weight_form(src, opts, tokenizer), None, None
     if wq.quantized:
@@ -299,7 +333,7 @@ def _build_into(d: Path, src: source.ModelSource, opts: BuildOptions, progress: 
     for phase in (io.Phase.PREFILL, io.Phase.DECODE):
         with progress(f"exporting {phase.value} graph"):
             g = GraphOptions(opts.layout, phase, opts.dtype, kv_dtype, opts.block_size, max_len, opts.all_logits,
-                             opts.attention, scales, qweights=qweights, layer_groups=layer_groups)
+                             opts.attention, scales, offsets, qweights=qweights, layer_groups=layer_groups)
             dg = DecoderGraph(spec, weights, rope, g, store)
             graphs[phase] = (dg.build(), dg.io)
     with progress("writing graphs and weights"):
@@ -338,9 +372,9 @@ def _build_into(d: Path, src: source.ModelSource, opts: BuildOptions, progress: 
         model=ModelEntry(spec.to_json()), dtype=opts.dtype.value,
         kv=KVSpec(opts.layout.value, opts.attention.value, kv_dtype.value,
                   opts.block_size if opts.layout is io.KVLayout.PAGED else 0, spec.num_layers,
-                  spec.num_kv_heads, spec.head_dim,
-                  io.kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, kv_dtype), max_len,
-                  quantization, local_window),
+                  *io_kv_shape(spec), io.kv_bytes_per_token(spec.num_layers, *io_kv_shape(spec), kv_dtype,
+                                                            spec.mla is not None), max_len,
+                  quantization, local_window, spec.mla.kv_lora_rank if spec.mla is not None else None),
         graphs=entries, weights=WeightsEntry(io.WEIGHTS_FILE, weight_bytes, n_params, wq.precision, wrecord),
         tokenizer=tok_dir,
         all_logits=opts.all_logits, validation=None, tools=versions(), notes=tuple(notes))

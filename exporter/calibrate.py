@@ -215,6 +215,10 @@ def calibrate(build_dir: str | Path, text: str | Path | None = None, tokens: int
     if manifest.kv.dtype != io.DType.INT8.value:
         raise ConfigError(f"{build_dir} stores its KV cache as {manifest.kv.dtype}; only int8 builds have "
                           f"scales: rebuild with `kvexport build MODEL --kv-dtype int8`")
+    if manifest.kv.latent:
+        raise ConfigError(f"{build_dir} is an MLA build (one latent pool per layer): recalibrating its latent scales "
+                          f"is not implemented; rebuild with `kvexport build MODEL --kv-dtype int8 "
+                          f"--calibration-text FILE --force`")
     if model_source is not None:
         try:
             src = source.resolve(model_source)

@@ -12,7 +12,8 @@ import numpy as np
 
 from kvexport.errors import ConfigError, UnsupportedModelError
 
-from .spec import ModelSpec, RopeSpec
+from .moe import ExpertWeights, MoEFields, mlp_weights, read_moe
+from .spec import MLASpec, ModelSpec, RopeSpec
 
 
 @dataclass(slots=True)
@@ -28,14 +29,19 @@ class LayerWeights:
     o_b: np.ndarray | None  # [hidden]
     ln2_w: np.ndarray | None  # [hidden] norm before the MLP (None: the layer has none)
     ln2_b: np.ndarray | None
-    up_w: np.ndarray  # gated: [hidden, 2 * inter] (gate | up); else [hidden, inter]
+    # gated: [hidden, 2 * inter] (gate | up); else [hidden, inter]. MoE layers: the shared expert(s), or
+    # None (with up_b, down_w, down_b) when the layer has none
+    up_w: np.ndarray | None
     up_b: np.ndarray | None
-    down_w: np.ndarray  # [inter, hidden]
+    down_w: np.ndarray | None  # [inter, hidden]
     down_b: np.ndarray | None
     post_attn_w: np.ndarray | None = None  # [hidden] norm of the attention output (post / sandwich norms)
     post_mlp_w: np.ndarray | None = None  # [hidden] norm of the MLP output
     q_norm_w: np.ndarray | None = None  # [head_dim] (qk_norm "head") or [heads * head_dim] ("all")
     k_norm_w: np.ndarray | None = None  # [head_dim] or [kv_heads * head_dim]
+    mla: Any = None  # MLA layers (exporter/mla.py MLAWeights); qkv_w / qkv_b are then None
+    moe: ExpertWeights | None = None  # a sparse layer's routed experts (exporter/moe.py), stacked
+    attn_sinks: np.ndarray | None = None  # [heads] float32 learned sink logits (GPT-OSS self_attn.sinks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +109,11 @@ class Family:
     nope_field: str | None = None  # config list, per layer 1 = RoPE, 0 = no RoPE (smollm3's no_rope_layers)
     # RoPE types implemented for it (spec.ROPE_TYPES); longrope only where it is validated
     rope_types: tuple[str, ...] = ("default", "linear", "llama3", "yarn")
+    # multi-head latent attention (DeepSeek, exporter/mla.py): the config's MLA fields are read into
+    # spec.mla; the value is whether the checkpoint pairs RoPE channels (a Flag: V3's rope_interleave)
+    mla: Flag | None = None
+    moe: MoEFields | None = None  # mixture of experts: the config fields of its routing (exporter/moe.py)
+    attention_sinks: bool = False  # learned per-head sink logits: the checkpoint's self_attn.sinks (gpt_oss)
 
 
 def _np(t) -> np.ndarray:
@@ -135,22 +146,19 @@ def split_linear_weights(sd: dict, spec: ModelSpec) -> ModelWeights:
     layers = []
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
-        a, m = p + "self_attn.", p + "mlp."
+        a = p + "self_attn."
         n = lambda name: _norm_w(sd, p + name + ".weight" if name else None, spec)  # noqa: E731
         qkv_w = np.concatenate([_np(sd[a + f"{x}_proj.weight"]) for x in "qkv"], axis=0).T
         qkv_b = (np.concatenate([_np(sd[a + f"{x}_proj.bias"]) for x in "qkv"])
                  if spec.qkv_bias else None)
-        up_w = np.concatenate([_np(sd[m + "gate_proj.weight"]), _np(sd[m + "up_proj.weight"])]).T
-        up_b = (np.concatenate([_np(sd[m + "gate_proj.bias"]), _np(sd[m + "up_proj.bias"])])
-                if spec.mlp_bias else None)
+        up_w, up_b, down_w, down_b, experts = mlp_weights(sd, i, spec, FAMILIES[spec.family].moe)
         layers.append(LayerWeights(
             n(norms.pre_attn), None, np.ascontiguousarray(qkv_w), qkv_b,
             np.ascontiguousarray(_np(sd[a + "o_proj.weight"]).T), _opt(sd, a + "o_proj.bias"),
-            n(norms.pre_mlp), None,
-            np.ascontiguousarray(up_w), up_b,
-            np.ascontiguousarray(_np(sd[m + "down_proj.weight"]).T), _opt(sd, m + "down_proj.bias"),
+            n(norms.pre_mlp), None, up_w, up_b, down_w, down_b,
             n(norms.post_attn), n(norms.post_mlp),
-            n("self_attn.q_norm" if spec.qk_norm else None), n("self_attn.k_norm" if spec.qk_norm else None)))
+            n("self_attn.q_norm" if spec.qk_norm else None), n("self_attn.k_norm" if spec.qk_norm else None),
+            moe=experts, attn_sinks=_np(sd[a + "sinks"]) if spec.attn_sinks else None))
     weights = _final(sd, spec, _np(sd["model.embed_tokens.weight"]), "model.norm", "lm_head.weight",
                      None, layers)
     weights.final_norm_w = _norm_w(sd, "model.norm.weight", spec)
@@ -188,6 +196,24 @@ def conv1d_weights(sd: dict, spec: ModelSpec) -> ModelWeights:
             _np(sd[p + "mlp.c_proj.weight"]), _np(sd[p + "mlp.c_proj.bias"])))
     return _final(sd, spec, _np(sd["transformer.wte.weight"]), "transformer.ln_f", "lm_head.weight",
                   _np(sd["transformer.wpe.weight"]), layers)
+
+
+def deepseek_weights(sd: dict, spec: ModelSpec) -> ModelWeights:
+    """DeepSeek-V2/V3 checkpoints: MLA attention (exporter/mla.py read_weights), llama-style
+    norms, dense MLPs on the first first_k_dense_replace layers and routed + shared experts
+    after (exporter/moe.py mlp_weights)."""
+    from . import mla
+
+    layers = []
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        up_w, up_b, down_w, down_b, experts = mlp_weights(sd, i, spec, FAMILIES[spec.family].moe)
+        layers.append(LayerWeights(
+            _np(sd[p + "input_layernorm.weight"]), None, None, None,
+            np.ascontiguousarray(_np(sd[p + "self_attn.o_proj.weight"]).T), _opt(sd, p + "self_attn.o_proj.bias"),
+            _np(sd[p + "post_attention_layernorm.weight"]), None, up_w, up_b, down_w, down_b,
+            mla=mla.read_weights(sd, p + "self_attn.", spec, _np), moe=experts))
+    return _final(sd, spec, _np(sd["model.embed_tokens.weight"]), "model.norm", "lm_head.weight", None, layers)
 
 
 FAMILIES: dict[str, Family] = {}
@@ -253,6 +279,62 @@ register(Family(
     weights=split_linear_weights, sliding_window_field="sliding_window", windowed_layer_types=True,
     nope_field="no_rope_layers", recipe="smollm3.yaml"))
 
+# DeepSeek: multi-head latent attention (exporter/mla.py); RoPE in interleaved pairs (V2 always, V3
+# unless rope_interleave is false); dense MLPs on layers < first_k_dense_replace, then routed experts
+# plus n_shared_experts: V3 sigmoid scores + e_score_correction_bias, top-2-sum group selection, V2
+# softmax with topk_method greedy | group_limited_greedy (exporter/moe.py)
+register(Family(
+    name="deepseek_v3", model_types=("deepseek_v3",), gguf_archs=(), norm="rmsnorm", position="rope",
+    gated_mlp=True, qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias=False,
+    weights=deepseek_weights, mla="rope_interleave", rope_types=("default", "linear", "yarn"),
+    moe=MoEFields(experts="n_routed_experts", scoring="sigmoid", norm_topk_prob="norm_topk_prob",
+                  norm_topk_eps=1e-20, layers="deepseek", scaling="routed_scaling_factor", groups="top2",
+                  score_correction_bias=True, shared_experts="n_shared_experts"),
+    recipe="deepseek_v3.yaml"))
+register(Family(
+    name="deepseek_v2", model_types=("deepseek_v2",), gguf_archs=(), norm="rmsnorm", position="rope",
+    gated_mlp=True, qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias="mlp_bias",
+    weights=deepseek_weights, mla=True, rope_types=("default", "linear", "yarn"),
+    # NOTE: transformers' DeepseekV2 router never normalizes the top-k weights (the original remote
+    # code does when norm_topk_prob is set): refused rather than guessed
+    required={"norm_topk_prob": (False, None)},
+    moe=MoEFields(experts="n_routed_experts", scoring="softmax", norm_topk_prob=False, layers="deepseek",
+                  scaling="routed_scaling_factor", groups="topk_method", shared_experts="n_shared_experts"),
+    recipe="deepseek_v2.yaml"))
+
+# ---- mixtures of experts (exporter/moe.py): the attention of their dense relatives, MoE MLPs
+register(Family(
+    name="qwen3_moe", model_types=("qwen3_moe",), gguf_archs=(), norm="rmsnorm", position="rope",
+    gated_mlp=True, qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias=False,
+    weights=split_linear_weights, sliding_window_field="sliding_window", qk_norm="head",
+    moe=MoEFields(experts="num_experts", norm_topk_prob="norm_topk_prob", layers="qwen"), recipe="qwen3_moe.yaml"))
+register(Family(
+    name="mixtral", model_types=("mixtral",), gguf_archs=(), norm="rmsnorm", position="rope",
+    gated_mlp=True, qkv_bias=False, o_bias=False, mlp_bias=False,
+    weights=split_linear_weights, sliding_window_field="sliding_window",
+    moe=MoEFields(experts="num_local_experts", intermediate="intermediate_size", norm_topk_prob=True),
+    recipe="mixtral.yaml"))
+register(Family(
+    name="qwen2_moe", model_types=("qwen2_moe",), gguf_archs=(), norm="rmsnorm", position="rope",
+    gated_mlp=True, qkv_bias="qkv_bias", o_bias=False, mlp_bias=False,
+    weights=split_linear_weights, sliding_window_field="sliding_window", windowed_layer_types=True,
+    moe=MoEFields(experts="num_experts", norm_topk_prob="norm_topk_prob", layers="qwen",
+                  shared_size="shared_expert_intermediate_size", shared_gate=True, shared="shared_expert"),
+    recipe="qwen2_moe.yaml"))
+# GPT-OSS: learned attention sinks on every layer, sliding_window on the layers config.layer_types
+# marks sliding_attention (alternating, two KV cache groups as Gemma 2), yarn RoPE (transformers' own
+# tables), q/k/v/o biases; every MLP routed: router with bias, top-k then softmax over the k, interleaved
+# gate_up with the clamped SwiGLU (swiglu_limit, swiglu_alpha) and expert biases (exporter/moe.py)
+register(Family(
+    name="gpt_oss", model_types=("gpt_oss",), gguf_archs=(), norm="rmsnorm", position="rope",
+    gated_mlp=True, qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias=False,
+    weights=split_linear_weights, sliding_window_field="sliding_window", windowed_layer_types=True,
+    rope_types=("default", "yarn"), attention_sinks=True,
+    moe=MoEFields(experts="num_local_experts", intermediate="intermediate_size", scoring="topk_softmax",
+                  router_bias=True, expert_bias=True, expert_activation="gpt_oss", router="router",
+                  expert_layout="gate_up_interleaved"),
+    recipe="gpt_oss.yaml"))
+
 # transformers layer_types entries kvexport implements (anything else is refused by name)
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -303,7 +385,7 @@ def read_spec(config) -> ModelSpec:
     # NOTE: `is None`, not `or`: an explicit 0 is a broken config (ModelSpec refuses it by name),
     # never silently the default (transformers then divides by it)
     kv_heads = _int(config, "num_key_value_heads")
-    kv_heads = heads if kv_heads is None else kv_heads
+    kv_heads = heads if kv_heads is None or fam.mla is not None else kv_heads  # MLA: every head's K/V from the latent
     head_dim = _int(config, "head_dim")
     head_dim = hidden // heads if head_dim is None else head_dim
     inter = (_int(config, "intermediate_size") or _int(config, "n_inner") or 4 * hidden)
@@ -360,8 +442,40 @@ def read_spec(config) -> ModelSpec:
         layer_windows=layer_windows, layer_rope=layer_rope, rope_local=rope_local,
         layer_norms=fam.norms.layout, qk_norm=fam.qk_norm, norm_offset=fam.norm_offset,
         embed_scale=float(hidden) ** 0.5 if fam.embed_scale else None,
-        attn_scale=_scale(config), attn_softcap=_float(config, "attn_logit_softcapping"),
-        final_softcap=_float(config, "final_logit_softcapping"))
+        attn_scale=_scale(config) if fam.mla is None else _mla_scale(config),
+        attn_softcap=_float(config, "attn_logit_softcapping"),
+        final_softcap=_float(config, "final_logit_softcapping"), mla=_mla(config, fam),
+        moe=read_moe(config, fam.moe, _int(config, "num_hidden_layers") or 0) if fam.moe is not None else None,
+        attn_sinks=fam.attention_sinks)
+
+
+def _mla(config, fam: Family) -> MLASpec | None:
+    """The MLA fields of a DeepSeek config (exporter/spec.py MLASpec), or None for other families.
+    q_lora_rank null means one q_proj; every other field must be a positive integer."""
+    if fam.mla is None:
+        return None
+    fields = {}
+    for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        value = _int(config, name)
+        if value is None:
+            raise ConfigError(f"config field {name!r} of a {fam.name} model is missing (multi-head latent attention)")
+        fields[name] = value
+    return MLASpec(q_lora_rank=_int(config, "q_lora_rank"), rope_interleave=_flag(config, fam.mla), **fields)
+
+
+def _mla_scale(config) -> float:
+    """DeepSeek's softmax scale: qk_head_dim ** -0.5, times mscale(factor, mscale_all_dim) ** 2
+    for a scaled RoPE whose parameters set mscale_all_dim (transformers' yarn_apply_mscale)."""
+    import math
+
+    head = (_int(config, "qk_nope_head_dim") or 0) + (_int(config, "qk_rope_head_dim") or 0)
+    scale = head ** -0.5 if head > 0 else 1.0
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    if params.get("rope_type", "default") != "default" and params.get("mscale_all_dim"):
+        factor = float(params["factor"])
+        mscale = 0.1 * float(params["mscale_all_dim"]) * math.log(factor) + 1.0 if factor > 1 else 1.0
+        scale *= mscale * mscale
+    return scale
 
 
 def _rope(params: dict, config) -> RopeSpec:

@@ -21,7 +21,7 @@ import torch
 from kvexport import io
 
 from . import attention as attn
-from . import kv_int4
+from . import kv_int4, mla, moe
 from .families import LayerWeights, ModelWeights
 from .onnx_builder import GraphBuilder, WeightStore, onnx_dtype
 from .quantize import CHANNEL, QUANTIZED_EMBED, QUANTIZED_HEAD, QuantizedMatrix, stored_codes
@@ -39,10 +39,16 @@ class GraphOptions:
     all_logits: bool  # prefill returns logits for every token, not just the last
     attention: io.Attention = io.Attention.ONNX  # paged only: standard ops or PagedAttention nodes
     kv_scales: np.ndarray | None = None  # int8 KV: [layers, 2 (key, value), kv_heads, head_dim] float32
+    # int4 KV: [layers, 2 (offset μ, channel scale s), kv_heads, head_dim] float32 (exporter/kv_int4.py
+    # key_transform); None: none
+    kv_offsets: np.ndarray | None = None
     # quantized matmul weights by graph weight name (exporter/quantize.py); None: all in `dtype`
     qweights: dict[str, QuantizedMatrix] | None = None
     # paged: each layer's KV cache group (io.kv_groups) when the build has a local group; None: one group
     layer_groups: tuple[str, ...] | None = None
+    # MoE layers (exporter/moe.py MOE_FORMS): "grouped" runs each expert on its tokens; "dense" every
+    # expert on every token (measurement: bench/moe_speed.py)
+    moe_form: str = "grouped"
 
 
 RopeTables = dict[str, tuple[np.ndarray, np.ndarray]]  # spec.ROPE_KINDS kind -> (cos, sin) [max_len, rot/2]
@@ -100,15 +106,18 @@ class DecoderGraph:
         self.act = opts.dtype.numpy_name
         self.kv = opts.kv_dtype.numpy_name
         self.paged = opts.layout is io.KVLayout.PAGED
+        mla_row = spec.mla.row_width if spec.mla is not None else None  # MLA: one latent pool per layer
         self.io = io.graph_io(layout=opts.layout, phase=opts.phase, num_layers=spec.num_layers,
-                              num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                              num_kv_heads=1 if mla_row else spec.num_kv_heads, head_dim=mla_row or spec.head_dim,
                               vocab_size=spec.vocab_size, block_size=opts.block_size,
                               act_dtype=self.act, kv_dtype=self.kv, all_logits=opts.all_logits,
-                              attention=opts.attention, layer_groups=opts.layer_groups)
+                              attention=opts.attention, layer_groups=opts.layer_groups, latent=mla_row is not None)
         self.groups = opts.layer_groups or (io.FULL_GROUP,) * spec.num_layers
         self.plugin = self.paged and opts.attention is io.Attention.PLUGIN
         if (opts.kv_dtype is io.DType.INT8) != (opts.kv_scales is not None):
             raise ValueError("int8 KV needs kv_scales, and only int8 KV takes them")
+        if opts.kv_offsets is not None and opts.kv_dtype is not io.DType.INT4:
+            raise ValueError("only int4 KV takes kv_offsets")
         self.qweights = opts.qweights or {}
         self._offsets: dict[str, tuple[str, int]] = {}  # dequantized weight -> (block offsets, block size)
         if self.qweights:
@@ -280,14 +289,15 @@ class DecoderGraph:
         if not self.plugin:
             group_of = {spec.window(i): self.groups[i] for i in range(spec.num_layers)}  # one group per window
             for w in sorted(group_of, key=lambda w: w or 0):
-                ctxs[w] = (attn.paged_context(b, spec, o.block_size, w, group_of[w], kv_dtype=self.kv) if self.paged
+                shape = mla.context_shape(spec) if spec.mla is not None else spec  # MLA: one latent "KV head"
+                ctxs[w] = (attn.paged_context(b, shape, o.block_size, w, group_of[w], kv_dtype=self.kv) if self.paged
                            else attn.contiguous_context(b, spec, w))
 
-        kv_out: list[tuple[str, str]] = []
+        kv_out: list[tuple[str, ...]] = []  # per layer its KV outputs, in graph_io's order
         for i, lw in enumerate(self.w.layers):
             cos, sin = rope.get(spec.rope_kind(i), (None, None))
-            h, k, v = self.layer(i, lw, h, cos, sin, ctxs.get(spec.window(i)))
-            kv_out.append((k, v))
+            h, kv = self.layer(i, lw, h, cos, sin, ctxs.get(spec.window(i)))
+            kv_out.append(kv)
 
         b.scope = "/lm_head"
         h = self.select_logit_rows(h)
@@ -295,9 +305,9 @@ class DecoderGraph:
         logits = self.softcap(self.lm_head(h), spec.final_softcap, self.act)
         outputs = iter(self.io.outputs)
         b.output(logits, next(outputs))
-        for k, v in kv_out:
-            b.output(k, next(outputs))
-            b.output(v, next(outputs))
+        for kv in kv_out:
+            for t in kv:
+                b.output(t, next(outputs))
         return b
 
     def longrope_select(self, original_max: int) -> str:
@@ -324,12 +334,54 @@ class DecoderGraph:
         long_seq = b.op("Greater", io.SEQ_LENS, b.const(original_max))  # [S]
         return b.op("Unsqueeze", b.op("Gather", long_seq, seq, axis=0), b.const([1]))  # [T, 1]
 
-    def layer(self, i: int, lw: LayerWeights, x: str, cos, sin, ctx) -> tuple[str, str, str]:
+    def layer(self, i: int, lw: LayerWeights, x: str, cos, sin, ctx) -> tuple[str, tuple[str, ...]]:
+        """One decoder layer: (its output, its KV outputs: key and value, or an MLA layer's latent)."""
         b, spec = self.b, self.spec
         b.scope = f"/layers.{i}"
         p = f"model.layers.{i}."
         pre = spec.layer_norms != "post"
         hn = self.norm(x, lw.ln1_w, lw.ln1_b, p + "input_layernorm") if pre else x
+        if spec.mla is not None:  # multi-head latent attention: one latent pool (exporter/mla.py)
+            a, kv = mla.attention(self, i, lw, hn, cos, sin, ctx)
+        else:
+            a, kv = self.attention(i, lw, hn, cos, sin, ctx)
+        if lw.post_attn_w is not None:
+            a = self.norm(a, lw.post_attn_w, None, p + "post_attn_norm")
+        x = b.op("Add", x, a)
+        hn = self.norm(x, lw.ln2_w, lw.ln2_b, p + "post_attention_layernorm") if pre else x
+        m = self.mlp(i, lw, hn)
+        if lw.post_mlp_w is not None:
+            m = self.norm(m, lw.post_mlp_w, None, p + "post_mlp_norm")
+        return b.op("Add", x, m), kv
+
+    def mlp(self, i: int, lw: LayerWeights, hn: str) -> str:
+        """The layer's MLP on its normed input: dense, or (lw.moe) the routed experts (exporter/moe.py)
+        plus the shared expert(s) in the dense slots (× sigmoid(x @ shared_expert_gate) where it has one)."""
+        b, spec = self.b, self.spec
+        p = f"model.layers.{i}."
+        routed = moe.moe_block(self, hn, i, lw.moe, self.opts.moe_form) if lw.moe is not None else None
+        if lw.up_w is None:  # a sparse layer without shared experts
+            return routed
+        up = self.linear(hn, self._mat(p + "mlp.up.weight", lw.up_w), self._mat(p + "mlp.up.bias", lw.up_b))
+        if spec.gated_mlp:
+            inter = lw.up_w.shape[1] // 2  # NOTE: the weight's, not the spec's: a shared expert has its own width
+            gate, up = b.op("Split", up, b.const([inter, inter]), axis=-1, outputs=2)
+            m = b.op("Mul", self.activation(gate), up)
+        else:
+            m = self.activation(up)
+        m = self.linear(m, self._mat(p + "mlp.down.weight", lw.down_w), self._mat(p + "mlp.down.bias", lw.down_b))
+        if routed is None:
+            return m
+        if lw.moe.shared_gate_w is not None:  # qwen2_moe: sigmoid(x @ gate [H, 1]) scales the shared expert
+            gate = b.op("MatMul", hn, self._mat(p + "mlp.shared_expert_gate.weight", lw.moe.shared_gate_w))
+            m = b.op("Mul", b.op("Sigmoid", gate), m)
+        return b.op("Add", routed, m)
+
+    def attention(self, i: int, lw: LayerWeights, hn: str, cos, sin, ctx) -> tuple[str, tuple[str, str]]:
+        """The layer's attention on its normed input, through o_proj: (output [.., hidden],
+        its (key, value) outputs: this step's new rows, the updated pools, or the presents)."""
+        b, spec = self.b, self.spec
+        p = f"model.layers.{i}."
         qkv = self.linear(hn, self._mat(p + "attn.qkv.weight", lw.qkv_w), self._mat(p + "attn.qkv.bias", lw.qkv_b))
         qkv = self._to(qkv, self.act, "float32")
         h, kvh, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -353,6 +405,13 @@ class DecoderGraph:
             if cos is not None:
                 q, k = self.apply_rope(q, cos, sin), self.apply_rope(k, cos, sin)
         v = b.op("Reshape", v, b.const(lead + [kvh, d]))
+        if self.opts.kv_offsets is not None:  # int4: (k - μ) / s and q * s, exact (kv_int4.py key_transform)
+            mu, sc = self.opts.kv_offsets[i].astype(np.float32)
+            if mu.any():
+                k = b.op("Sub", k, b.named_const(io.k_offset(i), mu))
+            if (sc != 1).any():
+                k = b.op("Div", k, b.named_const(io.k_channel_scale(i), sc))
+                q = b.op("Mul", q, b.named_const(io.q_channel_scale(i), np.repeat(sc, h // kvh, axis=0)))
         rotated = self.kv == "int4"  # NOTE: int4 KV stores q, k, v rotated (exporter/kv_int4.py hadamard)
         if rotated:  # after RoPE, in float32: q·kᵀ unchanged, the output rotated back below
             q, k, v = (kv_int4.rotate(b, t, d) for t in (q, k, v))
@@ -363,38 +422,26 @@ class DecoderGraph:
         if self.plugin:  # the node takes activation-dtype q/k/v, q unscaled (scale is an attribute)
             q, k, v = (self._to(t, "float32", self.act) for t in (q, k, v))
             a, k_out, v_out = attn.plugin_attention(b, spec, i, q, k, v, block_size=self.opts.block_size,
-                                                    kv_dtype=self.kv, scales=scales, group=self.groups[i])
+                                                    kv_dtype=self.kv, scales=scales, group=self.groups[i],
+                                                    sinks=lw.attn_sinks)
             if rotated:  # [T, H, D]
                 a = self._to(kv_int4.rotate(b, self._to(a, self.act, "float32"), d), "float32", self.act)
             a = b.op("Reshape", a, b.const([0, h * d]))  # [T, H*D]
         else:
             q = b.op("Mul", q, b.const(spec.scale, "float32"))
             if self.paged:
-                a, k_out, v_out = attn.paged_attention(b, spec, i, ctx, q, k, v, kv_dtype=self.kv, scales=scales)
+                a, k_out, v_out = attn.paged_attention(b, spec, i, ctx, q, k, v, kv_dtype=self.kv, scales=scales,
+                                                     sinks=lw.attn_sinks)
             else:
                 a, k_out, v_out = attn.contiguous_attention(b, spec, i, ctx, q, k, v,
                                                             has_past=self.opts.phase is io.Phase.DECODE,
-                                                            kv_dtype=self.kv, scales=scales)
+                                                            kv_dtype=self.kv, scales=scales, sinks=lw.attn_sinks)
             if rotated:  # [.., H*D] -> per head, rotated back
                 a = b.op("Reshape", kv_int4.rotate(b, b.op("Reshape", a, b.const(lead + [h, d])), d),
                          b.const(lead + [h * d]))
             a = self._to(a, "float32", self.act)
         a = self.linear(a, self._mat(p + "attn.o.weight", lw.o_w), self._mat(p + "attn.o.bias", lw.o_b))
-        if lw.post_attn_w is not None:
-            a = self.norm(a, lw.post_attn_w, None, p + "post_attn_norm")
-        x = b.op("Add", x, a)
-        hn = self.norm(x, lw.ln2_w, lw.ln2_b, p + "post_attention_layernorm") if pre else x
-        up = self.linear(hn, self._mat(p + "mlp.up.weight", lw.up_w), self._mat(p + "mlp.up.bias", lw.up_b))
-        if spec.gated_mlp:
-            inter = spec.intermediate_size
-            gate, up = b.op("Split", up, b.const([inter, inter]), axis=-1, outputs=2)
-            m = b.op("Mul", self.activation(gate), up)
-        else:
-            m = self.activation(up)
-        m = self.linear(m, self._mat(p + "mlp.down.weight", lw.down_w), self._mat(p + "mlp.down.bias", lw.down_b))
-        if lw.post_mlp_w is not None:
-            m = self.norm(m, lw.post_mlp_w, None, p + "post_mlp_norm")
-        return b.op("Add", x, m), k_out, v_out
+        return a, (k_out, v_out)
 
     def select_logit_rows(self, h: str) -> str:
         """Keep only the rows whose logits are returned (the last token of each sequence

@@ -13,6 +13,19 @@ two 2^-14..2^15, and its mantissa is then an exact quotient by a power of two.
       ─> code = clip(round(x / scale), -8, 7) + 8 ─> pairs ─> lo | hi << 4    [.., D/2] uint8
       scale ─> float16 bits ─> little-endian bytes                          [.., D/16] uint8
       ─> Concat ─> row [.., D/2 + D/16] uint8
+
+The key transform (`key_transform`): int4 graphs store rotate((k - μ) / s) and attend with
+rotate(q * s), μ and s [kv_heads, head_dim] per layer, calibrated (the calibration text, as int8
+KV's scales): μ the mean post-RoPE key, s from each channel's spread about it (SMOOTH_ALPHA).
+Exact for softmax attention: (q * s)·((k - μ) / s) = q·k - q·μ, and q·μ is the same for every
+key a query reads, so the softmax (and the output) is unchanged; the op and the pool bytes are
+the same as without.
+Why: Qwen2's k bias puts a few channels tens of times above the rest at every token, and
+per-token groups spent their 16 levels on them — μ takes the constant part away, s equalizes the
+channels that move (RoPE pairs sharing theirs), as KIVI's per-channel key scales do, but static
+(Qwen2.5-Coder-0.5B: +91.8% perplexity with neither; docs/QUANTIZATION.md "int4 KV").
+NOTE: μ is not exact with a logit soft-cap (tanh of the shifted score) or learned attention
+sinks (a sink logit is not shifted with the keys): such layers get μ = 0 (s stays: it is exact).
 """
 
 from __future__ import annotations
@@ -41,6 +54,56 @@ def hadamard(d: int) -> np.ndarray:
     while h.shape[0] < n:
         h = np.block([[h, h], [h, -h]])
     return np.kron(np.eye(d // n), h / np.sqrt(n)).astype(np.float32)
+
+
+SMOOTH_ALPHA = 0.5  # s = (sd / mean sd) ** alpha (docs/QUANTIZATION.md "int4 KV": 0.5 measured best of 0, 0.5, 1, clip)
+
+
+def key_transform(model, ids: list[int], exact: list[bool], rotary_dim: int, chunk: int = 512) -> np.ndarray:
+    """The int4 key transform calibrated on `ids`: [layers, 2, kv_heads, head_dim] float32 holding
+    μ (the mean post-RoPE key; zeros for the layers where `exact[i]` is False) and s (per channel
+    (sd / the head's mean sd) ** SMOOTH_ALPHA, sd its standard deviation about μ, RoPE pairs
+    c, c + rotary_dim / 2 sharing theirs: wide channels are narrowed, quiet ones widened, halfway
+    to equal). One sequence fed in chunks that continue transformers' cache, as
+    exporter/calibrate.py compute_scales (the module docstring says why)."""
+    import torch
+
+    total, squares, count, cache = 0.0, 0.0, 0, None
+    with torch.no_grad():
+        for start in range(0, len(ids), chunk):
+            piece = ids[start:start + chunk]
+            cache = model(torch.tensor([piece]), cache=cache, use_cache=True).cache
+            # keys [1, kv_heads, seq, head_dim]: this chunk's are the last len(piece) (a sliding
+            # window layer may keep fewer: its count is what it kept)
+            keys = [layer.keys[0, :, -len(piece):].double() for layer in cache.layers]
+            total = total + np.stack([k.sum(1).numpy() for k in keys])
+            squares = squares + np.stack([(k ** 2).sum(1).numpy() for k in keys])
+            count = count + np.array([k.shape[1] for k in keys], np.float64)[:, None, None]
+    mean = total / count
+    var = np.maximum(squares / count - mean ** 2, 0.0)
+    half = rotary_dim // 2
+    if half:  # NOTE: RoPE moves a key's energy between c and c + half: the pair shares one scale
+        pair = (var[..., :half] + var[..., half:rotary_dim]) / 2
+        var = np.concatenate([pair, pair, var[..., rotary_dim:]], axis=-1)
+    sd = np.sqrt(var)
+    sd = np.maximum(sd, 1e-3 * sd.mean(-1, keepdims=True) + 1e-30)  # a constant channel: no division by 0
+    scale = (sd / sd.mean(-1, keepdims=True)) ** SMOOTH_ALPHA
+    mu = mean.astype(np.float32)
+    mu[~np.asarray(exact, bool)] = 0.0
+    return np.stack([mu, scale.astype(np.float32)], axis=1)
+
+
+def transform_entry(t: np.ndarray, text: str, ids: list[int]) -> dict:
+    """The manifest's kv.quantization["key_transform"] record (the values are the graphs'
+    kvexport/io.py k_offset / k_channel_scale initializers)."""
+    import hashlib
+
+    return {"kind": "calibrated", "applied": "post-RoPE, before the rotation: k' = (k - offset) / scale, "
+                                             "q' = q * scale (q'·k' = q·k - q·offset)",
+            "calibration": {"text": text, "tokens": len(ids),
+                            "ids_sha256": hashlib.sha256(np.asarray(ids, np.int64).tobytes()).hexdigest()},
+            "layers_without_offset": [i for i in range(t.shape[0]) if not t[i, 0].any()],
+            "offsets": t[:, 0].tolist(), "scales": t[:, 1].tolist()}  # [layers][kv_heads][head_dim]
 
 
 def rotate(b: GraphBuilder, x: str, d: int) -> str:

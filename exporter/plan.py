@@ -130,9 +130,9 @@ class Plan:
     num_layers: int
     hidden_size: int  # elements
     num_heads: int  # query heads
-    num_kv_heads: int  # KV heads
-    head_dim: int  # elements per head
-    attention: str  # "MHA" | "GQA" | "MQA"
+    num_kv_heads: int  # KV heads (MLA: 1, the latent pool)
+    head_dim: int  # elements per head (MLA: the latent row, kv_lora_rank + qk_rope_head_dim)
+    attention: str  # "MHA" | "GQA" | "MQA" | "MLA: latent L + rope R"
     layer_windows: tuple[int | None, ...]  # each layer's window, tokens; None: full attention
     max_positions: int  # the model's trained context, tokens
     weights: tuple[WeightsEstimate, ...]  # per precision
@@ -190,8 +190,41 @@ def _matmul_shapes(spec: ModelSpec) -> list[tuple[int, int]]:
     """[K, N] of one decoder layer's matmuls (exporter/quantize.py LINEARS: qkv, o, up, down)."""
     qkv = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
     up = 2 * spec.intermediate_size if spec.gated_mlp else spec.intermediate_size
-    return [(spec.hidden_size, qkv), (spec.num_heads * spec.head_dim, spec.hidden_size),
-            (spec.hidden_size, up), (spec.intermediate_size, spec.hidden_size)]
+    mlp = [(spec.hidden_size, up), (spec.intermediate_size, spec.hidden_size)]
+    if spec.mla is not None:  # exporter/mla.py: q (low-rank or not), kv_a, kv_b (W_UK | W_UV), o
+        return _mla_shapes(spec) + mlp
+    return [(spec.hidden_size, qkv), (spec.num_heads * spec.head_dim, spec.hidden_size)] + mlp
+
+
+def _model_matmul_shapes(spec: ModelSpec) -> list[tuple[int, int]]:
+    """[K, N] of every decoder matmul of the model: per layer its attention and MLP; a MoE layer
+    (exporter/moe.py) has each expert's up / down (own matrices) and its shared expert instead."""
+    shapes = _matmul_shapes(spec)
+    if spec.moe is None:
+        return shapes * spec.num_layers
+    m, h = spec.moe, spec.hidden_size
+    attention, dense = shapes[:-2], shapes[-2:]
+    sparse = [(h, 2 * m.expert_intermediate_size), (m.expert_intermediate_size, h)] * m.num_experts
+    if m.shared_intermediate_size:
+        sparse += [(h, 2 * m.shared_intermediate_size), (m.shared_intermediate_size, h)]
+    return [s for i in range(spec.num_layers) for s in attention + (sparse if m.is_sparse(i) else dense)]
+
+
+def _router_parameters(spec: ModelSpec) -> int:
+    """MoE routers (float32 in every build): weight, bias, score correction, shared-expert gate."""
+    m = spec.moe
+    if m is None:
+        return 0
+    per = spec.hidden_size * m.num_experts + m.num_experts * (m.router_bias + m.score_correction_bias) \
+        + spec.hidden_size * m.shared_gate
+    return per * len(m.sparse_layers)
+
+
+def _mla_shapes(spec: ModelSpec) -> list[tuple[int, int]]:
+    m, h, d = spec.mla, spec.num_heads, spec.hidden_size
+    qk = h * (m.qk_nope_head_dim + m.qk_rope_head_dim)
+    q = [(d, qk)] if m.q_lora_rank is None else [(d, m.q_lora_rank), (m.q_lora_rank, qk)]
+    return q + [(d, m.row_width), (m.kv_lora_rank, h * (m.qk_nope_head_dim + m.v_head_dim)), (h * m.v_head_dim, d)]
 
 
 def _layer_biases(spec: ModelSpec) -> int:
@@ -205,6 +238,8 @@ def _norm_parameters(spec: ModelSpec) -> int:
     per_norm = spec.hidden_size * (2 if spec.norm == "layernorm" else 1)
     norms = {"pre": 2, "post": 2, "sandwich": 4}[spec.layer_norms]
     qk = {None: 0, "head": 2 * spec.head_dim, "all": (spec.num_heads + spec.num_kv_heads) * spec.head_dim}[spec.qk_norm]
+    if spec.mla is not None:  # q_a_layernorm, kv_a_layernorm
+        qk = (spec.mla.q_lora_rank or 0) + spec.mla.kv_lora_rank
     return spec.num_layers * (norms * per_norm + qk) + per_norm  # + the final norm
 
 
@@ -227,17 +262,20 @@ def weights_estimate(spec: ModelSpec, precision: str, max_len: int) -> WeightsEs
     """The weights file of a `precision` build of `spec` serving `max_len` tokens (RoPE tables)."""
     if precision not in WEIGHT_PRECISIONS:
         raise ConfigError(f"--weights must be one of {', '.join(WEIGHT_PRECISIONS)}, got {precision!r}")
-    act, shapes = ACT_BYTES[precision], _matmul_shapes(spec)
+    act, shapes = ACT_BYTES[precision], _model_matmul_shapes(spec)
     table = spec.vocab_size * spec.hidden_size
     tables = 1 if spec.tie_embeddings else 2
     pos = spec.max_positions * spec.hidden_size if spec.position == "learned" else 0
-    matmul = sum(k * n for k, n in shapes) * spec.num_layers
+    matmul = sum(k * n for k, n in shapes)
     biases = _layer_biases(spec) * spec.num_layers
-    norms = _norm_parameters(spec)
+    if spec.moe is not None and spec.moe.expert_bias:  # gpt_oss: each expert's up and down biases
+        biases += len(spec.moe.sparse_layers) * spec.moe.num_experts * (2 * spec.moe.expert_intermediate_size
+                                                                          + spec.hidden_size)
+    norms = _norm_parameters(spec) + _router_parameters(spec)  # both float32
     if precision in BITS:
         block = DEFAULT_WEIGHT_BLOCK[precision]
         head_block = block or HEAD_CHANNEL_BUILDS_BLOCK
-        matmul_bytes = sum(_quantized_bytes(k, n, BITS[precision], block, act) for k, n in shapes) * spec.num_layers
+        matmul_bytes = sum(_quantized_bytes(k, n, BITS[precision], block, act) for k, n in shapes)
         table_bytes = tables * _quantized_bytes(spec.hidden_size, spec.vocab_size, HEAD_BITS, head_block, act)
     else:
         matmul_bytes, table_bytes = matmul * act, tables * table * act
@@ -254,15 +292,17 @@ def kv_bytes(spec: ModelSpec, kv_dtype: io.DType) -> KVBytes:
     """KV bytes per token of `spec` per paged KV cache group (io.kv_groups of its layer windows)."""
     windows = tuple(spec.window(i) for i in range(spec.num_layers))
     groups = io.kv_groups(windows)
-    per_group = io.kv_bytes_per_token_by_group(groups, spec.num_kv_heads, spec.head_dim, kv_dtype)
+    heads, row = (1, spec.mla.row_width) if spec.mla is not None else (spec.num_kv_heads, spec.head_dim)
+    latent = spec.mla is not None  # MLA: one latent pool per layer, layers x (kv_lora_rank + rope dim) x bytes
+    per_group = io.kv_bytes_per_token_by_group(groups, heads, row, kv_dtype, latent)
     entries = []
     for g, b in per_group.items():
         ws = [w for w, gg in zip(windows, groups) if gg == g]
         entries.append(KVGroupBytes(g, len(ws), None if None in ws else max(w for w in ws if w is not None), b))
-    total = io.kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, kv_dtype)
+    total = io.kv_bytes_per_token(spec.num_layers, heads, row, kv_dtype, latent)
     assert total == sum(per_group.values())
-    return KVBytes(kv_dtype.value, total, io.kv_static_bytes(spec.num_layers, spec.num_kv_heads, spec.head_dim,
-                                                             kv_dtype), tuple(entries))
+    return KVBytes(kv_dtype.value, total, io.kv_static_bytes(spec.num_layers, heads, row, kv_dtype, latent),
+                   tuple(entries))
 
 
 # ---- fit -----------------------------------------------------------------------------------
@@ -339,6 +379,8 @@ def _fit_rows(spec: ModelSpec, man: mf.Manifest | None, kvs: tuple[KVBytes, ...]
         left = budget - kv.static_bytes
         for layout in LAYOUTS:
             own = man is not None and (kv.kv_dtype, layout) == (man.kv.dtype, man.kv.layout)
+            if layout == io.KVLayout.CONTIGUOUS.value and spec.mla is not None:
+                continue  # MLA builds are paged only
             if layout == io.KVLayout.CONTIGUOUS.value:
                 seqs, ctx, limit = _contiguous_fit(kv.bytes_per_token, left, max_model_len, max_num_seqs, cap)
                 fits.append(Fit(kv.kv_dtype, layout, max(left, 0), None, None, seqs, ctx, limit, own))
@@ -403,8 +445,10 @@ def plan(model: str, memory: str | int | None = None, *, weights: str | None = N
     if man is not None:
         build_weights = BuildWeights(man.weights.precision or man.dtype, man.weights.bytes, man.weights.parameters)
     # int4 KV only where its groups of io.KV_INT4_GROUP channels fit the heads
+    # MLA: float or int8 latent pools (exporter/mla.py check_build)
     kvs = tuple(kv_bytes(spec, d) for d in KV_DTYPES
-                if d is not io.DType.INT4 or spec.head_dim % io.KV_INT4_GROUP == 0)
+                if (d is not io.DType.INT4 or spec.head_dim % io.KV_INT4_GROUP == 0)
+                and (spec.mla is None or d is not io.DType.INT4))
     mem: int | None = None
     fit_w: str | None = None
     fit_w_bytes: int | None = None
@@ -433,13 +477,16 @@ def plan(model: str, memory: str | int | None = None, *, weights: str | None = N
     if note := _window_note(spec):
         notes.append(note)
     windows = tuple(spec.window(i) for i in range(spec.num_layers))
+    heads, row = (1, spec.mla.row_width) if spec.mla is not None else (spec.num_kv_heads, spec.head_dim)
     return Plan(model, m.kind, spec.family, spec.model_type, spec.num_layers, spec.hidden_size, spec.num_heads,
-                spec.num_kv_heads, spec.head_dim, _attention(spec), windows, spec.max_positions, estimates,
+                heads, row, _attention(spec), windows, spec.max_positions, estimates,
                 build_weights, kvs, block_size, max_model_len, max_num_seqs, mnbt, mem, fit_w, fit_w_bytes, weights_fit,
                 fits, tuple(notes))
 
 
 def _attention(spec: ModelSpec) -> str:
+    if spec.mla is not None:  # one latent "KV head" of kv_lora_rank + qk_rope_head_dim
+        return f"MLA: latent {spec.mla.kv_lora_rank} + rope {spec.mla.qk_rope_head_dim}"
     return "MQA" if spec.num_kv_heads == 1 else ("MHA" if spec.num_kv_heads == spec.num_heads else "GQA")
 
 

@@ -201,10 +201,15 @@ def linear_names(num_layers: int) -> list[str]:
 
 def float_linears(weights) -> dict[str, np.ndarray]:
     """name -> float [K, N] of every decoder matmul of a ModelWeights."""
+    from .moe import expert_linears
+
     out = {}
     for i, lw in enumerate(weights.layers):
         for x, arr in zip(LINEARS, (lw.qkv_w, lw.o_w, lw.up_w, lw.down_w)):
-            out[f"model.layers.{i}.{x}.weight"] = arr
+            if arr is not None:  # NOTE: None: a sparse layer without a shared expert (its MLP is its experts)
+                out[f"model.layers.{i}.{x}.weight"] = arr
+        if getattr(lw, "moe", None) is not None:  # each expert's up / down, quantized like any matmul
+            out.update(expert_linears(i, lw.moe))
     return out
 
 

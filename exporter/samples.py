@@ -42,9 +42,8 @@ def sample_feeds(manifest, phase: io.Phase, seed: int = 0) -> dict[str, np.ndarr
     groups = sorted(set(manifest.layer_groups or ()) - {io.FULL_GROUP})
     feeds = pack(chunks, bs, full_tables=kv.attention == io.Attention.PLUGIN.value, groups=groups).feeds()
     shape = io.paged_pool_shape(1 + 2 * per_seq, kv.num_kv_heads, bs, kv.head_dim, io.DType(kv.dtype).numpy_name)
-    for i in range(kv.num_layers):
-        for name in (io.key_cache(i), io.value_cache(i)):
-            feeds[name] = rng.standard_normal(shape).astype(kv_np)
+    for name in io.pool_names(kv.num_layers, kv.latent):  # K/V pools, or MLA's latent pools
+        feeds[name] = rng.standard_normal(shape).astype(kv_np)
     return feeds
 
 

@@ -9,6 +9,8 @@ from dataclasses import MISSING, asdict, dataclass, fields
 
 from kvexport.errors import ConfigError, KvExportError, UnsupportedModelError
 
+from .moe import MoESpec
+
 NORMS = ("rmsnorm", "layernorm")
 ACTIVATIONS = ("silu", "gelu_new", "gelu_pytorch_tanh", "gelu")
 POSITIONS = ("rope", "learned")
@@ -31,6 +33,26 @@ class RopeSpec:
     # longrope: a step uses the long factors when its sequence holds more tokens than this after
     # the step (docs/ARCHITECTURE.md "longrope"); None for every other type (and left out of the JSON)
     original_max_positions: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class MLASpec:
+    """Multi-head latent attention (DeepSeek-V2/V3, exporter/mla.py): per token and layer the
+    KV cache holds one latent row of kv_lora_rank + qk_rope_head_dim elements."""
+
+    q_lora_rank: int | None  # q_a_proj -> q_a_layernorm -> q_b_proj rank; None: one q_proj
+    kv_lora_rank: int  # L: the compressed KV latent, elements
+    qk_nope_head_dim: int  # N: per head, the query/key channels without RoPE
+    qk_rope_head_dim: int  # R: per head, the RoPE channels (the key's are shared by all heads)
+    v_head_dim: int  # V: per head, value channels
+    # the checkpoint pairs RoPE channels (2i, 2i+1) (V2; V3's rope_interleave): the reader permutes
+    # the weights' RoPE columns to evens | odds for rotate-half RoPE (exporter/mla.py NOTE)
+    rope_interleave: bool = True
+
+    @property
+    def row_width(self) -> int:
+        """Elements of one latent pool row: L + R."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +98,15 @@ class ModelSpec:
     # eos_token_id (GGUF: the eos / eot / eom ids of its metadata); the runtime stops on both lists
     # (exporter/end_tokens.py). None: the source names none beyond config.json's (and builds before it)
     generation_eos_token_ids: tuple[int, ...] | None = None
+    # multi-head latent attention (DeepSeek-V2/V3); None: per-head K/V. With it, head_dim is
+    # qk_rope_head_dim (what RoPE rotates, as transformers' config says) and attn_scale the softmax scale
+    mla: MLASpec | None = None
+    # mixture of experts (exporter/moe.py): routing and expert shapes; its sparse_layers take the MoE
+    # block, the other layers the dense MLP of intermediate_size. None: every layer dense
+    moe: MoESpec | None = None
+    # learned attention sinks (GPT-OSS): one logit per query head and layer joins the softmax's
+    # denominator (plugins/paged_attention/spec.py); the values are weights (LayerWeights.attn_sinks)
+    attn_sinks: bool = False
 
     def __post_init__(self) -> None:
         # ConfigError: a malformed value; UnsupportedModelError: a valid option kvexport lacks
@@ -125,6 +156,19 @@ class ModelSpec:
             need(kind == "none" or self.position == "rope", "position", "has no RoPE for a RoPE layer")
         need(self.layer_norms in LAYER_NORMS, "layer norms", f"must be one of {LAYER_NORMS}, got {self.layer_norms!r}")
         need(self.qk_norm in QK_NORMS + (None,), "q/k norm", f"must be one of {QK_NORMS} or None, got {self.qk_norm!r}")
+        if self.mla is not None:
+            m = self.mla
+            for field in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+                value = getattr(m, field)
+                need(isinstance(value, int) and value > 0, field, f"must be a positive integer, got {value!r}")
+            need(m.q_lora_rank is None or (isinstance(m.q_lora_rank, int) and m.q_lora_rank > 0), "q_lora_rank",
+                 f"must be a positive integer or null (no q_a_proj), got {m.q_lora_rank!r}")
+            need(m.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim", f"must be even, got {m.qk_rope_head_dim}")
+            need(self.head_dim == m.qk_rope_head_dim, "head_dim",
+                 f"must equal qk_rope_head_dim ({m.qk_rope_head_dim}) in an MLA model, got {self.head_dim}")
+        if self.moe is not None:  # exporter/moe.py read_moe checked the config's fields by name
+            need(all(0 <= i < self.num_layers for i in self.moe.sparse_layers), "mlp_only_layers",
+                 f"leaves MoE layers {self.moe.sparse_layers} outside the {self.num_layers} layers")
         for field, value in (("attn_logit_softcapping", self.attn_softcap),
                              ("final_logit_softcapping", self.final_softcap),
                              ("query_pre_attn_scalar", self.attn_scale), ("embed scale", self.embed_scale)):
@@ -172,6 +216,8 @@ class ModelSpec:
         for name in ("layer_windows", "layer_rope"):
             if name in d:
                 d[name] = list(d[name])
+        if "moe" in d:
+            d["moe"] = self.moe.to_json()
         for name in ("rope", "rope_local"):
             if isinstance(d.get(name), dict) and d[name]["original_max_positions"] is None:
                 del d[name]["original_max_positions"]
@@ -189,6 +235,10 @@ class ModelSpec:
         for name in ("rope", "rope_local"):
             if isinstance(kw.get(name), dict):
                 kw[name] = RopeSpec(**kw[name])
+        if isinstance(kw.get("mla"), dict):
+            kw["mla"] = MLASpec(**kw["mla"])
+        if isinstance(kw.get("moe"), dict):
+            kw["moe"] = MoESpec.from_json(kw["moe"])
         for name in ("eos_token_ids", "generation_eos_token_ids", "layer_windows", "layer_rope"):
             if kw.get(name) is not None:
                 kw[name] = tuple(kw[name])

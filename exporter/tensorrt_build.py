@@ -44,7 +44,7 @@ from kvexport import manifest as mf
 from kvexport.errors import ConfigError, EngineBuildError, KvExportError, TensorRTUnavailableError
 from kvexport.manifest import (EngineBuildOptions, EngineFile, EngineLimits, EnginesEntry, Manifest, PluginInfo,
                                ShapeRange, sha256)
-from kvexport.tensorrt_env import cuda_device, plugin_module, require_tensorrt, trt_logger
+from kvexport.tensorrt_env import cuda_device, plugin_module, register_plugins, require_tensorrt, trt_logger
 
 if TYPE_CHECKING:  # typed by tensorrt-stubs; imported for real only inside functions
     import tensorrt as trt
@@ -299,7 +299,7 @@ def build_engines(build_dir: str | Path, manifest: Manifest,
     log.info("engine weights: %s (%s%s)", quant.weights, quant.mode,
              f", blocks of {quant.block_size}" if quant.block_size else "")
     plugin = plugin_module()
-    plugin.register()
+    register_plugins()  # PagedAttention, and PagedMLA for MLA graphs
     kernel_configs = _kernel_configs(plugin)
 
     def produce(tmp: Path) -> dict[str, EngineFile]:

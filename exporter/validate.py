@@ -328,7 +328,7 @@ def validate(build_dir: Path, manifest, model, prompts: list[list[int]], steps: 
     paged = manifest.kv.layout == io.KVLayout.PAGED.value
     op, cross = "onnx", None
     if paged and manifest.kv.attention == io.Attention.PLUGIN.value:
-        from kvexport.plugins.paged_attention.native import library_for
+        from kvexport.runtime.execution.ort_backends import native_library_for as library_for  # MLA: PagedMLA's
 
         lib, _ = library_for(manifest)
         op, cross = ("native", "reference") if lib is not None else ("reference", None)

@@ -15,6 +15,8 @@ import logging
 
 import numpy as np
 
+from kvexport.errors import ConfigError, UnsupportedModelError
+
 from . import prequantized
 from . import quantize as qz
 from .limits import CALIBRATED_METHODS
@@ -118,6 +120,15 @@ def quantized_weights(src, model, spec, weights, wq: qz.WeightQuantization, toke
     for per-channel builds; qz.CHANNEL for TensorRT)."""
     presets, kinds, method_info = {}, {}, {}
     pq = prequantized.config_of(src.directory) if src.kind == "hf" else None
+    if spec.moe is not None:  # experts are rounded to nearest (exporter/moe.py expert_linears)
+        if wq.method in CALIBRATED_METHODS:
+            raise ConfigError(f"--quant-method {wq.method} searches scales for dense MLPs and does not cover the "
+                              f"experts of a mixture-of-experts model ({spec.family}); use --quant-method rtn "
+                              f"(e.g. --weights {wq.precision} --quant-method rtn)")
+        if pq is not None:
+            raise UnsupportedModelError(f"pre-quantized ({pq.origin}) checkpoints of mixture-of-experts models "
+                                        f"({spec.family}) are not supported: build from the float checkpoint with "
+                                        f"--weights int8|int4 --quant-method rtn")
     if pq is not None:  # AWQ / GPTQ safetensors: their codes exactly (refuses another bits / block size)
         presets = prequantized.presets(src, spec, pq, wq)
         floats = qz.float_linears(weights)  # the reference model was loaded from the same codes

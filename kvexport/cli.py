@@ -243,9 +243,9 @@ def _new_path(ctx, param, value: str | None) -> str | None:
 @click.option("--kv-dtype", type=click.Choice([d.value for d in KV_DTYPES]),
               help="KV-cache dtype [same as --dtype]; int8 uses calibrated per-channel scales.")
 @click.option("--calibration-text", type=_Path(exists=True, dir_okay=False, readable=True),
-              help="int8 KV: text to calibrate the scales on [bundled Shakespeare: Hamlet].")
+              help="int8 KV: text to calibrate the scales on (int4: the key offsets) [bundled Shakespeare: Hamlet].")
 @click.option("--calibration-tokens", type=_range("calibration_tokens"),
-              help="int8 KV: tokens of the text to use [2048].")
+              help="int8 / int4 KV: tokens of the text to use [2048].")
 @click.option("--backend", type=click.Choice([*BACKENDS, "onnx"]),
               help="The backend the build is for, as the runtime's --backend: onnxruntime (ONNX graphs), or tensorrt "
                    "(also TensorRT engines; needs --attention plugin, TensorRT and a GPU); onnx = onnxruntime "
@@ -617,25 +617,32 @@ def triton(build_dir, out, name, copy_build, instances, execution_env, force, **
 
 @main.command()
 @click.argument("build_dir", type=click.Path(exists=True, file_okay=False))
-@click.option("--mode", type=click.Choice(["agg"]), default="agg", show_default=True,
-              help="Disaggregation role (aggregated: prompt and generation in this worker).")
-@click.option("--namespace", default="kvexport", show_default=True, help="Dynamo namespace (the frontend's --namespace).")
-@click.option("--component", default="backend", show_default=True, help="Dynamo component name of the workers.")
+@click.option("--mode", type=click.Choice(["agg", "prefill", "decode"]), default="agg", show_default=True,
+              help="Disaggregation role: agg (prompt and generation here), prefill (prompt and first token; KV "
+                   "handed to a decode worker), decode (pulls the KV, generates). docs/DEPLOYMENT.md.")
+@click.option("--namespace", default="kvexport", show_default=True, envvar="DYN_NAMESPACE",
+              help="Dynamo namespace (the frontend's --namespace) [$DYN_NAMESPACE: Dynamo's Kubernetes operator sets it].")
+@click.option("--component", help="Dynamo component name of the workers [prefill for --mode prefill, else backend].")
 @click.option("--endpoint", default="generate", show_default=True, help="Dynamo endpoint name.")
 @click.option("--served-model-name", help="The model name clients must send [the build directory's name].")
 @click.option("--discovery-backend", type=click.Choice(["etcd", "file", "kubernetes", "mem"]),
               help="How workers and frontend find each other [$DYN_DISCOVERY_BACKEND, else etcd; file: "
                    "$DYN_FILE_KV, one machine].")
 @click.option("--request-plane", type=click.Choice(["tcp", "nats"]), help="Request transport [$DYN_REQUEST_PLANE, else tcp].")
+@click.option("--kv-transfer", type=click.Choice(["nixl", "request-plane"]), default="nixl", show_default=True,
+              help="How prefill workers hand KV blocks to decode workers: NIXL (UCX), or inside the response.")
+@click.option("--kv-transfer-timeout", type=click.FloatRange(0, 3600, min_open=True), default=60.0,
+              show_default=True, help="Seconds a prefill worker keeps a request's KV for its decode worker.")
 @engine_options
 def dynamo(build_dir, mode, namespace, component, endpoint, served_model_name, discovery_backend, request_plane,
-           **settings):
+           kv_transfer, kv_transfer_timeout, **settings):
     """Serve a paged build as an NVIDIA Dynamo worker (behind `python -m dynamo.frontend`; KV-aware routing)."""
     from kvexport.runtime.serving.dynamo_worker import DynamoWorkerOptions, serve_dynamo
 
     opts = DynamoWorkerOptions(engine=_engine_config(settings), mode=mode, namespace=namespace, component=component,
                                endpoint=endpoint, served_model_name=served_model_name,
-                               discovery_backend=discovery_backend, request_plane=request_plane)
+                               discovery_backend=discovery_backend, request_plane=request_plane,
+                               kv_transfer=kv_transfer, kv_transfer_timeout_s=kv_transfer_timeout)
     serve_dynamo(build_dir, opts, on_ready=lambda name, path: console.print(
         f"dynamo worker: model {escape(repr(name))} on {escape(path)}", highlight=False))
 

@@ -33,7 +33,8 @@ _REBUILD = "rebuild with `kvexport build --force`"
 # stand-in -> manifest field whose value belongs at that axis
 _HEADS, _BLOCK, _HEAD_DIM, _VOCAB = -1, -2, -3, -4
 _ACT, _KV = "<dtype>", "<kv.dtype>"
-_LAYER_NAMES = (io.key_cache, io.past_key, io.present_key, io.new_key, io.key_cache_out)
+_LAYER_NAMES = (io.key_cache, io.past_key, io.present_key, io.new_key, io.key_cache_out, io.latent_cache, io.new_latent,
+                io.latent_cache_out)
 
 
 def check_graphs(build_dir: Path, m: Manifest) -> None:
@@ -100,7 +101,7 @@ def check_graph_io(m: Manifest, phase: io.Phase, inputs: tuple[io.TensorSpec, ..
     template = io.graph_io(layout=io.KVLayout(kv.layout), phase=phase, num_layers=kv.num_layers,
                            num_kv_heads=_HEADS, head_dim=_HEAD_DIM, vocab_size=_VOCAB, block_size=_BLOCK,
                            act_dtype=_ACT, kv_dtype=_KV, all_logits=m.all_logits, attention=io.Attention(kv.attention),
-                           layer_groups=m.layer_groups)
+                           layer_groups=m.layer_groups, latent=kv.latent and kv.layout == io.KVLayout.PAGED.value)
     build = f"a {kv.layout} build with {kv.attention} attention{' and all logits' if m.all_logits else ''}"
     pairs = (("input", template.inputs, inputs), ("output", template.outputs, outputs))
     for kind, want, got in pairs:  # names first: a wrong layout or attention shows as a missing tensor

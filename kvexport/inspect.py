@@ -71,6 +71,11 @@ def render(build_dir: str | Path, console: Console) -> mf.Manifest:
     console.print(f"KV cache: layout {kv.layout}, attention {kv.attention}, dtype {kv.dtype}, block size "
                   f"{kv.block_size or '-'}, [bold]{kv.bytes_per_token} bytes/token[/] "
                   f"({_human(kv.bytes_per_token * kv.max_seq_len)} for a full {kv.max_seq_len}-token context)")
+    if kv.latent:  # io.py "MLA": one latent pool per layer
+        console.print(f"  MLA: one latent pool per layer, rows of kv_lora_rank {kv.latent_rank} + rope "
+                      f"{kv.head_dim - kv.latent_rank} = {kv.head_dim} elements; {kv.bytes_per_token} bytes/token = "
+                      f"{kv.num_layers} layers × {kv.head_dim} × {kv.bytes_per_token // (kv.num_layers * kv.head_dim)} "
+                      f"bytes", markup=False)
     for name, g in m.graphs.items():
         t = Table(title=escape(f"{name}: {g.file} ({_human(g.bytes)})"), show_lines=False)
         for column in ("kind", "name", "dtype", "shape"):

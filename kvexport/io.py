@@ -57,16 +57,26 @@ keep every block::
     released are PAD_BLOCK_ID. seq_lens, query_start_loc and positions are shared. Builds whose
     layers all have the same window (or none) have one group and exactly the I/O above.
 
+MLA (multi-head latent attention, DeepSeek-V2/V3; paged only): a layer's KV cache is ONE latent pool
+(no value pool), one row per token of kv_lora_rank + qk_rope_head_dim elements (the normed KV
+latent, then the RoPE-rotated shared key), shaped like a single-KV-head key pool so block copies,
+tiers and transfers move it like any pool (the manifest's kv.num_kv_heads is 1, kv.head_dim the
+row width, kv.latent_rank the kv_lora_rank)::
+
+    latent_cache.{i} [1, num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]
+    -> new_latent.{i} [num_tokens, 1, row]  (onnx attention)  |  latent_cache_out.{i} (plugin: kvexport::PagedMLA)
+
 int8 KV: static symmetric scales per layer, KV head and channel (``kvexport calibrate``),
 stored in both graphs as float32 initializers ``kv_scales.{i}.key/value`` [kv_heads, head_dim]
 ([kv_heads] in builds made before per-channel scales) and in the manifest; pools hold
 ``saturate(round_half_even(x / scale))`` (ONNX QuantizeLinear).
 
-int4 KV: dynamic (nothing calibrated), symmetric per token, KV head and group of
-``KV_INT4_GROUP`` channels. The pools are uint8 and each (token, KV head) row of
+int4 KV: dynamic scales (the key transform before them is calibrated: `k_offset`), per
+token, KV head and group of ``KV_INT4_GROUP`` channels. The pools are uint8 and each (token, KV head) row of
 ``kv_row_width(head_dim, "int4")`` bytes holds the codes and their scales (`KV_INT4_FORMAT`);
 the int4 graphs rotate q, k and v by a fixed orthogonal Hadamard matrix after RoPE
-(exporter/attention.py `hadamard`), so the pools hold rotated keys and values.
+(exporter/attention.py `hadamard`), so the pools hold rotated keys and values (keys as
+rotate((k - μ) / s): exporter/kv_int4.py key_transform).
 """
 
 from __future__ import annotations
@@ -96,6 +106,7 @@ QDQ_OPSET = 21  # quantized-weight builds: block-wise DequantizeLinear (opset 21
 PLUGIN_DOMAIN = "kvexport"
 PLUGIN_OP = "PagedAttention"
 PLUGIN_VERSION = "1"
+MLA_PLUGIN_OP = "PagedMLA"  # MLA layers' node in PLUGIN_DOMAIN (plugins/paged_mla/spec.py)
 
 
 class KVLayout(str, enum.Enum):
@@ -247,6 +258,46 @@ def value_cache_out(i: int) -> str:
     return f"value_cache_out.{i}"
 
 
+def latent_cache(i: int) -> str:
+    """MLA: layer i's latent pool (the module docstring)."""
+    return f"latent_cache.{i}"
+
+
+def new_latent(i: int) -> str:
+    return f"new_latent.{i}"
+
+
+def latent_cache_out(i: int) -> str:
+    return f"latent_cache_out.{i}"
+
+
+def pool_names(num_layers: int, latent: bool = False) -> list[str]:
+    """Every layer's pool inputs, in graph order: key_cache.{i}, value_cache.{i} per layer, or an
+    MLA build's latent_cache.{i}. The runtime allocates, binds and copies exactly these."""
+    return [n for i in range(num_layers) for n in ((latent_cache(i),) if latent else (key_cache(i), value_cache(i)))]
+
+
+def pool_layers(num_layers: int, latent: bool = False) -> list[int]:
+    """The layer of each of `pool_names`' pools."""
+    return [i for i in range(num_layers) for _ in range(1 if latent else 2)]
+
+
+def new_kv_names(num_layers: int, latent: bool = False) -> list[str]:
+    """The `onnx` attention's per-step KV outputs, one per pool of `pool_names` (same order)."""
+    return [n for i in range(num_layers) for n in ((new_latent(i),) if latent else (new_key(i), new_value(i)))]
+
+
+def pool_out_names(num_layers: int, latent: bool = False) -> list[str]:
+    """The plugin attention's updated-pool outputs, one per pool of `pool_names` (same order)."""
+    return [n for i in range(num_layers)
+            for n in ((latent_cache_out(i),) if latent else (key_cache_out(i), value_cache_out(i)))]
+
+
+def latent_scale(i: int) -> str:
+    """int8 MLA KV: graph initializer [kv_lora_rank + qk_rope_head_dim] float32, layer i's latent scales."""
+    return f"kv_scales.{i}.latent"
+
+
 def k_scale(i: int) -> str:
     """int8 KV: graph initializer [kv_heads] float32 with layer i's key scales."""
     return f"kv_scales.{i}.key"
@@ -254,6 +305,22 @@ def k_scale(i: int) -> str:
 
 def v_scale(i: int) -> str:
     return f"kv_scales.{i}.value"
+
+
+def k_offset(i: int) -> str:
+    """int4 KV: graph initializer [kv_heads, head_dim] float32, layer i's key offset μ (subtracted
+    from the post-RoPE keys before they are rotated and stored; exporter/kv_int4.py key_transform)."""
+    return f"kv_offsets.{i}.key"
+
+
+def k_channel_scale(i: int) -> str:
+    """int4 KV: [kv_heads, head_dim] float32, layer i's key channel scales s (keys / s, queries *
+    s: q_channel_scale, the same per query head)."""
+    return f"kv_offsets.{i}.key_scale"
+
+
+def q_channel_scale(i: int) -> str:
+    return f"kv_offsets.{i}.query_scale"
 
 
 # ---- dynamic axis names ---------------------------------------------------------------
@@ -301,11 +368,15 @@ def graph_io(
     all_logits: bool,
     attention: Attention = Attention.ONNX,
     layer_groups: tuple[str, ...] | None = None,
+    latent: bool = False,
 ) -> GraphIO:
     """Every input and output of one graph, in order. The exporter declares exactly
     these; the runtime feeds exactly these. `layer_groups`: each layer's KV cache group
-    (`kv_groups`; paged only); None: every layer in FULL_GROUP."""
+    (`kv_groups`; paged only); None: every layer in FULL_GROUP. `latent`: an MLA build
+    (paged only; num_kv_heads 1 and head_dim the latent row width)."""
     if layout is KVLayout.CONTIGUOUS:
+        if latent:
+            raise ValueError("MLA builds are paged only")
         # NOTE: decode's sequence axis is dynamic too (one token per step in the runtime): the decode
         # graph is then also a single "decoder with past" that optimum's ORTModelForCausalLM and
         # onnxruntime-genai's `decoder` type run on the prompt (empty past) and every step; its
@@ -344,17 +415,15 @@ def graph_io(
         inputs += [TensorSpec(block_tables(g), "int64", (NUM_SEQS, MAX_BLOCKS)), TensorSpec(slot_mapping(g), "int64", (ntok,))]
     pools = [paged_pool_shape(num_blocks_axis(g), num_kv_heads, block_size, head_dim, kv_dtype) for g in groups]
     elem, row = kv_element_type(kv_dtype), kv_row_width(head_dim, kv_dtype)
-    for i in range(num_layers):
-        for name in (key_cache(i), value_cache(i)):
-            inputs.append(TensorSpec(name, elem, pools[i]))
+    layers = pool_layers(num_layers, latent)
+    for i, name in zip(layers, pool_names(num_layers, latent)):
+        inputs.append(TensorSpec(name, elem, pools[i]))
     logits_rows = ntok if all_logits else NUM_SEQS
     outputs = [TensorSpec(LOGITS, act_dtype, (logits_rows, vocab_size))]
-    for i in range(num_layers):
-        if attention is Attention.PLUGIN:
-            outputs += [TensorSpec(key_cache_out(i), elem, pools[i]), TensorSpec(value_cache_out(i), elem, pools[i])]
-        else:
-            for name in (new_key(i), new_value(i)):
-                outputs.append(TensorSpec(name, elem, (ntok, num_kv_heads, row)))
+    if attention is Attention.PLUGIN:
+        outputs += [TensorSpec(n, elem, pools[i]) for i, n in zip(layers, pool_out_names(num_layers, latent))]
+    else:
+        outputs += [TensorSpec(n, elem, (ntok, num_kv_heads, row)) for n in new_kv_names(num_layers, latent)]
     return GraphIO(tuple(inputs), tuple(outputs))
 
 
@@ -379,29 +448,34 @@ def store_paged_kv(pool, slot_mapping, new) -> None:
     pool[:, slot_mapping // block_size, slot_mapping % block_size, :] = new.transpose(1, 0, 2)
 
 
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: DType) -> int:
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: DType,
+                       latent: bool = False) -> int:
     """Memory one token occupies in the KV cache: 2 (K and V) x layers x kv_heads x
-    head_dim x bytes (int4: x `kv_row_width` bytes, its per-token scales included). The runtime
+    head_dim x bytes (int4: x `kv_row_width` bytes, its per-token scales included); MLA
+    (`latent`, num_kv_heads 1, head_dim = kv_lora_rank + qk_rope_head_dim): one latent pool,
+    layers x (kv_lora_rank + qk_rope_head_dim) x bytes (DeepSeek-V3 fp16: 61 x 576 x 2 = 70,272). The runtime
     and every planner use exactly this formula (per KV cache group: `kv_bytes_per_token_by_group`;
     the manifest's ``kv.bytes_per_token``: all layers).
     NOTE: int8 scales are static (per layer, head and channel, not per token), so they add
     nothing here: they live in the graphs, outside the pool (`kv_static_bytes`)."""
-    return 2 * num_layers * num_kv_heads * kv_row_width(head_dim, kv_dtype.numpy_name) * kv_dtype.itemsize
+    pools = 1 if latent else 2
+    return pools * num_layers * num_kv_heads * kv_row_width(head_dim, kv_dtype.numpy_name) * kv_dtype.itemsize
 
 
 def kv_bytes_per_token_by_group(layer_groups: tuple[str, ...], num_kv_heads: int, head_dim: int,
-                                kv_dtype: DType) -> dict[str, int]:
+                                kv_dtype: DType, latent: bool = False) -> dict[str, int]:
     """`kv_bytes_per_token` of each KV cache group's layers (group -> bytes); they sum to
     the model's bytes per token."""
-    return {g: kv_bytes_per_token(layer_groups.count(g), num_kv_heads, head_dim, kv_dtype)
+    return {g: kv_bytes_per_token(layer_groups.count(g), num_kv_heads, head_dim, kv_dtype, latent)
             for g in dict.fromkeys(layer_groups)}
 
 
-def kv_static_bytes(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: DType) -> int:
+def kv_static_bytes(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: DType,
+                    latent: bool = False) -> int:
     """Bytes a KV dtype needs whatever the number of tokens, outside the pool: int8's static
     scales ``kv_scales.{i}.key/value`` [kv_heads, head_dim] float32 per layer (graph
-    initializers); 0 for float KV."""
-    return 2 * num_layers * num_kv_heads * head_dim * 4 if kv_dtype is DType.INT8 else 0
+    initializers; MLA: one per layer); 0 for float KV."""
+    return (1 if latent else 2) * num_layers * num_kv_heads * head_dim * 4 if kv_dtype is DType.INT8 else 0
 
 
 def local_window(layer_windows) -> int | None:

@@ -65,6 +65,15 @@ class KVSpec:
     # behind this window (tokens, the largest of those layers') are released; None: one group
     # NOTE: left out of the JSON when None, so one-group manifests stay exactly as before it existed
     local_window: int | None = field(default=None, metadata={"omit_if_none": True})
+    # MLA builds (DeepSeek-V2/V3, io.py "MLA"): the model's kv_lora_rank; each layer then has ONE
+    # latent pool, num_kv_heads is 1 and head_dim the row width kv_lora_rank + qk_rope_head_dim.
+    # None: K and V pools. NOTE: left out of the JSON when None (older manifests stay as they were)
+    latent_rank: int | None = field(default=None, metadata={"omit_if_none": True})
+
+    @property
+    def latent(self) -> bool:
+        """One latent pool per layer (MLA) instead of key and value pools."""
+        return self.latent_rank is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -406,13 +415,25 @@ def _check_values(m: Manifest) -> None:
     if (kv.block_size < 1) if paged else (kv.block_size != 0):
         raise _FieldError("kv.block_size", f"is {kv.block_size}: it must be >= 1 for the paged layout, 0 for "
                                            f"contiguous")
-    for name in ("num_layers", "num_kv_heads", "head_dim"):
-        if getattr(kv, name) != getattr(m.model, name):
-            raise _FieldError(f"kv.{name}", f"is {getattr(kv, name)}, but 'model.{name}' is {getattr(m.model, name)}")
-    per_token = io.kv_bytes_per_token(kv.num_layers, kv.num_kv_heads, kv.head_dim, io.DType(kv.dtype))
+    mla = m.model.spec.get("mla")
+    if (mla is not None) != kv.latent or (mla is not None and kv.latent_rank != mla.get("kv_lora_rank")):
+        want = mla.get("kv_lora_rank") if isinstance(mla, dict) else None
+        raise _FieldError("kv.latent_rank", f"is {kv.latent_rank}, but the model's MLA spec gives {want} "
+                                            f"(model.mla.kv_lora_rank)")
+    # an MLA layer's pool is one "KV head" of the latent row (io.py "MLA")
+    model_kv = ({"num_layers": m.model.num_layers, "num_kv_heads": 1,
+                 "head_dim": mla["kv_lora_rank"] + mla["qk_rope_head_dim"]} if mla is not None else
+                {name: getattr(m.model, name) for name in ("num_layers", "num_kv_heads", "head_dim")})
+    for name, want in model_kv.items():
+        if getattr(kv, name) != want:
+            of = "the model's MLA spec (model.mla) gives" if mla is not None else f"'model.{name}' is"
+            raise _FieldError(f"kv.{name}", f"is {getattr(kv, name)}, but {of} {want}")
+    per_token = io.kv_bytes_per_token(kv.num_layers, kv.num_kv_heads, kv.head_dim, io.DType(kv.dtype), kv.latent)
     if kv.bytes_per_token != per_token:
+        formula = ("layers x (kv_lora_rank + qk_rope_head_dim) x bytes" if kv.latent else
+                   "2 x layers x kv_heads x head_dim x bytes")
         raise _FieldError("kv.bytes_per_token", f"is {kv.bytes_per_token}, but the kv spec gives {per_token} "
-                                                f"(2 x layers x kv_heads x head_dim x bytes)")
+                                                f"({formula})")
     if kv.local_window is not None:
         groups = io.kv_groups(m.model.layer_windows)
         windows = [w for w, g in zip(m.model.layer_windows, groups) if g == io.LOCAL_GROUP]

@@ -25,6 +25,8 @@ if TYPE_CHECKING:  # typed by tensorrt-stubs; imported for real only inside func
 log = logging.getLogger(__name__)
 
 PLUGIN_MODULE = "kvexport.plugins.paged_attention.trt"  # exposes register() (and kernel_configs())
+# every op's TensorRT registration (PagedAttention first): a graph may hold any of them (MLA builds: PagedMLA)
+PLUGIN_MODULES = (PLUGIN_MODULE, "kvexport.plugins.paged_mla.trt")
 
 INSTALL_HINT = ('install TensorRT with `pip install "kvexport[tensorrt]"` on a machine with an NVIDIA GPU '
                 'and driver, or use the NVIDIA TensorRT container (see docker/)')
@@ -67,18 +69,25 @@ def cuda_device(device: int = 0) -> GpuInfo:
     return GpuInfo(torch.cuda.get_device_name(device), f"{major}.{minor}")
 
 
-def plugin_module() -> Any:
-    """The PagedAttention TensorRT registration module (imported late: it imports tensorrt)."""
+def plugin_module(name: str = PLUGIN_MODULE) -> Any:
+    """A TensorRT registration module (default PagedAttention's; imported late: it imports tensorrt)."""
     try:
-        return importlib.import_module(PLUGIN_MODULE)
+        return importlib.import_module(name)
     except ModuleNotFoundError as e:
         if e.name and e.name.split(".")[0] == "tensorrt":
-            raise TensorRTUnavailableError(f"the PagedAttention plugin needs `{e.name}` (the `tensorrt.plugin` Python "
+            raise TensorRTUnavailableError(f"the kvexport plugins need `{e.name}` (the `tensorrt.plugin` Python "
                                            f"plugin API), which this TensorRT lacks; {INSTALL_HINT}. {ONNX_OK}") from None
-        if e.name and not PLUGIN_MODULE.startswith(e.name):
+        if e.name and not name.startswith(e.name):
             raise  # something else the plugin module imports is missing: let its own error speak
-        raise KvExportError(f"{PLUGIN_MODULE} is not part of this kvexport installation; reinstall kvexport "
+        raise KvExportError(f"{name} is not part of this kvexport installation; reinstall kvexport "
                             f"(`pip install --force-reinstall kvexport`)") from None
+
+
+def register_plugins() -> None:
+    """Register every kvexport op with TensorRT (PagedAttention, PagedMLA): engine builds parse graphs that
+    hold them, and JIT plugins need the registration to deserialize."""
+    for name in PLUGIN_MODULES:
+        plugin_module(name).register()
 
 
 def trt_logger() -> trt.ILogger:

@@ -5,4 +5,4 @@ PLUGINS maps each op's ONNX op_type to its folder; tests/plugins/test_plugin_reg
 checks that every folder is registered and every registered op has a reference, kernel
 tests against it and a graph parity test."""
 
-PLUGINS = {"PagedAttention": "paged_attention"}  # op_type -> subpackage of kvexport.plugins
+PLUGINS = {"PagedAttention": "paged_attention", "PagedMLA": "paged_mla"}  # op_type -> subpackage of kvexport.plugins

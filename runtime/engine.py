@@ -68,7 +68,7 @@ class LLMEngine:
         # NOTE: the one pool sizing (`kvexport plan` calls it too): with a local group, the windowed
         # layers' group gets what its window needs, the full group the rest
         per_token = io.kv_bytes_per_token_by_group(groups or (io.FULL_GROUP,) * kv.num_layers, kv.num_kv_heads,
-                                                   kv.head_dim, io.DType(kv.dtype))
+                                                   kv.head_dim, io.DType(kv.dtype), kv.latent)
         sizes = kv_pool_sizes(budget, kv.block_size, per_token, kv.local_window, config.max_num_seqs,
                               config.max_num_batched_tokens)
         num_blocks, local_blocks = sizes.num_blocks, sizes.local_num_blocks

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Every GPU check of the project in one go (see ../shared/GPU.md): today the PagedAttention
+# Every GPU check of the project in one go (see ../shared/GPU.md): the PagedAttention
 # Triton kernels — correctness at Llama-3-8B shapes against the torch reference, decode
-# bandwidth against the copy bandwidth, int8 vs fp16 KV. Results: $OUT/gpu_check.json, a
-# summary on stdout. Needs torch with CUDA and triton (3.6 on the lent machine); no TensorRT.
+# bandwidth against the copy bandwidth, int8 vs fp16 KV — then the PagedMLA kernels at
+# DeepSeek-V3 shapes (plugins/paged_mla/gpu_check.py). Results: $OUT/gpu_check.json and
+# $OUT/gpu_check_mla.json, summaries on stdout. Needs torch with CUDA and triton (3.6 on the
+# lent machine); no TensorRT.
 #   OUT=/tmp/out bash scripts/gpu_check.sh            # on the GPU machine
 #   bash scripts/gpu_check.sh --tiny                  # the same logic on CPU, toy sizes
 set -uo pipefail
@@ -37,4 +39,10 @@ PYEOF
 timeout 280 "$PY" -m kvexport.plugins.paged_attention.gpu_check --out "$OUT" "$@"
 rc=$?
 [ -f "$OUT/gpu_check.json" ] || echo '{"error": "gpu_check.py wrote nothing (rc '"$rc"')"}' > "$OUT/gpu_check.json"
-exit $rc
+# PagedMLA (DeepSeek-V2/V3 latent attention): its own report, sized to about 2 minutes
+timeout 180 "$PY" -m kvexport.plugins.paged_mla.gpu_check --out "$OUT" "$@"
+rc_mla=$?
+[ -f "$OUT/gpu_check_mla.json" ] || echo '{"error": "paged_mla gpu_check wrote nothing (rc '"$rc_mla"')"}' \
+    > "$OUT/gpu_check_mla.json"
+[ $rc -ne 0 ] && exit $rc
+exit $rc_mla

@@ -31,11 +31,15 @@ def tiny_config(family: str, **overrides):
         return GPT2Config(**base)
     from transformers import Gemma2Config, Gemma3TextConfig, Olmo2Config, Qwen3Config, SmolLM3Config
 
+    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
     cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "phi3": Phi3Config,
            "qwen3": Qwen3Config, "olmo2": Olmo2Config, "gemma2": Gemma2Config, "gemma3_text": Gemma3TextConfig,
-           "smollm3": SmolLM3Config}[family]
+           "smollm3": SmolLM3Config, "qwen3_moe": Qwen3MoeConfig, "mixtral": MixtralConfig,
+           "qwen2_moe": Qwen2MoeConfig}[family]
     base = dict(TINY, num_key_value_heads=2)
-    if family in ("qwen3", "olmo2", "gemma2", "gemma3_text", "smollm3"):  # token ids inside the tiny vocab
+    if family in ("qwen3", "olmo2", "gemma2", "gemma3_text", "smollm3",
+                  "qwen3_moe", "mixtral", "qwen2_moe"):  # token ids inside the tiny vocab
         base.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
     if family in ("gemma2", "gemma3_text"):  # their defaults are 256-wide heads and a 4096 window
         base.update(head_dim=16, sliding_window=8)

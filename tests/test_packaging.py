@@ -38,7 +38,9 @@ def test_wheel_builds_without_warnings_and_outside_build(tmp_path):
     (wheel,) = (tmp_path / "dist").glob("kvexport-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {"kvexport/runtime/serving/traces/mixed-64.json", "kvexport/plugins/paged_attention/cpu/paged_attention_ort.cc",
-            "kvexport/recipes/llama.yaml", "kvexport/outputs.py", "kvexport/exporter/build.py"} <= names
+            "kvexport/recipes/llama.yaml", "kvexport/outputs.py", "kvexport/exporter/build.py",
+            "kvexport/plugins/paged_mla/cpu/paged_mla_ort.cc", "kvexport/plugins/paged_mla/cpu/paged_mla_ort.h",
+            "kvexport/plugins/paged_mla/spec.py"} <= names
 
 
 def test_gitignore_covers_build_outputs():

@@ -49,11 +49,14 @@ class Shape:
     sliding_window: int = 0  # tokens; 0 = none
     logit_softcap: float = 0.0  # attention-logit soft-cap; 0 = off
     scale: float = 0.0  # softmax scale; 0 = head_dim ** -0.5
+    sinks: bool = False  # learned attention sinks (GPT-OSS): fixed stand-in values, one per query head
 
     def attrs(self, kv_dtype: str) -> PagedAttentionAttrs:
-        return PagedAttentionAttrs(self.num_kv_heads * self.group, self.num_kv_heads, self.head_dim,
+        heads = self.num_kv_heads * self.group
+        sinks = tuple(0.25 * (h % 7) - 0.75 for h in range(heads)) if self.sinks else ()
+        return PagedAttentionAttrs(heads, self.num_kv_heads, self.head_dim,
                                    self.block_size, self.scale or self.head_dim ** -0.5, self.sliding_window,
-                                   kv_dtype, self.logit_softcap)
+                                   kv_dtype, self.logit_softcap, sinks)
 
 
 # Representative shapes every configuration is compiled for in CI.
@@ -61,7 +64,9 @@ SHAPES = (Shape("llama3-8b", 8, 4, 128, 16),  # GQA, head_dim 128
           Shape("smollm2-135m", 3, 3, 64, 16),  # group 3: not a power of 2
           Shape("mistral-window", 8, 4, 128, 16, 4096),  # sliding window
           # Gemma-2-9B local layers: window, soft-capped logits, query_pre_attn_scalar 256
-          Shape("gemma2-9b-local", 8, 2, 256, 16, 4096, logit_softcap=50.0, scale=256 ** -0.5))
+          Shape("gemma2-9b-local", 8, 2, 256, 16, 4096, logit_softcap=50.0, scale=256 ** -0.5),
+          # GPT-OSS-20B sliding layers: 64 heads in groups of 8, head_dim 64, window 128, attention sinks
+          Shape("gpt-oss-20b-local", 8, 8, 64, 16, 128, sinks=True))
 
 
 def pow2(n: int) -> int:
@@ -126,11 +131,18 @@ def _pointer_types(act: str, kv: str) -> dict:
 def attn_constexprs(attrs: PagedAttentionAttrs, block_m: int, block_n: int,
                     per_channel_scales: bool = True) -> dict:
     """The attention kernels' constexprs for one layer. per_channel_scales: int8 scales are
-    [kv_heads, head_dim] (False: per-head [kv_heads], builds calibrated before them)."""
-    return dict(NUM_KV_HEADS=attrs.num_kv_heads, GROUP=attrs.group_size, HEAD_DIM=attrs.head_dim,
-                BLOCK_SIZE=attrs.block_size, SCALE=float(attrs.scale), WINDOW=attrs.sliding_window,
-                KV_INT8=attrs.quantized, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=pow2(attrs.head_dim),
-                SOFTCAP=float(attrs.logit_softcap), SCALES_PER_CHANNEL=per_channel_scales, KV_INT4=attrs.int4)
+    [kv_heads, head_dim] (False: per-head [kv_heads], builds calibrated before them). SINKS (a
+    tuple of num_heads floats) only for a layer with attention sinks (kernels.py)."""
+    const = dict(NUM_KV_HEADS=attrs.num_kv_heads, GROUP=attrs.group_size, HEAD_DIM=attrs.head_dim,
+                 BLOCK_SIZE=attrs.block_size, SCALE=float(attrs.scale), WINDOW=attrs.sliding_window,
+                 KV_INT8=attrs.quantized, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=pow2(attrs.head_dim),
+                 SOFTCAP=float(attrs.logit_softcap), SCALES_PER_CHANNEL=per_channel_scales, KV_INT4=attrs.int4)
+    return {**const, **sink_constexprs(attrs)}
+
+
+def sink_constexprs(attrs: PagedAttentionAttrs) -> dict:
+    """{"SINKS": the layer's sinks} when it has any, else {} (the kernels' default: none)."""
+    return {"SINKS": tuple(attrs.attention_sinks)} if attrs.attention_sinks else {}
 
 
 def prefill_source(attrs: PagedAttentionAttrs, act: str, tile: TileConfig,
@@ -155,7 +167,7 @@ def decode_source(attrs: PagedAttentionAttrs, act: str, tile: TileConfig, split:
 
 def reduce_source(attrs: PagedAttentionAttrs, act: str, max_splits: int) -> KernelSource:
     const = dict(NUM_HEADS=attrs.num_heads, HEAD_DIM=attrs.head_dim, BLOCK_D=pow2(attrs.head_dim),
-                 MAX_SPLITS=pow2(max_splits))
+                 MAX_SPLITS=pow2(max_splits), **sink_constexprs(attrs))
     sig = {"part_out_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "qsl_ptr": "*i64",
            "out_ptr": "*" + TRITON_TYPES[act], "num_splits": "i32", **{k: "constexpr" for k in const}}
     return KernelSource("reduce", sig, const, REDUCE_WARPS, 1)
@@ -169,8 +181,10 @@ def all_sources() -> list[KernelSource]:
     activations × (fp16, int8) pools × every tile of the prefill (AOT) kernel, of the decode
     kernel with and without split-K, and the reduce kernel; bf16, and int4 pools, the same with
     the first tiles (a TensorRT build may still pick any tactic for them); for the other shapes
-    (group 3 / head_dim 64, sliding window, Gemma-2 window + soft-cap + scale, head_dim 256),
-    fp16 × both pool kinds × the first tiles of the prefill and split decode kernels. fp32 activations are a CPU (interpreter) mode only."""
+    (group 3 / head_dim 64, sliding window, Gemma-2 window + soft-cap + scale, head_dim 256,
+    GPT-OSS window + attention sinks), fp16 × every pool kind × the first tiles of the prefill and
+    split decode kernels (with sinks also the unsplit decode and the reduce kernel). fp32 activations
+    are a CPU (interpreter) mode only."""
     out: dict[tuple, KernelSource] = {}
 
     def add(src: KernelSource) -> None:  # the reduce kernel does not depend on the pool dtype
@@ -192,4 +206,7 @@ def all_sources() -> list[KernelSource]:
             elif act == "float16":
                 add(prefill_source(attrs, act, PREFILL_TILES[0]))
                 add(decode_source(attrs, act, DECODE_TILES[0], True))
+                if shape.sinks:  # the unsplit decode and the reduce fold the sinks in too
+                    add(decode_source(attrs, act, DECODE_TILES[0], False))
+                    add(reduce_source(attrs, act, MAX_SPLITS))
     return list(out.values())

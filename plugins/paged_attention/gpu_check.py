@@ -8,6 +8,10 @@
      copy bandwidth measured in the same run: goal >= 70% at batch 64 × context 4096 fp16;
   3. int8 KV vs fp16 at long context: goal >= 1.6× faster; int4 KV (5/16 of fp16's bytes) the same goal.
 
+GPT-OSS-20B attention (64 query heads over 8 KV heads, head_dim 64, window 128, learned attention
+sinks) is in the correctness cases too: split-K decode (sinks in the reduce kernel), unsplit
+decode with int8 KV, the AOT kernel and a prefill, all windowed.
+
 Writes <out>/gpu_check.json and prints a summary. `--tiny` runs the same logic at toy sizes
 on CPU under TRITON_INTERPRET=1 (tests/plugins/test_gpu_check_dry_run.py).
 """
@@ -27,6 +31,7 @@ from datetime import datetime, timezone
 LLAMA = dict(num_heads=32, num_kv_heads=8, head_dim=128, block_size=16)
 TINY = dict(num_heads=4, num_kv_heads=2, head_dim=16, block_size=4)
 TINY_INT4 = dict(TINY, head_dim=32)  # int4 KV groups 32 channels
+GPT_OSS = dict(num_heads=64, num_kv_heads=8, head_dim=64, block_size=16)  # gpt-oss-20b / 120b attention
 
 
 def _clone(inputs: dict) -> dict:
@@ -40,6 +45,11 @@ def _case(shape: dict, batch: int, ctx: int, q_len: int, device: str, **kw):
     ctx_lens = [max(0, ctx - q_len - 7 * (i % 3)) for i in range(batch)]  # ragged around ctx
     bs = shape["block_size"]
     need = 1 + sum(-(-(c + q) // bs) for c, q in zip(ctx_lens, q_lens))
+    if kw.pop("sinks", False):  # learned attention sinks (GPT-OSS): one logit per query head, ~N(0, 2²)
+        import torch
+
+        gen = torch.Generator().manual_seed(7)
+        kw["attention_sinks"] = (torch.randn(shape["num_heads"], generator=gen) * 2).tolist()
     return make_case(**shape, q_lens=q_lens, ctx_lens=ctx_lens, num_blocks=need + 8, device=device, **kw)
 
 
@@ -210,6 +220,18 @@ def run(tiny: bool, out_dir: str) -> dict:
              act_dtype="float16", kv_dtype="int4", aot=True, shape=int4_shape),
         dict(name="prefill b2 q300 int4 bf16", batch=2, ctx=800 if not tiny else 20,
              q_len=300 if not tiny else 7, act_dtype="bfloat16", kv_dtype="int4", shape=int4_shape),
+    ]
+    oss, oss_window = (TINY, 5) if tiny else (GPT_OSS, 128)
+    sinks = dict(shape=oss, sinks=True, sliding_window=oss_window)
+    cases += [  # GPT-OSS: attention sinks (+ its window)
+        dict(name="gpt-oss decode b16 ctx4k fp16 sinks split-4 window", batch=16, ctx=ctxs[0], q_len=1,
+             act_dtype="float16", kv_dtype="float16", num_splits=4, **sinks),
+        dict(name="gpt-oss decode b16 ctx4k int8 sinks no-split window", batch=16, ctx=ctxs[0], q_len=1,
+             act_dtype="float16", kv_dtype="int8", num_splits=1, **sinks),
+        dict(name="gpt-oss decode b16 ctx4k bf16 sinks via prefill_kernel (AOT path)", batch=16, ctx=ctxs[0],
+             q_len=1, act_dtype="bfloat16", kv_dtype="bfloat16", aot=True, **sinks),
+        dict(name="gpt-oss prefill b2 q300 fp16 sinks window", batch=2, ctx=800 if not tiny else 20,
+             q_len=300 if not tiny else 7, act_dtype="float16", kv_dtype="float16", **sinks),
     ]
     report["correctness"] = check_correctness(shape, device, cases)
     report["seconds_correctness"] = round(time.perf_counter() - t0, 1)

@@ -39,6 +39,15 @@ dequantize (nibble - 8) * scale in float32 (exact) before the dot's operand cast
 Soft-capping (SOFTCAP > 0, Gemma 2): scores s = SCALE q·k become SOFTCAP tanh(s / SOFTCAP)
 before the mask and softmax; in the log2 domain the kernels work in that is
 C tanh(s' / C) with s' = s log2(e), C = SOFTCAP log2(e).
+
+Attention sinks (SINKS, GPT-OSS): a constexpr tuple of num_heads float32 logits (None: none).
+Each row's sink joins its softmax denominator once, after the key loop (`_add_sinks`: the
+running max becomes max(m, sink log2 e), acc and l rescaled to it, l += 2^(sink' - max)); the
+split-K decode leaves it to the reduce kernel, so it is counted once, not once per split.
+NOTE: a constexpr, not a tensor: the AOT plugin's kernel arguments are the 11 inputs, int32
+scalars and the 3 outputs (no device buffer of attributes), so each layer's sinks are compiled
+into its own kernel; the row's value is picked by a static loop over the heads (selects, once
+per program).
 """
 
 import triton
@@ -141,6 +150,25 @@ def _tanh(x):
     t = tl.exp2(-2.0 * LOG2E * tl.abs(x))  # in (0, 1]
     r = (1.0 - t) / (1.0 + t)
     return tl.where(x < 0, -r, r)
+
+
+@triton.jit
+def _sink_logits(head, SINKS: tl.constexpr, NUM_HEADS: tl.constexpr):
+    """SINKS[head] * log2(e) for an int tensor (or scalar) of query heads, float32."""
+    sk = tl.zeros_like(head).to(tl.float32)
+    for i in tl.static_range(NUM_HEADS):
+        sk = tl.where(head == i, SINKS[i] * LOG2E, sk)
+    return sk
+
+
+@triton.jit
+def _add_sinks(acc, m_i, l_i, head, SINKS: tl.constexpr, NUM_HEADS: tl.constexpr):
+    """(acc [BLOCK_M, BLOCK_D], m_i, l_i [BLOCK_M]) with each row's sink in the denominator
+    (log2 domain; rows that saw no key get l = 1 and acc = 0)."""
+    sk = _sink_logits(head, SINKS, NUM_HEADS)
+    m_new = tl.maximum(m_i, sk)
+    alpha = tl.exp2(m_i - m_new)  # 0 where m_i = -inf
+    return acc * alpha[:, None], m_new, l_i * alpha + tl.exp2(sk - m_new)
 
 
 @triton.jit
@@ -342,7 +370,7 @@ def prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qs
                    BLOCK_SIZE: tl.constexpr, SCALE: tl.constexpr, WINDOW: tl.constexpr,
                    KV_INT8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr = 0.0, SCALES_PER_CHANNEL: tl.constexpr = True,
-                   INTERPRET: tl.constexpr = False, KV_INT4: tl.constexpr = False):
+                   INTERPRET: tl.constexpr = False, KV_INT4: tl.constexpr = False, SINKS: tl.constexpr = None):
     """Argument order = the AOT plugin's: the 11 inputs, the int32 extras, the 3 outputs."""
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
     CDT: tl.constexpr = _compute_dtype(q_ptr.dtype.element_ty, INTERPRET)
@@ -379,6 +407,8 @@ def prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qs
                                                q_start, qpos, kvh, head_base, d, d_ok, qk_scale, KV_INT8, WINDOW,
                                                SOFTCAP, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, CDT,
                                                PREC, INTERPRET, KV_INT4)
+        if SINKS is not None:
+            acc, m_i, l_i = _add_sinks(acc, m_i, l_i, head, SINKS, NUM_KV_HEADS * GROUP)
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc * (1.0 / l_i)[:, None] * v_scale[None, :]  # [BLOCK_M, BLOCK_D]
         tl.store(out_ptr + q_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -393,7 +423,7 @@ def decode_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl
                   KV_INT8: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr = 0.0,
                   SCALES_PER_CHANNEL: tl.constexpr = True, INTERPRET: tl.constexpr = False,
-                  KV_INT4: tl.constexpr = False):
+                  KV_INT4: tl.constexpr = False, SINKS: tl.constexpr = None):
     """One new token per sequence (q_len 0: nothing to do). `partition` (a multiple of
     BLOCK_N) context positions per split; part_* [S, H, splits(, D)] float32 when SPLIT."""
     CDT: tl.constexpr = _compute_dtype(q_ptr.dtype.element_ty, INTERPRET)
@@ -430,6 +460,8 @@ def decode_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl
                                                q_start, qpos, kvh, head_base, d, d_ok, qk_scale, KV_INT8, WINDOW,
                                                SOFTCAP, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, CDT,
                                                PREC, INTERPRET, KV_INT4)
+        if SINKS is not None and not SPLIT:  # split-K: the reduce kernel adds them, once
+            acc, m_i, l_i = _add_sinks(acc, m_i, l_i, head, SINKS, NUM_KV_HEADS * GROUP)
         out = acc * (1.0 / tl.where(l_i == 0.0, 1.0, l_i))[:, None] * v_scale[None, :]  # [BLOCK_M, BLOCK_D]
         if SPLIT:
             idx = (s * (NUM_KV_HEADS * GROUP) + head) * num_splits + split  # [BLOCK_M]
@@ -443,8 +475,9 @@ def decode_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, qsl
 @triton.jit
 def reduce_kernel(part_out_ptr, part_m_ptr, part_l_ptr, qsl_ptr, out_ptr, num_splits,
                   NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                  MAX_SPLITS: tl.constexpr):
-    """out[token of s, h] = the decode partials of (s, h) merged: weights 2^(m_p - max) * l_p."""
+                  MAX_SPLITS: tl.constexpr, SINKS: tl.constexpr = None):
+    """out[token of s, h] = the decode partials of (s, h) merged: weights 2^(m_p - max) * l_p
+    (with SINKS, the head's sink 2^(sink' - max) joins the denominator)."""
     s = tl.program_id(0)
     h = tl.program_id(1)
     q_start = tl.load(qsl_ptr + s).to(tl.int32)
@@ -456,10 +489,16 @@ def reduce_kernel(part_out_ptr, part_m_ptr, part_l_ptr, qsl_ptr, out_ptr, num_sp
         m = tl.load(part_m_ptr + idx, mask=ok, other=float("-inf"))
         l_p = tl.load(part_l_ptr + idx, mask=ok, other=0.0)
         m_max = tl.max(m, 0)
+        if SINKS is not None:
+            sk = _sink_logits(h, SINKS, NUM_HEADS)
+            m_max = tl.maximum(m_max, sk)
         w = tl.where(l_p > 0.0, tl.exp2(m - m_max) * l_p, 0.0)  # [MAX_SPLITS]
         d = tl.arange(0, BLOCK_D)
         o = tl.load(part_out_ptr + idx[:, None] * HEAD_DIM + d[None, :],
                     mask=ok[:, None] & (d < HEAD_DIM)[None, :], other=0.0)  # [MAX_SPLITS, BLOCK_D]
-        res = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)  # [BLOCK_D]
+        denom = tl.sum(w, 0)
+        if SINKS is not None:
+            denom = denom + tl.exp2(sk - m_max)
+        res = tl.sum(w[:, None] * o, 0) / denom  # [BLOCK_D]
         tl.store(out_ptr + (q_start * NUM_HEADS + h) * HEAD_DIM + d, res.to(out_ptr.dtype.element_ty),
                  mask=d < HEAD_DIM)

@@ -129,5 +129,5 @@ def paged_attention_triton(query, key, value, key_cache, value_cache, block_tabl
         kernels.reduce_kernel[(num_seqs, attrs.num_heads)](
             part_out, part_m, part_l, query_start_loc, out, p.num_splits, NUM_HEADS=attrs.num_heads,
             HEAD_DIM=attrs.head_dim, BLOCK_D=configs.pow2(attrs.head_dim),
-            MAX_SPLITS=configs.pow2(p.num_splits), num_warps=configs.REDUCE_WARPS)
+            MAX_SPLITS=configs.pow2(p.num_splits), num_warps=configs.REDUCE_WARPS, **configs.sink_constexprs(attrs))
     return out

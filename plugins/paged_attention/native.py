@@ -5,7 +5,8 @@ With it, `--attention plugin` graphs run on onnxruntime's CPU execution provider
 speed: attention reads the KV pool through the block tables in place (no gather into a
 padded batch, no mask tensors), and the pools are updated in place through IOBinding.
 It covers float32 activations with float32, int8 or int4 pools; other dtypes run as TensorRT
-engines (or through the reference harness in ort.py, for tests).
+engines (or through the reference harness in ort.py, for tests). The same library holds
+`kvexport::PagedMLA` (SOURCES; plugins/paged_mla/native.py says what that op takes).
 
 The library is compiled on the machine that uses it (`-march=native`), against the
 onnxruntime C/C++ API headers. The onnxruntime wheel ships no headers, so
@@ -38,6 +39,8 @@ log = logging.getLogger(__name__)
 
 LIB_NAME = "libkvexport_ort_ops.so"
 SOURCE = Path(__file__).with_name("cpu") / "paged_attention_ort.cc"
+# every op of the library (one translation unit each; SOURCE registers them all in the `kvexport` domain)
+SOURCES = (SOURCE, Path(__file__).parents[1] / "paged_mla" / "cpu" / "paged_mla_ort.cc")
 ENV = "KVEXPORT_ORT_OPS"
 CXXFLAGS = ("-O3", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC",
             "-fvisibility=hidden", "-Wall", "-Wextra")
@@ -62,11 +65,11 @@ def build(include_dir: str | Path, out: str | Path | None = None, cxx: str | Non
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=out.parent)
     os.close(fd)
-    cmd = [cxx, *CXXFLAGS, f"-march={march}", *extra_flags, f"-I{include_dir}", str(SOURCE), "-o", tmp]
+    cmd = [cxx, *CXXFLAGS, f"-march={march}", *extra_flags, f"-I{include_dir}", *map(str, SOURCES), "-o", tmp]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode:
-            raise KvExportError(f"compiling {SOURCE.name} failed:\n{' '.join(cmd)}\n{r.stderr[-4000:]}")
+            raise KvExportError(f"compiling {' + '.join(p.name for p in SOURCES)} failed:\n{' '.join(cmd)}\n{r.stderr[-4000:]}")
         os.chmod(tmp, 0o755)
         os.replace(tmp, out)
     finally:

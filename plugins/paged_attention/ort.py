@@ -27,7 +27,8 @@ from .spec import NUM_INPUTS, PagedAttentionAttrs
 _REGISTERED: set[str] = set()
 _ATTR_TYPES = {"num_heads": "int", "num_kv_heads": "int", "head_dim": "int", "block_size": "int",
                "scale": "float", "sliding_window": "int", "kv_dtype": "str", "logit_softcap": "float",
-               "plugin_namespace": "str", "plugin_version": "str"}
+               "plugin_namespace": "str", "plugin_version": "str",
+               "attention_sinks": "str"}  # NOTE: PyOps take no float lists: rewrite_for_reference writes them as text
 
 
 def _extensions():
@@ -88,6 +89,12 @@ def rewrite_for_reference(model: onnx.ModelProto) -> onnx.ModelProto:
         found = True
         if len(node.input) != NUM_INPUTS:
             raise KvExportError(f"{node.name}: PagedAttention takes {NUM_INPUTS} inputs, got {len(node.input)}")
+        # NOTE: a PyOp needs every declared attribute: nodes without sinks get an empty text
+        sinks = next((a for a in node.attribute if a.name == "attention_sinks"), None)
+        if sinks is not None:
+            node.attribute.remove(sinks)  # float32 values, repr'd exactly (spec.from_onnx_attributes parses them)
+        node.attribute.append(onnx.helper.make_attribute(
+            "attention_sinks", ",".join(map(repr, sinks.floats)) if sinks is not None else ""))
         act = np_name(types.get(node.input[0], onnx.TensorProto.FLOAT))
         kv = np_name(types[node.input[3]])
         # NOTE: PyOps have no float16: run fp16 tensors through the reference as float32.

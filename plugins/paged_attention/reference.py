@@ -140,7 +140,13 @@ def paged_attention(query, key, value, key_cache, value_cache, block_tables, seq
         if attrs.sliding_window:
             visible &= (qpos - kpos) < attrs.sliding_window
         scores = scores.masked_fill(~visible, float("-inf"))
-        out[start:end] = (torch.softmax(scores, dim=-1) @ v).transpose(0, 1)  # [q_len, H, D]
+        if attrs.attention_sinks:  # GPT-OSS: one more logit per head in the softmax, with no value
+            sink = torch.tensor(attrs.attention_sinks, dtype=torch.float64, device=query.device)
+            scores = torch.cat([scores, sink[:, None, None].expand(-1, q_len, 1)], dim=-1)  # [H, q_len, L + 1]
+            probs = torch.softmax(scores, dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        out[start:end] = (probs @ v).transpose(0, 1)  # [q_len, H, D]
     return out.to(query.dtype)
 
 
@@ -148,7 +154,7 @@ def make_case(*, num_heads: int, num_kv_heads: int, head_dim: int, block_size: i
               ctx_lens: list[int], num_blocks: int | None = None, kv_dtype: str = "float32",
               act_dtype: str = "float32", sliding_window: int = 0, shared_prefix_blocks: int = 0,
               scale: float | None = None, logit_softcap: float = 0.0, per_head_scales: bool = False,
-              seed: int = 0, device: str = "cpu") -> tuple[dict, PagedAttentionAttrs]:
+              attention_sinks=(), seed: int = 0, device: str = "cpu") -> tuple[dict, PagedAttentionAttrs]:
     """A random ragged batch: sequence s has ctx_lens[s] tokens already in the pool and
     q_lens[s] new ones. Block ids are shuffled (tables have holes: unused ids in between);
     the first `shared_prefix_blocks` full blocks of every sequence are the same physical
@@ -156,11 +162,12 @@ def make_case(*, num_heads: int, num_kv_heads: int, head_dim: int, block_size: i
     be equal across sequences, which holds because they are only written once).
     scale: the softmax scale (None: head_dim ** -0.5). int8 scales are per channel
     [kv_heads, head_dim], or per head [kv_heads] with `per_head_scales` (older builds).
+    attention_sinks: num_heads sink logits (GPT-OSS), () for none.
     Returns (inputs by spec.INPUTS name, attrs)."""
     gen = torch.Generator().manual_seed(seed)
     attrs = PagedAttentionAttrs(num_heads, num_kv_heads, head_dim, block_size,
                                 head_dim ** -0.5 if scale is None else scale, sliding_window, kv_dtype,
-                                logit_softcap)
+                                logit_softcap, tuple(attention_sinks))
     totals = [c + q for c, q in zip(ctx_lens, q_lens)]
     blocks_per = [-(-t // block_size) for t in totals]
     shared = min([shared_prefix_blocks] + [c // block_size for c in ctx_lens]) if shared_prefix_blocks else 0

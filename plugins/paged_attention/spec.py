@@ -18,8 +18,17 @@ Semantics (the reference in `reference.py` is the executable definition):
          (Gemma 2/3: on the scaled scores, before the mask and softmax, as transformers'
          eager attention does); out = softmax(s) · v, query head h reading KV head h // (H / kvH).
 
-    sliding_window, logit_softcap and scale are per node, so per layer: a model whose layers
-    differ (Gemma 2/3: local windowed layers and global ones) has nodes that differ.
+         with attention_sinks (GPT-OSS: one learned logit a_h per query head h), the sink joins
+         the softmax's denominator and carries no value, as transformers' gpt_oss eager attention:
+           out = sum_j exp(s_j - m) v_j / (exp(a_h - m) + sum_j exp(s_j - m)),  m = max(a_h, max_j s_j)
+         (a_h is not scaled or soft-capped; masked keys take no part).
+
+    sliding_window, logit_softcap, scale and attention_sinks are per node, so per layer: a model
+    whose layers differ (Gemma 2/3: local windowed layers and global ones) has nodes that differ.
+    NOTE (sinks are an attribute, not a 12th input): tensorrt.plugin has no optional inputs, and
+    graphs exported before sinks existed (no attribute) must keep their meaning: absent or empty
+    = no sinks. The values are float32 (an ONNX `floats` attribute), rounded so when the attrs are
+    built; the Triton kernels take them as a constexpr tuple (one compiled kernel per layer).
 
 Inputs (in order)::
 
@@ -79,12 +88,17 @@ Triton kernels store the same bytes. The op quantizes the keys and values it is 
 int4 graphs rotate q, k and v by a fixed orthogonal Hadamard matrix after RoPE (qᵀk is
 unchanged; the output is rotated back), which spreads outlier channels over the group before
 they set its range (exporter/attention.py `hadamard`; docs/QUANTIZATION.md has the measurements
-that chose this scheme).
+that chose this scheme). Before the rotation they give it k' = (k - μ) / s and q' = q * s, a
+calibrated per-channel key transform that leaves softmax attention exact (exporter/kv_int4.py
+key_transform): the op sees ordinary keys and queries, nothing of it.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
+
+import numpy as np
 
 from kvexport import io
 from kvexport.errors import ConfigError
@@ -120,6 +134,7 @@ class PagedAttentionAttrs:
     sliding_window: int = 0  # keys visible to a query, itself included; 0 = unlimited
     kv_dtype: str = "float32"  # element type of the pool: one of KV_DTYPES
     logit_softcap: float = 0.0  # s = cap * tanh(s / cap) on scaled scores before softmax; 0 = off
+    attention_sinks: tuple[float, ...] = ()  # num_heads learned sink logits (float32 values); () = none
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "num_kv_heads", "head_dim", "block_size"):
@@ -139,6 +154,13 @@ class PagedAttentionAttrs:
             raise ConfigError(f"PagedAttention: logit_softcap must be >= 0, got {self.logit_softcap}")
         if not self.scale > 0:
             raise ConfigError(f"PagedAttention: scale must be > 0, got {self.scale}")
+        sinks = tuple(float(x) for x in np.asarray(self.attention_sinks, dtype=np.float32).reshape(-1))
+        if sinks and len(sinks) != self.num_heads:
+            raise ConfigError(f"PagedAttention: attention_sinks must list one value per query head "
+                              f"({self.num_heads}), got {len(sinks)}")
+        if not all(math.isfinite(x) for x in sinks):
+            raise ConfigError(f"PagedAttention: attention_sinks must be finite, got {sinks}")
+        object.__setattr__(self, "attention_sinks", sinks)  # float32 values, as the ONNX attribute holds them
 
     @property
     def group_size(self) -> int:  # query heads per KV head
@@ -163,6 +185,10 @@ class PagedAttentionAttrs:
         """Attributes of the ONNX node (TensorRT's ONNX parser passes them to the plugin as
         fields; plugin_namespace / plugin_version select the registered plugin)."""
         d = asdict(self)
+        if self.attention_sinks:
+            d["attention_sinks"] = list(self.attention_sinks)
+        else:  # NOTE: left out, so graphs without sinks are the ones exported before sinks existed
+            del d["attention_sinks"]
         d["plugin_namespace"] = NAMESPACE
         d["plugin_version"] = VERSION
         return d
@@ -173,4 +199,11 @@ class PagedAttentionAttrs:
         for k in ("kv_dtype",):
             if isinstance(known.get(k), bytes):
                 known[k] = known[k].decode()
+        sinks = known.get("attention_sinks")
+        if isinstance(sinks, bytes):
+            sinks = sinks.decode()
+        if isinstance(sinks, str):  # the reference harness (ort.py) passes them as text
+            sinks = [float(x) for x in sinks.split(",") if x.strip()]
+        if sinks is not None:
+            known["attention_sinks"] = tuple(np.asarray(sinks, dtype=np.float32).reshape(-1).tolist())
         return cls(**known)

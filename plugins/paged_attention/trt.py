@@ -13,6 +13,9 @@ NOTE (one launch): an AOT plugin is a single kernel launch, so the AOT kernel is
 store + attention `prefill_kernel` (any q_len; decode too) without split-K; split-K decode
 (two launches) is a JIT-only (launch.py) path. NOTE (11 inputs): a QDP signature has no
 optional tensors, so the plugin always takes k_scale / v_scale (ignored unless int8).
+NOTE (attention sinks): a 1-D float32 array attribute (GPT-OSS), not a 12th input (no optional
+inputs); its default, empty, is what graphs without the attribute mean. UNVERIFIED: that
+tensorrt.plugin takes a default for an attribute the node lacks (TensorRT has never run here).
 NOTE (int4): int4 pools are UINT8 tensors of rows (codes + per-token float16 scales,
 kvexport/io.py KV_INT4_FORMAT); the kv_dtype attribute "int4" tells them from other byte tensors.
 NOTE: no `from __future__ import annotations` here — tensorrt.plugin reads the annotations
@@ -25,6 +28,9 @@ the registration has never run (README.md, "What is verified how").
 
 from typing import Any, Dict, List, Tuple, Union
 
+import numpy as np
+import numpy.typing as npt
+
 from kvexport.errors import EngineBuildError, KvExportError, TensorRTUnavailableError
 
 from . import configs, spec
@@ -34,6 +40,9 @@ from .spec import PagedAttentionAttrs
 TRT_TYPES = {"float32": "FP32", "float16": "FP16", "bfloat16": "BF16", "int8": "INT8", "int4": "UINT8"}
 _INDEX_TYPES = ("INT64",) * 4  # block_tables, seq_lens, query_start_loc, slot_mapping
 _registered = False
+# attention_sinks (a float32 array attribute): nodes without it (graphs exported before sinks, models
+# without them) take none; the sinks are compiled into the layer's kernel (kernels.py SINKS)
+_NO_SINKS = np.zeros(0, np.float32)
 
 
 def type_combinations() -> List[str]:
@@ -94,7 +103,8 @@ def _define(dtype_names: Dict[Any, str]) -> None:
     def paged_attention_desc(query: TD, key: TD, value: TD, key_cache: TD, value_cache: TD, block_tables: TD,
                              seq_lens: TD, query_start_loc: TD, slot_mapping: TD, k_scale: TD, v_scale: TD,
                              num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, scale: float,
-                             sliding_window: int, kv_dtype: str, logit_softcap: float) -> Tuple[TD, TD, TD]:
+                             sliding_window: int, kv_dtype: str, logit_softcap: float,
+                             attention_sinks: npt.NDArray[np.float32] = _NO_SINKS) -> Tuple[TD, TD, TD]:
         # output [T, H, D] like the query; the pools are updated in place (spec.ALIASES)
         return query.like(), key_cache.aliased(), value_cache.aliased()
 
@@ -111,10 +121,11 @@ def _define(dtype_names: Dict[Any, str]) -> None:
                             seq_lens: TD, query_start_loc: TD, slot_mapping: TD, k_scale: TD, v_scale: TD,
                             num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, scale: float,
                             sliding_window: int, kv_dtype: str, logit_softcap: float,
-                            outputs: Tuple[TD, TD, TD], tactic: int
+                            attention_sinks: npt.NDArray[np.float32], outputs: Tuple[TD, TD, TD], tactic: int
                             ) -> Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams, trtp.SymExprs]:
         attrs = PagedAttentionAttrs(num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window,
-                                    kv_dtype.decode() if isinstance(kv_dtype, bytes) else kv_dtype, logit_softcap)
+                                    kv_dtype.decode() if isinstance(kv_dtype, bytes) else kv_dtype, logit_softcap,
+                                    tuple(np.asarray(attention_sinks, np.float32).reshape(-1).tolist()))
         act, pool = dtype_names[query.dtype], dtype_names[key_cache.dtype]
         if pool != attrs.kv_dtype:
             raise KvExportError(f"PagedAttention: pool dtype {pool} != kv_dtype attribute {attrs.kv_dtype}")

@@ -83,3 +83,21 @@ def request_salt(tenant: str | None, cache_salt: str | None) -> str | None:
     if tenant is None and cache_salt is None:
         return None
     return "".join(f"{tag}{len(v)}:{v};" for tag, v in (("tenant", tenant), ("salt", cache_salt)) if v is not None)
+
+
+def split_salt(salt: str | None) -> tuple[str | None, str | None]:
+    """`request_salt`'s inverse: a prefix-cache salt -> (tenant, cache_salt). For observers that
+    must name a block's salt as the client gave it (a cluster router hashing the request's own
+    cache_salt: runtime/serving/dynamo_protocol.py). Raises ValueError for a string
+    `request_salt` cannot have made."""
+    parts: dict[str, str] = {}
+    rest = salt or ""
+    for tag in ("tenant", "salt"):
+        if rest.startswith(tag):
+            head, sep, tail = rest[len(tag):].partition(":")
+            if not sep or not head.isdigit() or tail[int(head):int(head) + 1] != ";":
+                raise ValueError(f"not a kvexport prefix-cache salt: {salt!r}")
+            parts[tag], rest = tail[:int(head)], tail[int(head) + 1:]
+    if rest or (salt is not None and not parts):
+        raise ValueError(f"not a kvexport prefix-cache salt: {salt!r}")
+    return parts.get("tenant"), parts.get("salt")

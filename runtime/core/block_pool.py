@@ -39,6 +39,7 @@ class BlockStored:
     block_hash: BlockHash  # its key
     parent_hash: BlockHash | None  # the key of the block before it in its sequence; None for a first block
     token_ids: tuple[int, ...] | None  # the block's tokens (block_size of them); None when the caller gave none
+    salt: str | None = None  # the prefix-cache salt of the request that stored it (block_hash.request_salt)
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,10 +255,11 @@ class BlockPool:
 
     def cache_full_blocks(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash], *,
                           parent_hashes: Sequence[BlockHash | None] | None = None,
-                          block_tokens: Sequence[Sequence[int]] | None = None) -> int:
+                          block_tokens: Sequence[Sequence[int]] | None = None, salt: str | None = None) -> int:
         """Register each held, full block under its key so later prompts can hit it.
-        Returns how many blocks were newly registered. ``parent_hashes`` and ``block_tokens``
-        (per block: the key before it, its tokens) only go into the `BlockStored` events.
+        Returns how many blocks were newly registered. ``parent_hashes``, ``block_tokens``
+        (per block: the key before it, its tokens) and ``salt`` (the request's, already in
+        the keys) only go into the `BlockStored` events.
 
         A block already registered under the same key is skipped; a key already held by
         another block is skipped too (two requests computed the same prefix at once: the
@@ -288,7 +290,7 @@ class BlockPool:
                 if self._events is not None:
                     self._events.append(BlockStored(
                         block_hash, parent_hashes[i] if parent_hashes is not None else None,
-                        tuple(block_tokens[i]) if block_tokens is not None else None))
+                        tuple(block_tokens[i]) if block_tokens is not None else None, salt))
         return added
 
     def reset_prefix_cache(self) -> bool:

@@ -31,7 +31,7 @@ from kvexport.errors import ConfigError
 
 from .block_hash import hash_full_blocks
 from .block_pool import BlockPool
-from .kv_cache_manager import TIER_BLOCK, ComputedBlocks, GroupBlocks, KVCacheManager
+from .kv_cache_manager import TIER_BLOCK, ComputedBlocks, GroupBlocks, KVCacheManager, tier_tokens
 from .kv_tiers import TierEvents, TierIndex, TierOp
 
 
@@ -166,9 +166,11 @@ class HybridKVCacheManager:
         local_ids = tuple(b for b in local if b is not None)
         return HybridComputedBlocks(
             ComputedBlocks(tuple(full[:n]), n * bs, tuple(hashes), salt,
-                           self._tier_hits(io.FULL_GROUP, full[:n], hashes)),
+                           self._tier_hits(io.FULL_GROUP, full[:n], hashes),
+                           tier_tokens(full[:n], request_tokens, bs)),
             ComputedBlocks(pad + local_ids, n * bs, tuple(hashes), salt,
-                           self._tier_hits(io.LOCAL_GROUP, pad + local_ids, hashes)))
+                           self._tier_hits(io.LOCAL_GROUP, pad + local_ids, hashes),
+                           tier_tokens(pad + local_ids, request_tokens, bs)))
 
     def _find(self, pool: BlockPool, group: str, h) -> int | None:
         """A block's place: its pool block, TIER_BLOCK when a KV tier holds it, else None."""

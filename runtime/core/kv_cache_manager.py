@@ -50,6 +50,9 @@ class ComputedBlocks:
     salt: str | None = None  # the request's salt (block_hash.request_salt; keyed into its first block)
     # (key, tier) of each TIER_BLOCK entry of block_ids, in order: hits in the host or disk tier
     tier_hits: tuple[tuple[BlockHash, str], ...] = ()
+    # the tokens of each TIER_BLOCK entry, in order: only for the pool's observer events (a block
+    # loaded from a tier is reported stored, as a computed one is: BlockPool.record_events)
+    tier_tokens: tuple[tuple[int, ...], ...] = ()
 
     @classmethod
     def empty(cls, salt: str | None = None) -> ComputedBlocks:
@@ -78,6 +81,12 @@ class _RequestBlocks:
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def tier_tokens(block_ids: Sequence[int], request_tokens: Sequence[int], block_size: int) -> tuple[tuple[int, ...], ...]:
+    """The tokens of each TIER_BLOCK entry of `block_ids` (ComputedBlocks.tier_tokens)."""
+    return tuple(tuple(request_tokens[i * block_size:(i + 1) * block_size])
+                 for i, b in enumerate(block_ids) if b == TIER_BLOCK)
 
 
 class KVCacheManager:
@@ -129,12 +138,14 @@ class KVCacheManager:
                 if tier is None:
                     break
                 tier_hits.append((h, tier))
+        block_ids = tuple(hits) + (TIER_BLOCK,) * len(tier_hits)
         return ComputedBlocks(
-            block_ids=tuple(hits) + (TIER_BLOCK,) * len(tier_hits),
+            block_ids=block_ids,
             num_computed_tokens=(len(hits) + len(tier_hits)) * self.block_size,
             block_hashes=tuple(hashes),
             salt=salt,
             tier_hits=tuple(tier_hits),
+            tier_tokens=tier_tokens(block_ids, request_tokens, self.block_size) if tier_hits else (),
         )
 
     # ---- KV tiers (kv_tiers.py) ----------------------------------------------------------
@@ -186,7 +197,7 @@ class KVCacheManager:
         # parents and tokens only feed the pool's observer events (BlockPool.record_events)
         self.pool.cache_full_blocks([req.block_ids[i] for i in idx], [req.block_hashes[i] for i in idx],
                                     parent_hashes=[req.block_hashes[i - 1] if i else None for i in idx],
-                                    block_tokens=[token_ids[i * bs:(i + 1) * bs] for i in idx])
+                                    block_tokens=[token_ids[i * bs:(i + 1) * bs] for i in idx], salt=req.salt)
         req.num_cached_blocks = num_full
 
     # ---- allocation ---------------------------------------------------------------
@@ -258,12 +269,18 @@ class KVCacheManager:
         self._offload_evicted()  # NOTE: first: a reused block's old KV is saved before a load overwrites it
         if num_tier:  # tier hits: fresh blocks, loaded before the step, published at once
             loaded, new = new[:num_tier], new[num_tier:]
+            at = [i for i, b in enumerate(hits) if b == TIER_BLOCK]
             it = iter(loaded)
             hits = [next(it) if b == TIER_BLOCK else b for b in hits]
             keys = [h for h, _ in computed.tier_hits]
             for block_id, block_hash in zip(loaded, keys):
                 self.tiers.load(self.group, block_id, block_hash)
-            self.pool.cache_full_blocks(loaded, keys)
+            # NOTE: reported stored like computed blocks (with parents and tokens when the caller
+            # gave them), so a cluster router learns this pool holds them again
+            tokens = computed.tier_tokens if len(computed.tier_tokens) == num_tier else None
+            self.pool.cache_full_blocks(loaded, keys, parent_hashes=[computed.block_hashes[i - 1] if i else None
+                                                                     for i in at],
+                                        block_tokens=tokens, salt=computed.salt)
         self._reqs[request_id] = _RequestBlocks(
             block_ids=hits + new,
             num_slots=total,

@@ -56,7 +56,8 @@ def block_tensors(backend, manifest: Manifest) -> list[tuple[str, Any]]:
     if hook is not None:
         return list(hook())
     groups = manifest.layer_groups or (io.FULL_GROUP,) * manifest.kv.num_layers
-    return [(groups[i // 2], t) for i, t in enumerate(backend.pools)]
+    layers = io.pool_layers(manifest.kv.num_layers, manifest.kv.latent)  # K, V per layer; MLA: one latent pool
+    return [(groups[layer], t) for layer, t in zip(layers, backend.pools)]
 
 
 def _is_torch(t) -> bool:

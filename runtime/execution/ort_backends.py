@@ -182,9 +182,11 @@ class _OrtBackend:
         blocks = {io.FULL_GROUP: num_blocks, io.LOCAL_GROUP: self.local_num_blocks}
         shapes = [io.paged_pool_shape(blocks[g], kv.num_kv_heads, kv.block_size, kv.head_dim,
                                       io.DType(kv.dtype).numpy_name) for g in layer_groups]
-        # [K_0, V_0, K_1, V_1, ...], each [kv_heads, num_blocks (of the layer's group), block_size, head_dim]
-        self.pools = [_zeros_small_pages(shapes[i // 2], dtype) for i in range(2 * kv.num_layers)]
-        self._pool_names = [n for i in range(kv.num_layers) for n in (io.key_cache(i), io.value_cache(i))]
+        # [K_0, V_0, K_1, V_1, ...], each [kv_heads, num_blocks (of the layer's group), block_size, head_dim];
+        # MLA: [latent_0, latent_1, ...], each [1, num_blocks, block_size, row] (io.pool_names)
+        self.pool_layers = io.pool_layers(kv.num_layers, kv.latent)
+        self.pools = [_zeros_small_pages(shapes[i], dtype) for i in self.pool_layers]
+        self._pool_names = io.pool_names(kv.num_layers, kv.latent)
         prefill, decode = io.Phase.PREFILL.value, io.Phase.DECODE.value
         # the sessions and what each derives (session_plan.py); only onnxruntime's CPU provider
         # runs the derived forms, and only backends that open derived graphs (step_split_ok)
@@ -337,15 +339,15 @@ class OnnxAttentionBackend(_OrtBackend):
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
-        self._out_names = [io.LOGITS] + [f(i) for i in range(self.kv.num_layers) for f in (io.new_key, io.new_value)]
+        self._out_names = [io.LOGITS] + io.new_kv_names(self.kv.num_layers, self.kv.latent)
 
     def _run(self, sess, inp: ModelInput) -> np.ndarray:
         feeds = inp.feeds()
         feeds.update(zip(self._pool_names, self.pools))
         outs = sess.run(self._out_names, feeds)
         slots = {g: inp.group_slots(g) for g in set(self.layer_groups)}
-        for i, (pool, new) in enumerate(zip(self.pools, outs[1:])):
-            io.store_paged_kv(pool, slots[self.layer_groups[i // 2]], new)
+        for layer, pool, new in zip(self.pool_layers, self.pools, outs[1:]):
+            io.store_paged_kv(pool, slots[self.layer_groups[layer]], new)
         return outs[0]
 
 
@@ -354,8 +356,7 @@ class _PluginBackend(_OrtBackend):
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
-        self._out_names = [io.LOGITS] + [f(i) for i in range(self.kv.num_layers)
-                                         for f in (io.key_cache_out, io.value_cache_out)]
+        self._out_names = [io.LOGITS] + io.pool_out_names(self.kv.num_layers, self.kv.latent)
 
 
 class NativeOpBackend(_PluginBackend):
@@ -408,7 +409,10 @@ class ReferenceOpBackend(_PluginBackend):
     step_split_ok = False  # it opens the graph file as is
 
     def _open(self, path: Path, plan: SessionPlan):
-        from kvexport.plugins.paged_attention.ort import plugin_session
+        if self.kv.latent:  # MLA: PagedMLA nodes (plugins/paged_mla/ort.py runs PagedAttention ones too)
+            from kvexport.plugins.paged_mla.ort import plugin_session
+        else:
+            from kvexport.plugins.paged_attention.ort import plugin_session
 
         return plugin_session(path, options=self.session_options(plan))  # a CPU op: CPU provider only
 
@@ -418,6 +422,18 @@ class ReferenceOpBackend(_PluginBackend):
         outs = sess.run(self._out_names, feeds)
         self.pools = list(outs[1:])
         return outs[0]
+
+
+def native_library_for(manifest: Manifest) -> tuple[Path | None, str]:
+    """(the native op library that runs this plugin build, "") or (None, why not): PagedAttention's
+    (plugins/paged_attention/native.py), for MLA builds the same library's PagedMLA (plugins/paged_mla/native.py)."""
+    from kvexport.plugins.paged_attention import native
+
+    if not manifest.kv.latent:
+        return native.library_for(manifest)
+    from kvexport.plugins.paged_mla import native as mla_native
+
+    return mla_native.library_for(manifest)
 
 
 def ort_backend(build_dir: str | Path, manifest: Manifest, num_blocks: int, threads: int | None = None,
@@ -443,9 +459,7 @@ def ort_backend(build_dir: str | Path, manifest: Manifest, num_blocks: int, thre
     if kind == "reference":
         return ReferenceOpBackend(build_dir, manifest, num_blocks, threads, providers, profile_prefix, both_graphs, accuracy,
                                   local_num_blocks)
-    from kvexport.plugins.paged_attention import native
-
-    lib, why_not = native.library_for(manifest)
+    lib, why_not = native_library_for(manifest)
     if lib is None:
         if kind == "native":
             raise KvExportError(f"the native CPU PagedAttention op cannot run {build_dir}: {why_not}")

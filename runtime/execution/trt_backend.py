@@ -31,7 +31,7 @@ import numpy as np
 from kvexport import io
 from kvexport.errors import KvExportError
 from kvexport.manifest import EngineLimits, EnginesEntry, GpuInfo, Manifest, ShapeRange, sha256
-from kvexport.tensorrt_env import cuda_device, plugin_module, require_tensorrt, trt_logger
+from kvexport.tensorrt_env import cuda_device, register_plugins, require_tensorrt, trt_logger
 
 from .model_input import ModelInput
 
@@ -216,7 +216,7 @@ class TensorRTBackend:
         import torch
 
         torch.cuda.set_device(device)
-        plugin_module().register()  # NOTE: JIT plugins need it to deserialize; AOT ones run without it
+        register_plugins()  # NOTE: JIT plugins need it to deserialize; AOT ones run without it
         self._logger = trt_logger()
         self._runtime = trt.Runtime(self._logger)
         kv = manifest.kv
@@ -226,8 +226,10 @@ class TensorRTBackend:
         shapes = [io.paged_pool_shape(blocks[g], kv.num_kv_heads, kv.block_size, kv.head_dim,
                                       io.DType(kv.dtype).numpy_name) for g in layer_groups]
         # [K_0, V_0, K_1, V_1, ...], each [kv_heads, num_blocks (of the layer's group), block_size, head_dim]
-        self.pools = [torch.zeros(shapes[i // 2], dtype=pool_dtype, device="cuda") for i in range(2 * kv.num_layers)]
-        pool_names = [n for i in range(kv.num_layers) for n in (io.key_cache(i), io.value_cache(i))]
+        # K, V per layer; MLA: one latent pool per layer (io.pool_names)
+        self.pools = [torch.zeros(shapes[i], dtype=pool_dtype, device="cuda")
+                      for i in io.pool_layers(kv.num_layers, kv.latent)]
+        pool_names = io.pool_names(kv.num_layers, kv.latent)
         self.stream = torch.cuda.Stream()
         self.phases = {p: _Phase(self._runtime, self.build_dir / e.file, e.profile, pool_names, self.pools,
                                  self.stream)

@@ -7,6 +7,7 @@ tested without Dynamo installed.
     engine_thread.Event                                  ──chunk──▶ {token_ids, log_probs?, top_logprobs?,
                                                                      finish_reason?, completion_usage?}
     BlockPool events (BlockStored / BlockRemoved)        ──kv_event_batch──▶ KvEventPublisher.publish_batch
+    routing.cache_salt / extra_args.nvext.cache_salt     ──request_cache_salt──▶ the request's cache_salt
 
 What the frontend does itself, so the engine does not: stop strings (it detokenizes, finds them
 and stops the request: the worker sees the context stopped), detokenization, chat templates.
@@ -18,6 +19,17 @@ remove it later. kvexport's names are its prefix-cache keys (SHA-256 chained, co
 cut to the signed 64-bit integers the publisher takes (`external_hash`): two live blocks
 colliding in 64 bits is no practical concern, and a collision could only misroute, never serve
 wrong KV (the engine looks blocks up by its full 32-byte keys).
+
+NOTE: salts. A client's `cache_salt` (top level, as vLLM takes it, or `nvext.cache_salt`)
+reaches the worker as `routing.cache_salt` (and `extra_args.nvext.cache_salt`); the worker salts
+the request's prefix-cache keys with it (block_hash.request_salt(None, cache_salt): Dynamo's
+frontend passes no API key or header to the worker, so there is no tenant part). Dynamo 1.6.1's
+router mixes a request's cache_salt into the hash of *every* block (`compute_block_hash_for_seq`
+`cache_namespace=`), so each stored entry carries its blocks' `cache_salt` and the router's
+radix tree keeps salted blocks apart from unsalted and differently salted ones: a salted
+request is routed by its salted hashes only. A salt with a tenant part (not made by this
+worker) is sent whole, so it can never equal a tenant-less request's cache_salt either way
+except by a client sending that very string, which could only misroute, never share KV.
 """
 
 from __future__ import annotations
@@ -25,11 +37,11 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ..core.block_hash import BlockHash
+from ..core.block_hash import BlockHash, split_salt
 from ..core.block_pool import BlockRemoved, BlockStored
 from ..sampling_params import SamplingParams
 from .engine_thread import Event
-from .requests import RequestError, RequestParser
+from .requests import RequestError, RequestParser, check_cache_salt
 
 # kvexport finish reasons -> Dynamo's (FinishReason in its LLMEngineOutput; "error" is raised, never sent)
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "cancelled"}
@@ -93,6 +105,33 @@ def request_to_params(request: Any, parser: RequestParser) -> tuple[list[int], S
     return prompt, parser.sampling_params(values, len(prompt), names=names)
 
 
+def request_cache_salt(request: Mapping[str, Any]) -> str | None:
+    """A PreprocessedRequest's `cache_salt` (the frontend puts a client's cache_salt in
+    `routing.cache_salt` and `extra_args.nvext.cache_salt`; the routing one wins, as Dynamo's
+    own TensorRT-LLM worker reads it), checked as `kvexport serve` checks its body field, or
+    None. Raises RequestError naming the field."""
+    routing = request.get("routing") or {}
+    if isinstance(routing, Mapping) and routing.get("cache_salt") is not None:
+        return check_cache_salt(routing["cache_salt"], "routing.cache_salt")
+    extra = request.get("extra_args") or {}
+    nvext = extra.get("nvext") if isinstance(extra, Mapping) else None
+    if isinstance(nvext, Mapping) and nvext.get("cache_salt") is not None:
+        return check_cache_salt(nvext["cache_salt"], "extra_args.nvext.cache_salt")
+    return None
+
+
+def router_cache_salt(salt: str | None) -> str | None:
+    """The `cache_salt` a stored KV event names for blocks of prefix-cache salt `salt`: the
+    client's own cache_salt, which Dynamo's router hashes the request with (module NOTE)."""
+    if salt is None:
+        return None
+    try:
+        tenant, cache_salt = split_salt(salt)
+    except ValueError:
+        return salt
+    return cache_salt if tenant is None else salt
+
+
 def chunk(ev: Event, decode: Callable[[int], str] | None = None) -> dict[str, Any]:
     """One engine event -> one Dynamo response chunk: the new token ids, their log-probabilities when
     asked for (`top_logprobs` entries need `decode`: token id -> text), and on the last event the
@@ -124,8 +163,9 @@ def external_hash(block_hash: BlockHash) -> int:
 def kv_event_batch(events: Sequence[BlockStored | BlockRemoved], block_size: int) -> tuple[list[dict], int]:
     """BlockPool events, in order -> (KvEventPublisher.publish_batch entries, events skipped).
     Consecutive stored blocks of one chain (each the parent of the next) become one stored entry,
-    consecutive removals one removed entry. A stored event without tokens (a block loaded back
-    from a KV tier, whose tokens the pool was not told) is skipped: the router cannot hash it."""
+    consecutive removals one removed entry; a stored entry names its blocks' `cache_salt`
+    (router_cache_salt) when they are salted. A stored event without tokens (its caller gave the
+    pool none) is skipped: the router cannot hash it."""
     out: list[dict] = []
     skipped = 0
     last: BlockHash | None = None  # key of the last block of the open stored entry
@@ -136,7 +176,9 @@ def kv_event_batch(events: Sequence[BlockStored | BlockRemoved], block_size: int
                 last = None
                 continue
             cur = out[-1] if out else None
-            if cur is not None and cur["type"] == "stored" and last is not None and ev.parent_hash == last:
+            salt = router_cache_salt(ev.salt)
+            if (cur is not None and cur["type"] == "stored" and last is not None and ev.parent_hash == last
+                    and cur.get("cache_salt") == salt):
                 cur["token_ids"] += ev.token_ids
                 cur["num_block_tokens"].append(block_size)
                 cur["block_hashes"].append(external_hash(ev.block_hash))
@@ -144,6 +186,8 @@ def kv_event_batch(events: Sequence[BlockStored | BlockRemoved], block_size: int
                 out.append({"type": "stored", "token_ids": list(ev.token_ids), "num_block_tokens": [block_size],
                             "block_hashes": [external_hash(ev.block_hash)],
                             "parent_hash": None if ev.parent_hash is None else external_hash(ev.parent_hash)})
+                if salt is not None:
+                    out[-1]["cache_salt"] = salt
             last = ev.block_hash
         else:
             last = None

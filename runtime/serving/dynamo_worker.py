@@ -17,8 +17,9 @@ files at the build's root), serving the endpoint, cancelling a request whose cli
 thread has stopped) and shutting down on SIGTERM/SIGINT (in-flight requests finish; a second
 signal ends them). The wire format itself is dynamo_protocol.py.
 
-Only aggregated workers (`--mode agg`) exist today: disaggregated prefill/decode workers need the
-KV hand-off between pools (issue 26 §3).
+`--mode prefill` / `--mode decode` workers split a request between two workers (Dynamo's
+disaggregated serving): runtime/serving/dynamo_disagg.py, the KV hand-off through NIXL in
+runtime/serving/kv_transfer.py.
 """
 
 from __future__ import annotations
@@ -38,13 +39,15 @@ from kvexport.errors import ConfigError, KvExportError
 from ..config import EngineConfig
 from ..engine import LLMEngine
 from . import metrics
-from .dynamo_protocol import chunk, completion_usage, kv_event_batch, request_to_params
+from ..core.block_hash import request_salt
+from .dynamo_protocol import chunk, completion_usage, kv_event_batch, request_cache_salt, request_to_params
 from .engine_thread import EngineThread, Event
 from .requests import RequestError, RequestParser
 
 log = logging.getLogger(__name__)
 
-MODES = ("agg",)  # --mode; "prefill" / "decode" come with the KV hand-off (issue 26 §3)
+MODES = ("agg", "prefill", "decode")  # --mode: aggregated, or one side of disaggregated serving (dynamo_disagg.py)
+KV_TRANSFERS = ("nixl", "request-plane")  # --kv-transfer: how prefill workers hand KV blocks to decode workers
 DISCOVERY_BACKENDS = ("etcd", "file", "kubernetes", "mem")
 REQUEST_PLANES = ("tcp", "nats")
 INSTALL_HINT = ('pip install "kvexport[dynamo]" && pip install --no-deps ai-dynamo==1.6.1 '
@@ -58,16 +61,28 @@ class DynamoWorkerOptions:
     engine: EngineConfig = EngineConfig()  # the runtime settings (as `kvexport serve` takes them)
     mode: str = "agg"  # disaggregation role: MODES
     namespace: str = "kvexport"  # Dynamo namespace; the frontend finds workers by it (its --namespace)
-    component: str = "backend"  # the endpoint is dyn://namespace.component.endpoint
+    component: str | None = None  # the endpoint is dyn://namespace.component.endpoint; None: "prefill" for
+    # --mode prefill (as Dynamo's vLLM and SGLang prefill workers name it), else "backend"
     endpoint: str = "generate"
     served_model_name: str | None = None  # the model name clients send; None: the build directory's name
     discovery_backend: str | None = None  # DISCOVERY_BACKENDS; None: $DYN_DISCOVERY_BACKEND, else etcd
     request_plane: str | None = None  # REQUEST_PLANES; None: $DYN_REQUEST_PLANE, else tcp
+    kv_transfer: str = "nixl"  # KV_TRANSFERS: NIXL (host memory over UCX), or inline in the prefill's response
+    kv_transfer_timeout_s: float = 60.0  # seconds a prefill worker keeps a request's KV for its decode worker
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
-            raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r} (prefill/decode "
-                              "workers are not available yet: run aggregated workers)")
+            raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.kv_transfer not in KV_TRANSFERS:
+            raise ConfigError(f"kv_transfer must be one of {', '.join(KV_TRANSFERS)}, got {self.kv_transfer!r}")
+        t = self.kv_transfer_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 3600:
+            raise ConfigError(f"kv_transfer_timeout_s must be seconds in (0, 3600], got {t!r}")
+        if self.mode != "agg" and not self.engine.enable_prefix_caching:
+            raise ConfigError(f"--mode {self.mode}: disaggregated workers hand KV blocks over by their prefix-cache "
+                              "keys: turn prefix caching on (enable_prefix_caching)")
+        if self.component is None:
+            object.__setattr__(self, "component", "prefill" if self.mode == "prefill" else "backend")
         for name in ("namespace", "component", "endpoint"):
             v = getattr(self, name)
             if not isinstance(v, str) or not _NAME.fullmatch(v):
@@ -143,6 +158,9 @@ class DynamoWorker:
             self.metrics_publisher.publish(0, kv_used_blocks=used)
             self._last_used, self._last_publish = used, now
 
+    def close(self) -> None:
+        """Release what the worker holds beside the engine (disaggregated workers: their NIXL agent)."""
+
     def prometheus_text(self) -> str:
         """kvexport's metrics (metrics.py), for the Dynamo system server's /metrics (DYN_SYSTEM_PORT)."""
         return metrics.prometheus_text(self.thread.counters, self.cancelled)
@@ -156,28 +174,47 @@ class DynamoWorker:
         E = self.errors
         try:
             prompt, params = request_to_params(request, self.parser)
+            # the client's cache_salt (no tenant: the frontend passes no API key; dynamo_protocol's NOTE)
+            salt = request_salt(None, request_cache_salt(request))
         except RequestError as e:
             raise E.InvalidArgument(str(e)) from None
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
         try:
-            rids = self.thread.submit(prompt, params, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+            rids = self.thread.submit(prompt, params, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
+                                      salt=salt)
         except KvExportError as e:  # the engine thread has stopped
             raise E.EngineShutdown(str(e)) from None
         stopped = asyncio.ensure_future(context.async_killed_or_stopped())
-        finished = False
+        finished = cancelled = False
+
+        def cancel(fut: asyncio.Future | None = None) -> None:
+            """The client left, or the frontend stopped the request (a stop string): abort it now.
+            NOTE: a callback on the context, not only a branch of the loop below: a kill that
+            lands while a chunk is being sent fails that send, and Dynamo then stops pulling
+            this generator without closing it, so the loop may never run again."""
+            nonlocal cancelled
+            if (fut is not None and fut.cancelled()) or finished or cancelled:
+                return
+            cancelled = True
+            self.cancelled += 1
+            self.thread.abort(rids)
+
+        stopped.add_done_callback(cancel)
         try:
             while True:
                 get = asyncio.ensure_future(events.get())
                 await asyncio.wait((get, stopped), return_when=asyncio.FIRST_COMPLETED)
                 if not get.done():  # the client left, or the frontend stopped it (a stop string)
                     get.cancel()
-                    self.cancelled += 1
+                    cancel()
                     return
                 ev = get.result()
                 if ev.finished:
                     finished = True
                 if ev.error is not None:
+                    if not self.thread.is_alive():  # stopped (a second signal): the frontend may migrate it
+                        raise E.EngineShutdown(f"kvexport engine: {ev.error}")
                     raise E.Unknown(f"kvexport engine: {ev.error}")
                 out = chunk(ev, self._decode if params.logprobs else None)
                 if ev.finished:
@@ -185,6 +222,9 @@ class DynamoWorker:
                     yield out
                     return
                 yield out
+        except (GeneratorExit, asyncio.CancelledError):  # Dynamo closed the stream: the client is gone
+            cancel()
+            raise
         finally:
             if not finished:  # cancelled, or the generator was closed: free the request's blocks
                 self.thread.abort(rids)
@@ -212,7 +252,18 @@ async def _serve(build_dir: Path, engine: LLMEngine, opts: DynamoWorkerOptions,
         kv_publisher = llm.KvEventPublisher(endpoint, kv_block_size=pool.block_size, enable_local_indexer=True)
     metrics_publisher = llm.WorkerMetricsPublisher()
     await metrics_publisher.create_endpoint(endpoint)
-    worker = DynamoWorker(engine, exceptions, kv_publisher, metrics_publisher)
+    worker_type = {"agg": llm.WorkerType.Aggregated, "prefill": llm.WorkerType.Prefill,
+                   "decode": llm.WorkerType.Decode}[opts.mode]
+    needs: list | None = None
+    if opts.mode == "agg":
+        worker = DynamoWorker(engine, exceptions, kv_publisher, metrics_publisher)
+    else:  # disaggregated: each side needs the other (Dynamo's readiness gate)
+        from .dynamo_disagg import DecodeWorker, PrefillWorker
+
+        cls = PrefillWorker if opts.mode == "prefill" else DecodeWorker
+        worker = cls(engine, exceptions, kv_publisher, metrics_publisher, transport=opts.kv_transfer,
+                     timeout_s=opts.kv_transfer_timeout_s)
+        needs = [[llm.WorkerType.Decode if opts.mode == "prefill" else llm.WorkerType.Prefill]]
     endpoint.metrics.register_prometheus_expfmt_callback(worker.prometheus_text)
 
     rc = llm.ModelRuntimeConfig()
@@ -225,6 +276,8 @@ async def _serve(build_dir: Path, engine: LLMEngine, opts: DynamoWorkerOptions,
     model_type = llm.ModelType.Completions
     if getattr(engine.tokenizer, "chat_template", None):
         model_type = llm.ModelType.Chat | llm.ModelType.Completions
+    if opts.mode == "prefill":  # no OpenAI surface; the legacy Prefill bit, as Dynamo's vLLM prefill worker sends
+        model_type = llm.ModelType.Prefill
     worker.thread.start()
     stops = 0
 
@@ -241,8 +294,8 @@ async def _serve(build_dir: Path, engine: LLMEngine, opts: DynamoWorkerOptions,
         loop.add_signal_handler(sig, on_signal)
     try:
         await llm.register_model(llm.ModelInput.Tokens, model_type, endpoint, str(folder), name,
-                                 worker_type=llm.WorkerType.Aggregated, kv_cache_block_size=pool.block_size,
-                                 runtime_config=rc)
+                                 worker_type=worker_type, kv_cache_block_size=pool.block_size,
+                                 runtime_config=rc, needs=needs)
         if on_ready is not None:
             on_ready(name, f"dyn://{opts.path}")
         await endpoint.serve_endpoint(worker.generate, graceful_shutdown=True)
@@ -250,6 +303,7 @@ async def _serve(build_dir: Path, engine: LLMEngine, opts: DynamoWorkerOptions,
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
         worker.thread.stop(reason="the worker is shutting down")
+        worker.close()
         if kv_publisher is not None:
             kv_publisher.shutdown()
         runtime.shutdown()
@@ -260,6 +314,10 @@ def serve_dynamo(build_dir: str | Path, opts: DynamoWorkerOptions = DynamoWorker
     """Serve `build_dir` as a Dynamo worker until SIGTERM/SIGINT. `on_ready(model name, endpoint
     path)` is called once the model is registered and the endpoint is about to serve."""
     import_dynamo()  # before loading the engine: a missing extra fails in a second, not after the load
+    if opts.mode != "agg" and opts.kv_transfer == "nixl":
+        from .kv_transfer import import_nixl
+
+        import_nixl()
     build_dir = Path(build_dir)
     engine = LLMEngine(build_dir, opts.engine)
     model_folder(build_dir, engine)

@@ -189,6 +189,13 @@ class EngineThread:
         """Stop these requests and free their KV blocks; no further events are delivered."""
         self._inbox.put(("abort", list(request_ids)))
 
+    def call(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the engine thread between two steps, in order with `submit` and `abort`
+        (a `call` before a `submit` runs before that request reaches the engine). It must be
+        quick; an exception it raises is logged. (Disaggregated serving copies KV blocks into
+        the pool this way: runtime/serving/dynamo_disagg.py.)"""
+        self._inbox.put(("call", fn))
+
     # ---- engine thread ----------------------------------------------------------------
     def _update_counters(self) -> None:
         c, eng = self.counters, self.engine
@@ -227,6 +234,8 @@ class EngineThread:
                 self._sinks[rid] = sink
                 queue_[rid] = _Queued(msg.prompt, msg.params, i, msg.request_ids[0] if i else None, msg.salt)
                 self._group_of[rid] = msg.group
+        elif isinstance(msg, tuple) and msg[0] == "call":
+            msg[1]()
         elif isinstance(msg, tuple) and msg[0] == "abort":
             for rid in msg[1]:
                 if rid not in self._sinks:

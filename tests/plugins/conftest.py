@@ -16,6 +16,7 @@ try:
     import triton.runtime.interpreter  # noqa: F401
 
     from kvexport.plugins.paged_attention import kernels, launch  # noqa: F401  (interpreted from now on)
+    from kvexport.plugins.paged_mla import kernels as mla_kernels, launch as mla_launch  # noqa: F401
 finally:
     if _saved is None:
         del os.environ["TRITON_INTERPRET"]

@@ -8,8 +8,10 @@ from kvexport import io
 from kvexport.plugins import PLUGINS
 
 TESTS = Path(__file__).resolve().parents[1]
-# op_type -> its graph parity test in tests/exporter/test_plugin_and_int8.py (a new op must add one)
-PARITY_TESTS = {"PagedAttention": "test_plugin_graph_matches_transformers_and_onnx_attention"}
+# op_type -> (test file under tests/, its graph parity test) (a new op must add one)
+PARITY_TESTS = {"PagedAttention": ("exporter/test_plugin_and_int8.py",
+                                   "test_plugin_graph_matches_transformers_and_onnx_attention"),
+                "PagedMLA": ("exporter/test_deepseek_mla.py", "test_parity_fp32")}
 SOURCE = Path(importlib.import_module("kvexport.plugins").__file__).parent
 
 
@@ -19,12 +21,13 @@ def test_every_plugin_folder_is_registered():
 
 
 def test_every_registered_plugin_has_reference_kernel_tests_and_graph_parity():
-    kernel_tests = (TESTS / "plugins" / "test_kernels_interpret.py").read_text()
-    parity_tests = (TESTS / "exporter" / "test_plugin_and_int8.py").read_text()
+    kernel_tests = "".join(p.read_text() for p in (TESTS / "plugins").glob("test*kernels_interpret.py"))
     for op_type, folder in PLUGINS.items():
+        parity_file, parity_test = PARITY_TESTS[op_type]
+        parity_tests = (TESTS / parity_file).read_text()
         spec = importlib.import_module(f"kvexport.plugins.{folder}.spec")
         ref = importlib.import_module(f"kvexport.plugins.{folder}.reference")
         assert spec.OP_TYPE == op_type and spec.NAMESPACE == io.PLUGIN_DOMAIN
         assert callable(getattr(ref, folder))  # the reference is named after the folder
         assert f"kvexport.plugins.{folder}" in kernel_tests and "reference" in kernel_tests
-        assert f"def {PARITY_TESTS[op_type]}(" in parity_tests
+        assert f"def {parity_test}(" in parity_tests

@@ -3,15 +3,21 @@ pool's observer events it is fed from: a PreprocessedRequest -> SamplingParams (
 naming the field), engine events -> response chunks, pool events -> KV event batches, and that
 the blocks kvexport reports stored hash, with Dynamo's own `compute_block_hash_for_seq`, to
 exactly the hashes Dynamo's router computes for the request's tokens (skipped, saying why, where
-the `dynamo` extra is not installed; CI installs it)."""
+the `dynamo` extra is not installed; CI installs it). Salts: a request's cache_salt read from where
+the frontend puts it, the salt named on its stored blocks so the router hashes them as it hashes
+the salted request (and never as an unsalted one), `split_salt` inverting `request_salt`. KV
+tiers: blocks loaded back from the host tier are reported stored again (tokens, parent, salt), and
+the router's view rebuilt from the events equals the pool's prefix cache after the round trip."""
 
 import pytest
 
-from kvexport.runtime.core.block_hash import hash_full_blocks
+from kvexport.io import FULL_GROUP
+from kvexport.runtime.core.block_hash import hash_full_blocks, request_salt, split_salt
 from kvexport.runtime.core.block_pool import BlockPool, BlockRemoved, BlockStored
-from kvexport.runtime.core.kv_cache_manager import KVCacheManager
+from kvexport.runtime.core.kv_cache_manager import TIER_BLOCK, KVCacheManager
+from kvexport.runtime.core.kv_tiers import HOST, TierIndex
 from kvexport.runtime.serving.dynamo_protocol import (chunk, completion_usage, external_hash, kv_event_batch,
-                                                      request_to_params)
+                                                      request_cache_salt, request_to_params, router_cache_salt)
 from kvexport.runtime.serving.engine_thread import Event
 from kvexport.runtime.serving.requests import RequestError, RequestParser
 
@@ -102,7 +108,7 @@ def test_event_batches_chain_blocks_and_skip_what_the_router_cannot_hash():
     k = hash_full_blocks(list(range(8)), 2)
     events = [BlockStored(k[0], None, (0, 1)), BlockStored(k[1], k[0], (2, 3)),  # one chain: one entry
               BlockStored(k[3], k[2], (6, 7)),  # parent not the previous block: a new entry
-              BlockStored(k[2], k[1], None),  # no tokens (a tier load): skipped
+              BlockStored(k[2], k[1], None),  # no tokens (the caller gave none): skipped
               BlockRemoved(k[0]), BlockRemoved(k[1])]
     batch, skipped = kv_event_batch(events, 2)
     assert skipped == 1
@@ -136,12 +142,105 @@ def test_stored_blocks_hash_as_dynamos_router_hashes_the_request():
     assert batch[1]["parent_hash"] == batch[0]["block_hashes"][1]  # hangs under the shared prefix
 
 
+# ---- salts ------------------------------------------------------------------------------------
+def test_split_salt_inverts_request_salt_and_refuses_other_strings():
+    for tenant, salt in ((None, None), ("a", None), (None, "a"), ("a|s", None), ("a", "s"), ("t;1:", "s2:x;"),
+                         ("", "ü")):
+        assert split_salt(request_salt(tenant, salt)) == (tenant, salt)
+    for bad in ("", "x", "salt3:ab;", "salt2:ab", "salt2:ab;x", "tenantx:a;", "salt-1:;"):
+        with pytest.raises(ValueError):
+            split_salt(bad)
+    assert router_cache_salt(request_salt(None, "s")) == "s"  # what the frontend hashes the request with
+    assert router_cache_salt(request_salt("a", "s")) == request_salt("a", "s")  # never a client's plain salt
+    assert router_cache_salt(None) is None
+
+
+def test_the_cache_salt_is_read_where_the_frontend_puts_it():
+    # dynamo.frontend 1.6.1, for {"cache_salt": "s"} or {"nvext": {"cache_salt": "s"}} (seen on the wire)
+    assert request_cache_salt(req(routing={"dp_rank": 0, "cache_salt": "s"}, extra_args={"nvext": {"cache_salt": "s"}})) == "s"
+    assert request_cache_salt(req(extra_args={"nvext": {"cache_salt": "n"}})) == "n"
+    assert request_cache_salt(req(routing={"dp_rank": 0})) is None
+    for groups, field in (({"routing": {"cache_salt": 5}}, "routing.cache_salt"),
+                          ({"extra_args": {"nvext": {"cache_salt": "x" * 1025}}}, "extra_args.nvext.cache_salt")):
+        with pytest.raises(RequestError) as e:
+            request_cache_salt(req(**groups))
+        assert e.value.param == field
+
+
+def _stored_and_router_hashes(events, bs, dyn):
+    """The KV event batch of `events` -> the router's hashes of each stored entry (as the
+    publisher hashes its tokens under its cache_salt), concatenated."""
+    batch, skipped = kv_event_batch(events, bs)
+    assert skipped == 0
+    return batch, [h for e in batch if e["type"] == "stored"
+                   for h in dyn.compute_block_hash_for_seq(e["token_ids"], bs, cache_namespace=e.get("cache_salt"))]
+
+
+def test_salted_blocks_hash_as_the_router_hashes_the_salted_request_only():
+    dyn = pytest.importorskip("dynamo.llm", reason="the dynamo extra is not installed (scripts/install_dev.sh "
+                                                   "installs it; docs/DEPLOYMENT.md)")
+    bs = 4
+    m = KVCacheManager(BlockPool(16, bs))
+    m.pool.record_events()
+    prompt = [17, 3, 99, 4, 8, 8, 1, 0, 55]
+    for rid, s in (("plain", None), ("a", "tenant-a"), ("b", "tenant-b")):
+        salt = request_salt(None, s)
+        m.allocate_slots(rid, len(prompt), computed_blocks=m.get_computed_blocks(prompt, salt))
+        m.cache_blocks(rid, prompt, len(prompt))
+    batch, hashes = _stored_and_router_hashes(m.pool.pop_events(), bs, dyn)
+    # three entries (the salts keep the same tokens apart), each its salt named
+    assert [e.get("cache_salt") for e in batch] == [None, "tenant-a", "tenant-b"]
+    want = [dyn.compute_block_hash_for_seq(prompt, bs, cache_namespace=s) for s in (None, "tenant-a", "tenant-b")]
+    assert hashes == [h for w in want for h in w]
+    assert len(set(hashes)) == 6  # no salted block collides with the unsalted one or the other salt's
+
+
+def test_blocks_loaded_from_a_kv_tier_are_reported_stored_again():
+    dyn = pytest.importorskip("dynamo.llm", reason="the dynamo extra is not installed (scripts/install_dev.sh "
+                                                   "installs it; docs/DEPLOYMENT.md)")
+    bs = 4
+    tiers = TierIndex({FULL_GROUP: 1}, host_bytes=100, disk_bytes=0)
+    m = KVCacheManager(BlockPool(5, bs), tiers)  # 4 usable blocks: one 13-token prompt (4 blocks) at a time
+    m.pool.record_events()
+    salt = request_salt(None, "s")
+    a, b = [17, 3, 99, 4, 8, 8, 1, 0, 55, 21, 7, 7, 30], [60 + i for i in range(13)]
+    router: dict[int, int] = {}  # what the router holds for this worker: event hash -> its router hash
+
+    def run(rid, prompt):
+        computed = m.get_computed_blocks(prompt, salt)
+        m.allocate_slots(rid, len(prompt) - computed.num_computed_tokens, computed_blocks=computed)
+        m.cache_blocks(rid, prompt, len(prompt))
+        m.free(rid)
+        batch, hashes = _stored_and_router_hashes(m.pool.pop_events(), bs, dyn)
+        for e in batch:
+            if e["type"] == "removed":
+                for h in e["block_hashes"]:
+                    del router[h]
+        stored = [h for e in batch if e["type"] == "stored" for h in e["block_hashes"]]
+        router.update(zip(stored, hashes))
+        return computed
+
+    run("a", a)
+    run("b", b)  # evicts a's three cached blocks into the host tier: reported removed
+    assert sorted(router) == sorted(external_hash(k) for _, k in m.pool.cached_blocks())
+    assert not set(router.values()) & set(dyn.compute_block_hash_for_seq(a, bs, cache_namespace="s"))
+    back = run("a2", a)  # a's blocks come back from the host tier
+    assert back.block_ids == (TIER_BLOCK,) * 3 and [t for _, t in back.tier_hits] == [HOST] * 3
+    # the router holds exactly the pool's cached blocks again (b's went to the tier: removed), a's
+    # as it hashes the salted request
+    assert sorted(router) == sorted(external_hash(k) for _, k in m.pool.cached_blocks()) and len(router) == 3
+    keys = hash_full_blocks(a, bs, salt)
+    assert [router[external_hash(k)] for k in keys] == dyn.compute_block_hash_for_seq(a, bs, cache_namespace="s")
+
+
 # ---- the command's refusals (before any engine or Dynamo runtime starts) --------------------------
 @pytest.mark.parametrize("args, says", [
     (["--namespace", "a.b"], "namespace must be letters, digits"),
     (["--endpoint", ""], "endpoint must be letters, digits"),
     (["--served-model-name", " "], "served_model_name must not be empty"),
-    (["--mode", "prefill"], "Invalid value for '--mode'"),
+    (["--mode", "encode"], "Invalid value for '--mode'"),
+    (["--kv-transfer", "rdma"], "Invalid value for '--kv-transfer'"),
+    (["--kv-transfer-timeout", "0"], "Invalid value for '--kv-transfer-timeout'"),
 ])
 def test_bad_worker_options_are_refused_naming_them(tmp_path, args, says):
     from click.testing import CliRunner

@@ -1,5 +1,5 @@
 """Type-check the TensorRT glue (kvexport/tensorrt_env.py, exporter/tensorrt_build.py,
-runtime/execution/trt_backend.py, plugins/paged_attention/trt.py) with mypy
+runtime/execution/trt_backend.py, plugins/paged_attention/trt.py, plugins/paged_mla/trt.py) with mypy
 against the `tensorrt-stubs` type stubs: every TensorRT class, method, argument count and
 enum member the glue uses must exist with that signature in the stubs (TensorRT 10.13).
 
@@ -27,7 +27,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 MODULES = ("kvexport.tensorrt_env", "kvexport.exporter.tensorrt_build", "kvexport.runtime.execution.trt_backend",
-           "kvexport.plugins.paged_attention.trt")
+           "kvexport.plugins.paged_attention.trt", "kvexport.plugins.paged_mla.trt")
 
 MYPY_INI = """\
 [mypy]

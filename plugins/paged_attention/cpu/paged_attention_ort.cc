@@ -36,7 +36,9 @@
 
 #include "paged_attention_int4.h"
 #include "paged_attention_shapes.h"
+#include "paged_attention_sinks.h"
 #include "paged_attention_simd.h"
+#include "../../paged_mla/cpu/paged_mla_ort.h"  // kvexport::PagedMLA, registered below
 
 namespace {
 
@@ -104,6 +106,7 @@ struct Attrs {
   float scale, logit_softcap;  // logit_softcap 0: off
   bool int8, int4;
   int64_t row;  // elements of one pool row: head_dim, or int4's bytes (codes + scales)
+  const float* sinks = nullptr;  // [num_heads] learned sink logits (paged_attention_sinks.h); nullptr: none
 };
 
 struct Task {
@@ -125,6 +128,7 @@ struct Step {
 struct Tile {
   int64_t d, g, rows, ctx, q_start, first, last;  // keys [first, last] may be visible
   const float *k_scale, *v_scale;  // int8: this head's [D] scales; nullptr for float pools
+  const float* sinks;  // [num_heads] or nullptr
   Tile(const Step& st, const Task& t) {
     const Attrs& a = st.a;
     d = a.head_dim;
@@ -136,14 +140,16 @@ struct Tile {
     first = a.sliding_window > 0 ? std::max<int64_t>(0, ctx + t.i0 - a.sliding_window + 1) : 0;
     k_scale = a.int8 ? st.k_scale + t.kv_head * d : nullptr;
     v_scale = a.int8 ? st.v_scale + t.kv_head * d : nullptr;
+    sinks = a.sinks;
   }
   // int8: k = code * k_scale, so q_i * scale * k_scale_i meets the codes as exact integers
   void load_query(const float* src, float* dst, int64_t stride, float scale) const {
     for (int64_t i = 0; i < d; ++i) dst[i * stride] = src[i] * scale * (k_scale ? k_scale[i] : 1.f);
   }
-  // out_i = v_scale_i * acc_i / l (int8: v = code * v_scale)
-  void store_output(const float* acc, float* dst, float l) const {
-    const float f = l > 0.f ? 1.f / l : 0.f;
+  // out_i = v_scale_i * acc_i / l (int8: v = code * v_scale); with sinks the query head's sink
+  // joins the denominator (the online softmax ended at max m)
+  void store_output(const float* acc, float* dst, float l, float m, int64_t head) const {
+    const float f = sinks ? kvexport_sinks::output_factor(l, m, sinks[head]) : l > 0.f ? 1.f / l : 0.f;
     for (int64_t i = 0; i < d; ++i) dst[i] = acc[i] * f * (v_scale ? v_scale[i] : 1.f);
   }
   int64_t token(const Task& t, int64_t r) const { return q_start + t.i0 + r / g; }
@@ -216,7 +222,8 @@ void attend_dots(const Step& st, const Task& t) {
     }
   }
   for (int64_t r = 0; r < rows; ++r)
-    tl.store_output(acc + r * d, st.out + (tl.token(t, r) * a.num_heads + tl.head(t, r)) * d, l[r]);
+    tl.store_output(acc + r * d, st.out + (tl.token(t, r) * a.num_heads + tl.head(t, r)) * d, l[r], m[r],
+                    tl.head(t, r));
 }
 
 // Many rows (prompt tiles): scores are computed 16 rows at a time, vectorised over rows
@@ -324,7 +331,8 @@ void attend_rows(const Step& st, const Task& t) {
     }
   }
   for (int64_t r = 0; r < rows; ++r)
-    tl.store_output(acc + r * d, st.out + (tl.token(t, r) * a.num_heads + tl.head(t, r)) * d, l[r]);
+    tl.store_output(acc + r * d, st.out + (tl.token(t, r) * a.num_heads + tl.head(t, r)) * d, l[r], m[r],
+                    tl.head(t, r));
 }
 
 constexpr int64_t kRowsMin = 8;  // tasks with fewer rows take the dot-product path
@@ -361,6 +369,7 @@ std::vector<int64_t> shape_of(const Ort::ConstValue& v) { return v.GetTensorType
 
 struct Kernel {
   Attrs a;
+  std::vector<float> sinks;  // a.sinks points here (the kernel object is never moved)
 
   Kernel(const OrtApi&, const OrtKernelInfo* info) {
     Ort::ConstKernelInfo ki(info);
@@ -388,6 +397,8 @@ struct Kernel {
       fail("sliding_window must be in [0, 2^31)");
     if (!(a.scale > 0.f)) fail("scale must be > 0");
     if (!(a.logit_softcap >= 0.f) || std::isinf(a.logit_softcap)) fail("logit_softcap must be finite and >= 0 (0 = off)");
+    sinks = kvexport_sinks::read(info, a.num_heads);  // optional: absent = no sinks
+    a.sinks = sinks.empty() ? nullptr : sinks.data();
   }
 
   OrtStatusPtr ComputeV2(OrtKernelContext* context) {
@@ -563,6 +574,7 @@ __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOp
     OrtCustomOpDomain* d = nullptr;
     Ort::ThrowOnError(Ort::GetApi().CreateCustomOpDomain("kvexport", &d));
     Ort::ThrowOnError(Ort::GetApi().CustomOpDomain_Add(d, &op));
+    Ort::ThrowOnError(Ort::GetApi().CustomOpDomain_Add(d, const_cast<OrtCustomOp*>(kvexport_mla::custom_op())));
     return d;
   }();
   return api->AddCustomOpDomain(options, domain);

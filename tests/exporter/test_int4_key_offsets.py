@@ -1,0 +1,107 @@
+"""The int4 KV key transform (exporter/kv_int4.py key_transform): int4 builds store
+(k - μ) / s and attend with q * s, μ the calibration text's mean post-RoPE key and s each
+channel's spread (per layer, KV head and channel). Covered: shifting every key by a constant
+leaves softmax attention unchanged and changes soft-capped attention (reference op, float pools:
+why soft-capped layers get no μ); a tiny Qwen2 with a large k bias on a few channels (Qwen2.5's
+outliers) built --kv-dtype int4 holds μ and s in both graphs and in the manifest, equal to the
+mean and spread of the keys transformers caches for the calibration ids, and validates much
+closer to transformers than the same build without the transform; a soft-capped model (Gemma 2)
+gets channel scales only."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from kvexport import io
+from kvexport.errors import ValidationError
+from kvexport.exporter import calibrate, kv_int4
+from kvexport.exporter.build import BuildOptions, build
+from kvexport.plugins.paged_attention.reference import make_case, paged_attention
+
+HF = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2)  # head_dim 32: one group per head
+OPTS = dict(block_size=4, max_seq_len=64, kv_dtype=io.DType.INT4, attention=io.Attention.ONNX)
+
+
+@pytest.mark.parametrize("softcap", [0.0, 5.0])
+def test_a_constant_key_shift_is_exact_without_softcap(softcap):
+    case, attrs = make_case(num_heads=4, num_kv_heads=2, head_dim=32, block_size=4, q_lens=[3, 1],
+                            ctx_lens=[5, 9], kv_dtype="float32", seed=1)
+    if softcap:
+        from dataclasses import replace
+        attrs = replace(attrs, logit_softcap=softcap)
+    mu = torch.randn(2, 32, generator=torch.Generator().manual_seed(2)) * 20
+    shifted = dict(case, key=case["key"] - mu, key_cache=case["key_cache"] - mu[:, None, None, :])
+    args = ("query", "key", "value", "key_cache", "value_cache", "block_tables", "seq_lens", "query_start_loc",
+            "slot_mapping")
+    a = paged_attention(*(case[k].clone() for k in args), attrs=attrs)
+    b = paged_attention(*(shifted[k].clone() for k in args), attrs=attrs)
+    diff = float((a - b).abs().max())
+    assert diff < 1e-5 if not softcap else diff > 1e-3
+
+
+@pytest.fixture(scope="module")
+def biased_qwen2(hf_folder, tmp_path_factory):
+    """A tiny Qwen2 whose k bias puts channels 14, 15, 30, 31 (RoPE's slowest pairs: about the
+    same after RoPE at every position) of every KV head at +-40, the rest of the keys ~1."""
+    d = tmp_path_factory.mktemp("hf-qwen2-kbias")
+    model = AutoModelForCausalLM.from_pretrained(hf_folder("qwen2", **HF))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            bias = layer.self_attn.k_proj.bias.view(2, 32)
+            bias[:, [14, 15, 30, 31]] = torch.tensor([40.0, -40.0, 30.0, -30.0])
+    model.save_pretrained(d, safe_serialization=True)
+    return d
+
+
+def test_offsets_are_the_mean_key_and_make_outlier_keys_accurate(biased_qwen2, tmp_path, monkeypatch):
+    out, m = build(str(biased_qwen2), tmp_path / "mu", BuildOptions(**OPTS))
+    entry = m.kv.quantization["key_transform"]
+    mu = np.asarray(entry["offsets"], np.float32)  # [layers, kv_heads, head_dim]
+    sc = np.asarray(entry["scales"], np.float32)
+    assert mu.shape == sc.shape == (2, 2, 32) and entry["layers_without_offset"] == []
+    assert entry["calibration"]["tokens"] == 2048
+    # the mean of the post-RoPE keys transformers caches for the same ids, in one pass
+    model = AutoModelForCausalLM.from_pretrained(biased_qwen2)
+    ids = calibrate.calibration_ids(None, m.model.vocab_size, None, 2048)
+    with torch.no_grad():
+        cache = model(torch.tensor([ids]), use_cache=True).past_key_values
+    keys = [layer.keys[0].double() for layer in cache.layers]  # [kv_heads, seq, head_dim]
+    np.testing.assert_allclose(mu, np.stack([k.mean(1).numpy() for k in keys]), atol=1e-4)
+    var = np.stack([k.var(1, unbiased=False).numpy() for k in keys])
+    sd = np.sqrt(np.concatenate([(var[..., :16] + var[..., 16:]) / 2] * 2, axis=-1))  # RoPE pairs c, c + 16
+    np.testing.assert_allclose(sc, np.sqrt(sd / sd.mean(-1, keepdims=True)), rtol=1e-3)
+    assert sc[..., [14, 15, 30, 31]].min() > 2 * np.median(sc)  # the outliers are narrowed most
+    assert np.abs(mu[..., [14, 15, 30, 31]]).min() > 20  # the outliers are what the offsets hold
+    for name in (io.PREFILL_GRAPH, io.DECODE_GRAPH):
+        inits = {t.name: onnx.numpy_helper.to_array(t) for t in onnx.load(str(out / name)).graph.initializer
+                 if t.name.startswith("kv_offsets.")}
+        assert sorted(inits) == sorted(f(i) for i in range(2) for f in (io.k_offset, io.k_channel_scale,
+                                                                         io.q_channel_scale))
+        np.testing.assert_array_equal(np.stack([inits[io.k_offset(i)] for i in range(2)]), mu)
+        np.testing.assert_array_equal(np.stack([inits[io.k_channel_scale(i)] for i in range(2)]), sc)
+        np.testing.assert_array_equal(inits[io.q_channel_scale(1)], np.repeat(sc[1], 2, axis=0))  # 2 q heads per KV head
+    with_mu = m.validation
+    assert with_mu.passed, with_mu
+    # the same build without the transform (μ = 0, s = 1): the outliers set every group's scale
+    monkeypatch.setattr(kv_int4, "key_transform",
+                        lambda *a, **k: np.stack([np.zeros_like(mu), np.ones_like(sc)], axis=1))
+    with pytest.raises(ValidationError) as e:  # it fails the int4 bounds
+        build(str(biased_qwen2), tmp_path / "zero", BuildOptions(**OPTS))
+    without = float(re.search(r"max \|Δ\| ([0-9.]+)", str(e.value)).group(1))
+    assert without > 1.5 * with_mu.max_abs_diff, (str(e.value), with_mu)  # measured: 2.8 vs 1.53
+
+
+def test_softcapped_layers_get_no_offsets_only_channel_scales(hf_folder, tmp_path):
+    src = str(hf_folder("gemma2", num_key_value_heads=2, head_dim=32))  # attn_logit_softcapping 50
+    out, m = build(src, tmp_path / "g", BuildOptions(validate=False, **OPTS))
+    entry = m.kv.quantization["key_transform"]
+    assert entry["layers_without_offset"] == [0, 1] and not np.asarray(entry["offsets"]).any()
+    graph = onnx.load(str(out / io.DECODE_GRAPH), load_external_data=False).graph
+    names = {t.name for t in graph.initializer if t.name.startswith("kv_offsets.")}
+    assert names == {f(i) for i in range(2) for f in (io.k_channel_scale, io.q_channel_scale)}  # s is exact there
