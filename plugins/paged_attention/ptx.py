@@ -23,10 +23,16 @@ def _compile_one(job: tuple[int, int]) -> dict:
     index, capability = job
     from . import configs
 
-    src = configs.all_sources()[index]
+    return compile_report(configs.all_sources()[index], capability, index, ("q_ptr", "kc_ptr"))
+
+
+def compile_report(src, capability: int, index: int, type_keys: tuple[str, ...], extra=None) -> dict:
+    """Compile one kernel source (any op's: PagedMLA's ptx.py calls this too) for sm_<capability> and
+    describe it: ok (PTX for that target and a cubin), its name, shared memory, scratch, PTX size, seconds;
+    a failure is a result too (ok False, the error). extra(kernel) -> dict adds an op's own fields."""
     desc = dict(index=index, arch=capability, kernel=src.kernel,
                 config={k: v for k, v in src.constexprs.items() if k != "SCALE"},
-                types={k: v for k, v in src.signature.items() if k in ("q_ptr", "kc_ptr")},
+                types={k: v for k, v in src.signature.items() if k in type_keys},
                 num_warps=src.num_warps, num_stages=src.num_stages)
     t0 = time.perf_counter()
     try:
@@ -39,7 +45,7 @@ def _compile_one(job: tuple[int, int]) -> dict:
     return {**desc, "ok": ok_target and bool(k.asm.get("cubin")), "target": target and target.group(1),
             "name": k.metadata.name, "shared": k.metadata.shared, "ptx_bytes": len(ptx),
             "global_scratch": getattr(k.metadata, "global_scratch_size", 0),
-            "seconds": round(time.perf_counter() - t0, 2)}
+            **(extra(k) if extra else {}), "seconds": round(time.perf_counter() - t0, 2)}
 
 
 def compile_all(capabilities=(80, 90), jobs: int | None = None) -> list[dict]:

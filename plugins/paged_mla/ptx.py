@@ -13,10 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+
+from kvexport.plugins.paged_attention.ptx import compile_report
 
 
 def _sources(every: bool, capabilities) -> list[tuple]:
@@ -30,22 +31,8 @@ def _sources(every: bool, capabilities) -> list[tuple]:
 def _compile_one(job: tuple[bool, tuple, int]) -> dict:
     every, capabilities, index = job
     src, capability = _sources(every, capabilities)[index]
-    desc = dict(index=index, arch=capability, kernel=src.kernel,
-                config={k: v for k, v in src.constexprs.items() if k != "SCALE"},
-                types={k: v for k, v in src.signature.items() if k in ("q_ptr", "cache_ptr", "out_ptr")},
-                num_warps=src.num_warps, num_stages=src.num_stages)
-    t0 = time.perf_counter()
-    try:
-        k = src.compile(capability)
-    except Exception as e:  # every failure is reported, not just the first
-        return {**desc, "ok": False, "error": f"{type(e).__name__}: {e}"[:2000]}
-    ptx = k.asm["ptx"]
-    target = re.search(r"^\.target\s+(\S+)", ptx, re.M)
-    ok_target = target is not None and target.group(1).rstrip(",").startswith(f"sm_{capability}")
-    return {**desc, "ok": ok_target and bool(k.asm.get("cubin")), "target": target and target.group(1),
-            "name": k.metadata.name, "shared": k.metadata.shared, "ptx_bytes": len(ptx),
-            "global_scratch": getattr(k.metadata, "global_scratch_size", 0),
-            "spills": _spills(k), "seconds": round(time.perf_counter() - t0, 2)}
+    return compile_report(src, capability, index, ("q_ptr", "cache_ptr", "out_ptr"),
+                          extra=lambda k: {"spills": _spills(k)})
 
 
 def _spills(k) -> int | None:
