@@ -316,7 +316,8 @@ class PrefillWorker(_DisaggWorker):
                 if self.nixl is not None:
                     offer["nixl"] = self.nixl.offer(room, payload)
                 else:
-                    offer["inline"] = base64.b64encode(payload.tobytes()).decode("ascii")
+                    # NOTE: off the event loop: a prompt's blocks are megabytes
+                    offer["inline"] = await asyncio.to_thread(lambda: base64.b64encode(payload.tobytes()).decode("ascii"))
                 self.stats.offered += 1
                 self.stats.offered_blocks += len(entries)
                 usage = completion_usage(len(prompt), ev.num_tokens, ev.num_cached_prompt_tokens)
@@ -366,8 +367,7 @@ class DecodeWorker(_DisaggWorker):
                                         "with --kv-transfer nixl")
             data = await asyncio.to_thread(self.nixl.pull, offer["nixl"], _merge(ranges))
         else:
-            raw = np.frombuffer(base64.b64decode(offer.get("inline") or ""), np.uint8)
-            data = np.concatenate([raw[o:o + n] for o, n in ranges]) if ranges else np.empty(0, np.uint8)
+            data = await asyncio.to_thread(_inline_ranges, offer.get("inline") or "", ranges)  # off the loop
         self.stats.pull_seconds += asyncio.get_running_loop().time() - t0
         if not missing:
             return []
@@ -458,6 +458,12 @@ def to_load(missing, want, prompt: Sequence[int], block_size: int, block_bytes: 
         out.append((g, h, hashes.get(i - 1) if i else None, at, list(prompt[i * block_size:(i + 1) * block_size])))
         at += block_bytes[g]
     return out
+
+
+def _inline_ranges(inline: str, ranges: Sequence[tuple[int, int]]) -> np.ndarray:
+    """The byte ranges wanted out of a request-plane offer's base64 payload, concatenated in order."""
+    raw = np.frombuffer(base64.b64decode(inline), np.uint8)
+    return np.concatenate([raw[o:o + n] for o, n in ranges]) if ranges else np.empty(0, np.uint8)
 
 
 def _merge(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
