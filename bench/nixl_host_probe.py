@@ -4,13 +4,13 @@ question: the prefill -> decode KV hand-off could go through it.)
 Two processes of this script: `prefill` registers a 4 MiB float32 tensor, `decode` registers an
 empty one and READs the prefill's over NIXL's UCX backend; agent metadata and the descriptor list
 go through files in FOLDER (what Dynamo's request plane or etcd would carry); a notification tells
-the prefill side the read is done. nixl-cu12 is installed beside the project, not into it:
+the prefill side the read is done. The answer was yes: nixl-cu12 is now part of the `dynamo`
+extra (pyproject.toml) and runtime/serving/kv_transfer.py moves the KV blocks this way; the probe
+stays as the smallest reproduction:
 
-    .venv/bin/pip download --no-deps nixl-cu12==1.5.1 -d /tmp/nixl
-    .venv/bin/pip install --no-deps --target /tmp/nixl/site /tmp/nixl/nixl_cu12-1.5.1-*.whl
-    mkdir /tmp/nixl/x
-    PYTHONPATH=/tmp/nixl/site .venv/bin/python bench/nixl_host_probe.py prefill /tmp/nixl/x &
-    PYTHONPATH=/tmp/nixl/site .venv/bin/python bench/nixl_host_probe.py decode /tmp/nixl/x
+    mkdir /tmp/nixl-probe
+    .venv/bin/python bench/nixl_host_probe.py prefill /tmp/nixl-probe &
+    .venv/bin/python bench/nixl_host_probe.py decode /tmp/nixl-probe
 """
 
 import os

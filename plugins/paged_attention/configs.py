@@ -210,3 +210,22 @@ def all_sources() -> list[KernelSource]:
                     add(decode_source(attrs, act, DECODE_TILES[0], False))
                     add(reduce_source(attrs, act, MAX_SPLITS))
     return list(out.values())
+
+
+CI_CAPABILITIES = (80, 90)
+
+
+def ci_sources() -> list[tuple[KernelSource, int]]:
+    """(source, compute capability) pairs CI compiles on every run: every configuration of
+    all_sources() once, the capabilities taken in turn within each kind (kernel, activation type,
+    pool type), so every kind with two or more configurations compiles for sm_80 and sm_90 both.
+    `python -m kvexport.plugins.paged_attention.ptx --all` compiles each for both.
+    NOTE: a compile takes ~6 s of CPU; both archs for all of them took 11 minutes of a CI run,
+    and a configuration's lowering does not depend on the arch beyond what each kind exercises."""
+    seen: dict[tuple, int] = {}
+    out = []
+    for src in all_sources():
+        kind = (src.kernel, src.signature.get("q_ptr", src.signature.get("out_ptr")), src.signature.get("kc_ptr"))
+        n = seen[kind] = seen.get(kind, -1) + 1
+        out.append((src, CI_CAPABILITIES[n % len(CI_CAPABILITIES)]))
+    return out

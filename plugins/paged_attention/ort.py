@@ -28,7 +28,12 @@ _REGISTERED: set[str] = set()
 _ATTR_TYPES = {"num_heads": "int", "num_kv_heads": "int", "head_dim": "int", "block_size": "int",
                "scale": "float", "sliding_window": "int", "kv_dtype": "str", "logit_softcap": "float",
                "plugin_namespace": "str", "plugin_version": "str",
-               "attention_sinks": "str"}  # NOTE: PyOps take no float lists: rewrite_for_reference writes them as text
+               "attention_sinks": "str",  # NOTE: PyOps take no float lists: rewrite_for_reference writes them as text
+               "scale_exact": "str", "logit_softcap_exact": "str"}
+# NOTE: onnxruntime-extensions hands float attributes to a PyOp printed to 6 significant digits;
+# the rewrite adds each one's repr as a string attribute (`<name>_exact`), so the reference
+# sees the node's value (head_dim 80's scale 0.11180339... would otherwise be 0.111803)
+_EXACT = ("scale", "logit_softcap")
 
 
 def _extensions():
@@ -60,6 +65,10 @@ def _register(act: str, kv: str, n_inputs: int) -> str:
     attrs = {k: {"int": d.dt_int64, "float": d.dt_float, "str": d.dt_string}[t] for k, t in _ATTR_TYPES.items()}
 
     def run(*args, **kw):
+        for k in _EXACT:
+            exact = kw.pop(f"{k}_exact", "")
+            if exact:
+                kw[k] = float(exact)
         attrs_ = PagedAttentionAttrs.from_onnx_attributes(kw)
         t = [torch.from_numpy(np.array(a)) for a in args]
         kc, vc = t[3].clone(), t[4].clone()
@@ -95,6 +104,10 @@ def rewrite_for_reference(model: onnx.ModelProto) -> onnx.ModelProto:
             node.attribute.remove(sinks)  # float32 values, repr'd exactly (spec.from_onnx_attributes parses them)
         node.attribute.append(onnx.helper.make_attribute(
             "attention_sinks", ",".join(map(repr, sinks.floats)) if sinks is not None else ""))
+        for k in _EXACT:
+            value = next((onnx.helper.get_attribute_value(a) for a in node.attribute if a.name == k), None)
+            node.attribute.append(onnx.helper.make_attribute(f"{k}_exact", repr(float(value)) if value is not None
+                                                             else ""))
         act = np_name(types.get(node.input[0], onnx.TensorProto.FLOAT))
         kv = np_name(types[node.input[3]])
         # NOTE: PyOps have no float16: run fp16 tensors through the reference as float32.

@@ -152,3 +152,16 @@ def test_reference_harness_carries_the_sinks(tmp_path):
     onnx.save(one_node_model(attrs, "float32"), tmp_path / "one.onnx")
     out = plugin_session(tmp_path / "one.onnx").run(None, _feeds(inputs))[0]
     assert np.abs(out - _ref(inputs, attrs)[0].numpy()).max() <= TOLERANCE["float32"]
+
+
+def test_reference_harness_passes_float_attributes_exactly(tmp_path):
+    """onnxruntime-extensions prints a PyOp's float attributes to 6 digits: the harness adds their
+    exact text, so the node's scale and soft-cap reach the reference bit for bit (same output)."""
+    pytest.importorskip("onnxruntime_extensions")
+    from kvexport.plugins.paged_attention.ort import plugin_session
+
+    inputs, attrs = _case("prefill")
+    attrs = replace(attrs, scale=float(np.float32(80 ** -0.5)), logit_softcap=float(np.float32(7.1234567)))
+    onnx.save(one_node_model(attrs, "float32"), tmp_path / "one.onnx")
+    out = plugin_session(tmp_path / "one.onnx").run(None, _feeds(inputs))[0]
+    np.testing.assert_array_equal(out, _ref(inputs, attrs)[0].numpy())
