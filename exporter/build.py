@@ -23,7 +23,7 @@ from kvexport.errors import ConfigError, ValidationError
 from kvexport.manifest import EngineBuildOptions, GraphEntry, KVSpec, Manifest, ModelEntry, WeightsEntry, versions
 from kvexport.manifest_weights import WEIGHT_MATMUL_ACCURACY
 
-from . import end_tokens, interop, kv_int4, source
+from . import end_tokens, interop, source
 from .families import FAMILIES, read_spec
 from .graph import DecoderGraph, GraphOptions, model_rope_tables
 from .limits import BACKENDS, CALIBRATED_METHODS, DTYPES, KV_DTYPES, RANGES, default_matmul_accuracy
@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 KEPT = {"lm_head": "int8 even in int4 builds (exporter/quantize.py HEAD_BITS): the logits are the most "
                    "rounding-sensitive matmul; embeddings gather their rows from int8 codes too (tied: the same)",
         "norms, RoPE tables, biases": "tiny; float32 as transformers computes them"}
+MOE_KEPT = {"MoE routers": "as transformers computes them (exporter/moe.py route); rounded, they would change "
+                           "which experts a token gets"}
 MAX_ROPE_TABLE = 32768  # default cap on max_seq_len when the model allows more, tokens
 
 
@@ -269,7 +271,7 @@ def _build_into(d: Path, src: source.ModelSource, opts: BuildOptions, progress: 
     if spec.mla is not None:
         from .mla import check_build
 
-        check_build(spec, opts.layout, kv_dtype, opts.weight_quantization().quantized)
+        check_build(spec, opts.layout, kv_dtype, opts.weight_quantization())
     if kv_dtype is io.DType.INT4 and spec.head_dim % io.KV_INT4_GROUP:
         raise ConfigError(f"--kv-dtype int4 needs head_dim a multiple of {io.KV_INT4_GROUP} (its channels share a "
                           f"scale in groups of {io.KV_INT4_GROUP}); this model's head_dim is {spec.head_dim}: "
@@ -301,15 +303,14 @@ def _build_into(d: Path, src: source.ModelSource, opts: BuildOptions, progress: 
         quantization = {"scheme": io.KV_INT4_FORMAT}
     elif kv_dtype is io.DType.INT4:  # dynamic scales; calibrated: the key transform (exporter/kv_int4.py)
         with progress("calibrating the int4 KV key transform"):
-            # NOTE: μ is exact only for plain softmax attention: no soft-cap, no learned sinks
-            exact = [spec.attn_softcap is None and lw.attn_sinks is None for lw in weights.layers]
-            offsets = kv_int4.key_transform(model, ids, exact, spec.rotary_dim if spec.rope else 0)
+            # NOTE: the call `kvexport calibrate` makes (μ only for plain softmax attention: key_offset_layers)
+            offsets, transform = calibrate.int4_key_transform(model, spec, ids, text.name if text else "random-ids")
         quantization = {"scheme": io.KV_INT4_FORMAT, "group": io.KV_INT4_GROUP, "rotation": "hadamard",
-                        "row_bytes": io.kv_row_width(spec.head_dim, "int4"),
-                        "key_transform": kv_int4.transform_entry(offsets, text.name if text else "random-ids", ids)}
+                        "row_bytes": io.kv_row_width(spec.head_dim, "int4"), "key_transform": transform}
 
     wq, qweights, wrecord = _weight_form(src, opts, tokenizer), None, None
     if wq.quantized:
+        from . import mla
         from .quantize import describe
         from .weight_sources import quantized_weights
 
@@ -319,7 +320,8 @@ def _build_into(d: Path, src: source.ModelSource, opts: BuildOptions, progress: 
                 src, model, spec, weights, wq, tokenizer, opts.calibration_text, opts.calibration_tokens,
                 head_block=0 if opts.backend == "tensorrt" else None)
             accuracy = opts.weight_matmul_accuracy or default_matmul_accuracy(wq.method)
-            wrecord = describe(qweights, wq, opts.dtype.numpy_name, KEPT, requantized, method_info, accuracy)
+            kept = KEPT | (mla.KEPT if spec.mla is not None else {}) | (MOE_KEPT if spec.moe is not None else {})
+            wrecord = describe(qweights, wq, opts.dtype.numpy_name, kept, requantized, method_info, accuracy)
             wrecord = replace(wrecord, serving=serving_words(wrecord, opts.dtype.value))
 
     # paged builds of full-attention + windowed layers: the windowed layers' KV is its own cache

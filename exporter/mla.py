@@ -14,6 +14,10 @@ per-head K/V ever exists, in prefill or decode:
         (`onnx`: standard ops over the rows gathered through the block table; `plugin`: kvexport::PagedMLA)
     ─(per head @ W_UV_h [L, V])─> [T, H * V] ─> o_proj
 
+Quantized weights (`--weights int8|int4`, round-to-nearest): q_proj (or q_a_proj and q_b_proj),
+kv_a_proj_with_mqa and o_proj are plain 2-D matmuls and take the block-wise DequantizeLinear ->
+MatMul form of every other family (`linears`); W_UK / W_UV stay float32 (`linears` NOTE says why).
+
 NOTE: DeepSeek's RoPE pairs channels (2i, 2i+1) (V2's complex form; V3's rope_interleave). The
 reader permutes the RoPE columns of q_b_proj / q_proj and kv_a_proj_with_mqa to evens then odds,
 after which rotate-half RoPE gives the same q·k: V3's interleaved output is exactly that, V2's
@@ -46,6 +50,38 @@ class MLAWeights:
     kv_norm_w: np.ndarray  # [L] kv_a_layernorm
     w_uk: np.ndarray  # [H, N, L] key half of kv_b_proj, per head
     w_uv: np.ndarray  # [H, L, V] value half of kv_b_proj, per head (transposed)
+
+
+# graph weight name suffixes (model.layers.{i}.<suffix>.weight) of an MLA layer's plain 2-D matmuls
+# other than o_proj (attn.o, quantize.LINEARS), and the MLAWeights field each holds
+LINEARS = (("attn.q", "q_w"), ("attn.q_a", "q_a_w"), ("attn.q_b", "q_b_w"), ("attn.kv_a", "kv_a_w"))
+# what an int8/int4 MLA build keeps in float32, and why (the manifest's weights.quantization.kept)
+KEPT = {"MLA W_UK / W_UV (kv_b_proj)": "absorbed, they are per-head batched matmuls [H, N, L] / [H, L, V] that no "
+                                       "quantized 2-D matmul serves (exporter/mla.py linears NOTE); 0.15% of "
+                                       "DeepSeek-V3's parameters"}
+
+
+def linears(layer: int, w: MLAWeights) -> dict[str, np.ndarray]:
+    """Graph weight name -> float [K, N] of layer `layer`'s plain 2-D MLA matmuls (q_proj or
+    q_a_proj + q_b_proj, kv_a_proj_with_mqa), quantized like any matmul (exporter/quantize.py
+    float_linears; o_proj is the layer's attn.o there).
+
+    NOTE: the two halves of kv_b_proj stay float32 in int8/int4 builds. Absorbed, they are not
+    matmuls of the [T, K] @ [K, N] form the quantized path serves: W_UK folds into the query as a
+    per-head batched MatMul [H, T, N] @ [H, N, L], W_UV the same after attention. onnxruntime fuses
+    DequantizeLinear -> MatMul into MatMulNBits only for a 2-D weight (a 3-D one is dequantized in
+    full on every step) and TensorRT's weight-only quantization is 2-D too; vLLM's MLA backend
+    likewise dequantizes kv_b_proj and runs W_UK / W_UV as 16-bit bmm's. They are small: H * L *
+    (N + V) per layer, 61 x 16.8M = 1.0B of DeepSeek-V3's 671B (0.15%; its routed experts ~97%).
+    The MoE router stays float32 too (exporter/moe.py route, as transformers computes it): a
+    rounded router changes which experts a token gets, not just their outputs, and it is
+    hidden x experts per layer."""
+    out = {}
+    for suffix, field in LINEARS:
+        arr = getattr(w, field)
+        if arr is not None:  # q_proj, or q_a_proj + q_b_proj (q_lora_rank)
+            out[f"model.layers.{layer}.{suffix}.weight"] = arr
+    return out
 
 
 def _deinterleave(w: np.ndarray, start: int, stride: int, rope: int, groups: int) -> np.ndarray:
@@ -211,9 +247,12 @@ def plugin_attention(b: GraphBuilder, spec: ModelSpec, layer: int, query: str, l
     return out, pool
 
 
-def check_build(spec: ModelSpec, layout: io.KVLayout, kv_dtype: io.DType, quantized_weights: bool) -> None:
-    """Refuse (ConfigError naming the option) what MLA builds do not implement."""
+def check_build(spec: ModelSpec, layout: io.KVLayout, kv_dtype: io.DType, weights) -> None:
+    """Refuse (ConfigError naming the option) what MLA builds do not implement; `weights`: the
+    build's exporter/quantize.py WeightQuantization."""
     from kvexport.errors import ConfigError
+
+    from .limits import CALIBRATED_METHODS
 
     if layout is not io.KVLayout.PAGED:
         raise ConfigError(f"--layout {layout.value} is not implemented for multi-head latent attention "
@@ -221,9 +260,15 @@ def check_build(spec: ModelSpec, layout: io.KVLayout, kv_dtype: io.DType, quanti
     if kv_dtype not in (io.DType.FP32, io.DType.FP16, io.DType.BF16, io.DType.INT8):
         raise ConfigError(f"--kv-dtype {kv_dtype.value} is not implemented for multi-head latent attention "
                           f"({spec.family}); use --kv-dtype fp32, fp16, bf16 or int8")
-    if quantized_weights:
-        raise ConfigError(f"--weights int8/int4 is not implemented for multi-head latent attention ({spec.family}) "
-                          f"yet; use --weights fp32 or fp16")
+    if weights.quantized and weights.method in CALIBRATED_METHODS:
+        # NOTE: awq.py captures and folds scales into llama-style modules (q_proj reading the input
+        # norm, gate_proj, down_proj); MLA's q_a / kv_a projections and the experts are not covered
+        raise ConfigError(f"--quant-method {weights.method} is not implemented for multi-head latent attention "
+                          f"({spec.family}): its scale search covers llama-style attention and dense MLPs, not the "
+                          f"MLA projections or the experts; use --quant-method rtn (e.g. --weights "
+                          f"{weights.precision} --quant-method rtn)"
+                          + ("; --weights int8 without --quant-method means smoothquant"
+                             if weights.method == "smoothquant" else ""))
 
 
 def calibrate_latent(model, ids: list[int], spec: ModelSpec, chunk: int = 512) -> np.ndarray:

@@ -418,13 +418,19 @@ def _grouped_experts(g: "DecoderGraph", x2: str, layer: int, ew: ExpertWeights, 
     flat = b.op("Reshape", idx, b.const([-1]))  # [N*k] expert of each (token, slot)
     xr = b.op("Reshape", b.op("Expand", b.op("Unsqueeze", x2, b.const([1])), b.const([1, k, 1])),
               b.const([-1, hid]))  # [N*k, H]: row t*k + j is token t
+    # NOTE: experts whose codes carry per-block offsets (GGUF Q4_1) take 2-D rows [n_e, H]: graph.linear
+    # adds the offsets with a Gemm on [T, K] rows in paged graphs (one Squeeze more per expert, only then)
+    two_d = any(getattr(g.qweights.get(expert_name(layer, e, w)), "offset", None) is not None
+                for e in range(moe.num_experts) for w in ("up", "down"))
     rows_all, outs = [], []
     for e in range(moe.num_experts):
         rows = b.op("NonZero", b.op("Equal", flat, b.const(e)))  # [1, n_e]
-        outs.append(_expert(g, b.op("Gather", xr, rows, axis=0), layer, e, ew))  # [1, n_e, H]
+        take = b.op("Squeeze", rows, b.const([0])) if two_d else rows  # [n_e] | [1, n_e]
+        outs.append(_expert(g, b.op("Gather", xr, take, axis=0), layer, e, ew))  # [n_e, H] | [1, n_e, H]
         rows_all.append(rows)
     rows = b.op("Transpose", b.op("Concat", *rows_all, axis=1), perm=[1, 0])  # [N*k, 1], a permutation
-    y = b.op("Squeeze", b.op("Concat", *outs, axis=1), b.const([0]))  # [N*k, H] in expert order
+    y = b.op("Concat", *outs, axis=0) if two_d else \
+        b.op("Squeeze", b.op("Concat", *outs, axis=1), b.const([0]))  # [N*k, H] in expert order
     # NOTE: every row of [N*k] is written exactly once (each (token, slot) has one expert), so
     # ScatterND needs no reduction; the k slots of a token are summed in slot order
     zeros = _zeros(g, b.op("Shape", xr), g.act)

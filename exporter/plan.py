@@ -4,7 +4,7 @@ metadata, an alias, or a build's manifest), and reports
 
     weights   parameters and bytes per precision (fp32, fp16, int8 / int4 as quantize.py stores them)
     KV        bytes per token per KV cache group (GQA/MQA heads, per-layer windows), per KV dtype,
-              plus what a KV dtype needs outside the pool (int8's static scales)
+              plus what a KV dtype needs outside the pool (int8's static scales, int4's key transform)
     fit       for a memory size, per KV dtype and layout: how many sequences of max_model_len
               tokens fit at once, and (given max_num_seqs) the longest context each can have
 
@@ -45,7 +45,8 @@ from kvexport.runtime.core.hybrid_kv_cache_manager import local_blocks_needed
 from kvexport.runtime.core.memory import PoolSizes, kv_pool_sizes, parse_budget
 
 from . import source
-from .limits import DEFAULT_WEIGHT_BLOCK, KV_DTYPES, RANGES, WEIGHT_PRECISIONS
+from .limits import (CALIBRATED_METHODS, DEFAULT_WEIGHT_FORM, FALLBACK_WEIGHT_BLOCK, KV_DTYPES, RANGES,
+                     WEIGHT_PRECISIONS)
 from .quantize import BITS, HEAD_BITS, HEAD_CHANNEL_BUILDS_BLOCK
 from .spec import ModelSpec
 
@@ -60,12 +61,12 @@ ACT_BYTES = {"fp32": 4, "fp16": 2, "int8": 4, "int4": 4}
 @dataclass(frozen=True, slots=True)
 class WeightsEstimate:
     """The weights file of a build of one matmul precision from float weights, in the precision's
-    default form (exporter/limits.py DEFAULT_WEIGHT_BLOCK; exporter/quantize.py stores it):
-    symmetric codes (int4 two per byte) + one scale in the activation dtype (float32 at the
-    default --dtype fp32) per block of K rows or per output column; LM head and embeddings int8
-    in blocks; norms and RoPE tables float32. Not counted: the 4 KiB alignment of each tensor, and
-    what pre-quantized sources add (GGUF Q4_1 blocks mapped exactly: a zero point and an offset
-    per block)."""
+    default form (exporter/limits.py DEFAULT_WEIGHT_FORM; MoE / MLA int8: rtn blocks, `_weight_block`;
+    exporter/quantize.py stores it): symmetric codes (int4 two per byte) + one scale in the
+    activation dtype (float32 at the default --dtype fp32) per block of K rows or per output
+    column; LM head and embeddings int8 in blocks; norms, RoPE tables, MoE routers and MLA's W_UK /
+    W_UV float32. Not counted: the 4 KiB alignment of each tensor, and what pre-quantized sources
+    add (GGUF Q4_1 blocks mapped exactly: a zero point and an offset per block)."""
 
     precision: str  # one of exporter/limits.py WEIGHT_PRECISIONS
     block_size: int | None  # int8/int4: rows of K per scale, 0 = one scale per output column; None: float
@@ -73,7 +74,7 @@ class WeightsEstimate:
     bytes: int  # the whole file, bytes
     matmul_bytes: int  # decoder matmul weights (int8/int4: codes + scales) and biases, bytes
     table_bytes: int  # embeddings, LM head (untied), learned positions, bytes
-    float32_bytes: int  # norms and RoPE tables (float32 in every build), bytes
+    float32_bytes: int  # norms, RoPE tables, MoE routers, MLA's W_UK / W_UV (float32 in every build), bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +100,7 @@ class KVBytes:
 
     kv_dtype: str  # io.DType value
     bytes_per_token: int  # all layers, one token, bytes (the manifest's kv.bytes_per_token)
-    static_bytes: int  # outside the pool, whatever the tokens (int8: the scales), bytes
+    static_bytes: int  # outside the pool, whatever the tokens (int8: the scales, int4: the key transform), bytes
     groups: tuple[KVGroupBytes, ...]  # paged KV cache groups
 
 
@@ -191,7 +192,7 @@ def _matmul_shapes(spec: ModelSpec) -> list[tuple[int, int]]:
     qkv = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
     up = 2 * spec.intermediate_size if spec.gated_mlp else spec.intermediate_size
     mlp = [(spec.hidden_size, up), (spec.intermediate_size, spec.hidden_size)]
-    if spec.mla is not None:  # exporter/mla.py: q (low-rank or not), kv_a, kv_b (W_UK | W_UV), o
+    if spec.mla is not None:  # exporter/mla.py: q (low-rank or not), kv_a, o (W_UK | W_UV: _mla_float32)
         return _mla_shapes(spec) + mlp
     return [(spec.hidden_size, qkv), (spec.num_heads * spec.head_dim, spec.hidden_size)] + mlp
 
@@ -221,14 +222,24 @@ def _router_parameters(spec: ModelSpec) -> int:
 
 
 def _mla_shapes(spec: ModelSpec) -> list[tuple[int, int]]:
+    """[K, N] of an MLA layer's 2-D matmuls (exporter/mla.py linears, and o_proj)."""
     m, h, d = spec.mla, spec.num_heads, spec.hidden_size
     qk = h * (m.qk_nope_head_dim + m.qk_rope_head_dim)
     q = [(d, qk)] if m.q_lora_rank is None else [(d, m.q_lora_rank), (m.q_lora_rank, qk)]
-    return q + [(d, m.row_width), (m.kv_lora_rank, h * (m.qk_nope_head_dim + m.v_head_dim)), (h * m.v_head_dim, d)]
+    return q + [(d, m.row_width), (h * m.v_head_dim, d)]
+
+
+def _mla_float32(spec: ModelSpec) -> int:
+    """Elements of every MLA layer's absorbed W_UK [H, N, L] and W_UV [H, L, V]: float32 in every
+    build, quantized or fp16 (exporter/mla.py linears NOTE); 0 for other attention."""
+    m = spec.mla
+    return 0 if m is None else spec.num_layers * spec.num_heads * m.kv_lora_rank * (m.qk_nope_head_dim + m.v_head_dim)
 
 
 def _layer_biases(spec: ModelSpec) -> int:
     qkv = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
+    if spec.mla is not None:  # attention_bias: q_a_proj (q_lora_rank) and kv_a_proj_with_mqa only
+        qkv = (spec.mla.q_lora_rank or 0) + spec.mla.row_width
     up = 2 * spec.intermediate_size if spec.gated_mlp else spec.intermediate_size
     return qkv * spec.qkv_bias + spec.hidden_size * spec.o_bias + (up + spec.hidden_size) * spec.mlp_bias
 
@@ -258,6 +269,16 @@ def _quantized_bytes(k: int, n: int, bits: int, block: int, act: int) -> int:
     return -(-k * n * bits // 8) + blocks * n * act
 
 
+def _weight_block(spec: ModelSpec, precision: str) -> int:
+    """Rows of K per scale of an int8/int4 build of `spec`: its default form's, except where that
+    form's method is refused (MoE and MLA builds take no calibrated method: weight_sources.py,
+    mla.py check_build), which then build `--quant-method rtn` in blocks of FALLBACK_WEIGHT_BLOCK."""
+    block, method = DEFAULT_WEIGHT_FORM[precision]
+    if method in CALIBRATED_METHODS and (spec.moe is not None or spec.mla is not None):
+        return FALLBACK_WEIGHT_BLOCK
+    return block
+
+
 def weights_estimate(spec: ModelSpec, precision: str, max_len: int) -> WeightsEstimate:
     """The weights file of a `precision` build of `spec` serving `max_len` tokens (RoPE tables)."""
     if precision not in WEIGHT_PRECISIONS:
@@ -271,9 +292,9 @@ def weights_estimate(spec: ModelSpec, precision: str, max_len: int) -> WeightsEs
     if spec.moe is not None and spec.moe.expert_bias:  # gpt_oss: each expert's up and down biases
         biases += len(spec.moe.sparse_layers) * spec.moe.num_experts * (2 * spec.moe.expert_intermediate_size
                                                                           + spec.hidden_size)
-    norms = _norm_parameters(spec) + _router_parameters(spec)  # both float32
+    norms = _norm_parameters(spec) + _router_parameters(spec) + _mla_float32(spec)  # all float32
     if precision in BITS:
-        block = DEFAULT_WEIGHT_BLOCK[precision]
+        block = _weight_block(spec, precision)
         head_block = block or HEAD_CHANNEL_BUILDS_BLOCK
         matmul_bytes = sum(_quantized_bytes(k, n, BITS[precision], block, act) for k, n in shapes)
         table_bytes = tables * _quantized_bytes(spec.hidden_size, spec.vocab_size, HEAD_BITS, head_block, act)
@@ -283,7 +304,7 @@ def weights_estimate(spec: ModelSpec, precision: str, max_len: int) -> WeightsEs
     table_bytes += pos * act
     f32 = norms * 4 + _rope_bytes(spec, max_len)
     parameters = matmul + biases + tables * table + pos + norms
-    return WeightsEstimate(precision, DEFAULT_WEIGHT_BLOCK.get(precision), parameters,
+    return WeightsEstimate(precision, _weight_block(spec, precision) if precision in BITS else None, parameters,
                            matmul_bytes + table_bytes + f32, matmul_bytes, table_bytes, f32)
 
 
@@ -301,7 +322,8 @@ def kv_bytes(spec: ModelSpec, kv_dtype: io.DType) -> KVBytes:
         entries.append(KVGroupBytes(g, len(ws), None if None in ws else max(w for w in ws if w is not None), b))
     total = io.kv_bytes_per_token(spec.num_layers, heads, row, kv_dtype, latent)
     assert total == sum(per_group.values())
-    return KVBytes(kv_dtype.value, total, io.kv_static_bytes(spec.num_layers, heads, row, kv_dtype, latent),
+    return KVBytes(kv_dtype.value, total, io.kv_static_bytes(spec.num_layers, heads, row, kv_dtype, latent,
+                                                                 num_heads=spec.num_heads),
                    tuple(entries))
 
 

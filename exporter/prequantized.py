@@ -47,7 +47,11 @@ from .limits import WEIGHT_BLOCK_SIZES
 
 log = logging.getLogger(__name__)
 
-METHODS = ("awq", "gptq")  # quantization_config.quant_method values read here; others go to transformers
+METHODS = ("awq", "gptq")  # quantization_config.quant_method values read here (mxfp4: exporter/mxfp4.py)
+# every quant_method kvexport reads, and the model types each applies to (None: any); others are refused
+# (check_method): transformers' kernels for them (bitsandbytes, fp8, compressed-tensors...) would leave
+# packed tensors, not the float weights the graphs are built from
+READ_METHODS = {"awq": None, "gptq": None, "mxfp4": ("gpt_oss",)}
 AWQ_FORMATS = ("gemm",)
 GPTQ_FORMATS = ("gptq", "gptq_v2")
 BITS = {"awq": (4,), "gptq": (4, 8)}
@@ -117,6 +121,27 @@ def parse(qc: dict, where: str = "config.json") -> Prequantized | None:
         raise ConfigError(f"{field}.checkpoint_format is {fmt!r}; GPTQ {', '.join(GPTQ_FORMATS)} are read "
                           f"(marlin, bitblas... repack the codes): save the checkpoint in gptq format")
     return Prequantized("gptq", bits, group, fmt, bool(qc.get("desc_act", False)))
+
+
+def check_method(cfg: dict, where: str = "config.json") -> None:
+    """ConfigError, before any weight is read, for a `quantization_config` kvexport cannot read:
+    its quant_method not one of READ_METHODS (or not for this model_type), named with the values
+    that are read and what to do."""
+    qc = cfg.get("quantization_config")
+    if qc is None:
+        return
+    method = str(qc.get("quant_method", "")).lower() if isinstance(qc, dict) else None
+    supported = ", ".join(m + (f" ({'/'.join(t)} models)" if t else "") for m, t in READ_METHODS.items())
+    if method not in READ_METHODS:
+        raise ConfigError(f"{where} field 'quantization_config.quant_method' is "
+                          f"{(qc.get('quant_method') if isinstance(qc, dict) else qc)!r}, which kvexport does not "
+                          f"read; supported values: {supported}. Build from the float checkpoint (and pass "
+                          f"--weights int8|int4 to quantize it)")
+    types = READ_METHODS[method]
+    if types is not None and cfg.get("model_type") not in types:
+        raise ConfigError(f"{where} field 'quantization_config.quant_method' is {method!r}, which kvexport reads "
+                          f"only for {', '.join(types)} models, not {cfg.get('model_type')!r}; supported values: "
+                          f"{supported}. Build from the float checkpoint")
 
 
 def config_of(directory: Path) -> Prequantized | None:

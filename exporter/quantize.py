@@ -19,6 +19,7 @@ that GGUF blocks (32 consecutive input features of one output row) map onto them
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -195,16 +196,22 @@ def stored_codes(q: np.ndarray, bits: int) -> tuple[np.ndarray, int]:
 
 # ---- the model ----------------------------------------------------------------------------
 def linear_names(num_layers: int) -> list[str]:
-    """Graph weight names of every quantizable decoder matmul (exporter/graph.py `layer`)."""
+    """Graph weight names of every quantizable matmul of a dense decoder (exporter/graph.py `layer`);
+    MLA and MoE layers have more (float_linears)."""
     return [f"model.layers.{i}.{x}.weight" for i in range(num_layers) for x in LINEARS]
 
 
 def float_linears(weights) -> dict[str, np.ndarray]:
-    """name -> float [K, N] of every decoder matmul of a ModelWeights."""
+    """name -> float [K, N] of every decoder matmul of a ModelWeights: LINEARS, an MLA layer's
+    projections (exporter/mla.py linears: W_UK / W_UV stay float32, its NOTE says why) and each
+    expert's up / down."""
+    from .mla import linears as mla_linears
     from .moe import expert_linears
 
     out = {}
     for i, lw in enumerate(weights.layers):
+        if getattr(lw, "mla", None) is not None:  # q (or q_a, q_b) and kv_a; qkv_w is None, o is attn.o
+            out.update(mla_linears(i, lw.mla))
         for x, arr in zip(LINEARS, (lw.qkv_w, lw.o_w, lw.up_w, lw.down_w)):
             if arr is not None:  # NOTE: None: a sparse layer without a shared expert (its MLP is its experts)
                 out[f"model.layers.{i}.{x}.weight"] = arr
@@ -232,6 +239,17 @@ def quantize_model(weights, wq: WeightQuantization, presets: dict[str, Quantized
     return out
 
 
+def _names_pattern(q: dict[str, QuantizedMatrix]) -> str:
+    """The decoder matmuls' graph names as one pattern, in their first order (dense families:
+    model.layers.*.{attn.qkv,attn.o,mlp.up,mlp.down}; experts' indices as *)."""
+    short = []
+    for name in q:
+        if name.startswith("model.layers."):  # model.layers.{i}.<short>.weight
+            rest = name.split(".", 3)[3].removesuffix(".weight")
+            short.append(re.sub(r"\.experts\.\d+\.", ".experts.*.", rest))
+    return "model.layers.*.{" + ",".join(dict.fromkeys(short)) + "}"
+
+
 def describe(q: dict[str, QuantizedMatrix], wq: WeightQuantization, act_dtype: str, kept: dict[str, str],
              requantized_from: str | None, method_info: dict, matmul_accuracy: str) -> WeightQuantizationEntry:
     """The manifest's `weights.quantization` record: what is quantized, how, and what is not;
@@ -257,7 +275,7 @@ def describe(q: dict[str, QuantizedMatrix], wq: WeightQuantization, act_dtype: s
                 "sessions run it as int8 x int8 MatMulIntegerToFloat with per-token activation scales "
                 "(runtime/execution/ort_quant.py)"
                 if wq.block_size == CHANNEL else "onnx QDQ: DequantizeLinear(axis=0, block_size) -> MatMul (opset 21)"),
-        quantized=QuantizedMatrices(len(q), origins, "model.layers.*.{" + ",".join(LINEARS) + "}" + (
+        quantized=QuantizedMatrices(len(q), origins, _names_pattern(q) + (
             f", {QUANTIZED_HEAD} (int8, [hidden, vocab]; tied embeddings gather its rows)" if QUANTIZED_HEAD in q
             else "")),
         embeddings=(QuantizedTable(table.bits, table.block_size or "channel", table.origin,

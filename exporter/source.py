@@ -15,7 +15,7 @@ from pathlib import Path
 from kvexport.errors import ConfigError, SourceError, UnsupportedModelError
 from kvexport.manifest import sha256
 
-from .families import family_for, supported_gguf_archs
+from .families import FAMILIES, family_for, supported_gguf_archs
 
 log = logging.getLogger(__name__)
 
@@ -70,11 +70,23 @@ def resolve(model: str, *, allow_pickle: bool = False) -> ModelSource:
 # GGUF metadata keys read here (reading a GGUF's header takes seconds: it is read once)
 GGUF_ARCH = "general.architecture"
 GGUF_END_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+GGUF_EXPERTS = "expert_count"  # `{arch}.expert_count`: routed experts (a MoE file), read for every architecture
+# `{arch}.<key>` -> config field, for the fields transformers' GGUF loader (transformers 5
+# integrations/ggml.py GGUF_CONFIG_MAPPING) does not map: passed to it as config overrides.
+# NOTE: without them transformers takes the config class's defaults (Qwen2MoeConfig: experts 1408 and
+# shared expert 5632 wide; Qwen3MoeConfig: 768) and refuses the tensors as a size mismatch, so a MoE GGUF
+# loaded only when its widths happened to be the defaults (tests/exporter/test_moe_gguf.py)
+GGUF_CONFIG_FILL = {
+    "qwen2moe": {"expert_feed_forward_length": "moe_intermediate_size",
+                 "expert_shared_feed_forward_length": "shared_expert_intermediate_size"},
+    "qwen3moe": {"expert_feed_forward_length": "moe_intermediate_size"},
+}
 
 
 def gguf_metadata(path: Path) -> dict[str, object]:
-    """The GGUF metadata kvexport reads (GGUF_ARCH: str, GGUF_END_KEYS: int where present) of
-    the file at `path`; SourceError for an unreadable file. Cached per (path, size, mtime)."""
+    """The GGUF metadata kvexport reads (GGUF_ARCH: str; GGUF_END_KEYS, `{arch}.expert_count` and
+    `{arch}.<GGUF_CONFIG_FILL key>`: int where present) of the file at `path`; SourceError for
+    an unreadable file. Cached per (path, size, mtime)."""
     st = Path(path).stat()
     return _gguf_metadata(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
 
@@ -86,8 +98,9 @@ def _gguf_metadata(path: str, size: int, mtime_ns: int) -> dict[str, object]:
     try:
         reader = gguf.GGUFReader(path)
         field = reader.fields[GGUF_ARCH]
-        out: dict[str, object] = {GGUF_ARCH: bytes(field.parts[field.data[0]]).decode()}
-        for key in GGUF_END_KEYS:
+        arch = bytes(field.parts[field.data[0]]).decode()
+        out: dict[str, object] = {GGUF_ARCH: arch}
+        for key in GGUF_END_KEYS + tuple(f"{arch}.{k}" for k in (GGUF_EXPERTS, *GGUF_CONFIG_FILL.get(arch, {}))):
             f = reader.fields.get(key)
             if f is not None and f.data:
                 out[key] = int(f.parts[f.data[0]][0])
@@ -98,12 +111,31 @@ def _gguf_metadata(path: str, size: int, mtime_ns: int) -> dict[str, object]:
 
 
 def check_gguf(path: Path) -> None:
-    """Refuse a GGUF of an unsupported architecture before transformers dequantizes it."""
-    arch = gguf_metadata(path)[GGUF_ARCH]
+    """Refuse a GGUF of an unsupported architecture before transformers dequantizes it, and a
+    mixture of experts under a dense architecture (llama.cpp writes Mixtral as "llama" with
+    llama.expert_count: transformers' GGUF loader would build a dense llama without its experts)."""
+    meta = gguf_metadata(path)
+    arch = meta[GGUF_ARCH]
     if arch not in supported_gguf_archs():
         raise UnsupportedModelError(
             f"GGUF field 'general.architecture' of {path.name} is {arch!r}, which kvexport does not "
             f"support; supported values: {', '.join(supported_gguf_archs())}")
+    experts = meta.get(f"{arch}.{GGUF_EXPERTS}", 0)
+    if experts and all(f.moe is None for f in FAMILIES.values() if arch in f.gguf_archs):
+        moe = ", ".join(sorted(a for f in FAMILIES.values() if f.moe is not None for a in f.gguf_archs))
+        raise UnsupportedModelError(
+            f"GGUF field '{arch}.{GGUF_EXPERTS}' of {path.name} is {experts}: a mixture of experts stored as the "
+            f"dense {arch!r} architecture (llama.cpp's Mixtral), which transformers' GGUF loader reads without its "
+            f"experts; MoE GGUF architectures kvexport reads: {moe}. Build from the HF checkpoint instead")
+
+
+def gguf_config_fields(path: Path) -> dict[str, int]:
+    """Config fields of the GGUF at `path` that transformers' GGUF loader does not read
+    (GGUF_CONFIG_FILL), to pass to it: {config field: value} for those the file holds."""
+    meta = gguf_metadata(path)
+    arch = meta[GGUF_ARCH]
+    return {field: meta[f"{arch}.{key}"] for key, field in GGUF_CONFIG_FILL.get(arch, {}).items()
+            if f"{arch}.{key}" in meta}
 
 
 def config_json(cfg_path: Path) -> dict:
@@ -136,7 +168,9 @@ def _check_hf_dir(d: Path, name: str, allow_pickle: bool) -> ModelSource:
     cfg_path = d / "config.json"
     if not cfg_path.is_file():
         raise SourceError(f"{d} has no config.json; a HF model folder needs config.json and *.safetensors")
-    config_json(cfg_path)
+    from . import prequantized
+
+    prequantized.check_method(config_json(cfg_path), str(cfg_path))  # a quant_method not read: refused here
     weights = tuple(sorted(d.glob("*.safetensors")))
     if not weights:
         pickled = tuple(sorted(d.glob("*.bin")))
@@ -205,7 +239,8 @@ def load_config(src: ModelSource):
 
     try:
         if src.gguf_file:
-            return AutoConfig.from_pretrained(src.directory, gguf_file=src.gguf_file)
+            return AutoConfig.from_pretrained(src.directory, gguf_file=src.gguf_file,
+                                              **gguf_config_fields(src.directory / src.gguf_file))
         return AutoConfig.from_pretrained(src.directory, trust_remote_code=False)
     except Exception as e:  # noqa: BLE001 - transformers/huggingface_hub raise many types (strict dataclasses)
         raise ConfigError(f"cannot read the config of {src.name} ({type(e).__name__}: {e}); fix "
@@ -214,19 +249,22 @@ def load_config(src: ModelSource):
 
 def load_model(src: ModelSource):
     """transformers model in float32 on CPU, eval mode. Never trusts remote code. An AWQ/GPTQ
-    checkpoint is read by exporter/prequantized.py (its codes dequantized exactly, no kernels)."""
+    checkpoint is read by exporter/prequantized.py, an MXFP4 one by exporter/mxfp4.py (their codes
+    dequantized exactly, no kernels)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     if src.kind == "hf":
-        from . import prequantized
+        from . import mxfp4, prequantized
 
         pq = prequantized.config_of(src.directory)
         if pq is not None:
             return prequantized.load_model(src, pq)
+        if mxfp4.applies(src.directory):  # gpt-oss experts: dequantized exactly here, not by transformers' kernels
+            return mxfp4.load_model(src)
     kwargs = dict(dtype=torch.float32, trust_remote_code=False, low_cpu_mem_usage=True)
     if src.gguf_file:
-        kwargs["gguf_file"] = src.gguf_file
+        kwargs.update(gguf_file=src.gguf_file, **gguf_config_fields(src.directory / src.gguf_file))
     elif src.allow_pickle and src.weight_files[0].suffix == ".bin":
         kwargs["use_safetensors"] = False  # transformers loads .bin with weights_only=True
     else:

@@ -1,6 +1,7 @@
 """Where a quantized build's matmul codes come from: read exactly from a pre-quantized source
-(GGUF Q4_0 / Q8_0 / Q4_1 blocks here; AWQ / GPTQ safetensors in prequantized.py), or rounded
-from the float weights (round-to-nearest, or AWQ scales from calibration text in awq.py).
+(GGUF Q4_0 / Q8_0 / Q4_1 blocks here, MoE experts included; AWQ / GPTQ safetensors in
+prequantized.py), or rounded from the float weights (round-to-nearest, or AWQ scales from
+calibration text in awq.py).
 
 NOTE (exact, checked): a block read from the source is trusted only when its dequantized value
 equals, element for element, the float weight transformers loaded from the same file (which
@@ -27,6 +28,9 @@ log = logging.getLogger(__name__)
 GGUF_PARTS = {"attn.qkv": ("attn_q", "attn_k", "attn_v"), "attn.o": ("attn_output",),
               "mlp.up": ("ffn_gate", "ffn_up"), "mlp.down": ("ffn_down",)}
 GGUF_BLOCK = 32  # elements per Q4_0 / Q4_1 / Q8_0 block
+GGUF_SHARED = "_shexp"  # MoE layers (qwen2moe): the shared expert's parts are ffn_gate_shexp, ...
+# a MoE layer's routed experts (exporter/moe.py expert_name "up" / "down"), stacked [experts, out, in]
+GGUF_EXPERT_PARTS = {"up": ("ffn_gate_exps", "ffn_up_exps"), "down": ("ffn_down_exps",)}
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -74,10 +78,36 @@ def _matches(m: qz.QuantizedMatrix, w: np.ndarray) -> bool:
     return m.q.shape == w.shape and np.array_equal(m.dequantize(), w.astype(np.float32))
 
 
+def _exact(parts: list[tuple[str, object]], ref: np.ndarray, heads: dict[str, int], where: str
+           ) -> qz.QuantizedMatrix | None:
+    """One fused matmul from its GGUF parts [(part name, (type name, raw blocks [rows, ...], cols))],
+    columns in order, when every part maps exactly onto `ref` [K, N] (q/k rows un-permuted where
+    that is what matches); else None (a warning when the blocks map but the values differ)."""
+    mats, col = [], 0
+    for part, (kind, data, cols) in parts:
+        m = read_gguf_block(kind, data, cols)
+        if m is None:
+            return None
+        r = ref[:, col:col + m.q.shape[1]]
+        col += m.q.shape[1]
+        candidates = [m] + ([_permuted(m, heads[part])] if part in heads else [])
+        m = next((c for c in candidates if _matches(c, r)), None)
+        if m is None:
+            log.warning("GGUF %s does not match the loaded weights exactly; re-quantizing it", where)
+            return None
+        mats.append(m)
+    if len({(m.bits, m.zero_point is None, m.offset is None) for m in mats}) != 1:
+        return None
+    return qz.concat_columns(mats)
+
+
 def gguf_presets(path: str, weights, spec) -> tuple[dict[str, qz.QuantizedMatrix], dict[str, int]]:
     """name -> exactly mapped codes for every fused matmul whose GGUF parts all map exactly and
-    agree with the float weights; and the count of source tensors per GGUF type."""
+    agree with the float weights (MoE layers: the shared expert's and each routed expert's, one
+    expert's slice of the stacked ffn_*_exps); and the count of source tensors per GGUF type."""
     import gguf
+
+    from .moe import expert_name
 
     reader = gguf.GGUFReader(path)
     tensors = {t.name: t for t in reader.tensors}
@@ -86,28 +116,33 @@ def gguf_presets(path: str, weights, spec) -> tuple[dict[str, qz.QuantizedMatrix
         kinds[t.tensor_type.name] = kinds.get(t.tensor_type.name, 0) + 1
     floats = qz.float_linears(weights)
     heads = {"attn_q": spec.num_heads, "attn_k": spec.num_kv_heads}
+
+    def raw(t, expert: int | None = None):  # (type name, [rows, bytes or cols], cols)
+        data = np.asarray(t.data)
+        return t.tensor_type.name, (data if expert is None else data[expert]), int(t.shape[0])
+
     out = {}
     for i in range(spec.num_layers):
+        sparse = spec.moe is not None and spec.moe.is_sparse(i)
         for graph_name, parts in GGUF_PARTS.items():
+            if sparse and graph_name.startswith("mlp."):  # a sparse layer's dense MLP is its shared expert
+                parts = tuple(p + GGUF_SHARED for p in parts)
             name = f"model.layers.{i}.{graph_name}.weight"
-            mats, col = [], 0
-            for part in parts:
-                t = tensors.get(f"blk.{i}.{part}.weight")
-                m = None if t is None else read_gguf_block(t.tensor_type.name, np.asarray(t.data), int(t.shape[0]))
-                if m is None:
-                    break
-                ref = floats[name][:, col:col + m.q.shape[1]]
-                col += m.q.shape[1]
-                candidates = [m] + ([_permuted(m, heads[part])] if part in heads else [])
-                m = next((c for c in candidates if _matches(c, ref)), None)
-                if m is None:
-                    log.warning("GGUF %s of layer %d does not match the loaded weights exactly; re-quantizing it",
-                                part, i)
-                    break
-                mats.append(m)
-            else:
-                if len({(m.bits, m.zero_point is None, m.offset is None) for m in mats}) == 1:
-                    out[name] = qz.concat_columns(mats)
+            found = [tensors.get(f"blk.{i}.{p}.weight") for p in parts]
+            if name in floats and all(t is not None for t in found):
+                m = _exact([(p, raw(t)) for p, t in zip(parts, found)], floats[name], heads, f"{parts} of layer {i}")
+                if m is not None:
+                    out[name] = m
+        for which, parts in (GGUF_EXPERT_PARTS.items() if sparse else ()):
+            found = [tensors.get(f"blk.{i}.{p}.weight") for p in parts]
+            if any(t is None for t in found):
+                continue
+            for e in range(spec.moe.num_experts):
+                name = expert_name(i, e, which)
+                m = _exact([(p, raw(t, e)) for p, t in zip(parts, found)], floats[name], {},
+                           f"expert {e} {which} of layer {i}")
+                if m is not None:
+                    out[name] = m
     return out, kinds
 
 

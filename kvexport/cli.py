@@ -349,13 +349,13 @@ def engines(build_dir, max_num_seqs, max_num_batched_tokens, max_num_blocks, max
 @click.option("--model", "model_source", help="Source model [the one recorded in the manifest].")
 @click.option("--no-validate", is_flag=True, help="Skip re-validating against transformers.")
 def calibrate(build_dir, text, tokens, model_source, no_validate):
-    """Recompute an int8-KV build's per-channel scales from a text and rewrite them in place."""
+    """Recompute a build's calibrated KV constants from a text and rewrite them in place: int8 KV's
+    per-channel scales (MLA: the latent's), int4 KV's key transform (offsets and channel scales)."""
     from kvexport.exporter.calibrate import calibrate as run
+    from kvexport.exporter.calibrate import describe
 
     manifest = run(build_dir, text, tokens, model_source, validate=not no_validate, progress=_rich_progress())
-    q = manifest.kv.quantization
-    console.print(f"scales from {q['calibration']['tokens']} tokens of {q['calibration']['text']} ({q['scheme']})",
-                  markup=False)
+    console.print(describe(manifest), markup=False)
     _print_validation(manifest)
 
 

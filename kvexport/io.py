@@ -471,11 +471,25 @@ def kv_bytes_per_token_by_group(layer_groups: tuple[str, ...], num_kv_heads: int
 
 
 def kv_static_bytes(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: DType,
-                    latent: bool = False) -> int:
-    """Bytes a KV dtype needs whatever the number of tokens, outside the pool: int8's static
-    scales ``kv_scales.{i}.key/value`` [kv_heads, head_dim] float32 per layer (graph
-    initializers; MLA: one per layer); 0 for float KV."""
-    return (1 if latent else 2) * num_layers * num_kv_heads * head_dim * 4 if kv_dtype is DType.INT8 else 0
+                    latent: bool = False, num_heads: int | None = None) -> int:
+    """Bytes a KV dtype needs whatever the number of tokens, outside the pool (graph
+    initializers, float32), 0 for float KV:
+        int8   the static scales ``kv_scales.{i}.key/value`` [kv_heads, head_dim] per layer
+               (MLA, `latent`: one ``kv_scales.{i}.latent`` [kv_lora_rank + qk_rope_head_dim])
+        int4   the key transform (exporter/kv_int4.py key_transform) per layer: the offset μ
+               ``kv_offsets.{i}.key`` and channel scales ``.key_scale`` [kv_heads, head_dim], and the
+               query's ``.query_scale`` [num_heads, head_dim]: layers x (2 x kv_heads + heads) x
+               head_dim x 4 (smollm2-135m: 30 x (2 x 3 + 9) x 64 x 4 = 115,200)
+    NOTE: int4 counts every layer's three: a layer without μ (soft-capped or sink attention)
+    holds kv_heads x head_dim x 4 bytes fewer, so this is the most a build holds (what a memory
+    plan should reserve). `num_heads`: the query heads, needed for int4 (MLA has no int4 pools)."""
+    if kv_dtype is DType.INT8:
+        return (1 if latent else 2) * num_layers * num_kv_heads * head_dim * 4
+    if kv_dtype is DType.INT4 and not latent:
+        if num_heads is None:
+            raise ValueError("kv_static_bytes of int4 KV needs num_heads (the query channel scales)")
+        return num_layers * (2 * num_kv_heads + num_heads) * head_dim * 4
+    return 0
 
 
 def local_window(layer_windows) -> int | None:

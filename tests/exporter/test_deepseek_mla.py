@@ -213,12 +213,14 @@ def test_int8_latent_kv(folder, tmp_path):
 
 
 def test_refusals(folder, built, tmp_path):
-    """MLA builds are paged, float or int8 KV, float weights; a V2 routing field transformers does not
+    """MLA builds are paged, float or int8 KV, float or rtn int8/int4 weights (test_mla_quantized_weights.py);
+    a V2 routing field transformers does not
     honour is refused by name; a manifest whose latent rank disagrees with its model is refused."""
     src = str(folder("deepseek_v3"))
     for opts, match in ((BuildOptions(layout=io.KVLayout.CONTIGUOUS, validate=False), "--layout contiguous"),
                         (BuildOptions(kv_dtype=io.DType.INT4, validate=False), "--kv-dtype int4"),
-                        (BuildOptions(weights="int8", validate=False), "--weights int8/int4")):
+                        (BuildOptions(weights="int8", validate=False), "--quant-method smoothquant is not "
+                                                                       "implemented for multi-head latent attention")):
         with pytest.raises(ConfigError, match=match):
             build(src, tmp_path / "x", opts)
     with pytest.raises(UnsupportedModelError, match="'norm_topk_prob' is True for a deepseek_v2 model"):
