@@ -1,17 +1,27 @@
 """Where a serving step's time goes on a CPU, and what the native PagedAttention op costs.
 
     .venv/bin/python bench/cpu_attention.py [--build DIR ...] [--out bench/results/cpu_attention.json]
+    .venv/bin/python bench/cpu_attention.py --step-only [--seqs 1 --seqs 8] [--kv-dtype int4 ...] [--calls 20]
 
 1. The op alone (plugins/paged_attention/cpu), one layer of smollm2-135m's shape (9 query
    heads, 3 KV heads, head_dim 64, blocks of 16), pools bound in place as the runtime does:
    - decode: 64 sequences, one new token each, contexts drawn from 16..600 (mean ~300);
    - prefill: one 480-token prompt chunk plus 32 decodes (a mixed continuous-batching step);
-   - decode2k: 16 sequences at a 2048-token context, one new token each (issue 23's int4 speed
-     check), float32 / int8 / int4 pools;
-   float32 and int8 pools; ms per call, median of 40 after warm-up.
-2. For each --build (a paged smollm2 build: `onnx` or `plugin` attention): the same two
+   - decode2k: 16 sequences at a 2048-token context, one new token each, float32 / int8 /
+     int4 pools;
+   float32 and int8 pools; ms per call, median of 40 after warm-up. One layer called again and
+   again keeps its pools in the caches as far as they fit: the case that flatters fp32.
+2. A decode step's attention at a 2k context (issue 23's int4 speed check): smollm2-135m's 30
+   layers as 30 nodes of one graph, each with pools of its own, 1 and 8 sequences of 2047
+   cached tokens + 1 new. A step reads every layer's pool once, so fp32's working set (8
+   sequences: 30 x 2 x 8 x 2048 x 3 x 256 bytes = 755 MB) is far beyond any cache and memory
+   traffic counts, as it does when serving. float32 and int4 steps alternate call by call
+   (ms per step, medians; `x_float32`: the median of the per-pair ratios).
+3. For each --build (a paged smollm2 build: `onnx` or `plugin` attention): the same two
    steps through the runtime's backend (ms per step), and onnxruntime's own profile of the
    step by op type (ms and share).
+
+--step-only runs part 2 alone (for timing whole processes, one KV dtype each).
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
+from onnx import helper
 
 from kvexport import manifest as mf
 from kvexport.plugins.paged_attention import native
@@ -37,6 +48,8 @@ from kvexport.runtime.execution.model_input import ModelInput
 from kvexport.runtime.execution.ort_backends import ort_backend
 
 RNG_SEED = 0
+SMOLLM2 = dict(num_heads=9, num_kv_heads=3, head_dim=64, block_size=16)  # smollm2-135m's attention
+SMOLLM2_LAYERS = 30
 
 
 def step_shapes(kind: str) -> tuple[list[int], list[int]]:
@@ -61,8 +74,7 @@ def time_calls(fn, n: int = 40, warmup: int = 3) -> float:
 
 def op_alone(lib: str, kind: str, kv_dtype: str) -> float:
     q_lens, ctx_lens = step_shapes(kind)
-    case, attrs = make_case(num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, q_lens=q_lens,
-                            ctx_lens=ctx_lens, kv_dtype=kv_dtype, seed=RNG_SEED)
+    case, attrs = make_case(**SMOLLM2, q_lens=q_lens, ctx_lens=ctx_lens, kv_dtype=kv_dtype, seed=RNG_SEED)
     feeds = {k: np.ascontiguousarray(v.numpy() if v is not None else np.ones(3, np.float32)) for k, v in case.items()}
     so = ort.SessionOptions()
     so.log_severity_level = 3
@@ -71,6 +83,80 @@ def op_alone(lib: str, kind: str, kv_dtype: str) -> float:
                                 providers=["CPUExecutionProvider"])
     b = native.in_place_binding(sess, feeds)
     return time_calls(lambda: sess.run_with_iobinding(b))
+
+
+def step_model(attrs, kv_dtype: str, layers: int):
+    """One decode step's attention: `layers` PagedAttention nodes (a model's layers), each with
+    pools of its own (key_cache_{i}, value_cache_{i}), sharing the step's metadata and, since only
+    the op's time is measured here, its query and new K/V."""
+    one = native.one_node_model(attrs, kv_dtype)
+    layer, node = one.graph, one.graph.node[0]
+    pools = ("key_cache", "value_cache")
+    ins = {v.name: v for v in layer.input}
+    inputs = [v for n, v in ins.items() if n not in pools]
+    nodes, outputs = [], []
+    for i in range(layers):
+        inputs += [helper.make_tensor_value_info(f"{n}_{i}", ins[n].type.tensor_type.elem_type, None) for n in pools]
+        outs = [f"{o}_{i}" for o in node.output]
+        layer_node = helper.make_node(node.op_type, [f"{n}_{i}" if n in pools else n for n in node.input], outs,
+                                      domain=node.domain, name=f"layer{i}")
+        layer_node.attribute.extend(node.attribute)
+        nodes.append(layer_node)
+        outputs += [helper.make_tensor_value_info(o, v.type.tensor_type.elem_type, None)
+                    for o, v in zip(outs, layer.output)]
+    return helper.make_model(helper.make_graph(nodes, "decode_step", inputs, outputs), opset_imports=one.opset_import)
+
+
+def step_session(lib: str, seqs: int, kv_dtype: str, layers: int, threads: int):
+    """(a session of step_model, its IOBinding with every pool bound in place) for `seqs` sequences
+    at a 2k context; every layer's pools hold the same random rows in buffers of their own."""
+    case, attrs = make_case(**SMOLLM2, q_lens=[1] * seqs, ctx_lens=[2047] * seqs, num_blocks=seqs * 128 + 1,
+                            kv_dtype=kv_dtype, seed=RNG_SEED)
+    feeds = {k: np.ascontiguousarray(v.numpy() if v is not None else np.ones(3, np.float32)) for k, v in case.items()}
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.register_custom_ops_library(lib)
+    so.intra_op_num_threads = threads
+    sess = ort.InferenceSession(step_model(attrs, kv_dtype, layers).SerializeToString(), so,
+                                providers=["CPUExecutionProvider"])
+    b = sess.io_binding()
+    for n, arr in feeds.items():
+        if n in ("key_cache", "value_cache"):
+            for i in range(layers):
+                pool = ort.OrtValue.ortvalue_from_numpy(arr.copy())
+                b.bind_ortvalue_input(f"{n}_{i}", pool)
+                b.bind_ortvalue_output(f"{n}_out_{i}", pool)
+        else:
+            b.bind_cpu_input(n, arr)
+    for i in range(layers):
+        b.bind_output(f"output_{i}")
+    pool_bytes = 2 * layers * feeds["key_cache"].nbytes
+    return sess, b, pool_bytes
+
+
+def decode_step(lib: str, seqs: int, kv_dtypes: list[str], calls: int, threads: int,
+                layers: int = SMOLLM2_LAYERS) -> dict:
+    """ms per decode step (all layers' attention) for each KV dtype, the dtypes' calls in turn:
+    wall ms and this process's CPU ms (all threads; the figure that a loaded machine disturbs less)."""
+    runs = {kv: step_session(lib, seqs, kv, layers, threads) for kv in kv_dtypes}
+    wall: dict[str, list[float]] = {kv: [] for kv in kv_dtypes}
+    cpu: dict[str, list[float]] = {kv: [] for kv in kv_dtypes}
+    for i in range(calls + 2):  # two warm-up rounds
+        for kv, (sess, b, _) in runs.items():
+            t, c = time.perf_counter(), time.process_time()
+            sess.run_with_iobinding(b)
+            if i >= 2:
+                wall[kv].append((time.perf_counter() - t) * 1000)
+                cpu[kv].append((time.process_time() - c) * 1000)
+    out = {}
+    for kv in kv_dtypes:
+        out[kv] = {"pool_mb": round(runs[kv][2] / 2 ** 20, 1), "step_ms": round(statistics.median(wall[kv]), 2),
+                   "min_ms": round(min(wall[kv]), 2), "max_ms": round(max(wall[kv]), 2),
+                   "cpu_ms": round(statistics.median(cpu[kv]), 2)}
+        if kv != "float32" and "float32" in wall:
+            out[kv]["x_float32"] = round(statistics.median([x / f for x, f in zip(wall[kv], wall["float32"])]), 3)
+            out[kv]["cpu_x_float32"] = round(statistics.median([x / f for x, f in zip(cpu[kv], cpu["float32"])]), 3)
+    return {"sequences": seqs, "context": 2048, "layers": layers, "threads": threads, "calls": calls, **out}
 
 
 def model_input(kind: str, block_size: int) -> tuple[ModelInput, int, np.ndarray]:
@@ -140,17 +226,30 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--build", action="append", default=[], type=Path, help="a paged smollm2 build (repeatable)")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--step-only", action="store_true", help="only the 30-layer decode steps (part 2)")
+    p.add_argument("--seqs", action="append", type=int, default=None, help="decode-step sequences (default 1 and 8)")
+    p.add_argument("--kv-dtype", action="append", default=None, choices=("float32", "int8", "int4"),
+                   help="decode-step KV dtypes (default float32 and int4)")
+    p.add_argument("--calls", type=int, default=20, help="decode-step calls per KV dtype, after two warm-ups")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="decode-step intra-op threads")
     args = p.parse_args()
     lib = native.library()
     if lib is None:
         sys.exit("the native CPU op is not built: run scripts/build_cpu_ops.sh")
     res = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
            "command": " ".join([Path(sys.executable).name] + sys.argv), "onnxruntime": ort.__version__,
-           "op_ms_per_layer_call": {f"{kind}/{kv}": round(op_alone(str(lib), kind, kv), 3)
-                                    for kind in ("decode", "prefill") for kv in ("float32", "int8")},
-           "op_ms_per_layer_call_2k": {f"decode2k/{kv}": round(op_alone(str(lib), "decode2k", kv), 3)
-                                       for kv in ("float32", "int8", "int4")},
-           "builds": [model_steps(b) for b in args.build]}
+           "library": str(lib), "load": os.getloadavg()[0]}
+    if not args.step_only:
+        res["op_ms_per_layer_call"] = {f"{kind}/{kv}": round(op_alone(str(lib), kind, kv), 3)
+                                       for kind in ("decode", "prefill") for kv in ("float32", "int8")}
+        res["op_ms_per_layer_call_2k"] = {f"decode2k/{kv}": round(op_alone(str(lib), "decode2k", kv), 3)
+                                          for kv in ("float32", "int8", "int4")}
+    res["decode_step_2k"] = [decode_step(str(lib), n, args.kv_dtype or ["float32", "int4"], args.calls,
+                                         args.threads)
+                             for n in args.seqs or [1, 8]]
+    if not args.step_only:
+        res["builds"] = [model_steps(b) for b in args.build]
+    res["load_after"] = os.getloadavg()[0]
     text = json.dumps(res, indent=2)
     print(text)
     if args.out:

@@ -32,6 +32,7 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "paged_attention_int4.h"
@@ -163,17 +164,16 @@ void attend_dots(const Step& st, const Task& t) {
   const Attrs& a = st.a;
   const Tile tl(st, t);
   constexpr bool I4 = std::is_same_v<KV, Int4>;
-  using E = std::conditional_t<I4, float, KV>;  // what the dot products read: int4 rows dequantized
   const int64_t d = NV > 0 ? NV * 16 : tl.d, bs = a.block_size, rows = tl.rows, rs = a.row;
   thread_local std::vector<float> scratch;
-  scratch.resize(static_cast<size_t>(rows * (2 * d + 2) + (I4 ? 2 * W * d : 0)));
+  scratch.resize(static_cast<size_t>(rows * (2 * d + 2)));
   float* q = scratch.data();
   float* acc = q + rows * d;
   float* m = acc + rows * d;
   float* l = m + rows;
-  float* kv_f = l + rows;  // int4: [2][W][d] the chunk's keys and values as float32
   for (int64_t r = 0; r < rows; ++r) {
     tl.load_query(st.query + (tl.token(t, r) * a.num_heads + tl.head(t, r)) * d, q + r * d, 1, a.scale);
+    if constexpr (I4) kvexport_int4::to_group_order(q + r * d, d);  // int4: q and acc in the codes' order
     std::fill(acc + r * d, acc + (r + 1) * d, 0.f);
     m[r] = kNegInf;
     l[r] = 0.f;
@@ -188,42 +188,48 @@ void attend_dots(const Step& st, const Task& t) {
     if (j0 + bs <= tl.last) prefetch_block(kpool, vpool, (t.kv_head * st.num_blocks + table[j0 / bs + 1]) * bs * rs,
                                            std::min(bs, tl.last + 1 - j0 - bs) * rs);
     for (int64_t c0 = j0; c0 < end; c0 += W) {  // up to W keys of the block
-      const E* kb;
-      const E* vb;
-      if constexpr (I4) {  // the chunk's visible rows, dequantized once for every query row
-        const int64_t j_first = std::max(c0, tl.first), n = std::min<int64_t>(c0 + W, end) - j_first;
-        kvexport_int4::dequantize_rows(kpool + base + (j_first - j0) * rs, n, d, rs, kv_f + (j_first - c0) * d);
-        kvexport_int4::dequantize_rows(vpool + base + (j_first - j0) * rs, n, d, rs, kv_f + (W + j_first - c0) * d);
-        kb = kv_f;
-        vb = kv_f + W * d;
-      } else {
-        kb = kpool + base + (c0 - j0) * d;
-        vb = vpool + base + (c0 - j0) * d;
-      }
-      for (int64_t r = 0; r < rows; ++r) {
+      const KV* kb = kpool + base + (c0 - j0) * rs;
+      const KV* vb = vpool + base + (c0 - j0) * rs;
+      auto visible = [&](int64_t r) {  // [j_lo, j_hi]: the chunk's keys row r sees
         const int64_t pos = tl.pos(t, r);
         const int64_t lo = a.sliding_window > 0 ? pos - a.sliding_window + 1 : 0;
-        const int64_t j_lo = std::max(lo, c0), j_hi = std::min({pos, c0 + W - 1, end - 1});  // visible
-        if (j_lo > j_hi) continue;
-        for (int64_t j = j_lo; j <= j_hi; ++j) s[j - j_lo] = dot<NV>(q + r * d, kb + (j - c0) * d, d);
-        const int64_t n = j_hi - j_lo + 1;
-        if (a.logit_softcap > 0.f) store16(s, softcap16(load16(s), a.logit_softcap));  // lanes >= n: reset below
-        float mx = kNegInf;
-        for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[j]);
-        for (int64_t j = n; j < W; ++j) s[j] = kNegInf;
-        const float m_new = std::max(m[r], mx);
-        const float alpha = std::exp(m[r] - m_new);  // 0 on the first visible block
-        const v16f p = exp16(load16(s) - m_new);
-        store16(s, p);
-        l[r] = l[r] * alpha + hsum(p);
-        m[r] = m_new;
-        accumulate<NV>(acc + r * d, alpha, s, 1, vb + (j_lo - c0) * d, n, d);
+        return std::pair<int64_t, int64_t>{std::max(lo, c0), std::min({pos, c0 + W - 1, end - 1})};
+      };
+      if constexpr (I4) {  // fused: scores and values straight from the codes (paged_attention_int4.h)
+        int lo[kvexport_int4::kMaxRows], hi[kvexport_int4::kMaxRows];
+        for (int64_t r = 0; r < rows; ++r) {
+          const auto [j_lo, j_hi] = visible(r);
+          lo[r] = static_cast<int>(std::min<int64_t>(j_lo - c0, W));
+          hi[r] = static_cast<int>(j_hi - c0);
+        }
+        kvexport_int4::attend_chunk(q, static_cast<int>(rows), d, &kb->byte, &vb->byte, rs, lo, hi, a.logit_softcap,
+                                    m, l, acc);
+      } else {
+        for (int64_t r = 0; r < rows; ++r) {
+          const auto [j_lo, j_hi] = visible(r);
+          if (j_lo > j_hi) continue;
+          for (int64_t j = j_lo; j <= j_hi; ++j) s[j - j_lo] = dot<NV>(q + r * d, kb + (j - c0) * d, d);
+          const int64_t n = j_hi - j_lo + 1;
+          if (a.logit_softcap > 0.f) store16(s, softcap16(load16(s), a.logit_softcap));  // lanes >= n: reset below
+          float mx = kNegInf;
+          for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[j]);
+          for (int64_t j = n; j < W; ++j) s[j] = kNegInf;
+          const float m_new = std::max(m[r], mx);
+          const float alpha = std::exp(m[r] - m_new);  // 0 on the first visible block
+          const v16f p = exp16(load16(s) - m_new);
+          store16(s, p);
+          l[r] = l[r] * alpha + hsum(p);
+          m[r] = m_new;
+          accumulate<NV>(acc + r * d, alpha, s, 1, vb + (j_lo - c0) * d, n, d);
+        }
       }
     }
   }
-  for (int64_t r = 0; r < rows; ++r)
+  for (int64_t r = 0; r < rows; ++r) {
+    if constexpr (I4) kvexport_int4::from_group_order(acc + r * d, d);
     tl.store_output(acc + r * d, st.out + (tl.token(t, r) * a.num_heads + tl.head(t, r)) * d, l[r], m[r],
                     tl.head(t, r));
+  }
 }
 
 // Many rows (prompt tiles): scores are computed 16 rows at a time, vectorised over rows
@@ -336,6 +342,7 @@ void attend_rows(const Step& st, const Task& t) {
 }
 
 constexpr int64_t kRowsMin = 8;  // tasks with fewer rows take the dot-product path
+static_assert(kRowsMin - 1 <= kvexport_int4::kMaxRows, "int4 decode tasks: attend_chunk's row count");
 
 template <int NV, typename KV>
 void run_task(void* user, size_t i) {
