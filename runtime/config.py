@@ -141,7 +141,7 @@ class EngineConfig:
         return cls(**kw)
 
 
-# help of each field, for the CLI options and docs (kvexport/cli.py engine_options)
+# help of each field, for the CLI options and docs (kvexport/cli_options.py engine_options)
 SETTINGS: dict[str, str] = {
     "kv_cache_memory": "KV pool budget: a size (2GiB, 512MiB, bytes) or a share of free memory (30%).",
     "max_num_seqs": "Sequences per engine step, max.",

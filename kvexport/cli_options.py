@@ -1,0 +1,149 @@
+"""What every `kvexport` command shares (kvexport/cli.py and its command modules cli_build.py,
+cli_serve.py, cli_deploy.py): the stderr console and its error line, the option types and callbacks
+that refuse bad values naming the option, and the runtime settings as options (`engine_options`).
+
+NOTE: this module imports nothing heavy (no torch, onnx, transformers): `kvexport --help` imports it,
+and the commands import what they run inside their bodies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from pathlib import Path
+from typing import Iterator
+
+import click
+from rich.console import Console
+from rich.markup import escape
+
+from kvexport.exporter.limits import RANGES
+
+# NOTE: user text (paths, prompts, error messages) reaches this console only through escape()
+# or markup=False; emoji=False keeps ":name:" in a path or prompt as typed
+console = Console(stderr=True, soft_wrap=True, emoji=False)
+
+
+def print_error(message: str) -> None:
+    """An error line on stderr; the message is printed literally (never read as rich markup)."""
+    console.print(f"[bold red]error:[/] {escape(message)}")
+
+
+def clip(text: str, limit: int = 60) -> str:
+    """`text` cut to `limit` characters (a 54 KB prompt is not echoed back in an error)."""
+    return text if len(text) <= limit else f"{text[:limit - 1]}… ({len(text)} characters)"
+
+
+def quote(text: str, limit: int = 50) -> str:
+    """`text` quoted as Python would, its first `limit` characters only: 'word word…' (54000 characters)."""
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}… ({len(text)} characters)"
+
+
+def engine_options(f):
+    """The runtime settings as options, generated from their one definition
+    (kvexport.runtime.config, runtime/config.py: EngineConfig's fields, defaults and SETTINGS help), for
+    every command that runs an engine. Values are checked by EngineConfig itself."""
+    from dataclasses import fields
+
+    from kvexport.runtime.config import CHOICES, SETTINGS, EngineConfig
+
+    d = EngineConfig()
+    opts = []
+    for fld in fields(EngineConfig):
+        flag, default = "--" + fld.name.replace("_", "-"), getattr(d, fld.name)
+        if isinstance(default, bool):
+            name = fld.name.removeprefix("enable_").replace("_", "-")
+            opts.append(click.option(f"--{name}/--no-{name}", fld.name, default=default, show_default=True,
+                                     help=SETTINGS[fld.name]))
+        elif isinstance(default, tuple):  # comma-separated integers
+            opts.append(click.option(flag, fld.name, default=",".join(map(str, default)), callback=_int_list,
+                                     help=SETTINGS[fld.name]))
+        else:
+            typ = click.Choice(CHOICES[fld.name]) if fld.name in CHOICES else (str if isinstance(default, str) else int)
+            opts.append(click.option(flag, fld.name, type=typ, default=default, show_default=default is not None,
+                                     help=SETTINGS[fld.name]))
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def _int_list(ctx, param, value: str) -> tuple[int, ...]:
+    """A click callback: "1,2,4" -> (1, 2, 4)."""
+    try:
+        return tuple(int(x) for x in value.split(",") if x.strip())
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: give comma-separated integers, e.g. 1,2,4,8", param=param) from None
+
+
+def engine_config(settings: dict):
+    """Pop the engine_options() values out of a command's keyword arguments."""
+    from dataclasses import fields
+
+    from kvexport.runtime.config import EngineConfig
+
+    names = {f.name for f in fields(EngineConfig)}
+    return EngineConfig(**{k: settings.pop(k) for k in list(settings) if k in names})
+
+
+def rich_progress():
+    """A progress callback for build(): one spinner line per step, with its duration."""
+
+    @contextlib.contextmanager
+    def step(name: str) -> Iterator[None]:
+        t = time.perf_counter()
+        with console.status(f"{escape(name)}…"):
+            yield
+        console.print(f"[green]✓[/] {escape(name)} [dim]({time.perf_counter() - t:.1f}s)[/]")
+
+    return step
+
+
+def finite(ctx, param, value: float | None) -> float | None:
+    """A click callback: click's float types take "nan" and "inf"; options here never do."""
+    if value is not None and not math.isfinite(value):
+        raise click.BadParameter(f"{value} is not a finite number", param=param)
+    return value
+
+
+class SafePath(click.Path):
+    """click.Path, refusing by name what os.stat would raise on: a NUL character, text that is
+    no file name (lone surrogates: never from argv, whose bytes always encode back)."""
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and "\0" in value:
+            self.fail(f"{quote(value)} contains a NUL character", param, ctx)
+        try:
+            os.fsencode(value)
+        except UnicodeEncodeError:
+            self.fail(f"{ascii(value)} cannot be a file name", param, ctx)
+        return super().convert(value, param, ctx)
+
+
+def option_range(name: str) -> click.IntRange:
+    """The click type of a numeric build option: its range from exporter/limits.py."""
+    lo, hi = RANGES[name]
+    return click.IntRange(lo, hi)
+
+
+def new_path(ctx, param, value: str | None) -> str | None:
+    """A click callback for a path kvexport creates or replaces (--out, --json): refused here,
+    naming the option, when it cannot be made (a NUL, a name too long, a file where a folder
+    must be, a folder this process cannot write)."""
+    if value is None:
+        return None
+    if "\0" in value or not value.strip():
+        raise click.BadParameter("give a path (not empty, no NUL character)", param=param)
+    path = Path(value)
+    if any(len(os.fsencode(part)) > 255 for part in path.parts):  # SafePath checked that they encode
+        raise click.BadParameter(f"a name in {clip(value)!r} is longer than 255 bytes", param=param)
+    parent = path.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise click.BadParameter(f"{parent} is a file, not a folder", param=param)
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise click.BadParameter(f"cannot write in {parent} (permission denied)", param=param)
+    return value
+
