@@ -19,11 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
 import importlib.util
-import json
-import os
-import platform
 import random
 import time
 from pathlib import Path
@@ -31,14 +27,17 @@ from pathlib import Path
 import httpx
 
 HERE = Path(__file__).resolve().parent
-MODEL = "bench"
 
 
 def _routing():
+    """bench/dynamo_routing.py: its `local_cluster`, the streamed request and the report."""
     spec = importlib.util.spec_from_file_location("kvexport_bench_dynamo_routing", HERE / "dynamo_routing.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+bench = _routing()
 
 
 def workload(args) -> list[tuple[float, str, list[int], int]]:
@@ -54,18 +53,11 @@ def workload(args) -> list[tuple[float, str, list[int], int]]:
 
 
 async def _one(client: httpx.AsyncClient, base: str, prompt: list[int], max_tokens: int) -> dict:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True}
     t0 = time.perf_counter()
     stamps: list[float] = []
-    async with client.stream("POST", f"{base}/v1/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data:") or "[DONE]" in line:
-                continue
-            d = json.loads(line[5:])
-            if d.get("choices") and d["choices"][0].get("text"):
-                stamps.append(time.perf_counter())
+    async for d in bench.completion_chunks(client, base, prompt, max_tokens):
+        if d.get("choices") and d["choices"][0].get("text"):
+            stamps.append(time.perf_counter())
     return {"ttft_s": stamps[0] - t0 if stamps else None, "itl_s": [b - a for a, b in zip(stamps, stamps[1:])],
             "latency_s": time.perf_counter() - t0, "chunks": len(stamps)}
 
@@ -81,30 +73,22 @@ async def run(base: str, reqs) -> list[dict]:
         return await asyncio.gather(*(at(*r) for r in reqs))
 
 
-def _pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
-
-
 def summarize(res: list[dict]) -> dict:
     out = {}
     for kind in ("all", "long", "chat"):
         rs = [r for r in res if kind == "all" or r["kind"] == kind]
         ttft = [r["ttft_s"] for r in rs if r["ttft_s"] is not None]
         itl = [g for r in rs for g in r["itl_s"]]
-        out[kind] = {"requests": len(rs), "ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99),
-                     "itl_p50_s": _pct(itl, 0.5), "itl_p99_s": _pct(itl, 0.99),
-                     "latency_p50_s": _pct([r["latency_s"] for r in rs], 0.5)}
+        out[kind] = {"requests": len(rs), "ttft_p50_s": bench.pct(ttft, 0.5), "ttft_p99_s": bench.pct(ttft, 0.99),
+                     "itl_p50_s": bench.pct(itl, 0.5), "itl_p99_s": bench.pct(itl, 0.99),
+                     "latency_p50_s": bench.pct([r["latency_s"] for r in rs], 0.5)}
     return out
 
 
 def measure(build_dir: Path, tmp: Path, disagg: bool, reqs, args) -> dict:
-    bench = _routing()
     each = [("--mode", "prefill"), ("--mode", "decode")] if disagg else None
     with bench.local_cluster(build_dir, tmp, 2, "round-robin", ("--kv-cache-memory", args.kv_cache_memory),
-                             namespace="kvxdisaggbench", model=MODEL, each_worker_args=each) as c:
+                             namespace="kvxdisaggbench", model=bench.MODEL, each_worker_args=each) as c:
         # one warm-up request per worker (onnxruntime's first run of each step shape is slow)
         asyncio.run(run(c.base, [(0.0, "warm", [5, 6, 7] * 20, 4), (0.0, "warm", [8, 9] * 30, 4)]))
         t0 = time.perf_counter()
@@ -132,26 +116,12 @@ def main() -> None:
     ap.add_argument("--kv-cache-memory", default="256MiB")
     ap.add_argument("--json", help="also write the result here")
     args = ap.parse_args()
-    if args.build:
-        build_dir = Path(args.build)
-    else:
-        from kvexport.exporter.build import BuildOptions, build
-
-        build_dir = HERE / ".cache" / "smollm2-135m-paged"
-        if not (build_dir / "kvexport.json").is_file():
-            build("smollm2-135m", build_dir, BuildOptions(max_seq_len=512, validate=False, force=True))
+    build_dir = bench.paged_build(args.build)
     reqs = workload(args)
     tmp = HERE / ".cache" / "dynamo_disagg"
     rows = [measure(build_dir, tmp / name, disagg, reqs, args) for name, disagg in (("agg", False), ("disagg", True))]
-    result = {"date": dt.date.today().isoformat(), "machine": f"{platform.processor() or platform.machine()}, "
-              f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the end",
-              "build": str(build_dir.name), "workload": {k: getattr(args, k) for k in (
-                  "requests", "rate", "long_prompt", "long_out", "chat_prompt", "chat_out", "seed",
-                  "kv_cache_memory")}, "rows": rows}
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
+    bench.write_report(args, build_dir, ("requests", "rate", "long_prompt", "long_out", "chat_prompt", "chat_out",
+                                         "seed", "kv_cache_memory"), rows)
 
 
 if __name__ == "__main__":

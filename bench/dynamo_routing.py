@@ -32,7 +32,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import AsyncIterator, Callable, Iterator
 
 import httpx
 
@@ -179,19 +179,12 @@ def workload(prefixes: int, prefix_tokens: int, rounds: int, suffix_tokens: int,
 
 
 async def _one(client: httpx.AsyncClient, base: str, prompt: list[int], max_tokens: int) -> dict:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     ttft, usage = None, None
-    async with client.stream("POST", f"{base}/v1/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data:") or "[DONE]" in line:
-                continue
-            d = json.loads(line[5:])
-            if ttft is None and d.get("choices") and d["choices"][0].get("text"):
-                ttft = time.perf_counter() - t0
-            usage = d.get("usage") or usage
+    async for d in completion_chunks(client, base, prompt, max_tokens, stream_options={"include_usage": True}):
+        if ttft is None and d.get("choices") and d["choices"][0].get("text"):
+            ttft = time.perf_counter() - t0
+        usage = d.get("usage") or usage
     assert usage is not None, "no usage in the stream"
     return {"ttft_s": ttft, "latency_s": time.perf_counter() - t0, "prompt_tokens": usage["prompt_tokens"],
             "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0}
@@ -210,9 +203,51 @@ async def run_workload(base: str, prompts: list[list[int]], max_tokens: int, con
     return out
 
 
-def _pct(xs: list[float], q: float) -> float:
+# ---- the client and the report (bench/dynamo_disagg.py uses these too) ------------------------------
+async def completion_chunks(client: httpx.AsyncClient, base: str, prompt: list[int], max_tokens: int,
+                            **extra) -> AsyncIterator[dict]:
+    """The chunks of one streamed `POST base/v1/completions` (model MODEL, greedy, ignore_eos; `extra`
+    added to the body), each `data:` line parsed, up to `[DONE]`."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, **extra}
+    async with client.stream("POST", f"{base}/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data:") and "[DONE]" not in line:
+                yield json.loads(line[5:])
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    """The q quantile (0..1) of xs, the nearest rank; None when xs is empty."""
+    if not xs:
+        return None
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def paged_build(build: str | None) -> Path:
+    """--build, or (when not given) smollm2-135m as a paged build with 512 positions, built into
+    bench/.cache once."""
+    if build:
+        return Path(build)
+    from kvexport.exporter.build import BuildOptions, build as build_model
+
+    build_dir = HERE / ".cache" / "smollm2-135m-paged"
+    if not (build_dir / "kvexport.json").is_file():
+        build_model("smollm2-135m", build_dir, BuildOptions(max_seq_len=512, validate=False, force=True))
+    return build_dir
+
+
+def write_report(args, build_dir: Path, workload_args: tuple[str, ...], rows: list[dict]) -> None:
+    """Print the result as JSON (and write it to args.json when given): the date, the machine with its
+    load average at the end, the build's name, the workload (those of args' fields) and the rows."""
+    result = {"date": dt.date.today().isoformat(), "machine": f"{platform.processor() or platform.machine()}, "
+              f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the end",
+              "build": str(build_dir.name), "workload": {k: getattr(args, k) for k in workload_args}, "rows": rows}
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
 
 
 def measure(build_dir: Path, tmp: Path, workers: int, router_mode: str, prompts: list[list[int]], args) -> dict:
@@ -227,7 +262,7 @@ def measure(build_dir: Path, tmp: Path, workers: int, router_mode: str, prompts:
             "prompt_tokens_cached": sum(r["cached_tokens"] for r in res) / sum(r["prompt_tokens"] for r in res),
             "block_hit_rate": sum(x["kvexport_prefix_cache_hits_total"] for x in m) / q if q else 0.0,
             "requests_per_worker": [int(x["kvexport_requests_total"]) for x in m],
-            "ttft_p50_s": _pct(ttft, 0.5), "ttft_p90_s": _pct(ttft, 0.9), "wall_s": wall}
+            "ttft_p50_s": pct(ttft, 0.5), "ttft_p90_s": pct(ttft, 0.9), "wall_s": wall}
 
 
 def main() -> None:
@@ -242,27 +277,13 @@ def main() -> None:
     ap.add_argument("--kv-cache-memory", default="256MiB")
     ap.add_argument("--json", help="also write the result here")
     args = ap.parse_args()
-    if args.build:
-        build_dir = Path(args.build)
-    else:
-        from kvexport.exporter.build import BuildOptions, build
-
-        build_dir = HERE / ".cache" / "smollm2-135m-paged"
-        if not (build_dir / "kvexport.json").is_file():
-            build("smollm2-135m", build_dir, BuildOptions(max_seq_len=512, validate=False, force=True))
+    build_dir = paged_build(args.build)
     prompts = workload(args.prefixes, args.prefix_tokens, args.rounds, args.suffix_tokens)
     tmp = HERE / ".cache" / "dynamo_routing"
     rows = [measure(build_dir, tmp / f"{mode}-{n}", n, mode, prompts, args)
             for n, mode in ((2, "kv"), (2, "round-robin"), (1, "kv"))]
-    result = {"date": dt.date.today().isoformat(), "machine": f"{platform.processor() or platform.machine()}, "
-              f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the end",
-              "build": str(build_dir.name), "workload": {k: getattr(args, k) for k in (
-                  "prefixes", "prefix_tokens", "suffix_tokens", "rounds", "max_tokens", "concurrency",
-                  "kv_cache_memory")}, "rows": rows}
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
+    write_report(args, build_dir, ("prefixes", "prefix_tokens", "suffix_tokens", "rounds", "max_tokens",
+                                   "concurrency", "kv_cache_memory"), rows)
 
 
 if __name__ == "__main__":

@@ -195,12 +195,6 @@ def stored_codes(q: np.ndarray, bits: int) -> tuple[np.ndarray, int]:
 
 
 # ---- the model ----------------------------------------------------------------------------
-def linear_names(num_layers: int) -> list[str]:
-    """Graph weight names of every quantizable matmul of a dense decoder (exporter/graph.py `layer`);
-    MLA and MoE layers have more (float_linears)."""
-    return [f"model.layers.{i}.{x}.weight" for i in range(num_layers) for x in LINEARS]
-
-
 def float_linears(weights) -> dict[str, np.ndarray]:
     """name -> float [K, N] of every decoder matmul of a ModelWeights: LINEARS, an MLA layer's
     projections (exporter/mla.py linears: W_UK / W_UV stay float32, its NOTE says why) and each

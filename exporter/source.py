@@ -154,10 +154,13 @@ def config_json(cfg_path: Path) -> dict:
 
 def load_config_file(cfg_path: Path):
     """The transformers config of a config.json alone: no weights are read or needed
-    (`kvexport plan` of a model whose weights are not downloaded)."""
+    (`kvexport plan` of a model whose weights are not downloaded). A quantization_config that
+    builds refuse (`_check_hf_dir`) is refused here too, the same way."""
     from transformers import AutoConfig
 
-    config_json(cfg_path)
+    from . import prequantized
+
+    prequantized.check_method(config_json(cfg_path), str(cfg_path))
     try:
         return AutoConfig.from_pretrained(str(cfg_path), trust_remote_code=False)
     except Exception as e:  # noqa: BLE001 - transformers/huggingface_hub raise many types (strict dataclasses)

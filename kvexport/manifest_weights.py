@@ -35,7 +35,11 @@ def _block_ok(b: int | str) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class QuantizedMatrices:
-    matrices: int  # quantized matmul weights: 4 per layer (q|k|v, o, gate|up, down) + the LM head
+    # quantized matmul weights (exporter/quantize.py float_linears) + the LM head when quantized: per dense
+    # layer 4 (q|k|v, o, gate|up, down); an MLA layer has q (or q_a, q_b), kv_a and o instead of q|k|v, o
+    # (kv_b stays float); an MoE layer adds each expert's up and down (a sparse layer without a shared
+    # expert has no gate|up, down of its own)
+    matrices: int
     origins: dict[str, int]  # how their codes were made ("rtn", "awq", "smoothquant", "gguf:Q4_1", ...) -> count
     names: str  # their graph names, as a pattern
 

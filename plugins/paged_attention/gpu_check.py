@@ -27,6 +27,7 @@ import sys
 import time
 import traceback
 from datetime import datetime, timezone
+from typing import Callable
 
 LLAMA = dict(num_heads=32, num_kv_heads=8, head_dim=128, block_size=16)
 TINY = dict(num_heads=4, num_kv_heads=2, head_dim=16, block_size=4)
@@ -41,16 +42,21 @@ def _clone(inputs: dict) -> dict:
 def _case(shape: dict, batch: int, ctx: int, q_len: int, device: str, **kw):
     from .reference import make_case
 
-    q_lens = [q_len] * batch
-    ctx_lens = [max(0, ctx - q_len - 7 * (i % 3)) for i in range(batch)]  # ragged around ctx
-    bs = shape["block_size"]
-    need = 1 + sum(-(-(c + q) // bs) for c, q in zip(ctx_lens, q_lens))
     if kw.pop("sinks", False):  # learned attention sinks (GPT-OSS): one logit per query head, ~N(0, 2²)
         import torch
 
         gen = torch.Generator().manual_seed(7)
         kw["attention_sinks"] = (torch.randn(shape["num_heads"], generator=gen) * 2).tolist()
-    return make_case(**shape, q_lens=q_lens, ctx_lens=ctx_lens, num_blocks=need + 8, device=device, **kw)
+    return make_case(**shape, **ragged(shape["block_size"], batch, ctx, q_len), device=device, **kw)
+
+
+def ragged(block_size: int, batch: int, ctx: int, q_len: int) -> dict:
+    """make_case's q_lens, ctx_lens and num_blocks for `batch` sequences of q_len new tokens after
+    contexts ragged around ctx - q_len, with 8 blocks to spare (plugins/paged_mla/gpu_check.py too)."""
+    q_lens = [q_len] * batch
+    ctx_lens = [max(0, ctx - q_len - 7 * (i % 3)) for i in range(batch)]
+    need = 1 + sum(-(-(c + q) // block_size) for c, q in zip(ctx_lens, q_lens))
+    return dict(q_lens=q_lens, ctx_lens=ctx_lens, num_blocks=need + 8)
 
 
 def check_correctness(shape: dict, device: str, cases: list[dict]) -> list[dict]:
@@ -294,9 +300,13 @@ def summary(r: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for gpu_check.json")
+def cli(argv, description: str, json_name: str, run: Callable[[bool, str], dict],
+        summary: Callable[[dict], str]) -> int:
+    """The command line of a GPU check (plugins/paged_mla/gpu_check.py's too): --out, --tiny;
+    run(tiny, out) -> report, written to <out>/json_name ({"error", "trace"} when it raised),
+    then summary(report) printed; 0 when every correctness case passed."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."), help=f"folder for {json_name}")
     ap.add_argument("--tiny", action="store_true", help="toy sizes on CPU under TRITON_INTERPRET=1")
     args = ap.parse_args(argv)
     if args.tiny:
@@ -307,13 +317,16 @@ def main(argv=None) -> int:
     except Exception as e:
         report = dict(error=f"{type(e).__name__}: {e}", trace=traceback.format_exc())
         print(report["trace"], file=sys.stderr)
-    with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
+    with open(os.path.join(args.out, json_name), "w") as f:
         json.dump(report, f, indent=1, default=str)
     if "error" in report:
         return 1
     print(summary(report))
     return 0 if report["goals"]["correctness"] else 1
 
+
+def main(argv=None) -> int:
+    return cli(argv, __doc__.splitlines()[0], "gpu_check.json", run, summary)
 
 if __name__ == "__main__":
     sys.exit(main())

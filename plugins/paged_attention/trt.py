@@ -72,23 +72,31 @@ def aot_kernel(attrs: PagedAttentionAttrs, act: str, tactic: int, capability: Un
     return src, src.compile(capability)
 
 
+def check_tensorrt(op_type: str) -> None:
+    """TensorRTUnavailableError naming the kvexport::<op_type> plugin unless TensorRT >= 10.10 (with
+    tensorrt.plugin.aot_impl) is importable (plugins/paged_mla/trt.py's register() too)."""
+    try:
+        import tensorrt as trt
+        import tensorrt.plugin as trtp  # type: ignore[import-not-found, unused-ignore]  # not in the stubs
+    except ImportError as e:
+        raise TensorRTUnavailableError(
+            f"TensorRT is not installed: the kvexport::{op_type} plugin needs TensorRT >= 10.10 "
+            "(`pip install tensorrt` on a machine with an NVIDIA GPU and driver). ONNX builds and the "
+            f"onnxruntime backend do not need it. ({e})") from e
+    if not hasattr(trtp, "aot_impl"):
+        raise TensorRTUnavailableError(f"TensorRT {getattr(trt, '__version__', '?')} has no "
+                                       "tensorrt.plugin.aot_impl; ahead-of-time plugins need TensorRT >= 10.10")
+
+
 def register() -> None:
     """Registers the plugin with TensorRT's plugin registry (idempotent). Raises
     TensorRTUnavailableError when TensorRT (>= 10.10, with tensorrt.plugin.aot_impl) is missing."""
     global _registered
     if _registered:
         return
-    try:
-        import tensorrt as trt
-        import tensorrt.plugin as trtp  # type: ignore[import-not-found, unused-ignore]  # not in the stubs
-    except ImportError as e:
-        raise TensorRTUnavailableError(
-            "TensorRT is not installed: the kvexport::PagedAttention plugin needs TensorRT >= 10.10 "
-            "(`pip install tensorrt` on a machine with an NVIDIA GPU and driver). ONNX builds and the "
-            f"onnxruntime backend do not need it. ({e})") from e
-    if not hasattr(trtp, "aot_impl"):
-        raise TensorRTUnavailableError(f"TensorRT {getattr(trt, '__version__', '?')} has no "
-                                       "tensorrt.plugin.aot_impl; ahead-of-time plugins need TensorRT >= 10.10")
+    check_tensorrt("PagedAttention")
+    import tensorrt as trt
+
     dtype_names: Dict[trt.DataType, str] = {trt.float32: "float32", trt.float16: "float16",
                                             trt.bfloat16: "bfloat16", trt.int8: "int8", trt.uint8: "int4"}
     _define(dtype_names)

@@ -18,14 +18,13 @@ CPU under TRITON_INTERPRET=1 (tests/plugins/test_gpu_check_dry_run.py, through g
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import platform
 import sys
 import time
 import traceback
 from datetime import datetime, timezone
+
+from ..paged_attention.gpu_check import cli, ragged
 
 V3 = dict(num_heads=128, kv_lora_rank=512, qk_rope_head_dim=64, block_size=16, scale=192 ** -0.5)
 V3_TP8 = dict(V3, num_heads=16)
@@ -36,11 +35,7 @@ TINY_TP = dict(TINY, num_heads=20)  # more heads than one program's rows: head c
 def _case(shape: dict, batch: int, ctx: int, q_len: int, device: str, **kw):
     from .reference import make_case
 
-    q_lens = [q_len] * batch
-    ctx_lens = [max(0, ctx - q_len - 7 * (i % 3)) for i in range(batch)]  # ragged around ctx
-    bs = shape["block_size"]
-    need = 1 + sum(-(-(c + q) // bs) for c, q in zip(ctx_lens, q_lens))
-    return make_case(**shape, q_lens=q_lens, ctx_lens=ctx_lens, num_blocks=need + 8, device=device, **kw)
+    return make_case(**shape, **ragged(shape["block_size"], batch, ctx, q_len), device=device, **kw)
 
 
 def check_correctness(device: str, cases: list[dict]) -> list[dict]:
@@ -198,25 +193,7 @@ def summary(r: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for gpu_check_mla.json")
-    ap.add_argument("--tiny", action="store_true", help="toy sizes on CPU under TRITON_INTERPRET=1")
-    args = ap.parse_args(argv)
-    if args.tiny:
-        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (kernels are decorated then)
-    os.makedirs(args.out, exist_ok=True)
-    try:
-        report = run(args.tiny)
-    except Exception as e:
-        report = dict(error=f"{type(e).__name__}: {e}", trace=traceback.format_exc())
-        print(report["trace"], file=sys.stderr)
-    with open(os.path.join(args.out, "gpu_check_mla.json"), "w") as f:
-        json.dump(report, f, indent=1, default=str)
-    if "error" in report:
-        return 1
-    print(summary(report))
-    return 0 if report["goals"]["correctness"] else 1
-
+    return cli(argv, __doc__.splitlines()[0], "gpu_check_mla.json", lambda tiny, out: run(tiny), summary)
 
 if __name__ == "__main__":
     sys.exit(main())

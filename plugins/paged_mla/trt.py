@@ -21,8 +21,10 @@ installable on the project's machines, so the registration has never run.
 
 from typing import Any, Dict, List, Tuple, Union
 
-from kvexport.errors import EngineBuildError, KvExportError, TensorRTUnavailableError
+from kvexport.errors import EngineBuildError, KvExportError
+from kvexport.errors import TensorRTUnavailableError  # noqa: F401 - check_tensorrt raises it
 
+from ..paged_attention.trt import check_tensorrt
 from . import configs, spec
 from .spec import PagedMLAAttrs
 
@@ -71,17 +73,9 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    try:
-        import tensorrt as trt
-        import tensorrt.plugin as trtp  # type: ignore[import-not-found, unused-ignore]  # not in the stubs
-    except ImportError as e:
-        raise TensorRTUnavailableError(
-            "TensorRT is not installed: the kvexport::PagedMLA plugin needs TensorRT >= 10.10 "
-            "(`pip install tensorrt` on a machine with an NVIDIA GPU and driver). ONNX builds and the "
-            f"onnxruntime backend do not need it. ({e})") from e
-    if not hasattr(trtp, "aot_impl"):
-        raise TensorRTUnavailableError(f"TensorRT {getattr(trt, '__version__', '?')} has no "
-                                       "tensorrt.plugin.aot_impl; ahead-of-time plugins need TensorRT >= 10.10")
+    check_tensorrt("PagedMLA")
+    import tensorrt as trt
+
     dtype_names: Dict[trt.DataType, str] = {trt.float32: "float32", trt.float16: "float16",
                                             trt.bfloat16: "bfloat16", trt.int8: "int8"}
     _define(dtype_names)

@@ -15,10 +15,12 @@ import json
 import numpy as np
 import onnx
 import pytest
+from click.testing import CliRunner
 from onnx import numpy_helper
 from safetensors.numpy import load_file, save_file
 
 from kvexport import io
+from kvexport.cli import main
 from kvexport.errors import ConfigError, KvExportError
 from kvexport.exporter import prequantized as pqz
 from kvexport.exporter import quantize as qz
@@ -195,7 +197,28 @@ def test_awq_unpack_inverts_the_documented_packing():
 def test_unmappable_configs_are_refused_by_field(qc, field):
     with pytest.raises(ConfigError, match=f"quantization_config.{field}"):
         pqz.parse(qc)
-    assert pqz.parse({"quant_method": "bitsandbytes"}) is None  # left to transformers, as before
+    # not AWQ/GPTQ: parse reads nothing (None); check_method refuses it before any weight is read
+    assert pqz.parse({"quant_method": "bitsandbytes"}) is None
+    with pytest.raises(ConfigError, match="'quantization_config.quant_method' is 'bitsandbytes'"):
+        pqz.check_method({"model_type": "llama", "quantization_config": {"quant_method": "bitsandbytes"}})
+
+
+@pytest.mark.parametrize("given", ["folder", "config.json"])
+def test_plan_refuses_an_unread_quant_method_as_build_does(hf_folder, tmp_path, given):
+    """`kvexport plan` reads a HF folder's config.json alone (no weights), yet refuses a
+    quantization_config that a build would refuse, with the build's message."""
+    d = tmp_path / "bnb"
+    d.mkdir()
+    cfg = json.loads((hf_folder("llama") / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    (d / "config.json").write_text(json.dumps(cfg))
+    r = CliRunner().invoke(main, ["plan", str(d if given == "folder" else d / "config.json"), "--memory", "8GiB"])
+    assert r.exit_code == 2, r.output
+    assert "'quantization_config.quant_method' is 'bitsandbytes'" in r.output and "supported values: awq" in r.output
+    with pytest.raises(ConfigError) as built:  # the same refusal, word for word, once weights are there
+        (d / "model.safetensors").write_bytes((hf_folder("llama") / "model.safetensors").read_bytes())
+        build(str(d), tmp_path / "b", BuildOptions(**OPTS))
+    assert str(built.value) in " ".join(r.output.split())
 
 
 def test_act_order_and_v1_zero_of_16_are_refused(hf_folder, tmp_path):
