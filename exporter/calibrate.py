@@ -32,8 +32,9 @@ The other calibrated KV constants take the same path (`Constants`):
 
     int8 KV          kv_scales.{i}.key/value     compute_scales            kv.quantization
     int8 MLA latent  kv_scales.{i}.latent        mla.calibrate_latent      kv.quantization
-    int4 KV          kv_offsets.{i}.key,         kv_int4.key_transform     kv.quantization
-                     .key_scale, .query_scale    (int4_key_transform)      ["key_transform"]
+    int4 KV          kv_offsets.{i}.key,         kv_int4.calibrate_        kv.quantization
+                     .key_scale, .query_scale    transform (int4_key_      ["key_transform"]
+                                                 transform)
 
 each computed by the function the build calls (so by the same rules: which layers get an int4
 offset is `key_offset_layers`, asked by both), in every graph that holds them (prefill, decode;
@@ -176,7 +177,7 @@ def quantization_entry(scales: np.ndarray, text: str, ids: list[int]) -> dict:
 
 
 def key_offset_layers(spec) -> list[bool]:
-    """int4 KV: whether each layer's key transform has an offset μ (kv_int4.key_transform's
+    """int4 KV: whether each layer's key transform has an offset μ (kv_int4.calibrate_transform's
     `exact`): only plain softmax attention — μ is not exact under a logit soft-cap or with
     learned attention sinks (exporter/kv_int4.py's NOTE), so those layers keep s alone (exact).
     `kvexport build` and `kvexport calibrate` both ask here. `spec`: an exporter/spec.py ModelSpec."""
@@ -187,7 +188,7 @@ def key_offset_layers(spec) -> list[bool]:
 def int4_key_transform(model, spec, ids: list[int], text: str) -> tuple[np.ndarray, dict]:
     """The int4 key transform of `spec`'s model calibrated on `ids` (of the text named `text`):
     (the values the graphs hold, [layers, 2 (μ, s), kv_heads, head_dim] float32; the manifest's
-    kv.quantization["key_transform"] record), exporter/kv_int4.py key_transform and transform_entry.
+    kv.quantization["key_transform"] record), exporter/kv_int4.py calibrate_transform and transform_entry.
     NOTE: the one call of `kvexport build` and `kvexport calibrate`, so a recalibrated build's
     constants and record are a fresh build's on that text."""
     from . import kv_int4

@@ -40,7 +40,7 @@ class GraphOptions:
     attention: io.Attention = io.Attention.ONNX  # paged only: standard ops or PagedAttention nodes
     kv_scales: np.ndarray | None = None  # int8 KV: [layers, 2 (key, value), kv_heads, head_dim] float32
     # int4 KV: [layers, 2 (offset μ, channel scale s), kv_heads, head_dim] float32 (exporter/kv_int4.py
-    # key_transform); None: none
+    # calibrate_transform); None: none
     kv_offsets: np.ndarray | None = None
     # quantized matmul weights by graph weight name (exporter/quantize.py); None: all in `dtype`
     qweights: dict[str, QuantizedMatrix] | None = None
@@ -405,7 +405,7 @@ class DecoderGraph:
             if cos is not None:
                 q, k = self.apply_rope(q, cos, sin), self.apply_rope(k, cos, sin)
         v = b.op("Reshape", v, b.const(lead + [kvh, d]))
-        if self.opts.kv_offsets is not None:  # int4: (k - μ) / s and q * s, exact (kv_int4.py key_transform)
+        if self.opts.kv_offsets is not None:  # int4: (k - μ) / s and q * s, exact (kv_int4.py calibrate_transform)
             mu, sc = self.opts.kv_offsets[i].astype(np.float32)
             if mu.any():
                 k = b.op("Sub", k, b.named_const(io.k_offset(i), mu))

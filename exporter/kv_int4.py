@@ -79,11 +79,6 @@ class KeyTransform:
     errors: np.ndarray
 
 
-def key_transform(model, ids: list[int], exact: list[bool], rotary_dim: int, chunk: int = 512) -> np.ndarray:
-    """`calibrate_transform(...).values`: [layers, 2, kv_heads, head_dim] float32."""
-    return calibrate_transform(model, ids, exact, rotary_dim, chunk).values
-
-
 def calibrate_transform(model, ids: list[int], exact: list[bool], rotary_dim: int,
                         chunk: int = 512) -> KeyTransform:
     """The int4 key transform calibrated on `ids`, per layer and KV head: μ the mean post-RoPE key

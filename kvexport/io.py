@@ -76,7 +76,7 @@ token, KV head and group of ``KV_INT4_GROUP`` channels. The pools are uint8 and 
 ``kv_row_width(head_dim, "int4")`` bytes holds the codes and their scales (`KV_INT4_FORMAT`);
 the int4 graphs rotate q, k and v by a fixed orthogonal Hadamard matrix after RoPE
 (exporter/attention.py `hadamard`), so the pools hold rotated keys and values (keys as
-rotate((k - μ) / s): exporter/kv_int4.py key_transform).
+rotate((k - μ) / s): exporter/kv_int4.py calibrate_transform).
 """
 
 from __future__ import annotations
@@ -309,7 +309,7 @@ def v_scale(i: int) -> str:
 
 def k_offset(i: int) -> str:
     """int4 KV: graph initializer [kv_heads, head_dim] float32, layer i's key offset μ (subtracted
-    from the post-RoPE keys before they are rotated and stored; exporter/kv_int4.py key_transform)."""
+    from the post-RoPE keys before they are rotated and stored; exporter/kv_int4.py calibrate_transform)."""
     return f"kv_offsets.{i}.key"
 
 
@@ -476,7 +476,7 @@ def kv_static_bytes(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype:
     initializers, float32), 0 for float KV:
         int8   the static scales ``kv_scales.{i}.key/value`` [kv_heads, head_dim] per layer
                (MLA, `latent`: one ``kv_scales.{i}.latent`` [kv_lora_rank + qk_rope_head_dim])
-        int4   the key transform (exporter/kv_int4.py key_transform) per layer: the offset μ
+        int4   the key transform (exporter/kv_int4.py calibrate_transform) per layer: the offset μ
                ``kv_offsets.{i}.key`` and channel scales ``.key_scale`` [kv_heads, head_dim], and the
                query's ``.query_scale`` [num_heads, head_dim]: layers x (2 x kv_heads + heads) x
                head_dim x 4 (smollm2-135m: 30 x (2 x 3 + 9) x 64 x 4 = 115,200)

@@ -179,19 +179,20 @@ def test_refusals(folders, texts, tmp_path, monkeypatch):
         cal.calibrate(old)
     # a build whose layer 1 had μ = 0 (no Sub node; builds made before s's nodes were always
     # written also lack those where s was 1): a transform that needs one is refused
-    real = kv_int4.key_transform
+    real = kv_int4.calibrate_transform
 
     def flat(*a, **k):
         t = real(*a, **k)
-        t[1, 0] = 0.0
-        t[0, 1] = 1.0  # s = 1: its nodes are written all the same (exact), so calibrate can set them
-        return t
+        v = t.values.copy()
+        v[1, 0] = 0.0
+        v[0, 1] = 1.0  # s = 1: its nodes are written all the same (exact), so calibrate can set them
+        return replace(t, values=v)
 
-    monkeypatch.setattr(kv_int4, "key_transform", flat)
+    monkeypatch.setattr(kv_int4, "calibrate_transform", flat)
     flat_out, _ = build(src, tmp_path / "flat", replace(INT4, validate=False))
     names = _inits(flat_out / io.DECODE_GRAPH, "kv_offsets.")
     assert io.k_offset(1) not in names and (names[io.k_channel_scale(0)] == 1).all()
-    monkeypatch.setattr(kv_int4, "key_transform", real)
+    monkeypatch.setattr(kv_int4, "calibrate_transform", real)
     before = (flat_out / io.MANIFEST_NAME).read_bytes()
     with pytest.raises(KvExportError, match=r"needs kv_offsets\.1\.key, .*calibrate writes constants, not nodes"):
         cal.calibrate(flat_out, texts[1], tokens=64)

@@ -1,4 +1,4 @@
-"""The int4 KV key transform (exporter/kv_int4.py key_transform): int4 builds store
+"""The int4 KV key transform (exporter/kv_int4.py calibrate_transform): int4 builds store
 (k - μ) / s and attend with q * s, μ the calibration text's mean post-RoPE key and s each
 channel's spread (per layer, KV head and channel). Covered: shifting every key by a constant
 leaves softmax attention unchanged and changes soft-capped attention (reference op, float pools:
