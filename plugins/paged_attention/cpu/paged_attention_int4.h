@@ -172,23 +172,14 @@ using kvexport_simd::v16i;
 typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
 
-// The decode kernel's vector: 16 lanes with AVX-512, else 8 (NOTE: GCC splits 16-lane vectors into
-// AVX2 registers well for vector-vector arithmetic, but moves them lane by lane through memory
-// once they spill or meet a broadcast scalar, which the row loops below are full of).
-#if defined(__AVX512F__)
-using vec = v16f;
-#else
-using vec = v8f;
-#endif
-constexpr int kLanes = sizeof(vec) / sizeof(float);
+// The decode kernel's vector: one register, 16 lanes with AVX-512, else 8 (kvexport_simd::vreg's
+// NOTE).
+using vec = kvexport_simd::vreg;
+constexpr int kLanes = kvexport_simd::kReg;
 constexpr int kPerGroup = kGroup / kLanes;  // vectors per group
 
-inline vec loadv(const float* p) {
-  vec v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline void storev(float* p, vec v) { std::memcpy(p, &v, sizeof v); }
+inline vec loadv(const float* p) { return kvexport_simd::load_reg(p); }
+inline void storev(float* p, vec v) { kvexport_simd::store_reg(p, v); }
 
 // Group g of one row -> out[kPerGroup]: its 32 values in group order (even channels 0, 2, .., 30,
 // then odd ones 1, 3, .., 31), each (code - 8) * scale: the same float32 values as dequantize_rows
@@ -257,13 +248,6 @@ inline void sum_each(const v8f* a, float* sums) {
   }
 }
 
-inline float hmax(v16f v) {
-  v16f t = kvexport_simd::vmax(v, __builtin_shuffle(v, v16i{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));
-  t = kvexport_simd::vmax(t, __builtin_shuffle(t, v16i{4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3}));
-  t = kvexport_simd::vmax(t, __builtin_shuffle(t, v16i{2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1}));
-  return std::max(t[0], t[1]);
-}
-
 // One chunk of a decode task, straight from the pool: up to kChunk consecutive int4 rows (key and
 // value row j at k / v + j * stride bytes) for R <= kMaxRows query rows, online softmax in float32
 // as the float kernels do it. Row r sees the chunk's keys [lo[r], hi[r]] (lo > hi: none; only keys
@@ -310,23 +294,32 @@ void attend_chunk_rows(const float* q, int64_t d, const uint8_t* k, const uint8_
   }
   alignas(64) float p[R][kChunk];  // probabilities (0 where a row does not see the key)
   float alpha[R];
-  v16i lane;
-  for (int i = 0; i < kChunk; ++i) lane[i] = i;
+  // the scores' softmax in registers (vreg: NOTE in paged_attention_simd.h), kChunk / kReg of them
+  constexpr int C = kChunk / kReg;
+  using vregi_t = decltype(vreg{} < vreg{});
+  vregi_t lane[C];
+  for (int i = 0; i < kChunk; ++i) lane[i / kReg][i % kReg] = i;
   for (int r = 0; r < R; ++r) {
     if (lo[r] > hi[r]) {  // nothing of this chunk: the row's state stays as it is
       alpha[r] = 1.f;
-      store16(p[r], v16f{});
+      for (int c = 0; c < C; ++c) store_reg(p[r] + c * kReg, vreg{});
       continue;
     }
     sum_each(part[r], p[r]);
-    v16f s = load16(p[r]);
-    if (softcap > 0.f) s = softcap16(s, softcap);
-    s = (lane >= lo[r]) & (lane <= hi[r]) ? s : splat(kNegInf);
-    const float m_new = std::max(m[r], hmax(s));
+    vreg s[C];
+    for (int c = 0; c < C; ++c) {
+      s[c] = load_reg(p[r] + c * kReg);
+      if (softcap > 0.f) s[c] = vsoftcap(s[c], softcap);
+      s[c] = (lane[c] >= lo[r]) & (lane[c] <= hi[r]) ? s[c] : vreg{} + kNegInf;
+    }
+    const float m_new = std::max(m[r], hmax_regs(s));
     alpha[r] = std::exp(m[r] - m_new);  // 0 on the first visible chunk
-    const v16f e = exp16(s - m_new);
-    store16(p[r], e);
-    l[r] = l[r] * alpha[r] + hsum(e);
+    vreg e[C];
+    for (int c = 0; c < C; ++c) {
+      e[c] = vexp(s[c] - m_new);
+      store_reg(p[r] + c * kReg, e[c]);
+    }
+    l[r] = l[r] * alpha[r] + hsum_regs(e);
     m[r] = m_new;
   }
   for (int64_t g = 0; g < groups; ++g) {

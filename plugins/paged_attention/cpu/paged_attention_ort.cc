@@ -62,16 +62,18 @@ inline void prefetch_block(const KV* kpool, const KV* vpool, int64_t at, int64_t
 }
 
 // head_dim is NV * 16 when NV > 0 (compile-time: vector registers over head_dim); NV = 0 is
-// the generic path for any head_dim.
+// the generic path for any head_dim. Both loop over CPU registers (vreg: 16 or 8 floats,
+// paged_attention_simd.h), each lane's operations in the 16-lane code's order.
 template <int NV, typename KV>
 inline float dot(const float* q, const KV* k, int64_t d) {
   if constexpr (NV > 0) {
-    v16f acc[NV];
+    constexpr int R = NV * 16 / kReg, P = 16 / kReg;  // registers in all; per 16 lanes
+    vreg acc[R];
 #pragma GCC unroll 16
-    for (int c = 0; c < NV; ++c) acc[c] = load16(q + 16 * c) * load16(k + 16 * c);
+    for (int c = 0; c < R; ++c) acc[c] = load_reg(q + kReg * c) * load_reg(k + kReg * c);
 #pragma GCC unroll 16
-    for (int c = 1; c < NV; ++c) acc[0] += acc[c];
-    return hsum(acc[0]);
+    for (int c = P; c < R; ++c) acc[c % P] += acc[c];  // 16-lane chunk c / P into chunk 0
+    return hsum_regs(acc);
   } else {
     float s = 0.f;
     for (int64_t i = 0; i < d; ++i) s += q[i] * to_f(k[i]);
@@ -80,19 +82,25 @@ inline float dot(const float* q, const KV* k, int64_t d) {
 }
 
 // acc[0:d] = acc * alpha + sum_{j < n} p[j * stride] * v[j, 0:d]
+// NOTE: at most 8 accumulator registers at a time (head_dim 96/128 without AVX-512 would need
+// 12/16 of AVX2's 16: they spill), so wide heads take two passes over the n rows.
 template <int NV, typename KV>
 inline void accumulate(float* acc, float alpha, const float* p, int64_t stride, const KV* v, int64_t n, int64_t d) {
   if constexpr (NV > 0) {
-    v16f a[NV];
+    constexpr int R = NV * 16 / kReg, G = R <= 8 ? R : R / 2;  // R: 2..16 (AVX2 head_dim 128)
+#pragma GCC unroll 1
+    for (int g = 0; g < R; g += G) {
+      vreg a[G];
 #pragma GCC unroll 16
-    for (int c = 0; c < NV; ++c) a[c] = load16(acc + 16 * c) * alpha;
-    for (int64_t j = 0; j < n; ++j) {
-      const float pj = p[j * stride];
+      for (int c = 0; c < G; ++c) a[c] = load_reg(acc + kReg * (g + c)) * alpha;
+      for (int64_t j = 0; j < n; ++j) {
+        const float pj = p[j * stride];
 #pragma GCC unroll 16
-      for (int c = 0; c < NV; ++c) a[c] += pj * load16(v + j * NV * 16 + 16 * c);
+        for (int c = 0; c < G; ++c) a[c] += pj * load_reg(v + j * NV * 16 + kReg * (g + c));
+      }
+#pragma GCC unroll 16
+      for (int c = 0; c < G; ++c) store_reg(acc + kReg * (g + c), a[c]);
     }
-#pragma GCC unroll 16
-    for (int c = 0; c < NV; ++c) store16(acc + 16 * c, a[c]);
   } else {
     for (int64_t i = 0; i < d; ++i) {
       float x = acc[i] * alpha;
@@ -210,15 +218,19 @@ void attend_dots(const Step& st, const Task& t) {
           if (j_lo > j_hi) continue;
           for (int64_t j = j_lo; j <= j_hi; ++j) s[j - j_lo] = dot<NV>(q + r * d, kb + (j - c0) * d, d);
           const int64_t n = j_hi - j_lo + 1;
-          if (a.logit_softcap > 0.f) store16(s, softcap16(load16(s), a.logit_softcap));  // lanes >= n: reset below
+          if (a.logit_softcap > 0.f)  // lanes >= n: reset below
+            for (int c = 0; c < W; c += kReg) store_reg(s + c, vsoftcap(load_reg(s + c), a.logit_softcap));
           float mx = kNegInf;
           for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[j]);
           for (int64_t j = n; j < W; ++j) s[j] = kNegInf;
           const float m_new = std::max(m[r], mx);
           const float alpha = std::exp(m[r] - m_new);  // 0 on the first visible block
-          const v16f p = exp16(load16(s) - m_new);
-          store16(s, p);
-          l[r] = l[r] * alpha + hsum(p);
+          vreg p[W / kReg];
+          for (int c = 0; c < W / kReg; ++c) {
+            p[c] = vexp(load_reg(s + c * kReg) - m_new);
+            store_reg(s + c * kReg, p[c]);
+          }
+          l[r] = l[r] * alpha + hsum_regs(p);
           m[r] = m_new;
           accumulate<NV>(acc + r * d, alpha, s, 1, vb + (j_lo - c0) * d, n, d);
         }
@@ -232,31 +244,36 @@ void attend_dots(const Step& st, const Task& t) {
   }
 }
 
-// Many rows (prompt tiles): scores are computed 16 rows at a time, vectorised over rows
-// (queries transposed once per task), so a key's elements are broadcast and no horizontal
-// sums are needed: s[j][row] += qt[d][row] * k[j][d].
+// Many rows (prompt tiles): scores are computed RG rows at a time (one register: 16 with
+// AVX-512, 8 with AVX2), vectorised over rows (queries transposed once per task), so a key's
+// elements are broadcast and no horizontal sums are needed: s[j][row] += qt[d][row] * k[j][d].
+// Rows are independent lanes: a row's operations are the same whatever RG is.
 template <int NV, typename KV>
 void attend_rows(const Step& st, const Task& t) {
+  constexpr int RG = kReg;
+  // keys scored per pass over d: W accumulators where 32 registers hold them (AVX-512), 8 of
+  // AVX2's 16 (W would spill every one of them, every element of d)
+  constexpr int KJ = kReg == 16 ? W : 8;
   const Attrs& a = st.a;
   const Tile tl(st, t);
   const int64_t d = NV > 0 ? NV * 16 : tl.d, bs = a.block_size, rows = tl.rows, rs = a.row;
-  const int64_t groups = (rows + 15) / 16;
+  const int64_t groups = (rows + RG - 1) / RG;
   thread_local std::vector<float> scratch;
-  scratch.resize(static_cast<size_t>(groups * 16 * (2 * d + 2) + 16 * W + 2 * W * d));
-  float* qt = scratch.data();         // [groups][d][16]
-  float* acc = qt + groups * 16 * d;  // [groups * 16][d]
-  float* m = acc + groups * 16 * d;   // [groups * 16]
-  float* l = m + groups * 16;
-  float* p = l + groups * 16;  // [W][16] probabilities of one chunk
-  float* kv_f = p + 16 * W;    // int8 / int4 pools: [2][W][d] the chunk's keys and values as float32
-  std::fill(qt, qt + groups * 16 * d, 0.f);
-  std::fill(acc, acc + groups * 16 * d, 0.f);
-  std::fill(m, m + groups * 16, kNegInf);
-  std::fill(l, l + groups * 16, 0.f);
-  alignas(64) int32_t posv[16];
+  scratch.resize(static_cast<size_t>(groups * RG * (2 * d + 2) + RG * W + 2 * W * d));
+  float* qt = scratch.data();         // [groups][d][RG]
+  float* acc = qt + groups * RG * d;  // [groups * RG][d]
+  float* m = acc + groups * RG * d;   // [groups * RG]
+  float* l = m + groups * RG;
+  float* p = l + groups * RG;  // [W][RG] probabilities of one chunk
+  float* kv_f = p + RG * W;    // int8 / int4 pools: [2][W][d] the chunk's keys and values as float32
+  std::fill(qt, qt + groups * RG * d, 0.f);
+  std::fill(acc, acc + groups * RG * d, 0.f);
+  std::fill(m, m + groups * RG, kNegInf);
+  std::fill(l, l + groups * RG, 0.f);
+  alignas(64) int32_t posv[RG];
   for (int64_t r = 0; r < rows; ++r) {
-    tl.load_query(st.query + (tl.token(t, r) * a.num_heads + tl.head(t, r)) * d, qt + (r / 16) * d * 16 + r % 16,
-                  16, a.scale);
+    tl.load_query(st.query + (tl.token(t, r) * a.num_heads + tl.head(t, r)) * d, qt + (r / RG) * d * RG + r % RG,
+                  RG, a.scale);
   }
   const KV* kpool = static_cast<const KV*>(st.key_cache);
   const KV* vpool = static_cast<const KV*>(st.value_cache);
@@ -280,9 +297,9 @@ void attend_rows(const Step& st, const Task& t) {
         vf = kv_f + W * d;
       } else {  // int8 codes -> float once per chunk, shared by every row group
         int64_t i = 0;
-        for (; i + 16 <= n * d; i += 16) {
-          store16(kv_f + i, load16(kb + i));
-          store16(kv_f + W * d + i, load16(vb + i));
+        for (; i + kReg <= n * d; i += kReg) {
+          store_reg(kv_f + i, load_reg(kb + i));
+          store_reg(kv_f + W * d + i, load_reg(vb + i));
         }
         for (; i < n * d; ++i) {
           kv_f[i] = static_cast<float>(kb[i]);
@@ -294,45 +311,52 @@ void attend_rows(const Step& st, const Task& t) {
       const float* kr[W];
       for (int j = 0; j < W; ++j) kr[j] = kf + std::min<int64_t>(j, n - 1) * d;  // keys past n: masked
       for (int64_t gi = 0; gi < groups; ++gi) {
-        const int64_t r0 = gi * 16;
-        for (int i = 0; i < 16; ++i)  // positions relative to c0 (pad rows: -1, nothing visible)
+        const int64_t r0 = gi * RG;
+        for (int i = 0; i < RG; ++i)  // positions relative to c0 (pad rows: -1, nothing visible)
           posv[i] = r0 + i < rows ? static_cast<int32_t>(tl.pos(t, r0 + i) - c0) : -1;
-        v16i rp;
+        using vregi_t = decltype(vreg{} < vreg{});
+        vregi_t rp;
         std::memcpy(&rp, posv, sizeof rp);
-        v16f sc[W];
+        vreg sc[W];
+        const float* qg = qt + gi * d * RG;
+#pragma GCC unroll 2
+        for (int j1 = 0; j1 < W; j1 += KJ) {
+          vreg s[KJ];
 #pragma GCC unroll 16
-        for (int j = 0; j < W; ++j) sc[j] = v16f{};
-        const float* qg = qt + gi * d * 16;
-        for (int64_t i = 0; i < d; ++i) {
-          const v16f qi = load16(qg + i * 16);
+          for (int j = 0; j < KJ; ++j) s[j] = vreg{};
+          for (int64_t i = 0; i < d; ++i) {
+            const vreg qi = load_reg(qg + i * RG);
 #pragma GCC unroll 16
-          for (int j = 0; j < W; ++j) sc[j] += qi * kr[j][i];
+            for (int j = 0; j < KJ; ++j) s[j] += qi * kr[j1 + j][i];
+          }
+#pragma GCC unroll 16
+          for (int j = 0; j < KJ; ++j) sc[j1 + j] = s[j];
         }
-        v16f mx = splat(kNegInf);
+        vreg mx = vreg{} + kNegInf;
 #pragma GCC unroll 16
         for (int j = 0; j < W; ++j) {  // key c0 + j is visible to a row at pos iff j <= pos (and window)
-          if (a.logit_softcap > 0.f) sc[j] = softcap16(sc[j], a.logit_softcap);
-          v16i vis = rp >= j;
-          if (j >= n) vis = v16i{};
+          if (a.logit_softcap > 0.f) sc[j] = vsoftcap(sc[j], a.logit_softcap);
+          vregi_t vis = rp >= j;
+          if (j >= n) vis = vregi_t{};
           if (a.sliding_window > 0) vis &= (rp - j) < static_cast<int32_t>(a.sliding_window);
-          sc[j] = vis ? sc[j] : splat(kNegInf);
-          mx = vmax(mx, sc[j]);
+          sc[j] = vis ? sc[j] : vreg{} + kNegInf;
+          mx = mx > sc[j] ? mx : sc[j];
         }
-        const v16f m_old = load16(m + r0);
-        const v16f m_new = vmax(m_old, mx);
-        const v16f m_safe = m_new == splat(kNegInf) ? splat(0.f) : m_new;  // rows with nothing visible yet
-        const v16f alpha = exp16(m_old - m_safe);
-        v16f sum = v16f{};
+        const vreg m_old = load_reg(m + r0);
+        const vreg m_new = m_old > mx ? m_old : mx;
+        const vreg m_safe = m_new == kNegInf ? vreg{} : m_new;  // rows with nothing visible yet
+        const vreg alpha = vexp(m_old - m_safe);
+        vreg sum = vreg{};
 #pragma GCC unroll 16
         for (int j = 0; j < W; ++j) {
-          const v16f pj = exp16(sc[j] - m_safe);
+          const vreg pj = vexp(sc[j] - m_safe);
           sum += pj;
-          store16(p + j * 16, pj);
+          store_reg(p + j * RG, pj);
         }
-        store16(l + r0, load16(l + r0) * alpha + sum);
-        store16(m + r0, m_new);
-        for (int64_t i = 0; i < 16 && r0 + i < rows; ++i)
-          accumulate<NV>(acc + (r0 + i) * d, alpha[i], p + i, 16, vf, n, d);
+        store_reg(l + r0, load_reg(l + r0) * alpha + sum);
+        store_reg(m + r0, m_new);
+        for (int64_t i = 0; i < RG && r0 + i < rows; ++i)
+          accumulate<NV>(acc + (r0 + i) * d, alpha[i], p + i, RG, vf, n, d);
       }
     }
   }

@@ -50,53 +50,126 @@ inline float hsum(v16f v) {  // log-step horizontal sum
   return t[0] + t[1];
 }
 inline v16f splat(float x) { return v16f{} + x; }
+
 inline v16f vmax(v16f a, v16f b) { return a > b ? a : b; }
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
+// The vector the CPU holds in one register: 16 floats with AVX-512, else 8 (AVX2's ymm).
+// NOTE: the attention loops (paged_attention_ort.cc, the int4 kernel's softmax) use these, not
+// v16f: without AVX-512, GCC splits 16-lane vectors into two registers for plain arithmetic but
+// moves them through memory once they spill or meet a broadcast scalar (the attention loops are
+// full of both), and an AVX2 build spent its time storing and reloading them (a decode step 2x, a prompt chunk ~5x
+// the AVX-512 build's time). Lane j of a 16-lane chunk is lane j % kReg of its register j / kReg,
+// so a loop over registers does lane by lane what the 16-lane code did; the AVX-512 build's
+// floats are unchanged by this, and the AVX2 build's differ from them by rounding (~1e-7: the
+// compiler fuses multiply-adds per target), as they did before.
+#if defined(__AVX512F__)
+typedef v16f vreg;
+constexpr int kReg = 16;
+#else
+typedef float vreg __attribute__((vector_size(32)));
+typedef int32_t vregi __attribute__((vector_size(32)));
+constexpr int kReg = 8;
+#endif
+inline vreg load_reg(const float* p) {
+  vreg v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline vreg load_reg(const int8_t* p) {
+#if defined(__AVX512F__)
+  return load16(p);
+#elif defined(__AVX2__)
+  const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  vreg v;
+  std::memcpy(&v, &f, sizeof v);
+  return v;
+#else
+  vreg v;
+  for (int i = 0; i < kReg; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+#endif
+}
+inline void store_reg(float* p, vreg v) { std::memcpy(p, &v, sizeof v); }
+// hsum of the 16 lanes held as registers r[0] (and r[1] when kReg is 8): the additions of
+// hsum(v16f), in its order
+inline float hsum_regs(const vreg* r) {
+#if defined(__AVX512F__)
+  return hsum(r[0]);
+#else
+  vreg t = r[0] + r[1];  // lane i + lane i + 8
+  t += __builtin_shuffle(t, vregi{4, 5, 6, 7, 0, 1, 2, 3});
+  t += __builtin_shuffle(t, vregi{2, 3, 0, 1, 2, 3, 0, 1});
+  return t[0] + t[1];
+#endif
+}
+// the largest of the 16 lanes held as registers r[0] (and r[1])
+inline float hmax_regs(const vreg* r) {
+#if defined(__AVX512F__)
+  v16f t = vmax(r[0], __builtin_shuffle(r[0], v16i{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));
+  t = vmax(t, __builtin_shuffle(t, v16i{4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3}));
+  t = vmax(t, __builtin_shuffle(t, v16i{2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1}));
+#else
+  vreg t = r[0] > r[1] ? r[0] : r[1];
+  vreg u = __builtin_shuffle(t, vregi{4, 5, 6, 7, 0, 1, 2, 3});
+  t = t > u ? t : u;
+  u = __builtin_shuffle(t, vregi{2, 3, 0, 1, 2, 3, 0, 1});
+  t = t > u ? t : u;
+#endif
+  return std::max(t[0], t[1]);
+}
+
 // exp(x) for x <= 0 (scores minus their running max); x < -87 (and -inf) gives 0.
 // Range reduction x = n ln2 + r, |r| <= ln2/2, then a degree-6 polynomial (Cephes expf).
-inline v16f exp16(v16f x) {
-  const v16f lo = splat(-87.0f);
-  v16i under = x < lo;
+// V: v16f or vreg (lane by lane the same floats).
+template <typename V>
+inline V vexp(V x) {
+  using I = decltype(x < x);  // the lanes' int32 vector
+  const V lo = V{} - 87.0f;
+  I under = x < lo;
   x = x < lo ? lo : x;
-  v16f t = x * 1.44269504088896341f + 12582912.0f;  // round to nearest via 1.5 * 2^23
-  v16f n = t - 12582912.0f;
-  v16f r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  v16f p = splat(1.9875691500e-4f);
+  V t = x * 1.44269504088896341f + 12582912.0f;  // round to nearest via 1.5 * 2^23
+  V n = t - 12582912.0f;
+  V r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  V p = V{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  v16i e = (__builtin_convertvector(n, v16i) + 127) << 23;
-  v16f two_n;
+  I e = (__builtin_convertvector(n, I) + 127) << 23;
+  V two_n;
   std::memcpy(&two_n, &e, sizeof e);
-  v16f y = p * two_n;
-  return under ? splat(0.f) : y;
+  V y = p * two_n;
+  return under ? V{} : y;
 }
+inline v16f exp16(v16f x) { return vexp(x); }
 
 inline float to_f(float x) { return x; }
 inline float to_f(int8_t x) { return static_cast<float>(x); }
 
 // tanh(x) (Cephes tanhf): an odd polynomial for |x| < 0.625, else (1 - e) / (1 + e) with
 // e = exp(-2|x|) (no cancellation there); relative error ~2e-7.
-inline v16f tanh16(v16f x) {
-  const v16f a = x < 0.f ? -x : x;
-  const v16f z = x * x;
-  v16f p = splat(-5.70498872745e-3f);
+template <typename V>
+inline V vtanh(V x) {
+  const V a = x < 0.f ? -x : x;
+  const V z = x * x;
+  V p = V{} - 5.70498872745e-3f;
   p = p * z + 2.06390887954e-2f;
   p = p * z - 5.37397155531e-2f;
   p = p * z + 1.33314422036e-1f;
   p = p * z - 3.33332819422e-1f;
   p = p * z * x + x;
-  const v16f e = exp16(-2.f * a);
-  v16f r = (1.f - e) / (1.f + e);
+  const V e = vexp(-2.f * a);
+  V r = (1.f - e) / (1.f + e);
   r = x < 0.f ? -r : r;
   return a < 0.625f ? p : r;
 }
 
 // Gemma 2's attention-logit soft-capping: cap * tanh(s / cap).
-inline v16f softcap16(v16f s, float cap) { return cap * tanh16(s * (1.f / cap)); }
+template <typename V>
+inline V vsoftcap(V s, float cap) { return cap * vtanh(s * (1.f / cap)); }
+inline v16f softcap16(v16f s, float cap) { return vsoftcap(s, cap); }
 
 }  // namespace kvexport_simd
