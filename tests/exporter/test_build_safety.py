@@ -4,6 +4,7 @@ the library and the CLI (everything byte-identical after), SIGTERM and SIGKILL o
 cases (links, fifos, names, stale folders): tests/test_outputs.py."""
 
 import dataclasses
+import json
 import os
 import shutil
 import signal
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from kvexport import outputs
 from kvexport.cli import main
 from kvexport.errors import BuildExistsError, OutputError
 from kvexport.exporter import source
@@ -154,9 +156,22 @@ def _start(model: Path, out: Path) -> subprocess.Popen:
                             cwd=out.parent)  # NOTE: not the checkout, whose kvexport/ would shadow the installed package
 
 
+def _owned(out: Path) -> bool:
+    """Whether a temporary folder of `out` exists with its owner file written. NOTE: the folder
+    exists a moment before the file (mkdir, then the write): a SIGKILL in between leaves a folder
+    no later run may remove (nothing says whose it is): a full test run once killed in between."""
+    for name in leftovers(out):
+        try:
+            json.loads((out.parent / name / outputs.OWNER_FILE).read_text())
+            return True
+        except (OSError, ValueError):
+            continue
+    return False
+
+
 def _wait_for_temp(p: subprocess.Popen, out: Path) -> None:
     deadline = time.monotonic() + 120
-    while not leftovers(out):
+    while not _owned(out):
         assert p.poll() is None, p.communicate()
         assert time.monotonic() < deadline, "the build never made its temporary folder"
         time.sleep(0.01)
