@@ -34,6 +34,7 @@ import signal
 import socket
 import stat
 import threading
+import time
 from enum import Enum
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, TypeVar
@@ -376,7 +377,8 @@ def remove_dir(d: Path) -> None:
 def clean_stale(final: Path) -> None:
     """Remove the temporary folders next to `final` that earlier runs writing it left behind:
     only ours (".NAME.tmp-…"/".NAME.old-…" holding an owner file) whose process has ended; an
-    ".old-" folder only when `final` exists (otherwise it may be the only copy left)."""
+    ".old-" folder only when `final` exists (otherwise it may be the only copy left); and ours
+    that were never written into (`_remove_if_unborn`)."""
     prefix = sibling_prefix(final)
     try:
         entries = [e for e in os.scandir(final.parent) if e.name.startswith(prefix)]
@@ -387,7 +389,11 @@ def clean_stale(final: Path) -> None:
         if m is None or not e.is_dir(follow_symlinks=False):
             continue
         owner = _read_json(Path(e.path) / OWNER_FILE)
-        if not owner or not _process_gone(owner):
+        if not owner:
+            if m["kind"] == "tmp":  # an ".old-" folder is a renamed output: never "unborn"
+                _remove_if_unborn(Path(e.path))
+            continue
+        if not _process_gone(owner):
             continue
         if m["kind"] == "old" and not os.path.lexists(final):
             log.warning("%s holds the previous %s (an earlier run stopped while replacing it): rename it back, or "
@@ -398,6 +404,26 @@ def clean_stale(final: Path) -> None:
 
 
 # ---- helpers ------------------------------------------------------------------------------------
+
+
+UNBORN_AGE_S = 60.0  # a temporary folder this old with no owner record was never written into
+
+
+def _remove_if_unborn(d: Path) -> None:
+    """A temporary folder with no owner record is nobody's to remove, except one its run never
+    wrote into: killed between the mkdir and the owner file's write (new_temp_dir), it holds
+    nothing or an empty / half-written owner file. Removed once older than UNBORN_AGE_S (no run
+    takes that long from mkdir to the write), so nothing is lost and nothing in use is touched."""
+    try:
+        names = os.listdir(d)
+        if set(names) - {OWNER_FILE} or time.time() - os.stat(d).st_mtime < UNBORN_AGE_S:
+            return
+        if names:
+            os.unlink(d / OWNER_FILE)
+        os.rmdir(d)  # NOTE: fails (kept) if anything appeared meanwhile
+    except OSError:
+        return
+    log.warning("removed %s: an earlier run's temporary folder it never wrote into", d)
 
 
 @contextlib.contextmanager

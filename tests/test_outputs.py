@@ -350,6 +350,29 @@ def test_an_old_output_is_kept_when_it_may_be_the_only_copy(tmp_path, dead_pid, 
     assert (old / "half").exists() and "rename it back" in caplog.text
 
 
+def test_a_temp_folder_never_written_into_goes_once_a_minute_old(tmp_path, caplog):
+    """A run killed between new_temp_dir's mkdir and its owner file's write leaves a folder with
+    nothing (or an empty owner file) in it: removed by the next run once older than
+    UNBORN_AGE_S; a younger one (a run that may be about to write) and one holding anything
+    else are kept."""
+    out = write_build(tmp_path / "out", payload=b"old")
+    aged = time.time() - outputs.UNBORN_AGE_S - 5
+    empty = out.parent / f".{out.name}.tmp-{os.urandom(4).hex()}"
+    empty.mkdir()
+    half_owner = out.parent / f".{out.name}.tmp-{os.urandom(4).hex()}"
+    half_owner.mkdir()
+    (half_owner / OWNER).write_text("")
+    young = out.parent / f".{out.name}.tmp-{os.urandom(4).hex()}"
+    young.mkdir()
+    holding = _temp(out, "tmp", None)  # ownerless, with a half-written build: nobody's to remove
+    for d in (empty, half_owner, holding):
+        os.utime(d, (aged, aged))
+    write_build(out, force=True)
+    assert not empty.exists() and not half_owner.exists()
+    assert young.is_dir() and (holding / "half" / "weights.data").exists()
+    assert "never wrote into" in caplog.text
+
+
 def test_a_sigkilled_run_is_cleaned_by_the_next(tmp_path):
     """A real process killed while writing: its temporary folder goes with the next run."""
     out = tmp_path / "out"
