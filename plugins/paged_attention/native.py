@@ -17,7 +17,10 @@ scripts/build_cpu_ops.sh takes them from a package registry and calls `build()`:
 Lookup order at run time: $KVEXPORT_ORT_OPS, then <prefix>/lib/kvexport/LIB_NAME of this
 Python environment, then of the environment onnxruntime is installed in (they differ in
 Triton's Python backend, whose stub runs on the system Python with EXECUTION_ENV_PATH's
-packages).
+packages). Next to the library found there, a variant compiled for a higher instruction-set
+level (VARIANTS: libkvexport_ort_ops.x86-64-v4.so) is taken instead on CPUs that have that
+level: images compile the op for x86-64-v3 (any AVX2 machine) and x86-64-v4 (AVX-512), so an
+AVX-512 host runs 16-lane code (docs/BENCHMARKS.md "The native op built for x86-64-v3").
 """
 
 from __future__ import annotations
@@ -46,8 +49,37 @@ CXXFLAGS = ("-O3", "-fno-math-errno", "-std=c++17", "-fPIC", "-fvisibility=hidde
 LDFLAGS = ("-shared",)
 
 
+# instruction-set levels a library variant may be compiled for, best first: (-march, the
+# /proc/cpuinfo flags its code needs)
+VARIANTS = (("x86-64-v4", ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")),)
+
+
 def default_library() -> Path:
     return Path(sys.prefix) / "lib" / "kvexport" / LIB_NAME
+
+
+def variant_path(library: Path, march: str) -> Path:
+    """Where the `march` variant of `library` lives: libkvexport_ort_ops.MARCH.so beside it."""
+    return library.with_name(f"{LIB_NAME.removesuffix('.so')}.{march}.so")
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (/proc/cpuinfo; empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return set(next((ln.split(":", 1)[1] for ln in text.splitlines() if ln.startswith("flags")), "").split())
+
+
+def best_variant(library: Path, flags: set[str] | None = None) -> Path:
+    """The best VARIANTS entry beside `library` that this CPU (`flags`) can run, else `library`."""
+    flags = cpu_flags() if flags is None else flags
+    for march, needs in VARIANTS:
+        path = variant_path(library, march)
+        if path.is_file() and set(needs) <= flags:
+            return path
+    return library
 
 
 def build(include_dir: str | Path, out: str | Path | None = None, cxx: str | None = None,
@@ -123,7 +155,7 @@ def library() -> Path | None:
         found = [p for p in (default_library(), ort_lib / "kvexport" / LIB_NAME) if p.is_file()]
         if not found:
             return None
-        path = found[0]
+        path = best_variant(found[0])
     try:
         compiled_for = ctypes.CDLL(str(path)).kvexport_ort_api_version()
     except (OSError, AttributeError) as e:
@@ -200,8 +232,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default=None, help=f"library path (default {default_library()})")
     p.add_argument("--march", default=os.environ.get("KVEXPORT_MARCH", "native"),
                    help="g++ -march (default native; images: a portable level such as x86-64-v3)")
+    p.add_argument("--variant", action="store_true",
+                   help=f"write the library as its --march variant ({', '.join(m for m, _ in VARIANTS)}), taken at "
+                        f"run time instead of the plain one on CPUs that have that level")
     args = p.parse_args(argv)
-    print(build(args.include, args.out, march=args.march))
+    out = args.out
+    if args.variant:
+        if args.march not in dict(VARIANTS):
+            p.error(f"--variant needs --march {' or '.join(m for m, _ in VARIANTS)}, not {args.march}")
+        out = variant_path(Path(out) if out else default_library(), args.march)
+    built = build(args.include, out, march=args.march)
+    if not args.variant:  # variants left beside it by an earlier build would be taken instead of it
+        for march, _ in VARIANTS:
+            variant_path(built, march).unlink(missing_ok=True)
+    print(built)
 
 
 if __name__ == "__main__":

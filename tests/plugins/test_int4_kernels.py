@@ -11,7 +11,6 @@ import ctypes
 import platform
 import shutil
 import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -81,21 +80,13 @@ LEVELS = {  # -march -> the /proc/cpuinfo flags it needs; the kernel's vector la
 }
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    return set(next((ln.split(":", 1)[1] for ln in text.splitlines() if ln.startswith("flags")), "").split())
-
-
 @pytest.fixture(scope="module", params=sorted(LEVELS))
 def shim(request, tmp_path_factory):
     march = request.param
     needs, lanes = LEVELS[march]
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("the kernel's instruction-set paths are x86 ones")
-    if not set(needs) <= _cpu_flags():
+    if not set(needs) <= native.cpu_flags():
         pytest.skip(f"this CPU cannot run -march={march} code")
     cxx = shutil.which("g++")
     if cxx is None:
