@@ -25,6 +25,7 @@ from .test_cpu_op import CASES, PER_LAYER, PER_LAYER_CASES, feeds_of, reference,
 from .test_int4_kv import CASES as INT4_CASES
 
 AVX2 = ("avx2", "fma", "f16c", "bmi2")  # what -march=x86-64-v3 code needs
+INCLUDE = Path(sys.prefix) / "share" / "kvexport" / "onnxruntime-include"  # scripts/build_cpu_ops.sh's
 
 ISA_CASES = {f"plain-{n}": c for n, c in CASES.items()}
 ISA_CASES.update({f"int4-{n}": dict(c, kv_dtype="int4") for n, c in INT4_CASES.items()})
@@ -50,10 +51,9 @@ def avx2_lib(tmp_path_factory) -> Path:
         pytest.skip("this CPU cannot run -march=x86-64-v3 code")
     if shutil.which("g++") is None:
         pytest.skip("needs g++")
-    include = Path(sys.prefix) / "share" / "kvexport" / "onnxruntime-include"
-    if not (include / "onnxruntime_cxx_api.h").is_file():
-        pytest.skip(f"no onnxruntime headers at {include} (scripts/build_cpu_ops.sh fetches them)")
-    return native.build(include, tmp_path_factory.mktemp("avx2") / native.LIB_NAME, march="x86-64-v3")
+    if not (INCLUDE / "onnxruntime_cxx_api.h").is_file():
+        pytest.skip(f"no onnxruntime headers at {INCLUDE} (scripts/build_cpu_ops.sh fetches them)")
+    return native.build(INCLUDE, tmp_path_factory.mktemp("avx2") / native.LIB_NAME, march="x86-64-v3")
 
 
 @pytest.mark.parametrize("name", sorted(ISA_CASES))
@@ -68,7 +68,7 @@ def test_avx2_build_matches_reference(avx2_lib, name):
 
 def test_avx2_and_native_builds_agree(avx2_lib, cpu_op):
     """The same inputs through both builds: outputs equal up to rounding (the compiler fuses
-    multiply-adds per target: ~1e-7 apart), pools bit for bit."""
+    multiply-adds per target: up to ~1e-6 apart), pools bit for bit."""
     for name in ("d64-float32", "d128-int8", "d64-int4", "layer-all-float32"):
         case, attrs = make_case(**ISA_CASES[name], seed=7)
         model = one_node_model(attrs, attrs.kv_dtype)
@@ -87,8 +87,7 @@ def v4_variant(avx2_lib) -> Path:
     """The x86-64-v4 variant beside the x86-64-v3 library, as docker/Dockerfile.cpu writes it."""
     if not set(AVX512) <= native.cpu_flags():
         pytest.skip("this CPU cannot run -march=x86-64-v4 code")
-    include = Path(sys.prefix) / "share" / "kvexport" / "onnxruntime-include"
-    native.main(["--include", str(include), "--out", str(avx2_lib), "--march", "x86-64-v4", "--variant"])
+    native.main(["--include", str(INCLUDE), "--out", str(avx2_lib), "--march", "x86-64-v4", "--variant"])
     path = native.variant_path(avx2_lib, "x86-64-v4")
     assert path.is_file() and path.parent == avx2_lib.parent
     return path

@@ -47,7 +47,7 @@ API void decode(const uint8_t* rows, int64_t n, int64_t d, float* out) {
     for (int64_t g = 0; g < d / kGroup; ++g) {
       vec x[kPerGroup];
       decode_group(rows + j * row_bytes(d), d, g, x);
-      for (int i = 0; i < kPerGroup; ++i) storev(out + j * d + g * kGroup + i * kLanes, x[i]);
+      for (int i = 0; i < kPerGroup; ++i) store_reg(out + j * d + g * kGroup + i * kLanes, x[i]);
     }
 }
 

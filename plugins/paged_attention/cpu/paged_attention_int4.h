@@ -178,8 +178,8 @@ using vec = kvexport_simd::vreg;
 constexpr int kLanes = kvexport_simd::kReg;
 constexpr int kPerGroup = kGroup / kLanes;  // vectors per group
 
-inline vec loadv(const float* p) { return kvexport_simd::load_reg(p); }
-inline void storev(float* p, vec v) { kvexport_simd::store_reg(p, v); }
+using kvexport_simd::load_reg;
+using kvexport_simd::store_reg;
 
 // Group g of one row -> out[kPerGroup]: its 32 values in group order (even channels 0, 2, .., 30,
 // then odd ones 1, 3, .., 31), each (code - 8) * scale: the same float32 values as dequantize_rows
@@ -210,7 +210,7 @@ inline void decode_group(const uint8_t* row, int64_t d, int64_t g, vec* out) {
     t[i] = static_cast<float>(static_cast<int>(codes[i] & 15) - 8) * scale;
     t[kGroup / 2 + i] = static_cast<float>(static_cast<int>(codes[i] >> 4) - 8) * scale;
   }
-  for (int i = 0; i < kPerGroup; ++i) out[i] = loadv(t + i * kLanes);
+  for (int i = 0; i < kPerGroup; ++i) out[i] = load_reg(t + i * kLanes);
 #endif
 }
 
@@ -288,7 +288,7 @@ void attend_chunk_rows(const float* q, int64_t d, const uint8_t* k, const uint8_
 #pragma GCC unroll 7
       for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-        for (int i = 0; i < kPerGroup; ++i) s[r] += loadv(q + r * d + g * kGroup + i * kLanes) * x[i];
+        for (int i = 0; i < kPerGroup; ++i) s[r] += load_reg(q + r * d + g * kGroup + i * kLanes) * x[i];
     }
     for (int r = 0; r < R; ++r) part[r][j] = s[r];
   }
@@ -296,8 +296,7 @@ void attend_chunk_rows(const float* q, int64_t d, const uint8_t* k, const uint8_
   float alpha[R];
   // the scores' softmax in registers (vreg: NOTE in paged_attention_simd.h), kChunk / kReg of them
   constexpr int C = kChunk / kReg;
-  using vregi_t = decltype(vreg{} < vreg{});
-  vregi_t lane[C];
+  vregi lane[C];
   for (int i = 0; i < kChunk; ++i) lane[i / kReg][i % kReg] = i;
   for (int r = 0; r < R; ++r) {
     if (lo[r] > hi[r]) {  // nothing of this chunk: the row's state stays as it is
@@ -327,7 +326,7 @@ void attend_chunk_rows(const float* q, int64_t d, const uint8_t* k, const uint8_
 #pragma GCC unroll 7
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-      for (int i = 0; i < kPerGroup; ++i) a[r][i] = loadv(acc + r * d + g * kGroup + i * kLanes) * alpha[r];
+      for (int i = 0; i < kPerGroup; ++i) a[r][i] = load_reg(acc + r * d + g * kGroup + i * kLanes) * alpha[r];
     for (int j = j0; j <= j1; ++j) {
       vec x[kPerGroup];
       decode_group(v + j * stride, d, g, x);
@@ -339,7 +338,7 @@ void attend_chunk_rows(const float* q, int64_t d, const uint8_t* k, const uint8_
 #pragma GCC unroll 7
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-      for (int i = 0; i < kPerGroup; ++i) storev(acc + r * d + g * kGroup + i * kLanes, a[r][i]);
+      for (int i = 0; i < kPerGroup; ++i) store_reg(acc + r * d + g * kGroup + i * kLanes, a[r][i]);
   }
 }
 

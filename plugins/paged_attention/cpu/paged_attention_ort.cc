@@ -314,8 +314,7 @@ void attend_rows(const Step& st, const Task& t) {
         const int64_t r0 = gi * RG;
         for (int i = 0; i < RG; ++i)  // positions relative to c0 (pad rows: -1, nothing visible)
           posv[i] = r0 + i < rows ? static_cast<int32_t>(tl.pos(t, r0 + i) - c0) : -1;
-        using vregi_t = decltype(vreg{} < vreg{});
-        vregi_t rp;
+        vregi rp;
         std::memcpy(&rp, posv, sizeof rp);
         vreg sc[W];
         const float* qg = qt + gi * d * RG;
@@ -336,8 +335,8 @@ void attend_rows(const Step& st, const Task& t) {
 #pragma GCC unroll 16
         for (int j = 0; j < W; ++j) {  // key c0 + j is visible to a row at pos iff j <= pos (and window)
           if (a.logit_softcap > 0.f) sc[j] = vsoftcap(sc[j], a.logit_softcap);
-          vregi_t vis = rp >= j;
-          if (j >= n) vis = vregi_t{};
+          vregi vis = rp >= j;
+          if (j >= n) vis = vregi{};
           if (a.sliding_window > 0) vis &= (rp - j) < static_cast<int32_t>(a.sliding_window);
           sc[j] = vis ? sc[j] : vreg{} + kNegInf;
           mx = mx > sc[j] ? mx : sc[j];

@@ -20,28 +20,6 @@ inline v16f load16(const float* p) {
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-// NOTE: intrinsics here: GCC turns __builtin_convertvector(int8 x16 -> float x16) into 16
-// scalar conversions.
-inline v16f load16(const int8_t* p) {
-#if defined(__AVX512F__)
-  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  v16f v;
-  std::memcpy(&v, &f, sizeof v);
-  return v;
-#elif defined(__AVX2__)
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-  const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
-  v16f v;
-  std::memcpy(&v, &lo, 32);
-  std::memcpy(reinterpret_cast<char*>(&v) + 32, &hi, 32);
-  return v;
-#else
-  v16f v;
-  for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(p[i]);
-  return v;
-#endif
-}
 inline void store16(float* p, v16f v) { std::memcpy(p, &v, sizeof v); }
 inline float hsum(v16f v) {  // log-step horizontal sum
   v16f t = v + __builtin_shuffle(v, v16i{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
@@ -61,24 +39,29 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // full of both), and an AVX2 build spent its time storing and reloading them (a decode step 2x, a prompt chunk ~5x
 // the AVX-512 build's time). Lane j of a 16-lane chunk is lane j % kReg of its register j / kReg,
 // so a loop over registers does lane by lane what the 16-lane code did; the AVX-512 build's
-// floats are unchanged by this, and the AVX2 build's differ from them by rounding (~1e-7: the
+// floats are unchanged by this, and the AVX2 build's differ from them by rounding (up to ~1e-6: the
 // compiler fuses multiply-adds per target), as they did before.
 #if defined(__AVX512F__)
 typedef v16f vreg;
 constexpr int kReg = 16;
 #else
 typedef float vreg __attribute__((vector_size(32)));
-typedef int32_t vregi __attribute__((vector_size(32)));
 constexpr int kReg = 8;
 #endif
+typedef decltype(vreg{} < vreg{}) vregi;  // its lanes' int32 vector (comparison masks)
 inline vreg load_reg(const float* p) {
   vreg v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
+// NOTE: intrinsics here: GCC turns __builtin_convertvector(int8 x16 -> float x16) into 16
+// scalar conversions.
 inline vreg load_reg(const int8_t* p) {
 #if defined(__AVX512F__)
-  return load16(p);
+  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  vreg v;
+  std::memcpy(&v, &f, sizeof v);
+  return v;
 #elif defined(__AVX2__)
   const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   vreg v;

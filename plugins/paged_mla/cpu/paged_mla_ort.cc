@@ -106,7 +106,7 @@ inline int8_t quantize(float x, float scale) {  // ONNX QuantizeLinear, zero poi
 inline void to_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
 inline void to_float(const int8_t* src, float* dst, int64_t n) {
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) store16(dst + i, load16(src + i));
+  for (; i + kReg <= n; i += kReg) store_reg(dst + i, load_reg(src + i));
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 inline void to_float(const Half* src, float* dst, int64_t n) {
