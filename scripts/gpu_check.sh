@@ -19,15 +19,15 @@ PY=${PYTHON:-python3}
 
 # The package maps top-level folders into `kvexport.*` (pyproject.toml), so a plain PYTHONPATH
 # cannot import it from a checkout; without installing anything, lay out the two parts the
-# kernels need (kvexport/ and plugins/ as kvexport.plugins) in a temporary folder.
+# kernels need (src/kvexport/'s modules and plugins/ as kvexport.plugins) in a temporary folder.
 PKG=$(mktemp -d)
 trap 'rm -rf "$PKG"' EXIT
 mkdir -p "$PKG/kvexport"
-cp "$REPO"/kvexport/*.py "$PKG/kvexport/"
+cp "$REPO"/src/kvexport/*.py "$PKG/kvexport/"
 ln -s "$REPO/plugins" "$PKG/kvexport/plugins"
 export PYTHONPATH="$PKG${PYTHONPATH:+:$PYTHONPATH}"
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$OUT/.triton-cache}
-cd "$PKG"  # not the checkout: its kvexport/ (without plugins/) would shadow the layout
+cd "$PKG"
 
 "$PY" - <<'PYEOF' || { echo "gpu_check: python environment unusable" >&2; exit 2; }
 import sys, torch, triton

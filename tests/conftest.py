@@ -2,6 +2,7 @@
 random models of each family, saved as real HF folders (config.json + safetensors)."""
 
 import os
+import shutil
 import tempfile
 
 _TMP = tempfile.mkdtemp(prefix="kvexport-tests-")
@@ -136,3 +137,18 @@ def tree_snapshot(root: Path) -> dict:
 def snapshot():
     """tree_snapshot(root): see there."""
     return tree_snapshot
+
+
+@pytest.fixture(scope="session")
+def chat_build(hf_folder, tmp_path_factory):
+    """A tiny llama build (context 64) with smollm2-135m's tokenizer and chat template: text
+    prompts and chat requests run end to end in milliseconds."""
+    from kvexport.exporter.build import BuildOptions, build
+    from kvexport.exporter.source import load_tokenizer, resolve
+
+    folder = tmp_path_factory.mktemp("chat-hf") / "tiny-chat"
+    shutil.copytree(hf_folder("llama", vocab_size=49152), folder)
+    load_tokenizer(resolve("smollm2-135m")).save_pretrained(folder)
+    out, _ = build(str(folder), tmp_path_factory.mktemp("chat") / "tiny-chat",
+                   BuildOptions(max_seq_len=64, validate=False))
+    return out

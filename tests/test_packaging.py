@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = ["pyproject.toml", "setup.cfg", "README.md", "kvexport", "exporter", "plugins", "runtime", "recipes"]
+SOURCES = ["pyproject.toml", "setup.cfg", "README.md", "src", "exporter", "plugins", "runtime", "recipes"]
 WARNINGS = ["would be ignored", "SetuptoolsWarning", "BuildBackendWarning", "SetuptoolsDeprecationWarning",
             "experimental"]
 
@@ -40,9 +40,32 @@ def test_wheel_builds_without_warnings_and_outside_build(tmp_path):
     assert {"kvexport/runtime/serving/traces/mixed-64.json", "kvexport/plugins/paged_attention/cpu/paged_attention_ort.cc",
             "kvexport/recipes/llama.yaml", "kvexport/outputs.py", "kvexport/exporter/build.py",
             "kvexport/plugins/paged_mla/cpu/paged_mla_ort.cc", "kvexport/plugins/paged_mla/cpu/paged_mla_ort.h",
-            "kvexport/plugins/paged_mla/spec.py"} <= names
+            "kvexport/plugins/paged_mla/spec.py", "kvexport/cli/__main__.py", "kvexport/cli/inspect.py"} <= names
 
 
 def test_gitignore_covers_build_outputs():
     lines = (ROOT / ".gitignore").read_text().splitlines()
     assert {"build/", ".setuptools-build/", "*.egg-info/", "dist/"} <= set(lines)
+
+
+def test_no_root_folder_shadows_the_package():
+    """Only src/kvexport/ is named like the package: python run from the repository root imports
+    the installed package whole (CLI, contracts and the four mapped parts)."""
+    assert not (ROOT / "kvexport").exists()
+    assert (ROOT / "src" / "kvexport" / "__init__.py").is_file()
+
+
+def test_readme_python_example_runs_from_the_repository_root(chat_build):
+    """The README's Python example (`from kvexport import LLM, SamplingParams`, generate, stream)
+    with the working directory at the checkout's root, against a tiny build with a tokenizer."""
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    (example,) = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "from kvexport import LLM" in b]
+    # the example names build/smollm2-135m; the tiny build stands in for it (same API, token ids only)
+    code = example.replace('"build/smollm2-135m"', repr(str(chat_build))).replace('kv_cache_memory="1GiB"', 'kv_cache_memory="16MiB"')
+    code += "\nimport kvexport, kvexport.runtime, kvexport.exporter, kvexport.cli\nprint('FROM', kvexport.__file__)\n"
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    origin = Path(r.stdout.rsplit("FROM ", 1)[1].strip()).resolve()
+    assert origin.parent.name == "kvexport" and origin.parent.parent != ROOT, origin

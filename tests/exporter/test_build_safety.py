@@ -152,8 +152,7 @@ def _start(model: Path, out: Path) -> subprocess.Popen:
     """`kvexport build` as its own process, validating (so it runs for seconds)."""
     return subprocess.Popen([sys.executable, "-m", "kvexport.cli", "build", str(model), "--out", str(out), "--force",
                              "--max-seq-len", "64", "--block-size", "4"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=out.parent)  # NOTE: not the checkout, whose kvexport/ would shadow the installed package
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _owned(out: Path) -> bool:

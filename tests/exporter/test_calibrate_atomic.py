@@ -64,8 +64,7 @@ def test_interrupted_calibrate_leaves_the_build_as_it_was(int8, tmp_path, snapsh
         out = tmp_path / sig.name / "b"
         shutil.copytree(built, out)
         proc = subprocess.Popen([sys.executable, "-m", "kvexport.cli", "calibrate", str(out), "--tokens", "128",
-                                 "--model", src], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                cwd=tmp_path)  # NOTE: not the checkout, whose kvexport/ would shadow the installed package
+                                 "--model", src], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         runs[sig] = (out, snapshot(out), proc)
     deadline = time.monotonic() + 300
     waiting = dict(runs)

@@ -269,7 +269,7 @@ def test_quantization_record_is_typed_and_earlier_records_load(hf_folder, tmp_pa
     """weights.quantization is a typed entry (manifest_weights.py): records written before a field
     existed (no matmul_accuracy / serving / lm_head / embeddings) load, save back byte for byte
     and are served at the default accuracy; a mistyped, unknown or invalid field is refused by name."""
-    from kvexport import inspect
+    from kvexport.cli import inspect
     from kvexport.errors import ManifestError
     from kvexport.manifest import WeightQuantizationEntry
     from kvexport.runtime.execution.ort_backends import ort_backend

@@ -15,7 +15,7 @@ from kvexport import io
 from kvexport import manifest as mf
 from kvexport.cli import main
 from kvexport.exporter.build import BuildOptions, build
-from kvexport.inspect import tool_commands
+from kvexport.cli.inspect import tool_commands
 
 BIN = Path(sys.executable).parent
 

@@ -1,5 +1,5 @@
-"""Fixtures shared by the runtime's server tests: a tiny build that has a tokenizer and a
-chat template (a tiny random llama with smollm2's vocabulary), and `kvexport serve` as a
+"""Fixtures shared by the runtime's server tests (the tiny build with a tokenizer and chat
+template, `chat_build`, is in tests/conftest.py): `kvexport serve` as a
 subprocess on 127.0.0.1, found ready by the line it prints once the model is loaded and
 the port bound."""
 
@@ -15,21 +15,6 @@ from pathlib import Path
 import pytest
 
 READY = re.compile(r"serving .* on (http://\S+)/v1")
-
-
-@pytest.fixture(scope="session")
-def chat_build(hf_folder, tmp_path_factory):
-    """A tiny llama build (context 64) with smollm2-135m's tokenizer and chat template: text
-    prompts and chat requests run end to end in milliseconds."""
-    from kvexport.exporter.build import BuildOptions, build
-    from kvexport.exporter.source import load_tokenizer, resolve
-
-    folder = tmp_path_factory.mktemp("chat-hf") / "tiny-chat"
-    shutil.copytree(hf_folder("llama", vocab_size=49152), folder)
-    load_tokenizer(resolve("smollm2-135m")).save_pretrained(folder)
-    out, _ = build(str(folder), tmp_path_factory.mktemp("chat") / "tiny-chat",
-                   BuildOptions(max_seq_len=64, validate=False))
-    return out
 
 
 class Served:

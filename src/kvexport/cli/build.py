@@ -10,9 +10,9 @@ from rich.markup import escape
 from kvexport.exporter.limits import (BACKENDS, DTYPES, KV_DTYPES, QUANT_METHODS, RANGES, WEIGHT_BLOCK_SIZES,
                                       WEIGHT_PRECISIONS)
 
-from . import io
-from .cli_options import SafePath, console, new_path, option_range, rich_progress
-from .manifest_weights import WEIGHT_MATMUL_ACCURACY
+from .. import io
+from .options import SafePath, console, new_path, option_range, rich_progress
+from ..manifest_weights import WEIGHT_MATMUL_ACCURACY
 
 
 @click.command()
@@ -150,7 +150,7 @@ def calibrate(build_dir, text, tokens, model_source, no_validate):
 def inspect(build_dir, as_json):
     """Print a build's manifest: graph I/O, parameters, KV bytes per token, validation, and the
     polygraphy / trtexec command lines for it."""
-    from kvexport.inspect import render, summary
+    from kvexport.cli.inspect import render, summary
 
     if as_json:
         import json

@@ -1,14 +1,16 @@
 """The `kvexport` command line. Each command parses its arguments and calls one library
 function; options beyond a few flags live in recipes.
 
-    cli.py          the group (`main`, the console entry point): logging, the stop signals, exit codes
-    cli_options.py  what the commands share: the console, option types and callbacks, engine_options
-    cli_build.py    build, engines, calibrate, inspect, plan
-    cli_serve.py    generate, bench, serve
-    cli_deploy.py   triton, triton-serve, dynamo
+    __init__.py  the group (`main`, the console entry point): logging, the stop signals, exit codes
+    __main__.py  `python -m kvexport.cli`
+    options.py   what the commands share: the console, option types and callbacks, engine_options
+    build.py     build, engines, calibrate, inspect, plan
+    inspect.py   `kvexport inspect`'s views of a manifest and the other tools' command lines
+    serve.py     generate, bench, serve
+    deploy.py    triton, triton-serve, dynamo
 
-NOTE: the command modules import cli_options, never this module, so `python -m kvexport.cli`
-(which runs this file as __main__) registers them without importing it a second time.
+NOTE: library code (exporter, runtime, the contracts in kvexport/) never imports this package;
+the command modules import options, never this module.
 """
 
 from __future__ import annotations
@@ -22,9 +24,9 @@ import threading
 import click
 from rich.markup import escape
 
-from . import cli_build, cli_deploy, cli_serve
-from .cli_options import clip, console, engine_options, print_error
-from .errors import KvExportError
+from . import build, deploy, serve
+from .options import clip, console, engine_options, print_error
+from ..errors import KvExportError
 
 __all__ = ["main", "engine_options", "Terminated"]
 
@@ -108,9 +110,6 @@ def main(verbose: bool) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
 
-for _command in (*cli_build.COMMANDS, *cli_serve.COMMANDS, *cli_deploy.COMMANDS):
+for _command in (*build.COMMANDS, *serve.COMMANDS, *deploy.COMMANDS):
     main.add_command(_command)
 
-
-if __name__ == "__main__":
-    main()

@@ -12,8 +12,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from . import io
-from . import manifest as mf
+from .. import io
+from .. import manifest as mf
 
 
 def _human(n: float) -> str:

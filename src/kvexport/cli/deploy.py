@@ -9,7 +9,7 @@ import sys
 import click
 from rich.markup import escape
 
-from .cli_options import console, engine_config, engine_options
+from .options import console, engine_config, engine_options
 
 
 @click.command()

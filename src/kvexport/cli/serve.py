@@ -9,8 +9,8 @@ import sys
 import click
 from rich.markup import escape
 
-from .cli_options import SafePath, clip, console, engine_config, engine_options, finite, new_path, print_error, quote
-from .errors import KvExportError
+from .options import SafePath, clip, console, engine_config, engine_options, finite, new_path, print_error, quote
+from ..errors import KvExportError
 
 
 @click.command()

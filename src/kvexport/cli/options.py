@@ -1,5 +1,5 @@
-"""What every `kvexport` command shares (kvexport/cli.py and its command modules cli_build.py,
-cli_serve.py, cli_deploy.py): the stderr console and its error line, the option types and callbacks
+"""What every `kvexport` command shares (kvexport/cli/__init__.py and its command modules build.py,
+serve.py, deploy.py): the stderr console and its error line, the option types and callbacks
 that refuse bad values naming the option, and the runtime settings as options (`engine_options`).
 
 NOTE: this module imports nothing heavy (no torch, onnx, transformers): `kvexport --help` imports it,
