@@ -21,11 +21,15 @@ class SamplingError(KvExportError):
     """Out-of-range or inconsistent sampling parameters."""
 
 
+# NOTE: vLLM's rule (_SAMPLING_EPS): a temperature below this samples greedily; a smaller one
+# would only push every logit but the largest to -inf and the largest to overflow.
+GREEDY_BELOW = 1e-5
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     max_tokens: int = 16  # tokens to generate at most; 0: compute the prompt only (its prompt_logprobs, an echo)
     min_tokens: int = 0  # EOS and stop tokens are suppressed until this many are generated
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # 0 (or below GREEDY_BELOW) = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # nucleus mass kept, (0, 1]
     min_p: float = 0.0  # drop tokens below min_p * p(max), [0, 1]
@@ -104,7 +108,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Whether the request samples greedily: temperature 0, or below GREEDY_BELOW (dividing
+        logits by a temperature that small only rescales the argmax's lead to overflow)."""
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass(slots=True)

@@ -7,7 +7,7 @@ its batch.
 
 Non-finite numbers never leave the sampler: a NaN logit (or one a penalty turned into NaN,
 0 x inf) counts as -inf (never chosen), +inf (a penalty's or a temperature's overflow) is
-clamped to the largest float, and a log-probability of -inf (a token the step ruled out) is
+clamped to the largest float (logits are shifted to a maximum of 0 before the temperature divides them), and a log-probability of -inf (a token the step ruled out) is
 reported as LOGPROB_FLOOR, as vLLM's OpenAI server reports it. A row with no finite logit at
 all (NaN weights) fails the request, naming the cause, rather than returning an arbitrary token.
 """
@@ -74,8 +74,8 @@ def sample(logits: np.ndarray, state: SamplerState, prompt_tokens: set[int], num
         token = int(np.argmax(x))
         state.rng.random()  # NOTE: keep one draw per token even when greedy
     else:
-        with np.errstate(over="ignore"):
-            x = _finite(x / p.temperature)  # NOTE: a tiny temperature overflows to inf
+        with np.errstate(over="ignore"):  # NOTE: the max is subtracted first, so nothing overflows to +inf
+            x = (x - x.max()) / p.temperature  # [vocab], max 0; far-below-max logits underflow to -inf
         if p.top_k and p.top_k < x.size:
             kth = np.partition(x, -p.top_k)[-p.top_k]
             x[x < kth] = -np.inf

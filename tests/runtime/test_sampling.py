@@ -100,3 +100,26 @@ def test_bad_traces_and_duplicate_ids_raise_clear_errors(tmp_path):
     sched.new_request("a", [1, 2], p, SamplerState.create(p))
     with pytest.raises(KvExportError, match="already in use"):
         sched.new_request("a", [1, 2], p, SamplerState.create(p))
+
+
+@pytest.mark.parametrize("temperature", [5e-324, 1e-308, 1e-30, 1e-6])
+def test_a_near_zero_temperature_samples_greedily(temperature):
+    """Issue 31 §4: temperatures between 0 and vLLM's 1e-5 behave as greedy. Before, logits
+    divided by them overflowed to +inf, were clamped to one value, and every positive logit drew
+    alike (uniformly random tokens with status 200)."""
+    logits = np.array([3.0, 9.5, 7.0, 9.0, -2.0, 8.0])
+    assert SamplingParams(temperature=temperature, seed=3).greedy
+    assert draws(SamplingParams(temperature=temperature, seed=3), n=200, logits=logits).tolist() == [0, 200, 0, 0, 0, 0]
+
+
+def test_a_small_temperature_above_the_greedy_rule_still_samples_without_overflow():
+    """Just above 1e-5 the sampler still samples; logits are shifted to a maximum of 0 before the
+    division, so huge logits do not overflow: the near-tie at the top splits, the rest never draws."""
+    t = 2e-5
+    assert not SamplingParams(temperature=t).greedy
+    logits = np.array([1e305, 1e305 - 1e300, -5.0, 1e304])  # x / t overflows; the gap / t (5e304) does not
+    counts = draws(SamplingParams(temperature=t, seed=0), n=100, logits=logits)
+    assert counts.tolist() == [100, 0, 0, 0]
+    tie = np.array([4.0, 4.0, 4.0 - 1e-3, 0.0])  # 1e-3 / 2e-5 = 50 nats: token 2 never
+    counts = draws(SamplingParams(temperature=t, seed=0), n=400, logits=tie)
+    assert counts[2] == counts[3] == 0 and 120 < counts[0] < 280
