@@ -9,7 +9,7 @@ builds.
 NOTE: the builder's model.onnx is run by onnxruntime directly (one prefill of each window, empty
 past), not through onnxruntime-genai's Generator, which exposes only the last token's logits per
 step; the graph, its MatMulNBits accuracy level and onnxruntime are the same, so are the numbers.
-Windows: consecutive, `--window` tokens, every next token scored (= kv_quality.nll_paged; its
+Windows: consecutive, `--window` tokens, every next token scored (= perplexity.nll_paged; its
 chunking does not change the sums with full attention).
 """
 

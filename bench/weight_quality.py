@@ -121,7 +121,7 @@ def main() -> None:
     from kvexport.exporter.build import BuildOptions, build
     from kvexport.runtime.execution.session_plan import resolve_accuracy
 
-    from kv_quality import nll_paged  # noqa: E402 - bench/ sibling
+    from perplexity import nll_paged  # noqa: E402 - bench/ sibling
 
     root = Path(a.builds or tempfile.mkdtemp(prefix="wq-"))
     src = source.resolve("smollm2-135m")
