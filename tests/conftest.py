@@ -17,56 +17,7 @@ import pytest  # noqa: E402
 
 from pathlib import Path  # noqa: E402
 
-import torch  # noqa: E402
-
-TINY = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-            intermediate_size=96, max_position_embeddings=256)
-
-
-def tiny_config(family: str, **overrides):
-    from transformers import GPT2Config, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config
-
-    if family == "gpt2":
-        base = dict(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=256, n_inner=96)
-        base.update(overrides)
-        return GPT2Config(**base)
-    from transformers import Gemma2Config, Gemma3TextConfig, Olmo2Config, Qwen3Config, SmolLM3Config
-
-    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
-
-    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "phi3": Phi3Config,
-           "qwen3": Qwen3Config, "olmo2": Olmo2Config, "gemma2": Gemma2Config, "gemma3_text": Gemma3TextConfig,
-           "smollm3": SmolLM3Config, "qwen3_moe": Qwen3MoeConfig, "mixtral": MixtralConfig,
-           "qwen2_moe": Qwen2MoeConfig}[family]
-    base = dict(TINY, num_key_value_heads=2)
-    if family in ("qwen3", "olmo2", "gemma2", "gemma3_text", "smollm3",
-                  "qwen3_moe", "mixtral", "qwen2_moe"):  # token ids inside the tiny vocab
-        base.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    if family in ("gemma2", "gemma3_text"):  # their defaults are 256-wide heads and a 4096 window
-        base.update(head_dim=16, sliding_window=8)
-    if family == "mistral":
-        base["sliding_window"] = None
-    if family == "phi3":
-        base.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    base.update(overrides)
-    return cls(**base)
-
-
-def make_hf_folder(family: str, directory: Path, seed: int = 0, **overrides) -> Path:
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    config = tiny_config(family, **overrides)
-    model = AutoModelForCausalLM.from_config(config)
-    # NOTE: random init gives tiny logits where greedy argmax ties are likely; scale the
-    # output layer so logits have realistic spreads and token comparisons mean something.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.mul_(4.0)
-    model.save_pretrained(directory, safe_serialization=True)
-    return Path(directory)
-
+from testkit.families import make_hf_folder  # noqa: E402  (the tiny configs per family)
 
 
 @pytest.fixture(scope="session")

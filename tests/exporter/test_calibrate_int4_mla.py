@@ -10,7 +10,6 @@ as not run (the CLI); refused, naming what to do: float KV,
 an int4 build from before the key transform, and a transform that needs a constant the graphs
 have no node for (the key offset of a layer built with μ = 0; channel scales always have theirs)."""
 
-import importlib.util
 import json
 import os
 import shutil
@@ -29,14 +28,10 @@ from kvexport.exporter import calibrate as cal
 from kvexport.exporter import kv_int4
 from kvexport.exporter.build import BuildOptions, build
 from kvexport.manifest import load
+from testkit.families import tiny_config
+from testkit.text import byte_bpe
 
 
-def _sibling(path: str):
-    """A helper module of the test suite, by path (pytest runs with --import-mode=importlib)."""
-    spec = importlib.util.spec_from_file_location(Path(path).stem, Path(__file__).parent / path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 VOCAB = 512  # the model's; the tokenizer's 400 ids fit
@@ -53,8 +48,7 @@ def texts():
 @pytest.fixture(scope="module")
 def folders(hf_folder, texts, tmp_path_factory):
     """family -> a tiny random model folder with a BPE tokenizer trained on both texts."""
-    atomic = _sibling("test_calibrate_atomic.py")
-    tok = atomic._tokenizer("".join(t.read_text()[:20_000] for t in texts))
+    tok = byte_bpe("".join(t.read_text()[:20_000] for t in texts))
     cache = {}
 
     def get(family):
@@ -65,7 +59,7 @@ def folders(hf_folder, texts, tmp_path_factory):
                 from transformers import AutoModelForCausalLM
 
                 torch.manual_seed(0)
-                config = _sibling("test_deepseek_mla.py").config(family, vocab_size=VOCAB)
+                config = tiny_config(family, vocab_size=VOCAB)
                 AutoModelForCausalLM.from_config(config).save_pretrained(d, safe_serialization=True)
             else:  # head_dim 32: int4's group
                 shutil.copytree(hf_folder(family, vocab_size=VOCAB, hidden_size=128, num_attention_heads=4,

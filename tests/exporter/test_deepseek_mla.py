@@ -9,12 +9,9 @@ fp32 greedy parity (the build's validation) with both attentions (the `plugin` o
 native, else the float64 reference), serving batched with chunked prefill, preemption and prefix
 hits, and the refusals (layouts, KV dtypes, an unimplemented routing field)."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
-import torch
 
 from kvexport import LLM, SamplingParams, io
 from kvexport import manifest as manifest_mod
@@ -26,67 +23,19 @@ from kvexport.exporter.validate import TOLERANCE
 
 
 
-def _sibling(path: str):
-    """A helper module of the test suite, by path (pytest runs with --import-mode=importlib)."""
-    spec = importlib.util.spec_from_file_location(Path(path).stem, Path(__file__).parent / path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
-engine_parity = _sibling("../runtime/test_engine_parity.py")
+from testkit import parity as engine_parity  # noqa: E402
 
-TINY = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-            intermediate_size=96, max_position_embeddings=256, kv_lora_rank=32, qk_nope_head_dim=16,
-            qk_rope_head_dim=8, v_head_dim=12, first_k_dense_replace=1, moe_intermediate_size=24,
-            n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=4, topk_group=2,
-            pad_token_id=0, bos_token_id=1, eos_token_id=2)
-CASES = {
-    "deepseek_v3": dict(q_lora_rank=24, routed_scaling_factor=2.5),
-    "deepseek_v2": dict(q_lora_rank=None, topk_method="group_limited_greedy", routed_scaling_factor=1.5),
-}
-# the real DeepSeek-V3's config.json fields that shape the spec and the KV cache
-REAL_V3 = dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
-               num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1,
-               n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536,
-               qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=8, topk_group=4,
-               num_experts_per_tok=8, first_k_dense_replace=3, norm_topk_prob=True, max_position_embeddings=163840,
-               rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, mscale=1.0, mscale_all_dim=1.0,
-                                    original_max_position_embeddings=4096, beta_fast=32, beta_slow=1))
-
-
-def config(family: str, **overrides):
-    from transformers import DeepseekV2Config, DeepseekV3Config
-
-    cls = DeepseekV3Config if family == "deepseek_v3" else DeepseekV2Config
-    return cls(**{**TINY, **CASES[family], **overrides})
+# the tiny configs (TINY_MLA + CASES_MLA) and the real V3's fields: tests/testkit/families.py
+from testkit.families import REAL_V3, tiny_config as config  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    """folder(family, **overrides) -> a saved tiny random model (cached); weights scaled as
-    tests/conftest.py's, V3's score-correction biases random (they pick the experts)."""
-    from transformers import AutoModelForCausalLM
-
-    cache = {}
-
-    def make(family: str, **overrides):
-        key = (family, repr(sorted(overrides.items())))
-        if key not in cache:
-            torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(config(family, **overrides))
-            with torch.no_grad():
-                for name, p in model.named_parameters():
-                    if p.dim() >= 2:
-                        p.mul_(4.0)
-                    if name.endswith("e_score_correction_bias"):
-                        p.copy_(torch.rand_like(p) * 0.5)
-            d = tmp_path_factory.mktemp(family)
-            model.save_pretrained(d, safe_serialization=True)
-            cache[key] = d
-        return cache[key]
-
-    return make
+def folder(hf_folder):
+    """folder(family, **overrides) -> a saved tiny random model (cached; testkit.families: weights
+    scaled, V3's score-correction biases random: they pick the experts)."""
+    return hf_folder
 
 
 def test_spec_reads_mla_and_the_yarn_softmax_scale():

@@ -7,10 +7,8 @@ Each family's tiny config switches on the spec features it brings (exporter/spec
 per-layer windows and RoPE kinds, q/k norms, post/sandwich norms, (1 + w) norms, embedding
 scale, attention and final soft-caps, query_pre_attn_scalar, NoPE layers."""
 
-import importlib.util
 import json
 import types
-from pathlib import Path
 
 import pytest
 
@@ -24,18 +22,7 @@ from kvexport import manifest as manifest_mod
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 # family -> tiny-config overrides (on top of tests/conftest.py's tiny_config); every feature on
-CASES = {
-    "qwen3": dict(head_dim=24),  # explicit head_dim != hidden / heads; per-head q/k norms
-    "olmo2": {},  # post norms only, q/k norms over all heads
-    # windows on layers 0, 2; soft-caps small enough to change the result; scale 24 ** -0.5
-    "gemma2": dict(query_pre_attn_scalar=24, attn_logit_softcapping=2.0, final_logit_softcapping=5.0),
-    # 3 local : 1 global; local RoPE base 1e4, global 1e6 with linear scaling 2
-    "gemma3_text": dict(num_hidden_layers=4, sliding_window_pattern=4, query_pre_attn_scalar=24,
-                        final_logit_softcapping=5.0,
-                        rope_parameters={FULL: dict(rope_type="linear", factor=2.0, rope_theta=1e6),
-                                         SLIDING: dict(rope_type="default", rope_theta=1e4)}),
-    "smollm3": dict(num_hidden_layers=4, no_rope_layer_interval=2),  # NoPE on layers 1, 3
-}
+from testkit.families import CASES_2025 as CASES  # noqa: E402  (the family-coverage checks read it there)
 # what read_spec must make of them (spec field -> value)
 EXPECTED = {
     "qwen3": dict(qk_norm="head", head_dim=24, layer_norms="pre", layer_windows=None),
@@ -47,18 +34,12 @@ EXPECTED = {
                         layer_rope=("local", "local", "local", "global"), final_softcap=5.0),
     "smollm3": dict(layer_rope=("global", "none", "global", "none")),
 }
-BUILDS = [("paged", "onnx"), ("contiguous", "onnx"), ("paged", "plugin")]
+from testkit.families import BUILDS_ALL as BUILDS  # noqa: E402
 
 
-def _sibling(path: str):
-    """A helper module of the test suite, by path (pytest runs with --import-mode=importlib)."""
-    spec = importlib.util.spec_from_file_location(Path(path).stem, Path(__file__).parent / path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
-engine_parity = _sibling("../runtime/test_engine_parity.py")
+from testkit import parity as engine_parity  # noqa: E402
 
 
 @pytest.fixture(scope="module")

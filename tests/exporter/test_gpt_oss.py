@@ -7,9 +7,7 @@ attention too), validated (fp32 greedy tokens identical to transformers, logits 
 served batched with chunked prefill, preemption and prefix-cache hits: tokens identical to
 transformers' generate. Unsupported config values are refused by name."""
 
-import importlib.util
 import types
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,50 +21,19 @@ from kvexport.exporter.families import read_spec
 from kvexport.exporter.validate import TOLERANCE
 
 SLIDING, FULL = "sliding_attention", "full_attention"
-TINY = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=2,
-            head_dim=64, intermediate_size=32, num_local_experts=8, num_experts_per_tok=4, sliding_window=8,
-            max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-            rope_parameters=dict(rope_type="yarn", factor=4.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
-                                 original_max_position_embeddings=64, rope_theta=150000.0))
-
-# the family-coverage checks (test_parity.py, test_plugin_and_int8.py) read these: gpt_oss's parity cases
-# below build with both attentions on the paged layout, and contiguous with the onnx attention
-CASES = {"gpt_oss": {"tiny": TINY}}
-BUILDS = [("paged", "onnx"), ("paged", "plugin"), ("contiguous", "onnx")]
+# the tiny config and its parity builds: tests/testkit/families.py (the family-coverage checks read them there)
+from testkit.families import TINY_GPT_OSS as TINY  # noqa: E402
+from testkit.families import make_hf_folder  # noqa: E402
 
 
-def _sibling(path: str):
-    spec = importlib.util.spec_from_file_location(Path(path).stem, Path(__file__).parent / path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
-engine_parity = _sibling("../runtime/test_engine_parity.py")
-
-
-def make_gpt_oss(directory: Path, seed: int = 0, **overrides) -> Path:
-    """A saved tiny random GptOssForCausalLM: matrices (experts included) × 4 for realistic logit
-    spreads, as tests/conftest.py does; sinks ~ N(0, 1.5²) and biases ~ N(0, 0.5²) so both matter."""
-    from transformers import AutoModelForCausalLM, GptOssConfig
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(GptOssConfig(**{**TINY, **overrides}))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.mul_(4.0)
-            elif name.endswith("sinks"):
-                p.copy_(torch.randn_like(p) * 1.5)
-            elif "bias" in name:
-                p.copy_(torch.randn_like(p) * 0.5)
-    model.save_pretrained(directory, safe_serialization=True)
-    return Path(directory)
+from testkit import parity as engine_parity  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    return make_gpt_oss(tmp_path_factory.mktemp("gpt-oss") / "src")
+    return make_hf_folder("gpt_oss", tmp_path_factory.mktemp("gpt-oss") / "src")
 
 
 @pytest.fixture(scope="module")

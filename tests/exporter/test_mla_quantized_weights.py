@@ -8,8 +8,6 @@ float32 W_UK / W_UV; onnxruntime fuses every one of them into MatMulNBits; `kvex
 counts the build's bytes exactly; what stays unsupported is refused by name."""
 
 import collections
-import importlib.util
-from pathlib import Path
 
 import onnx
 import pytest
@@ -22,15 +20,9 @@ from kvexport.exporter.build import BuildOptions, build
 from kvexport.exporter.validate import MIN_AGREEMENT, TOLERANCE
 
 
-def _sibling(path: str):
-    """A helper module of the test suite, by path (pytest runs with --import-mode=importlib)."""
-    spec = importlib.util.spec_from_file_location(Path(path).stem, Path(__file__).parent / path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
-deepseek = _sibling("test_deepseek_mla.py")  # its TINY configs (2 layers: dense, then 8 experts + 1 shared)
+from testkit.families import tiny_config  # noqa: E402  (deepseek: 2 layers: dense, then 8 experts + 1 shared)
 EXPERTS = 8
 OPTS = dict(block_size=4, max_seq_len=64, validate_steps=8)
 
@@ -45,7 +37,7 @@ def folder(tmp_path_factory):
     def make(family: str):
         if family not in cache:
             torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(deepseek.config(family))
+            model = AutoModelForCausalLM.from_config(tiny_config(family))
             with torch.no_grad():
                 for name, p in model.named_parameters():
                     if p.dim() >= 2:

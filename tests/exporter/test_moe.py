@@ -15,9 +15,7 @@ the numeric level.
 - int8 / int4 weights quantize every expert (own DequantizeLinear -> MatMul) and validate.
 - Refusals: routing modes, layer rules and quantization methods not implemented, named."""
 
-import importlib.util
 import types
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -34,16 +32,10 @@ from kvexport.exporter.validate import TOLERANCE
 
 
 
-def _sibling(path: str):
-    """A helper module of the test suite, by path (pytest runs with --import-mode=importlib)."""
-    spec = importlib.util.spec_from_file_location(Path(path).stem, Path(__file__).parent / path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
-engine_parity = _sibling("../runtime/test_engine_parity.py")
-moe_blocks = _sibling("moe_blocks.py")
+from testkit import parity as engine_parity  # noqa: E402
+from testkit import moe_blocks  # noqa: E402
 
 VARIANTS = ["qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3", "deepseek_v2", "deepseek_v2_grouped", "gpt_oss"]
 
@@ -114,22 +106,13 @@ def test_grouped_graph_runs_each_expert_on_its_rows():
 
 
 # ---- end to end ---------------------------------------------------------------------------
-CASES = {
-    # real Qwen3-MoE: 128 experts top-8, norm_topk_prob, decoder_sparse_step 1; layer 0 dense here
-    "qwen3_moe": dict(num_hidden_layers=3, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                      mlp_only_layers=[0], norm_topk_prob=True, head_dim=24),
-    # real Mixtral: 8 experts top-2 (renormalized), every layer sparse
-    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=48),
-    # real Qwen1.5-MoE: 60 experts top-4, a gated shared expert, decoder_sparse_step 1; here every 2nd layer
-    "qwen2_moe": dict(num_hidden_layers=3, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                      shared_expert_intermediate_size=40, decoder_sparse_step=2),
-}
+from testkit.families import CASES_MOE as CASES  # noqa: E402  (the family-coverage checks read it there)
 EXPECTED = {"qwen3_moe": dict(num_experts=8, top_k=2, expert_intermediate_size=32, sparse_layers=(1, 2),
                               norm_topk_prob=True, scoring="softmax"),
             "mixtral": dict(num_experts=8, top_k=2, expert_intermediate_size=48, sparse_layers=(0, 1),
                             norm_topk_prob=True),
             "qwen2_moe": dict(sparse_layers=(1,), norm_topk_prob=False, shared_intermediate_size=40, shared_gate=True)}
-BUILDS = [("paged", "onnx"), ("contiguous", "onnx"), ("paged", "plugin")]
+from testkit.families import BUILDS_ALL as BUILDS  # noqa: E402
 # NOTE: the contiguous layout once (its MoE block is the paged one's, on [B, S, H] rows); qwen2_moe
 # (qwen2's attention, whose plugin path is tested with qwen2) with the onnx attention, paged
 PARAMS = [(f, lay, att) for f in CASES for lay, att in BUILDS

@@ -10,7 +10,6 @@ Also: transformers alone reads those widths as its config defaults (why kvexport
 MoE stored under a dense architecture (llama.cpp's Mixtral: "llama" + llama.expert_count) is refused
 by name."""
 
-import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -24,14 +23,9 @@ from kvexport.exporter.build import BuildOptions, build
 from kvexport.exporter.validate import TOLERANCE
 
 
-def _sibling(path: str):
-    spec = importlib.util.spec_from_file_location(Path(path).stem, Path(__file__).parent / path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
-engine_parity = _sibling("../runtime/test_engine_parity.py")
+from testkit import parity as engine_parity  # noqa: E402
 
 # every layer sparse (llama.cpp's qwen2moe / qwen3moe have no dense layers); qwen3: head_dim != hidden / heads
 CASES = {"qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,

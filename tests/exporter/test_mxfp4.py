@@ -10,7 +10,6 @@
 - Other quant_methods (and mxfp4 on a family transformers does not pack so) are refused by name
   before any weight is read; a packed tensor without its scales is refused naming it."""
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -25,15 +24,10 @@ from kvexport.exporter.build import BuildOptions, build
 from kvexport.exporter.validate import TOLERANCE
 
 
-def _sibling(path: str):
-    spec = importlib.util.spec_from_file_location(Path(path).stem, Path(__file__).parent / path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
-engine_parity = _sibling("../runtime/test_engine_parity.py")
-gpt_oss = _sibling("test_gpt_oss.py")
+from testkit import parity as engine_parity  # noqa: E402
+from testkit.families import make_hf_folder  # noqa: E402
 PROJ = ("gate_up_proj", "down_proj")
 
 
@@ -73,7 +67,7 @@ def write_mxfp4(src: Path, d: Path) -> Path:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     base = tmp_path_factory.mktemp("gpt-oss")
-    return write_mxfp4(gpt_oss.make_gpt_oss(base / "float"), base / "mxfp4")
+    return write_mxfp4(make_hf_folder("gpt_oss", base / "float"), base / "mxfp4")
 
 
 def hf_dequantized(directory: Path):

@@ -39,20 +39,13 @@ def test_parity(hf_folder, tmp_path, family, variant, overrides, layout):
 
 
 def test_every_family_has_a_parity_case():
-    import importlib.util
-    from pathlib import Path
+    from testkit.families import PARITY_MODULES
 
-    # the 2025-26 families, DeepSeek (MLA) and the mixtures of experts have their own modules
+    # the 2025-26 families, DeepSeek (MLA), the mixtures of experts and gpt-oss have their own modules
     covered = set(CASES)
-    for name in ("test_families_2025", "test_deepseek_mla", "test_moe", "test_gpt_oss"):
-        path = Path(__file__).with_name(f"{name}.py")
-        if not path.exists():
-            continue
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        assert not covered & set(module.CASES), name
-        covered |= set(module.CASES)
+    for name, (cases, _) in PARITY_MODULES.items():
+        assert not covered & set(cases), name
+        covered |= set(cases)
     assert covered == set(FAMILIES), f"add parity cases for every registered family: {set(FAMILIES) - covered}"
 
 

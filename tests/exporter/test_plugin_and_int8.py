@@ -27,20 +27,13 @@ OPTS = dict(block_size=4, max_seq_len=64)
 
 
 def test_every_family_has_a_plugin_case():
-    import importlib.util
-    from pathlib import Path
+    from testkit.families import PARITY_MODULES
 
-    # the 2025-26 families, the mixtures of experts (and others' own modules): plugin parity there
+    # the 2025-26 families, the mixtures of experts, MLA and gpt-oss: plugin parity in their own modules
     covered = set(CASES)
-    for name in ("test_families_2025", "test_moe", "test_deepseek_mla", "test_gpt_oss"):
-        path = Path(__file__).with_name(f"{name}.py")
-        if not path.exists():
-            continue
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        assert ("paged", "plugin") in getattr(module, "BUILDS", [("paged", "plugin")]), name
-        covered |= set(getattr(module, "CASES", ()))
+    for name, (cases, builds) in PARITY_MODULES.items():
+        assert ("paged", "plugin") in builds, name
+        covered |= set(cases)
     assert covered == set(FAMILIES), f"add plugin cases for every registered family: {set(FAMILIES) - covered}"
 
 

@@ -5,31 +5,14 @@ when a small token budget forces chunked prefill. Tiny random models of each fam
 the real smollm2-135m; `onnx` attention builds and `plugin` builds (the native CPU
 PagedAttention op, plugins/paged_attention/cpu)."""
 
-import numpy as np
 import pytest
-import torch
 
 from kvexport import LLM, SamplingParams, io
 from kvexport.exporter import source
 from kvexport.exporter.build import BuildOptions, build
+from testkit.parity import hf_greedy, random_prompts
 
 STEPS = 10
-
-
-def hf_greedy(model, prompts, steps):
-    model.generation_config.eos_token_id = None  # forced length, like ignore_eos
-    model.generation_config.pad_token_id = 0
-    out = []
-    with torch.no_grad():
-        for p in prompts:
-            g = model.generate(torch.tensor([p]), max_new_tokens=steps, do_sample=False)
-            out.append(g[0, len(p):].tolist())
-    return out
-
-
-def random_prompts(n, vocab, lo, hi, seed=0, prefix=()):
-    rng = np.random.default_rng(seed)
-    return [list(prefix) + rng.integers(3, vocab, size=int(rng.integers(lo, hi))).tolist() for _ in range(n)]
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,150 @@
+"""The one table of tiny configs per family, and the saved tiny random models built from them.
+
+Every test that needs a tiny model of a family takes its config from here (`tiny_config`) and
+its weights from `make_hf_folder` (through the `hf_folder` fixture of tests/conftest.py, or
+directly). The parity cases of the families' own test modules (2025-26 families, mixtures of
+experts, MLA, gpt-oss) are tables here too, so the family-coverage checks read them without
+loading another test file (`PARITY_MODULES`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+TINY = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+            intermediate_size=96, max_position_embeddings=256)
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+# ---- DeepSeek-V2/V3 (MLA, experts) ---------------------------------------------------------------
+TINY_MLA = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                intermediate_size=96, max_position_embeddings=256, kv_lora_rank=32, qk_nope_head_dim=16,
+                qk_rope_head_dim=8, v_head_dim=12, first_k_dense_replace=1, moe_intermediate_size=24,
+                n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=4, topk_group=2,
+                pad_token_id=0, bos_token_id=1, eos_token_id=2)
+CASES_MLA = {
+    "deepseek_v3": dict(q_lora_rank=24, routed_scaling_factor=2.5),
+    "deepseek_v2": dict(q_lora_rank=None, topk_method="group_limited_greedy", routed_scaling_factor=1.5),
+}
+# the real DeepSeek-V3's config.json fields that shape the spec and the KV cache
+REAL_V3 = dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+               num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1,
+               n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536,
+               qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=8, topk_group=4,
+               num_experts_per_tok=8, first_k_dense_replace=3, norm_topk_prob=True, max_position_embeddings=163840,
+               rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, mscale=1.0, mscale_all_dim=1.0,
+                                    original_max_position_embeddings=4096, beta_fast=32, beta_slow=1))
+
+# ---- gpt-oss (sinks, windows, experts) --------------------------------------------------------------
+TINY_GPT_OSS = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=2,
+                    head_dim=64, intermediate_size=32, num_local_experts=8, num_experts_per_tok=4, sliding_window=8,
+                    max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                    rope_parameters=dict(rope_type="yarn", factor=4.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                         original_max_position_embeddings=64, rope_theta=150000.0))
+CASES_GPT_OSS = {"gpt_oss": {"tiny": TINY_GPT_OSS}}
+
+# ---- the 2025-26 dense families (tests/exporter/test_families_2025.py) ----------------------------
+CASES_2025 = {
+    "qwen3": dict(head_dim=24),  # explicit head_dim != hidden / heads; per-head q/k norms
+    "olmo2": {},  # post norms only, q/k norms over all heads
+    # windows on layers 0, 2; soft-caps small enough to change the result; scale 24 ** -0.5
+    "gemma2": dict(query_pre_attn_scalar=24, attn_logit_softcapping=2.0, final_logit_softcapping=5.0),
+    # 3 local : 1 global; local RoPE base 1e4, global 1e6 with linear scaling 2
+    "gemma3_text": dict(num_hidden_layers=4, sliding_window_pattern=4, query_pre_attn_scalar=24,
+                        final_logit_softcapping=5.0,
+                        rope_parameters={FULL: dict(rope_type="linear", factor=2.0, rope_theta=1e6),
+                                         SLIDING: dict(rope_type="default", rope_theta=1e4)}),
+    "smollm3": dict(num_hidden_layers=4, no_rope_layer_interval=2),  # NoPE on layers 1, 3
+}
+
+# ---- mixtures of experts (tests/exporter/test_moe.py) -----------------------------------------------
+CASES_MOE = {
+    # real Qwen3-MoE: 128 experts top-8, norm_topk_prob, decoder_sparse_step 1; layer 0 dense here
+    "qwen3_moe": dict(num_hidden_layers=3, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      mlp_only_layers=[0], norm_topk_prob=True, head_dim=24),
+    # real Mixtral: 8 experts top-2 (renormalized), every layer sparse
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=48),
+    # real Qwen1.5-MoE: 60 experts top-4, a gated shared expert, decoder_sparse_step 1; here every 2nd layer
+    "qwen2_moe": dict(num_hidden_layers=3, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=40, decoder_sparse_step=2),
+}
+
+# (layout, attention) of the builds each family module validates
+BUILDS_ALL = [("paged", "onnx"), ("contiguous", "onnx"), ("paged", "plugin")]
+BUILDS_GPT_OSS = [("paged", "onnx"), ("paged", "plugin"), ("contiguous", "onnx")]
+# the families' own parity modules: module -> (its family cases, its builds); the family-coverage
+# checks (tests/exporter/test_parity.py, test_plugin_and_int8.py) read this
+PARITY_MODULES = {
+    "test_families_2025": (CASES_2025, BUILDS_ALL),
+    "test_moe": (CASES_MOE, BUILDS_ALL),
+    "test_deepseek_mla": (CASES_MLA, BUILDS_ALL),
+    "test_gpt_oss": (CASES_GPT_OSS, BUILDS_GPT_OSS),
+}
+
+
+def tiny_config(family: str, **overrides):
+    """A transformers config of `family`, tiny (2 layers, hidden 64, vocab 128 unless overridden)."""
+    from transformers import GPT2Config, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config
+
+    if family == "gpt2":
+        base = dict(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=256, n_inner=96)
+        base.update(overrides)
+        return GPT2Config(**base)
+    if family in CASES_MLA:
+        from transformers import DeepseekV2Config, DeepseekV3Config
+
+        cls = DeepseekV3Config if family == "deepseek_v3" else DeepseekV2Config
+        return cls(**{**TINY_MLA, **CASES_MLA[family], **overrides})
+    if family == "gpt_oss":
+        from transformers import GptOssConfig
+
+        return GptOssConfig(**{**TINY_GPT_OSS, **overrides})
+    from transformers import (Gemma2Config, Gemma3TextConfig, MixtralConfig, Olmo2Config, Qwen2MoeConfig, Qwen3Config,
+                              Qwen3MoeConfig, SmolLM3Config)
+
+    cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "phi3": Phi3Config,
+           "qwen3": Qwen3Config, "olmo2": Olmo2Config, "gemma2": Gemma2Config, "gemma3_text": Gemma3TextConfig,
+           "smollm3": SmolLM3Config, "qwen3_moe": Qwen3MoeConfig, "mixtral": MixtralConfig,
+           "qwen2_moe": Qwen2MoeConfig}[family]
+    base = dict(TINY, num_key_value_heads=2)
+    if family in ("qwen3", "olmo2", "gemma2", "gemma3_text", "smollm3",
+                  "qwen3_moe", "mixtral", "qwen2_moe"):  # token ids inside the tiny vocab
+        base.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if family in ("gemma2", "gemma3_text"):  # their defaults are 256-wide heads and a 4096 window
+        base.update(head_dim=16, sliding_window=8)
+    if family == "mistral":
+        base["sliding_window"] = None
+    if family == "phi3":
+        base.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    base.update(overrides)
+    return cls(**base)
+
+
+def _init(family: str, model) -> None:
+    """Weights with realistic logit spreads.
+
+    NOTE: random init gives tiny logits where greedy argmax ties are likely; matrices (experts
+    included) × 4 so token comparisons mean something. DeepSeek-V3's score-correction biases are
+    random (they pick the experts); gpt-oss's sinks ~ N(0, 1.5²) and biases ~ N(0, 0.5²) so both matter."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.mul_(4.0)
+            elif family == "gpt_oss" and name.endswith("sinks"):
+                p.copy_(torch.randn_like(p) * 1.5)
+            elif family == "gpt_oss" and "bias" in name:
+                p.copy_(torch.randn_like(p) * 0.5)
+            if family in CASES_MLA and name.endswith("e_score_correction_bias"):
+                p.copy_(torch.rand_like(p) * 0.5)
+
+
+def make_hf_folder(family: str, directory: Path, seed: int = 0, **overrides) -> Path:
+    """A saved tiny random model of `family` (config.json + safetensors) in `directory`."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides))
+    _init(family, model)
+    model.save_pretrained(directory, safe_serialization=True)
+    return Path(directory)
