@@ -20,6 +20,7 @@ from click.testing import CliRunner
 
 from kvexport import io
 from kvexport.cli import main
+from testkit.text import byte_bpe
 from kvexport.exporter import calibrate as cal
 from kvexport.exporter.build import BuildOptions, build
 from kvexport.manifest import load
@@ -114,22 +115,9 @@ def test_calibrate_swaps_in_a_whole_new_build(int8, tmp_path):
     assert load(out).kv.quantization["calibration"]["tokens"] == 32 and sorted(os.listdir(tmp_path)) == ["b", "link"]
 
 
-def _tokenizer(text: str):
-    """A small byte-level BPE trained on `text` (any bytes tokenize; built in a second)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    t = Tokenizer(models.BPE())
-    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    t.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    t.train_from_iterator([text], trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=t)
-
-
 def test_text_reads_only_what_the_budget_needs(tmp_path):
     hamlet = cal.default_text()
-    tok = _tokenizer(hamlet.read_text()[:30_000])
+    tok = byte_bpe(hamlet.read_text()[:30_000])
     sparse = tmp_path / "sparse.txt"
     with open(sparse, "wb") as f:  # 64 GiB, a few KiB of it real text
         f.truncate(64 << 30)
