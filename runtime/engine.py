@@ -10,6 +10,8 @@
 This module owns wiring the parts together for one build (`LLMEngine`) and the public
 request calls (add, abort, step, outputs). A request that fails — token ids outside the
 vocabulary, a backend error it caused — fails alone; the engine keeps serving the rest.
+KV blocks move in or out of the pools (tiers, disaggregated hand-off, persistence at `close()`,
+router events) only through `LLMEngine.kv_connector` (runtime/kv_connector.py).
 """
 
 from __future__ import annotations
@@ -27,25 +29,22 @@ from .config import EngineConfig
 from .core.hybrid_kv_cache_manager import HybridKVCacheManager
 from .core.kv_cache_interface import KVCacheManagerProtocol
 from .core.kv_cache_manager import KVCacheManager
+from .core.kv_connector import KVConnectorScheduler
 from .core.kv_tiers import TierIndex
 from .core.memory import kv_pool_sizes, parse_budget, parse_size, physical_memory
+from .execution.kv_connector import KVConnectorWorker
 from .execution.kv_offload import KVOffload
 from .execution.model_input import Backend
 from .execution.model_runner import ModelRunner
 from .execution.output_processor import OutputProcessor, RequestOutput
-from .serving.requests import RequestError, check_token_ids, prompt_logprobs_refusal
+from .kv_connector import KVConnector
+from .request_checks import RequestError, check_token_ids, prompt_logprobs_refusal
 from .sampling_params import SamplerState, SamplingParams
 from .tokenizer import load_build_tokenizer
 from .core.scheduler import Scheduler, SchedulerConfig, Status
 from .core.streaming import StreamingWindow, check_model, streaming_window
 
 __all__ = ["EngineConfig", "LLMEngine", "RequestOutput"]
-
-TIER_STAT_KEYS = ("offload_host_blocks", "offload_disk_blocks", "offload_host_hits", "offload_disk_hits",
-                  "offload_host_write_bytes", "offload_host_read_bytes", "offload_disk_write_bytes",
-                  "offload_disk_read_bytes", "offload_load_seconds", "offload_loads", "offload_disk_errors",
-                  "offload_disk_on")
-
 
 class LLMEngine:
     def __init__(self, build_dir: str | Path, config: EngineConfig = EngineConfig(), backend: Backend | None = None):
@@ -83,11 +82,17 @@ class LLMEngine:
         self.pool = BlockPool(backend.num_blocks, kv.block_size, enable_prefix_caching=config.enable_prefix_caching)
         self.tiers, offload = self._kv_tiers(config, backend)  # KV tiers below the pool (core/kv_tiers.py)
         self.kv: KVCacheManagerProtocol[Any] = KVCacheManager(self.pool, self.tiers)
+        pools = {io.FULL_GROUP: self.pool}
         if groups is not None:  # two KV cache groups (kvexport/io.py): windowed layers freed behind the window
             local = BlockPool(getattr(backend, "local_num_blocks", None) or backend.num_blocks, kv.block_size,
                               enable_prefix_caching=config.enable_prefix_caching)
             window = kv.local_window
             self.kv = HybridKVCacheManager(self.pool, local, window, self.tiers)
+            pools[io.LOCAL_GROUP] = local
+        # the one seam for moving KV blocks in or out (runtime/kv_connector.py): serving code uses only it
+        self.kv_connector = KVConnector(
+            KVConnectorScheduler(pools, self.tiers, kv.local_window if groups is not None else None),
+            KVConnectorWorker(backend, self.manifest, offload))
         max_model_len = min(config.max_model_len or kv.max_seq_len, kv.max_seq_len)
         streaming = self._streaming(config, max_model_len) if config.kv_eviction == "streaming" else None
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len,
@@ -146,6 +151,12 @@ class LLMEngine:
     def backend(self) -> Backend:
         """The execution backend (the model runner owns it)."""
         return self.runner.backend
+
+    @backend.setter
+    def backend(self, backend: Backend) -> None:
+        """Swap the backend the steps call (a wrapper around it, e.g. a benchmark's timer); the KV
+        connector keeps reading the pools of the backend the engine was built with."""
+        self.runner.backend = backend
 
     @property
     def max_model_len(self) -> int:
@@ -223,27 +234,10 @@ class LLMEngine:
         with no step running): write the prefix-cache blocks the pool still holds to the disk tier
         and wait for the disk writes, so a restart on the same kv_offload_dir finds them. No-op
         without a disk tier."""
-        if self.tiers is None or not self.tiers.disk_on:
-            return
-        pools = [(io.FULL_GROUP, self.pool)]
-        if isinstance(self.kv, HybridKVCacheManager):
-            pools.append((io.LOCAL_GROUP, self.kv.local_pool))
-        for group, pool in pools:
-            for block_id, block_hash in pool.cached_blocks():
-                self.tiers.persist(group, block_id, block_hash)
-        self.runner.offload.run(self.tiers.take_ops())
-        self.runner.offload.flush(timeout_s)
+        self.kv_connector.persist(timeout_s)
 
     def tier_stats(self) -> dict:
         """The KV tiers' figures (all 0 without tiers): blocks held, hits and bytes moved per tier,
         load time (seconds, tier hits copied into the pool plus disk reads) and blocks loaded."""
-        if self.tiers is None:
-            return dict.fromkeys(TIER_STAT_KEYS, 0)
-        t, o = self.tiers.stats(), self.runner.offload.stats
-        return {"offload_host_blocks": t.host_blocks, "offload_disk_blocks": t.disk_blocks,
-                "offload_host_hits": t.host_hits, "offload_disk_hits": t.disk_hits,
-                "offload_host_write_bytes": o.host_write_bytes, "offload_host_read_bytes": o.host_read_bytes,
-                "offload_disk_write_bytes": o.disk_write_bytes, "offload_disk_read_bytes": o.disk_read_bytes,
-                "offload_load_seconds": o.load_seconds, "offload_loads": o.loads,
-                "offload_disk_errors": o.disk_errors, "offload_disk_on": int(t.disk_on)}
+        return self.kv_connector.tier_stats()
 

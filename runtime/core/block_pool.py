@@ -98,8 +98,9 @@ class BlockPool:
 
     def record_events(self) -> None:
         """From now on, record every prefix-cache change as a `BlockStored` / `BlockRemoved`
-        event for `pop_events` (an observer outside the engine, e.g. a cluster router fed by
-        runtime/serving/dynamo_worker.py). Off by default: nobody drains them."""
+        event for `pop_events` (an observer outside the engine, through the engine's KV connector,
+        runtime/core/kv_connector.py: e.g. the cluster router runtime/serving/dynamo_worker.py
+        feeds). Off by default: nobody drains them."""
         if self._events is None:
             self._events = []
 

@@ -64,6 +64,12 @@ class GroupSizes:
         return self.full_blocks * self.full_bytes_per_block + self.local_blocks * self.local_bytes_per_block
 
 
+def first_needed_block(position: int, window: int, block_size: int) -> int:
+    """The first block a windowed layer reads for a token at `position` (window: tokens looked
+    back, the query included)."""
+    return max(position - window + 1, 0) // block_size
+
+
 def local_blocks_needed(window: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> int:
     """Blocks (pad block included) the local group needs so that it never runs out before the
     full group: each running sequence holds at most the blocks of its last `window` - 1 tokens
@@ -198,7 +204,7 @@ class HybridKVCacheManager:
 
     def first_needed_block(self, position: int) -> int:
         """The first block the local group's layers read for a token at `position`."""
-        return max(position - self.window + 1, 0) // self.block_size
+        return first_needed_block(position, self.window, self.block_size)
 
     def cache_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """Publish both groups' newly full blocks (the local group's released ones are skipped)."""
@@ -258,5 +264,5 @@ def hybrid_manager(budget_bytes: int, block_size: int, full_bytes_per_token: int
     return HybridKVCacheManager(*pools, window, tiers), sizes
 
 
-__all__ = ["GroupSizes", "HybridComputedBlocks", "HybridKVCacheManager", "hybrid_manager", "local_blocks_needed",
-           "split_budget"]
+__all__ = ["GroupSizes", "HybridComputedBlocks", "HybridKVCacheManager", "first_needed_block", "hybrid_manager",
+           "local_blocks_needed", "split_budget"]

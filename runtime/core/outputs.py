@@ -69,6 +69,9 @@ class ScheduledRequest:
     # streaming eviction (core/streaming.py): tokens of released blocks that `block_table` leaves out,
     # between the sinks and the recent window; a position p past them is attention index p - kv_gap
     kv_gap: int = 0
+    # speculation (core/policies.py SpeculationPolicy): the last num_draft_tokens of token_ids are drafts
+    # proposed after the sequence's next token; 0 for every step until a speculation policy proposes some
+    num_draft_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

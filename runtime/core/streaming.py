@@ -1,7 +1,8 @@
 """Streaming eviction (`--kv-eviction streaming`): attention sinks + a recent window, so a
 sequence runs past the context with a bounded KV cache (StreamingLLM, Xiao et al. 2023).
 
-`StreamingWindow` is the policy, as the scheduler applies it to every running sequence:
+`StreamingWindow` is the window (checked by `streaming_window`); `StreamingEviction` is the
+scheduler's eviction policy (runtime/core/policies.py) that applies it to every running sequence:
 
     KV cache of a sequence (block j = positions j*bs..):
       [ sink blocks | released (PAD_BLOCK_ID) ............ | recent blocks | next token ]
@@ -31,9 +32,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvexport.errors import ConfigError
 from kvexport.io import PAD_BLOCK_ID
+
+from .kv_cache_interface import KVCacheManagerProtocol
+from .outputs import ModelRunnerOutput
+from .policies import EvictionPolicy
+from .request import Request
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,9 +76,87 @@ def compact(table: Sequence[int], block_size: int) -> tuple[tuple[int, ...], int
     return kept, (len(table) - len(kept)) * block_size
 
 
+@dataclass(slots=True)
+class StreamState:
+    """A streaming sequence's state (`Request.policy_state["eviction"]`)."""
+
+    num_dropped: int = 0  # tokens after the sinks dropped from the KV token list by context shifts
+    num_shifts: int = 0  # context shifts so far
+    released: bool = False  # blocks were released since the last recompute: later blocks are not published
+
+
+class StreamingEviction(EvictionPolicy):
+    """Sinks + recent window (the module docstring). The KV token list of a sequence is
+    token_ids[:sink_tokens] + token_ids[sink_tokens + num_dropped:]."""
+
+    outlives_context = True
+
+    def __init__(self, window: StreamingWindow):
+        self.window = window
+
+    def new_state(self) -> StreamState:
+        return StreamState()
+
+    def _dropped(self, req: Request) -> int:
+        st = req.policy_state.get(self.key)
+        return st.num_dropped if st is not None else 0
+
+    def num_kv_tokens(self, req: Request) -> int:
+        return len(req.token_ids) - self._dropped(req)
+
+    def kv_token_ids(self, req: Request, start: int = 0, end: int | None = None) -> list[int]:
+        d, k = self._dropped(req), self.window.sink_tokens
+        end = len(req.token_ids) - d if end is None else end
+        ids = req.token_ids
+        if not d:
+            return ids[start:end]
+        return (ids[start:min(end, k)] if start < k else []) + (ids[max(start, k) + d:end + d] if end > k else [])
+
+    def publish_tokens(self, req: Request) -> Sequence[int] | None:
+        # NOTE: blocks computed once a release hid part of their prefix are not published (their KV
+        # is not the prefix's): only the blocks before the first release since the last recompute are
+        st = req.policy_state.get(self.key)
+        if st is None:
+            return req.token_ids
+        if st.released:
+            return None
+        return self.kv_token_ids(req) if st.num_dropped else req.token_ids
+
+    def view(self, req: Request, table: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
+        return compact(table, self.window.block_size)
+
+    def after_step(self, req: Request, kv: KVCacheManagerProtocol[Any], result: ModelRunnerOutput) -> None:
+        w = self.window
+        if kv.free_outside_window(req.request_id, req.num_computed_tokens, w.release_window, keep_first=w.sink_blocks):
+            self.state(req).released = True  # later tokens no longer see their whole prefix
+
+    def shift_context(self, req: Request, max_model_len: int) -> bool:
+        """A context shift when the next token's position would reach max_model_len: drop the
+        middle of the KV token list; the kept tokens are recomputed at positions 0.."""
+        if self.num_kv_tokens(req) <= max_model_len:
+            return False
+        st = self.state(req)
+        self._drop_middle(req, st)
+        st.num_shifts += 1
+        st.released = False
+        return True
+
+    def on_preempt(self, req: Request, keep_tokens: bool) -> None:
+        if not keep_tokens:  # NOTE: recomputed anyway: only the kept tokens (as a context shift)
+            st = self.state(req)
+            self._drop_middle(req, st)
+            st.released = False
+
+    def _drop_middle(self, req: Request, st: StreamState) -> None:
+        """Keep the sinks and the last recent_tokens (+ the next token) of the KV token list."""
+        n, w = self.num_kv_tokens(req), self.window
+        if n - w.kept_after_shift > 0 and n > w.sink_tokens:
+            st.num_dropped += n - w.kept_after_shift
+
+
 def streaming_window(*, sink_tokens: int, recent_tokens: int | None, block_size: int, max_model_len: int,
                      pool_tokens: int, max_num_batched_tokens: int) -> StreamingWindow:
-    """The policy for `--kv-sink-tokens`/`--kv-recent-tokens` on a pool of `pool_tokens` tokens and a
+    """The window for `--kv-sink-tokens`/`--kv-recent-tokens` on a pool of `pool_tokens` tokens and a
     context (positions) of `max_model_len`. recent_tokens None: half of max_model_len. Raises
     ConfigError naming the option when a window is smaller than a block, leaves no room for a token
     between context shifts, or does not fit the pool with one step's tokens."""
@@ -119,4 +204,4 @@ def check_model(*, windows: Sequence[int | None], ropes: Sequence[dict], max_mod
                 f"would be rotated with the short factors: use --max-model-len <= {omax} with streaming")
 
 
-__all__ = ["StreamingWindow", "check_model", "compact", "streaming_window"]
+__all__ = ["StreamState", "StreamingEviction", "StreamingWindow", "check_model", "compact", "streaming_window"]

@@ -5,8 +5,8 @@ each prompt token they predict (SamplingParams.prompt_logprobs; the OpenAI `echo
     logits [T, vocab] of an --all-logits prefill ──rows of a chunk──▶ log_softmax ──▶ PromptLogprobs
 
 Where the rows come from, and why a build needs `--all-logits` for this, is the scheduler's
-and the runner's business (runtime/core/scheduler.py module docstring); this module is the
-arithmetic only. It imports no torch.
+and the runner's business (the scheduler's policy: runtime/core/prompt_scores.py); this module
+is the arithmetic only. It imports no torch.
 """
 
 from __future__ import annotations

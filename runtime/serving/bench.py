@@ -105,7 +105,7 @@ def run_bench(build_dir: str | Path, config: EngineConfig, trace_name: str = "mi
     arrivals = arrival_times(len(reqs), arrival_rate, trace["seed"])
     engine = LLMEngine(build_dir, config)
     timed = _TimedBackend(engine.backend)
-    engine.runner.backend = timed
+    engine.backend = timed
     prompts = trace_prompts(trace, reqs, engine.manifest.model.vocab_size)
     total_out = sum(r.output_len for r in reqs)
     max_len = engine.max_model_len
@@ -131,12 +131,13 @@ def run_bench(build_dir: str | Path, config: EngineConfig, trace_name: str = "mi
         changed = engine.step()
         step_s += time.perf_counter() - ts
         steps += 1
-        used = engine.pool.num_used_blocks
-        util.append(used / engine.pool.num_usable_blocks)
+        usage = engine.kv_connector.usage()
+        used = usage.used_blocks
+        util.append(used / usage.usable_blocks)
         running = engine.scheduler.stats().running_computed_tokens  # (request id, tokens stored)
         stored = sum(n for _, n in running)
         if used:
-            waste.append(1.0 - stored / (used * engine.pool.block_size))
+            waste.append(1.0 - stored / (used * engine.kv_connector.block_size))
             # contiguous caches reserve per request up front: the build's whole context
             # (HF static cache), or at best exactly prompt + max_tokens
             waste_max_len.append(1.0 - stored / (len(running) * max_len))
@@ -170,7 +171,7 @@ def run_bench(build_dir: str | Path, config: EngineConfig, trace_name: str = "mi
         "ttft_s": {"p50": round(_pct(ttft, 50), 3), "p99": round(_pct(ttft, 99), 3)},
         "tpot_s": {"p50": round(_pct(tpot, 50), 4), "p99": round(_pct(tpot, 99), 4)},
         "steps": steps,
-        "kv": {"blocks_total": stats["blocks_total"], "block_size": engine.pool.block_size,
+        "kv": {"blocks_total": stats["blocks_total"], "block_size": engine.kv_connector.block_size,
                "peak_utilisation": round(max(util, default=0.0), 3), "mean_utilisation": round(float(np.mean(util)) if util else 0.0, 3),
                "mean_waste": round(float(np.mean(waste)) if waste else 0.0, 3),
                "contiguous_max_len_mean_waste": round(float(np.mean(waste_max_len)) if waste_max_len else 0.0, 3),

@@ -25,12 +25,14 @@ with a prefix-cache hit computes, so greedy output is aggregated serving's. Only
 move (a prefix-cache key names a full block); a prompt of L tokens moves (L - 1) // block_size
 blocks per group (the local group: only those the window of the next token reaches).
 
-A block's bytes are execution/kv_offload.py's payload (every pool tensor of its group sliced at
-the block: K/V codes, and int4's in-row scales; int8's scales are the build's, so the build
-identity guards them), and the two workers must serve the same build: the offer carries
-`build_identity`, checked before anything is read. The bytes move through NIXL
-(kv_transfer.py), or inline in the response (`kv_transfer="request-plane"`, for machines
-without NIXL: base64 in the JSON the frontend relays).
+Every block moves through the engine's KV connector (runtime/kv_connector.py: `prompt_blocks`,
+`export_blocks` on the prefill side; `held`, `import_blocks`, `release` on the decode side); this
+module never touches the pools. A block's bytes are the connector's payload (every pool tensor
+of its group sliced at the block: K/V codes, and int4's in-row scales; int8's scales are the
+build's, so the build identity guards them), and the two workers must serve the same build: the
+offer carries the connector's `identity`, checked before anything is read. The bytes move
+through NIXL (kv_transfer.py), or inline in the response (`kv_transfer="request-plane"`, for
+machines without NIXL: base64 in the JSON the frontend relays).
 
 NOTE: the prefill side copies the blocks while the pool is still as the finishing step left
 it: `deliver` runs on the engine thread right after the step, before any allocation (so the
@@ -53,13 +55,10 @@ from typing import Any
 
 import numpy as np
 
-from kvexport import io
-
-from ..core.block_hash import BlockHash, hash_full_blocks, request_salt
-from ..core.hybrid_kv_cache_manager import HybridKVCacheManager
+from ..core.block_hash import BlockHash
 from ..engine import LLMEngine
-from ..execution.kv_offload import KVOffload
-from .dynamo_protocol import chunk, completion_usage, request_cache_salt, request_to_params
+from ..kv_connector import BlockImport, BlockRef, KVConnector
+from .dynamo_protocol import chunk, completion_usage, request_to_params
 from .dynamo_worker import DynamoWorker
 from .engine_thread import Event
 from .requests import RequestError
@@ -71,93 +70,18 @@ PARAMS_KEY = "kvexport"  # our entry in kv_transfer_params (vLLM's connectors pu
 FORMAT = 1  # the offer's format version
 ENGINE_CALL_TIMEOUT_S = 300.0  # longest a copy waits for the engine thread (a long step ahead of it)
 
-Key = tuple[str, int, BlockHash]  # (KV cache group, block index in the prompt, prefix-cache key)
+Key = BlockRef  # (KV cache group, block index in the prompt, prefix-cache key)
 
 
-def prompt_keys(engine: LLMEngine, prompt: Sequence[int], salt: str | None) -> list[Key]:
-    """The blocks a decode worker's prefix lookup can use for `prompt`: the full group's first
-    (L - 1) // block_size blocks, and for a hybrid build the local group's blocks of those that
-    the next token's window reaches (core/hybrid_kv_cache_manager.py)."""
-    bs = engine.pool.block_size
-    n = max(len(prompt) - 1, 0) // bs
-    hashes = hash_full_blocks(prompt[:n * bs], bs, salt)
-    keys = [(io.FULL_GROUP, i, hashes[i]) for i in range(n)]
-    if isinstance(engine.kv, HybridKVCacheManager):
-        keys += [(io.LOCAL_GROUP, i, hashes[i]) for i in range(engine.kv.first_needed_block(n * bs), n)]
-    return keys
-
-
-class PoolBlocks:
-    """Copies whole blocks between an engine's pools and byte buffers (engine thread only)."""
-
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
-        offload = engine.runner.offload or KVOffload(engine.backend, engine.manifest)
-        self.copier = offload.copier
-        self.block_bytes = dict(offload.block_bytes)  # group -> payload bytes of one block
-        self.identity = offload.identity.hex()
-        self.pools = {io.FULL_GROUP: engine.pool}
-        if isinstance(engine.kv, HybridKVCacheManager):
-            self.pools[io.LOCAL_GROUP] = engine.kv.local_pool
-
-    def export(self, keys: Sequence[Key]) -> tuple[list[list], np.ndarray]:
-        """The keys' blocks the pool holds -> ([[group, index, key hex, offset], ...], payload).
-        The full group stops at its first missing block (the prefix ends there)."""
-        entries, parts, at = [], [], 0
-        stopped = set()
-        for g, i, h in keys:
-            b = None if g in stopped else self.pools[g].get_cached_block(h)
-            if b is None:
-                if g == io.FULL_GROUP:
-                    stopped.add(g)
-                continue
-            part = self.copier.read(g, b)
-            entries.append([g, i, h.hex(), at])
-            parts.append(part)
-            at += part.nbytes
-        self.copier.synchronize()
-        payload = np.concatenate(parts) if parts else np.empty(0, np.uint8)
-        return entries, payload
-
-    def held(self, keys: Sequence[tuple[str, BlockHash]]) -> set[tuple[str, BlockHash]]:
-        """The keys this engine already holds, in its pool or a KV tier below it."""
-        tiers = self.engine.tiers
-        return {(g, h) for g, h in keys if self.pools[g].get_cached_block(h) is not None
-                or (tiers is not None and tiers.where((g, h)) is not None)}
-
-    def load(self, blocks: Sequence[tuple[str, BlockHash, int | None, int | None, list[int]]],
-             payload: np.ndarray) -> list[tuple[str, list[int]]]:
-        """Write pulled blocks into fresh pool blocks and publish them under their keys, each
-        held (one reference) until `release`. `blocks`: (group, key, parent key, offset in
-        payload, the block's tokens). Blocks whose key the pool got meanwhile are skipped; a
-        group whose pool has too few free blocks is skipped whole (its prefix is recomputed)."""
-        eng, out = self.engine, []
-        for g, pool in self.pools.items():
-            todo = [b for b in blocks if b[0] == g and pool.get_cached_block(b[1]) is None]
-            if not todo:
-                continue
-            ids = pool.get_new_blocks(len(todo)) if len(todo) <= pool.num_free_blocks else None
-            if ids is None:
-                log.warning("disaggregated decode: %d %s blocks do not fit the pool now; recomputing them",
-                            len(todo), g)
-                continue
-            if eng.tiers is not None:  # NOTE: a reused block's old KV goes to its tier before the write
-                for block_id, block_hash in pool.pop_evicted():
-                    eng.tiers.offer(g, block_id, block_hash)
-                eng.runner.offload.run(eng.tiers.take_ops())
-            size = self.block_bytes[g]
-            for block_id, (_, _, _, off, _) in zip(ids, todo):
-                self.copier.write(g, block_id, payload[off:off + size])
-            self.copier.synchronize()
-            pool.cache_full_blocks(ids, [b[1] for b in todo], parent_hashes=[b[2] for b in todo],
-                                   block_tokens=[b[4] for b in todo])
-            out.append((g, ids))
-        return out
-
-    def release(self, holds: list[tuple[str, list[int]]]) -> None:
-        for g, ids in holds:
-            self.pools[g].free_blocks(ids)
-        holds.clear()
+def offer_blocks(kv: KVConnector, keys: Sequence[BlockRef]) -> tuple[list[list], np.ndarray]:
+    """The keys' blocks the engine holds -> ([[group, index, key hex, offset], ...], payload): the
+    offer's entries (offsets into the payload) and the bytes (engine thread, before any allocation)."""
+    refs, payload = kv.export_blocks(keys)
+    entries, at = [], 0
+    for g, i, h in refs:
+        entries.append([g, i, h.hex(), at])
+        at += kv.block_bytes[g]
+    return entries, payload
 
 
 async def on_engine(worker: DynamoWorker, fn):
@@ -198,7 +122,9 @@ class _DisaggWorker(DynamoWorker):
     def __init__(self, engine: LLMEngine, exceptions, kv_publisher=None, metrics_publisher=None, *,
                  transport: str = "nixl", timeout_s: float = 60.0, role: str = "prefill"):
         super().__init__(engine, exceptions, kv_publisher, metrics_publisher)
-        self.blocks = PoolBlocks(engine)
+        # self.kv: the engine's KV connector (DynamoWorker); its calls run on the engine thread
+        self.identity = self.kv.identity  # what this engine's block bytes mean (the offer's guard)
+        self.block_bytes = self.kv.block_bytes  # group -> bytes of one block
         self.transport = transport
         self.stats = DisaggStats()
         self.nixl = None
@@ -253,9 +179,9 @@ class _DisaggWorker(DynamoWorker):
             request = {**request, "stop_conditions": stop}
         try:
             prompt, params = request_to_params(request, self.parser)
-            # the client's cache_salt, as DynamoWorker.generate salts it (dynamo_protocol's NOTE on salts):
-            # both sides must key the prompt's blocks alike
-            salt = request_salt(None, request_cache_salt(request))
+            # salted as DynamoWorker.generate salts it (cache_salts.py's rule): both sides must key the
+            # prompt's blocks alike
+            salt = self.request_salt(request)
         except RequestError as e:
             raise E.InvalidArgument(str(e)) from None
         return prompt, params, salt
@@ -278,14 +204,14 @@ class PrefillWorker(_DisaggWorker):
         if self.nixl is not None and self._poller is None:
             self._poller = asyncio.ensure_future(self._poll())
         prompt, params, salt = self._parse(request, prefill=True)
-        keys = prompt_keys(self.engine, prompt, salt)
+        keys = self.kv.prompt_blocks(prompt, salt)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
         def deliver(ev: Event) -> None:  # engine thread
             staged = None
             if ev.finished and ev.error is None:
-                staged = self.blocks.export(keys)  # NOTE: before any allocation: the module's NOTE
+                staged = offer_blocks(self.kv, keys)  # NOTE: before any allocation: the module's NOTE
             loop.call_soon_threadsafe(events.put_nowait, (ev, staged))
 
         try:
@@ -310,7 +236,7 @@ class PrefillWorker(_DisaggWorker):
                     continue
                 state["finished"] = True
                 entries, payload = staged
-                offer = {"format": FORMAT, "identity": self.blocks.identity, "block_size": self.block_size,
+                offer = {"format": FORMAT, "identity": self.identity, "block_size": self.block_size,
                          "num_prompt_tokens": len(prompt), "blocks": entries}
                 room = uuid.uuid4().hex
                 if self.nixl is not None:
@@ -350,16 +276,16 @@ class DecodeWorker(_DisaggWorker):
         """Pull the offered blocks this engine lacks and write them into its pool; returns the
         holds to release once the request is admitted ([] when nothing was written)."""
         E = self.errors
-        if offer.get("format") != FORMAT or offer.get("identity") != self.blocks.identity \
+        if offer.get("format") != FORMAT or offer.get("identity") != self.identity \
                 or offer.get("block_size") != self.block_size:
             raise E.InvalidArgument(
                 "the prefill worker serves another build (its KV blocks would not mean the same here): run "
                 "`kvexport dynamo --mode prefill` and `--mode decode` on the same build directory")
-        want = wanted(prompt_keys(self.engine, prompt, salt), offer.get("blocks") or ())
-        held = await on_engine(self, lambda: self.blocks.held([(g, h) for g, _, h, _ in want]))
+        want = wanted(self.kv.prompt_blocks(prompt, salt), offer.get("blocks") or ())
+        held = await on_engine(self, lambda: self.kv.held([(g, h) for g, _, h, _ in want]))
         missing = [w for w in want if (w[0], w[2]) not in held]
         self.stats.reused_blocks += len(want) - len(missing)
-        ranges = [(off, self.blocks.block_bytes[g]) for g, _, _, off in missing]
+        ranges = [(off, self.block_bytes[g]) for g, _, _, off in missing]
         t0 = asyncio.get_running_loop().time()
         if "nixl" in offer:
             if self.nixl is None:
@@ -371,8 +297,8 @@ class DecodeWorker(_DisaggWorker):
         self.stats.pull_seconds += asyncio.get_running_loop().time() - t0
         if not missing:
             return []
-        blocks = to_load(missing, want, prompt, self.block_size, self.blocks.block_bytes)
-        holds = await on_engine(self, lambda: self.blocks.load(blocks, data))
+        blocks = to_load(missing, want, prompt, self.block_size, self.block_bytes)
+        holds = await on_engine(self, lambda: self.kv.import_blocks(blocks, data))
         self.stats.pulled += 1
         self.stats.pulled_blocks += sum(len(ids) for _, ids in holds)
         return holds
@@ -397,18 +323,18 @@ class DecodeWorker(_DisaggWorker):
 
         def deliver(ev: Event) -> None:  # engine thread: the request is admitted (holds its own refs)
             if holds:
-                self.blocks.release(holds)
+                self.kv.release(holds)
             loop.call_soon_threadsafe(events.put_nowait, ev)
 
         try:
             rids = self.thread.submit(prompt, params, deliver, salt=salt)
         except Exception as e:  # noqa: BLE001 - the engine thread has stopped
             if holds:
-                self.thread.call(lambda: self.blocks.release(holds))
+                self.thread.call(lambda: self.kv.release(holds))
             raise E.EngineShutdown(str(e)) from None
         stopped = asyncio.ensure_future(context.async_killed_or_stopped())
         state = {"finished": False, "aborted": False}
-        self._abort_when_stopped(stopped, rids, state, then=lambda: self.thread.call(lambda: self.blocks.release(holds)))
+        self._abort_when_stopped(stopped, rids, state, then=lambda: self.thread.call(lambda: self.kv.release(holds)))
         try:
             while True:
                 get = asyncio.ensure_future(events.get())
@@ -432,14 +358,15 @@ class DecodeWorker(_DisaggWorker):
             if not state["finished"]:
                 self.thread.abort(rids)
                 if holds:  # never admitted: nothing else frees them (release is idempotent)
-                    self.thread.call(lambda: self.blocks.release(holds))
+                    self.thread.call(lambda: self.kv.release(holds))
             if not stopped.done():
                 stopped.cancel()
 
 
 def wanted(keys: Sequence[Key], offered: Sequence[Sequence]) -> list[tuple[str, int, BlockHash, int]]:
-    """The decode side's `prompt_keys` that the offer carries under the same key (a salt or a
-    build that differs gives other keys: those blocks are not taken): (group, index, key, offset)."""
+    """The decode side's `KVConnector.prompt_blocks` that the offer carries under the same key (a
+    salt or a build that differs gives other keys: those blocks are not taken): (group, index,
+    key, offset)."""
     by_place = {(g, int(i)): (h, int(off)) for g, i, h, off in offered}
     out = []
     for g, i, h in keys:
@@ -449,13 +376,14 @@ def wanted(keys: Sequence[Key], offered: Sequence[Sequence]) -> list[tuple[str, 
     return out
 
 
-def to_load(missing, want, prompt: Sequence[int], block_size: int, block_bytes: dict[str, int]) -> list:
-    """`PoolBlocks.load`'s list for the pulled blocks `missing` (their bytes back to back in the
-    order given): (group, key, parent key, offset in the pulled bytes, the block's tokens)."""
+def to_load(missing, want, prompt: Sequence[int], block_size: int, block_bytes: dict[str, int]) -> list[BlockImport]:
+    """`KVConnector.import_blocks`' list for the pulled blocks `missing` (their bytes back to back
+    in the order given): group, key, parent key, offset in the pulled bytes, the block's tokens."""
     hashes = {i: h for _, i, h, _ in want}
     out, at = [], 0
     for g, i, h, _ in missing:
-        out.append((g, h, hashes.get(i - 1) if i else None, at, list(prompt[i * block_size:(i + 1) * block_size])))
+        out.append(BlockImport(g, h, hashes.get(i - 1) if i else None, at,
+                               list(prompt[i * block_size:(i + 1) * block_size])))
         at += block_bytes[g]
     return out
 

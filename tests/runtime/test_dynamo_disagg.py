@@ -1,9 +1,9 @@
 """The KV hand-off of disaggregated serving (runtime/serving/dynamo_disagg.py, kv_transfer.py)
 between two real engines in one process, without Dynamo: a "prefill" engine runs the prompt with
-max_tokens 1 and its blocks are copied out as the request finishes (`PoolBlocks.export`); the
+max_tokens 1 and its blocks are copied out as the request finishes (`KVConnector.export_blocks`); the
 bytes move through NIXL (two UCX agents in this process: the READ, the notification that frees
 the offer, an offer nobody pulls freed by its timeout); a "decode" engine writes the blocks it
-lacks into its pool (`PoolBlocks.load`) and generates: greedy tokens equal an aggregated engine's,
+lacks into its pool (`KVConnector.import_blocks`) and generates: greedy tokens equal an aggregated engine's,
 and the prompt's full blocks are prefix-cache hits there. Builds: fp32 (`onnx` attention), int8
 KV, int4 KV (codes and in-row scales), and a hybrid gemma2 build (both KV cache groups). Plus:
 a decode engine that already holds part of the prefix pulls only the rest; an offer of another
@@ -62,22 +62,23 @@ def _run(engine: LLMEngine, prompt, params):
 def _prefill(engine: LLMEngine, prompt):
     """The prefill worker's part: the prompt and one token, then the blocks copied out."""
     _run(engine, prompt, SamplingParams(max_tokens=1))
-    return dd.PoolBlocks(engine).export(dd.prompt_keys(engine, prompt, None))
+    kv = engine.kv_connector
+    return dd.offer_blocks(kv, kv.prompt_blocks(prompt, None))
 
 
 def _decode(engine: LLMEngine, prompt, entries, fetch):
     """The decode worker's part: the blocks it lacks fetched (fetch(ranges) -> bytes), written,
     held until the request's first step; returns (output, blocks pulled)."""
-    blocks = dd.PoolBlocks(engine)
-    want = dd.wanted(dd.prompt_keys(engine, prompt, None), entries)
-    held = blocks.held([(g, h) for g, _, h, _ in want])
+    kv = engine.kv_connector
+    want = dd.wanted(kv.prompt_blocks(prompt, None), entries)
+    held = kv.held([(g, h) for g, _, h, _ in want])
     missing = [w for w in want if (w[0], w[2]) not in held]
-    data = fetch([(off, blocks.block_bytes[g]) for g, _, _, off in missing])
-    holds = blocks.load(dd.to_load(missing, want, prompt, engine.pool.block_size, blocks.block_bytes), data)
+    data = fetch([(off, kv.block_bytes[g]) for g, _, _, off in missing])
+    holds = kv.import_blocks(dd.to_load(missing, want, prompt, kv.block_size, kv.block_bytes), data)
     pulled = sum(len(ids) for _, ids in holds)
     rid = engine.add_request(list(prompt), GEN)
     engine.step()
-    blocks.release(holds)  # admitted: the request holds its own references now
+    kv.release(holds)  # admitted: the request holds its own references now
     while engine.has_unfinished():
         engine.step()
     return engine.pop_output(rid), pulled
@@ -125,8 +126,8 @@ def test_blocks_the_decode_engine_holds_are_not_pulled(builds):
 
 
 def test_an_offer_of_another_build_is_not_taken(builds):
-    a, b = dd.PoolBlocks(LLMEngine(builds("fp32"), EngineConfig(**CFG))), \
-        dd.PoolBlocks(LLMEngine(builds("int8"), EngineConfig(**CFG)))
+    a, b = LLMEngine(builds("fp32"), EngineConfig(**CFG)).kv_connector, \
+        LLMEngine(builds("int8"), EngineConfig(**CFG)).kv_connector
     assert a.identity != b.identity  # DecodeWorker refuses the offer before reading anything
 
 

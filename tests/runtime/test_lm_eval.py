@@ -7,7 +7,7 @@ accuracy and every per-choice loglikelihood must agree. The prompt log-probabili
 The model: a tiny random llama with smollm2-135m's tokenizer (real text in, milliseconds a
 step), built with `--all-logits`. The server runs with 16-token steps, so lm-eval's prompts
 are prefilled in several chunks, and the choices of one question share their context's
-cached blocks (which a scoring request does not use: runtime/core/scheduler.py).
+cached blocks (which a scoring request does not use: runtime/core/prompt_scores.py).
 """
 
 import json

@@ -79,7 +79,8 @@ def test_chunked_prefill_and_preemption_score_every_position_once():
         if not sched.has_unfinished():
             break
         out = steps.step()
-        preempted_while_scoring |= "b" in out.preempted and 1 < b.next_scored_position < b.num_prompt_tokens
+        scored_to = sched.prompt_logprobs.next_position(b)
+        preempted_while_scoring |= "b" in out.preempted and 1 < scored_to < b.num_prompt_tokens
     assert preempted_while_scoring and b.num_preemptions >= 1
     asked = [p for r, p in steps.asked if r == "b"]
     assert asked == list(range(1, 14)), asked  # once each, in order, though the prompt was computed twice

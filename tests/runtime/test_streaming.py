@@ -53,7 +53,7 @@ def test_blocks_released_exactly_and_tables_compacted():
     out = _step(sched)  # the prompt: positions 0..9, blocks 1, 2, 3
     assert kv.block_table("a") == [1, 2, 3] and out.scheduled[0].kv_gap == 0
     tables = {}
-    while req.num_kv_tokens <= 32 and req.status is Status.RUNNING:
+    while sched.eviction.num_kv_tokens(req) <= 32 and req.status is Status.RUNNING:
         out = _step(sched)
         s = out.scheduled[0]
         tables[s.start_pos] = (s.block_table, s.kv_gap, s.slot_mapping)
@@ -72,11 +72,12 @@ def test_blocks_released_exactly_and_tables_compacted():
 def test_context_shift_drops_the_middle_and_hits_the_sink_block():
     sched, kv, pool = _scheduler()
     req = _add(sched, "a", list(range(1, 11)), 200)
-    while req.num_shifts == 0:
+    while sched.eviction.state(req).num_shifts == 0:
         _step(sched)
     # after position 31 (the 32nd KV token) the sampled token would sit at position 32 = max_model_len
-    assert req.status is Status.WAITING and req.num_tokens == 33 and req.num_dropped == 33 - (4 + 8)
-    assert req.kv_token_ids(sink_tokens=4) == req.token_ids[:4] + req.token_ids[25:33]
+    state = sched.eviction.state(req)
+    assert req.status is Status.WAITING and req.num_tokens == 33 and state.num_dropped == 33 - (4 + 8)
+    assert sched.eviction.kv_token_ids(req) == req.token_ids[:4] + req.token_ids[25:33]
     hits_before = pool.stats.hits
     out = _step(sched)
     s = out.scheduled[0]
@@ -85,10 +86,11 @@ def test_context_shift_drops_the_middle_and_hits_the_sink_block():
     assert (s.start_pos, s.token_ids, s.samples) == (4, tuple(req.token_ids[25:33]), True)
     assert s.block_table[0] == kv.block_table("a")[0] and sched.num_context_shifts == 1
     # output goes on past max_model_len and shifts again
-    while req.num_shifts < 3:
+    while sched.eviction.state(req).num_shifts < 3:
         _step(sched)
     assert req.num_tokens > 3 * 32 // 2 and req.num_output_tokens == req.num_tokens - 10
-    assert req.status is Status.WAITING and req.num_kv_tokens == 4 + 8  # the next token is the 8th recent one
+    # the next token is the 8th recent one
+    assert req.status is Status.WAITING and sched.eviction.num_kv_tokens(req) == 4 + 8
 
 
 def test_blocks_after_the_first_release_are_not_published():

@@ -55,16 +55,21 @@ def triton(build_dir, out, name, copy_build, instances, execution_env, force, **
               help="How prefill workers hand KV blocks to decode workers: NIXL (UCX), or inside the response.")
 @click.option("--kv-transfer-timeout", type=click.FloatRange(0, 3600, min_open=True), default=60.0,
               show_default=True, help="Seconds a prefill worker keeps a request's KV for its decode worker.")
+@click.option("--cache-salt-key", envvar="KVEXPORT_CACHE_SALT_KEY", metavar="FILE",
+              help="Take only prefix-cache salts a gateway signed with a key in FILE, and refuse requests without "
+                   "one (tenants behind a gateway; docs/DEPLOYMENT.md) [$KVEXPORT_CACHE_SALT_KEY; none: salts as sent].")
 @engine_options
 def dynamo(build_dir, mode, namespace, component, endpoint, served_model_name, discovery_backend, request_plane,
-           kv_transfer, kv_transfer_timeout, **settings):
+           kv_transfer, kv_transfer_timeout, cache_salt_key, **settings):
     """Serve a paged build as an NVIDIA Dynamo worker (behind `python -m dynamo.frontend`; KV-aware routing)."""
-    from kvexport.runtime.serving.dynamo_worker import DynamoWorkerOptions, serve_dynamo
+    from kvexport.runtime.serving.dynamo_serve import serve_dynamo
+    from kvexport.runtime.serving.dynamo_worker import DynamoWorkerOptions
 
     opts = DynamoWorkerOptions(engine=engine_config(settings), mode=mode, namespace=namespace, component=component,
                                endpoint=endpoint, served_model_name=served_model_name,
                                discovery_backend=discovery_backend, request_plane=request_plane,
-                               kv_transfer=kv_transfer, kv_transfer_timeout_s=kv_transfer_timeout)
+                               kv_transfer=kv_transfer, kv_transfer_timeout_s=kv_transfer_timeout,
+                               cache_salt_key=cache_salt_key)
     serve_dynamo(build_dir, opts, on_ready=lambda name, path: console.print(
         f"dynamo worker: model {escape(repr(name))} on {escape(path)}", highlight=False))
 

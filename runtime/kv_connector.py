@@ -1,0 +1,166 @@
+"""The engine's KV connector: the one seam through which KV blocks move in or out of the pools
+(vLLM's `KVConnectorBase_V1`, with its two roles). `LLMEngine.kv_connector` is the only way
+front ends, disaggregated serving and shutdown reach the blocks; nothing above the engine reads
+its pools, KV cache managers, tiers or runner.
+
+    scheduler side (core/kv_connector.py)       block ids and prefix-cache keys, every KV cache
+                                                group; the tiers' index; prefix-cache events
+    worker side (execution/kv_connector.py)     the blocks' bytes: read, write, tier ops, disk flush
+
+Who calls what (all on the engine thread, between steps):
+
+    KV tiers          the KV cache managers queue saves / loads in the scheduler side's TierIndex;
+                      they travel per step in SchedulerOutput.kv_ops to the runner, which runs
+                      them on the worker side's copier (the connector metadata of a step)
+    disaggregation    prefill: prompt_blocks -> export_blocks (runtime/serving/dynamo_disagg.py);
+                      decode: prompt_blocks -> held -> import_blocks -> release once admitted
+    shutdown          LLMEngine.close -> persist (every group's cached blocks to the disk tier)
+    router events     record_events / pop_events / usage (runtime/serving/dynamo_worker.py)
+    metrics           tier_stats (LLMEngine.kv_stats: /metrics, Triton's metrics, bench)
+
+Blocks are named by `BlockRef` (group, index in the prompt, prefix-cache key): full and local
+(windowed) groups alike; a block's bytes are its group's payload (K/V codes, int8/int4 scales
+where the pool holds them, MLA latent rows), `block_bytes[group]` long.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from kvexport import io
+
+from .core.block_pool import BlockRemoved, BlockStored
+from .core.kv_connector import BlockHold, BlockImport, BlockRef, KVConnectorScheduler, KVUsage
+from .core.kv_tiers import TierKey
+from .execution.kv_connector import KVConnectorWorker
+
+log = logging.getLogger(__name__)
+
+TIER_STAT_KEYS = ("offload_host_blocks", "offload_disk_blocks", "offload_host_hits", "offload_disk_hits",
+                  "offload_host_write_bytes", "offload_host_read_bytes", "offload_disk_write_bytes",
+                  "offload_disk_read_bytes", "offload_load_seconds", "offload_loads", "offload_disk_errors",
+                  "offload_disk_on")
+
+__all__ = ["TIER_STAT_KEYS", "BlockHold", "BlockImport", "BlockRef", "KVConnector", "KVUsage"]
+
+
+class KVConnector:
+    """Both sides of the seam, and the moves that need both (see the module doc)."""
+
+    def __init__(self, scheduler: KVConnectorScheduler, worker: KVConnectorWorker) -> None:
+        self.scheduler = scheduler
+        self.worker = worker
+
+    # ---- what blocks are ----------------------------------------------------------------
+    @property
+    def block_size(self) -> int:
+        """Tokens per block (every group)."""
+        return self.scheduler.block_size
+
+    @property
+    def groups(self) -> tuple[str, ...]:
+        """The KV cache groups, FULL_GROUP first."""
+        return self.scheduler.groups
+
+    @property
+    def block_bytes(self) -> dict[str, int]:
+        """group -> bytes of one block's payload."""
+        return self.worker.block_bytes
+
+    @property
+    def identity(self) -> str:
+        """What a block's bytes mean (the build and the payload layout), hex: engines exchange
+        blocks only when theirs are equal."""
+        return self.worker.identity.hex()
+
+    def prompt_blocks(self, prompt: Sequence[int], salt: str | None = None) -> list[BlockRef]:
+        """The blocks of `prompt` a prefix lookup can use, every group (KVConnectorScheduler.prompt_blocks)."""
+        return self.scheduler.prompt_blocks(prompt, salt)
+
+    def held(self, keys: Iterable[TierKey]) -> set[TierKey]:
+        """The (group, key)s held in a pool or a KV tier."""
+        return self.scheduler.held(keys)
+
+    # ---- out ----------------------------------------------------------------------------
+    def export_blocks(self, refs: Sequence[BlockRef]) -> tuple[list[BlockRef], np.ndarray]:
+        """The refs whose blocks the pools hold, and their payloads back to back (each
+        block_bytes[group] long, in that order). The full group stops at its first missing block
+        (the prefix ends there). Call it before any allocation after the step that computed them."""
+        out, stopped = [], set()
+        for ref in refs:
+            b = None if ref.group in stopped else self.scheduler.cached(ref.group, ref.block_hash)
+            if b is None:
+                if ref.group == io.FULL_GROUP:
+                    stopped.add(ref.group)
+                continue
+            out.append((ref, b))
+        return [r for r, _ in out], self.worker.read([(r.group, b) for r, b in out])
+
+    def persist(self, timeout_s: float = 30.0) -> bool:
+        """Write every block the pools still cache, every group, to the disk tier and wait for the
+        writes (a restart on the same folder finds them); True when all are written or there is no
+        disk tier."""
+        if not self.scheduler.disk_on:
+            return True
+        self.scheduler.persist()
+        self.worker.run(self.scheduler.take_ops())
+        return self.worker.flush(timeout_s)
+
+    # ---- in -----------------------------------------------------------------------------
+    def import_blocks(self, blocks: Sequence[BlockImport], payload: np.ndarray) -> list[BlockHold]:
+        """Write blocks from outside into fresh pool blocks and publish them under their keys,
+        each held (one reference) until `release`. Blocks whose key the pool got meanwhile are
+        skipped; a group whose pool has too few free blocks is skipped whole (its prefix is then
+        recomputed). Returns the holds, one per group written."""
+        holds = []
+        for group in self.groups:
+            todo = [b for b in blocks if b.group == group and self.scheduler.cached(group, b.block_hash) is None]
+            if not todo:
+                continue
+            ids = self.scheduler.allocate(group, len(todo))
+            if ids is None:
+                log.warning("KV connector: %d %s blocks do not fit the pool now; recomputing them", len(todo), group)
+                continue
+            self.worker.run(self.scheduler.take_ops())  # NOTE: a reused block's old KV goes to its tier first
+            size = self.worker.block_bytes[group]
+            self.worker.write(group, [(b, payload[t.offset:t.offset + size]) for b, t in zip(ids, todo)])
+            self.scheduler.publish(group, ids, [t.block_hash for t in todo],
+                                   parent_hashes=[t.parent_hash for t in todo],
+                                   block_tokens=[list(t.token_ids) for t in todo])
+            holds.append(BlockHold(group, ids))
+        return holds
+
+    def release(self, holds: list[BlockHold]) -> None:
+        """Drop the references `import_blocks` took; empties `holds` (a second call frees nothing)."""
+        self.scheduler.release(holds)
+
+    # ---- reporting ----------------------------------------------------------------------
+    def record_events(self, group: str = io.FULL_GROUP) -> None:
+        """From now on, record `group`'s prefix-cache events (stored / removed blocks) for `pop_events`."""
+        self.scheduler.record_events(group)
+
+    def pop_events(self, group: str = io.FULL_GROUP) -> list[BlockStored | BlockRemoved]:
+        """`group`'s prefix-cache events since the last call, in order."""
+        return self.scheduler.pop_events(group)
+
+    def usage(self) -> KVUsage:
+        """The full group's blocks, used and usable."""
+        return self.scheduler.usage()
+
+    def tier_stats(self) -> dict[str, int | float]:
+        """The KV tiers' figures, TIER_STAT_KEYS (all 0 without tiers): blocks held, hits and bytes
+        moved per tier, load time (seconds) and blocks loaded, whether the disk tier is on."""
+        tiers, offload = self.scheduler.tiers, self.worker.offload
+        if tiers is None or offload is None:
+            return dict.fromkeys(TIER_STAT_KEYS, 0)
+        t, o = tiers.stats(), offload.stats
+        return {"offload_host_blocks": t.host_blocks, "offload_disk_blocks": t.disk_blocks,
+                "offload_host_hits": t.host_hits, "offload_disk_hits": t.disk_hits,
+                "offload_host_write_bytes": o.host_write_bytes, "offload_host_read_bytes": o.host_read_bytes,
+                "offload_disk_write_bytes": o.disk_write_bytes, "offload_disk_read_bytes": o.disk_read_bytes,
+                "offload_load_seconds": o.load_seconds, "offload_loads": o.loads,
+                "offload_disk_errors": o.disk_errors, "offload_disk_on": int(t.disk_on)}
+
