@@ -20,16 +20,19 @@ cut to the signed 64-bit integers the publisher takes (`external_hash`): two liv
 colliding in 64 bits is no practical concern, and a collision could only misroute, never serve
 wrong KV (the engine looks blocks up by its full 32-byte keys).
 
-NOTE: salts. A client's `cache_salt` (top level, as vLLM takes it, or `nvext.cache_salt`)
-reaches the worker as `routing.cache_salt` (and `extra_args.nvext.cache_salt`); the worker salts
-the request's prefix-cache keys with it (block_hash.request_salt(None, cache_salt): Dynamo's
-frontend passes no API key or header to the worker, so there is no tenant part). Dynamo 1.6.1's
-router mixes a request's cache_salt into the hash of *every* block (`compute_block_hash_for_seq`
-`cache_namespace=`), so each stored entry carries its blocks' `cache_salt` and the router's
-radix tree keeps salted blocks apart from unsalted and differently salted ones: a salted
-request is routed by its salted hashes only. A salt with a tenant part (not made by this
-worker) is sent whole, so it can never equal a tenant-less request's cache_salt either way
-except by a client sending that very string, which could only misroute, never share KV.
+NOTE: salts. A client's `cache_salt` (top level, as vLLM takes it, or `nvext.cache_salt`, which
+wins in Dynamo 1.6.1's frontend) reaches the worker as `routing.cache_salt` and
+`extra_args.nvext.cache_salt`, one value; the worker salts the request's prefix-cache keys with
+it (block_hash.request_salt(None, cache_salt): Dynamo's frontend passes no API key or header to
+the worker, so there is no tenant part). Which salts are taken is cache_salts.py's rule: with
+the worker's --cache-salt-key only those a gateway signed, so no field a client fills can choose
+one. Dynamo 1.6.1's router mixes a request's cache_salt into the hash of *every* block
+(`compute_block_hash_for_seq` `cache_namespace=`), so each stored entry carries its blocks'
+`cache_salt` and the router's radix tree keeps salted blocks apart from unsalted and differently
+salted ones: a salted request is routed by its salted hashes only. A salt with a tenant part
+(not made by this worker) is sent whole, so it can never equal a tenant-less request's
+cache_salt either way except by a client sending that very string, which could only misroute,
+never share KV.
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ from ..core.block_hash import BlockHash, split_salt
 from ..core.block_pool import BlockRemoved, BlockStored
 from ..sampling_params import SamplingParams
 from .engine_thread import Event
-from .requests import RequestError, RequestParser, check_cache_salt
+from .cache_salts import SaltKey, accept_salt
+from .requests import RequestError, RequestParser
 
 # kvexport finish reasons -> Dynamo's (FinishReason in its LLMEngineOutput; "error" is raised, never sent)
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "cancelled"}
@@ -105,19 +109,20 @@ def request_to_params(request: Any, parser: RequestParser) -> tuple[list[int], S
     return prompt, parser.sampling_params(values, len(prompt), names=names)
 
 
-def request_cache_salt(request: Mapping[str, Any]) -> str | None:
-    """A PreprocessedRequest's `cache_salt` (the frontend puts a client's cache_salt in
-    `routing.cache_salt` and `extra_args.nvext.cache_salt`; the routing one wins, as Dynamo's
-    own TensorRT-LLM worker reads it), checked as `kvexport serve` checks its body field, or
-    None. Raises RequestError naming the field."""
+def request_cache_salt(request: Mapping[str, Any], key: SaltKey | None = None) -> str | None:
+    """A PreprocessedRequest's one `cache_salt`, by the rule every front end applies
+    (cache_salts.accept_salt), or None. Dynamo 1.6.1's frontend writes the salt a client sent
+    (`nvext.cache_salt` if given, else the top-level `cache_salt`; an empty one is dropped) into
+    both `routing.cache_salt` and `extra_args.nvext.cache_salt`; two different values there were
+    not made by that frontend and are refused, not chosen between. With `key` (the worker's
+    --cache-salt-key) only a salt the gateway signed is taken, and a request without one is
+    refused. Raises RequestError naming the field."""
     routing = request.get("routing") or {}
-    if isinstance(routing, Mapping) and routing.get("cache_salt") is not None:
-        return check_cache_salt(routing["cache_salt"], "routing.cache_salt")
     extra = request.get("extra_args") or {}
     nvext = extra.get("nvext") if isinstance(extra, Mapping) else None
-    if isinstance(nvext, Mapping) and nvext.get("cache_salt") is not None:
-        return check_cache_salt(nvext["cache_salt"], "extra_args.nvext.cache_salt")
-    return None
+    routed = routing.get("cache_salt") if isinstance(routing, Mapping) else None
+    extra_salt = nvext.get("cache_salt") if isinstance(nvext, Mapping) else None
+    return accept_salt((("routing.cache_salt", routed), ("extra_args.nvext.cache_salt", extra_salt)), key)
 
 
 def router_cache_salt(salt: str | None) -> str | None:

@@ -5,17 +5,17 @@ OpenAI frontend (`python -m dynamo.frontend`) and its KV-aware router.
       this process: DistributedRuntime ── endpoint NS.backend.generate ── generate(request, context)
         request_to_params ──▶ EngineThread.submit ──▶ LLMEngine (the one engine thread)
         Event ──call_soon_threadsafe──▶ asyncio.Queue ──▶ chunks {token_ids, finish_reason, usage}
-      engine thread, after every step (on_tick):
-        engine.pool.pop_events() ──kv_event_batch──▶ KvEventPublisher  (blocks stored / removed)
-        engine.pool.num_used_blocks              ──▶ WorkerMetricsPublisher (the router's load signal)
+      engine thread, after every step (on_tick), through the engine's KV connector (runtime/kv_connector.py):
+        kv_connector.pop_events() ──kv_event_batch──▶ KvEventPublisher  (blocks stored / removed)
+        kv_connector.usage()                     ──▶ WorkerMetricsPublisher (the router's load signal)
 
-This module owns the worker's life: importing Dynamo (an optional extra), loading the engine,
-registering the build as a token-input model (the frontend reads config.json and the tokenizer
-files at the build's root), serving the endpoint, cancelling a request whose client left
-(`context.async_killed_or_stopped()`), raising the engine's errors as Dynamo errors
-(InvalidArgument for a bad request, Unknown for an engine failure, EngineShutdown when the engine
-thread has stopped) and shutting down on SIGTERM/SIGINT (in-flight requests finish; a second
-signal ends them). The wire format itself is dynamo_protocol.py.
+This module owns the aggregated worker: its options, importing Dynamo (an optional extra), the
+model folder the frontend reads (config.json and the tokenizer files at the build's root), the
+endpoint's handler, cancelling a request whose client left (`context.async_killed_or_stopped()`),
+raising the engine's errors as Dynamo errors (InvalidArgument for a bad request, Unknown for an
+engine failure, EngineShutdown when the engine thread has stopped) and the KV events and load it
+publishes. The process (registration, serving, SIGTERM/SIGINT: in-flight requests finish, a
+second signal ends them) is dynamo_serve.py; the wire format itself is dynamo_protocol.py.
 
 `--mode prefill` / `--mode decode` workers split a request between two workers (Dynamo's
 disaggregated serving): runtime/serving/dynamo_disagg.py, the KV hand-off through NIXL in
@@ -26,13 +26,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import re
-import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, AsyncIterator
 
 from kvexport.errors import ConfigError, KvExportError
 
@@ -40,6 +38,7 @@ from ..config import EngineConfig
 from ..engine import LLMEngine
 from . import metrics
 from ..core.block_hash import request_salt
+from .cache_salts import SaltKey
 from .dynamo_protocol import chunk, completion_usage, kv_event_batch, request_cache_salt, request_to_params
 from .engine_thread import EngineThread, Event
 from .requests import RequestError, RequestParser
@@ -69,6 +68,9 @@ class DynamoWorkerOptions:
     request_plane: str | None = None  # REQUEST_PLANES; None: $DYN_REQUEST_PLANE, else tcp
     kv_transfer: str = "nixl"  # KV_TRANSFERS: NIXL (host memory over UCX), or inline in the prefill's response
     kv_transfer_timeout_s: float = 60.0  # seconds a prefill worker keeps a request's KV for its decode worker
+    # a file of salt keys (cache_salts.py): only salts a gateway signed with one are taken, and every request
+    # needs one; None: $KVEXPORT_CACHE_SALT_KEY if set, else salts are taken as sent
+    cache_salt_key: str | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -99,6 +101,11 @@ class DynamoWorkerOptions:
     def path(self) -> str:
         return f"{self.namespace}.{self.component}.{self.endpoint}"
 
+    def load_salt_key(self) -> SaltKey | None:
+        """The salt key file (`cache_salt_key`, else $KVEXPORT_CACHE_SALT_KEY) loaded, or None: salts are
+        then taken as sent. Raises SaltKeyError (a ConfigError) naming the file and line."""
+        return SaltKey.load(self.cache_salt_key) if self.cache_salt_key else SaltKey.from_env()
+
 
 def import_dynamo():
     """The `dynamo` package's modules this worker uses, or a ConfigError saying how to install it."""
@@ -124,36 +131,75 @@ def model_folder(build_dir: Path, engine: LLMEngine) -> Path:
     return build_dir
 
 
+class _Refusal:
+    """An async iterator whose first step fails with `exc` (refusal)."""
+
+    def __init__(self, exc: BaseException, loop: asyncio.AbstractEventLoop):
+        self.exc, self.loop = exc, loop
+
+    def __aiter__(self) -> "_Refusal":
+        return self
+
+    def __anext__(self) -> asyncio.Future:
+        fut = self.loop.create_future()
+        fut.set_exception(self.exc)
+        return fut
+
+
+def refusal(exc: BaseException, loop: asyncio.AbstractEventLoop | None) -> AsyncIterator[dict]:
+    """A handler's stream for a request the worker refuses: its first step fails with `exc`.
+    NOTE: Dynamo's binding prints every exception a handler's stream raises, with its traceback
+    (PyErr_Display), so a client sending bad requests would write a traceback per request into the
+    log. `exc` is set on a future here, never raised in a Python frame, so it carries no traceback
+    and the log gets its one line ("dynamo._core.InvalidArgument: <message>"); errors of the engine
+    itself are still raised, traceback and all. Without a `loop` (no running one when the worker
+    was made) it is raised from a generator, as before."""
+    if loop is not None:
+        return _Refusal(exc, loop)
+
+    async def raising():
+        raise exc
+        yield  # never reached: makes this an async generator
+
+    return raising()
+
+
 class DynamoWorker:
     """One engine served on one Dynamo endpoint. `generate` is the endpoint's handler (asyncio);
     `tick` runs on the engine thread after every step and publishes the KV events and the load."""
 
-    def __init__(self, engine: LLMEngine, exceptions, kv_publisher=None, metrics_publisher=None):
+    def __init__(self, engine: LLMEngine, exceptions, kv_publisher=None, metrics_publisher=None, *,
+                 salt_key: SaltKey | None = None):
         self.engine = engine
         self.parser = RequestParser.for_engine(engine)
         self.errors = exceptions
         self.kv_publisher = kv_publisher
         self.metrics_publisher = metrics_publisher
-        self.block_size = engine.pool.block_size
+        self.kv = engine.kv_connector  # blocks, events and load only through the engine's KV seam
+        self.block_size = self.kv.block_size
         self.cancelled = 0  # requests whose client left (context stopped or killed)
         self.skipped_events = 0  # stored blocks the router was not told of (no tokens: kv_event_batch)
         self._last_used: int | None = None
         self._last_publish = 0.0
         if kv_publisher is not None:
-            engine.pool.record_events()
+            self.kv.record_events()  # the full group's: Dynamo's router keys one block table per worker
+        self.salt_key = salt_key  # with one, only gateway-signed salts are taken (cache_salts.py)
+        try:  # the loop the endpoint is served on (refusal's futures); None outside one (tests)
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            self._loop = None
         self.thread = EngineThread(engine, on_tick=self.tick)
 
     # ---- engine thread --------------------------------------------------------------------
     def tick(self) -> None:
-        pool = self.engine.pool
         if self.kv_publisher is not None:
-            events = pool.pop_events()
+            events = self.kv.pop_events()
             if events:
                 batch, skipped = kv_event_batch(events, self.block_size)
                 self.skipped_events += skipped
                 if batch:
                     self.kv_publisher.publish_batch(batch)
-        used, now = pool.num_used_blocks, time.monotonic()
+        used, now = self.kv.usage().used_blocks, time.monotonic()
         if self.metrics_publisher is not None and (used != self._last_used or now - self._last_publish > METRICS_EVERY_S):
             self.metrics_publisher.publish(0, kv_used_blocks=used)
             self._last_used, self._last_publish = used, now
@@ -166,18 +212,28 @@ class DynamoWorker:
         return metrics.prometheus_text(self.thread.counters, self.cancelled)
 
     # ---- the endpoint -----------------------------------------------------------------------
+    def request_salt(self, request: Any) -> str | None:
+        """The request's prefix-cache salt: its one cache_salt by cache_salts.py's rule (with this
+        worker's salt key: gateway-signed only), no tenant part (the frontend passes no API key;
+        dynamo_protocol's NOTE). Every worker mode salts a request this way. Raises RequestError."""
+        return request_salt(None, request_cache_salt(request, self.salt_key))
+
     def _decode(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id]) if self.engine.tokenizer is not None else f"token_id:{token_id}"
 
-    async def generate(self, request: Any, context):
-        """The endpoint handler: a PreprocessedRequest in, response chunks out (streamed)."""
-        E = self.errors
+    def generate(self, request: Any, context) -> AsyncIterator[dict]:
+        """The endpoint handler: a PreprocessedRequest in, response chunks out (streamed). A request the
+        worker refuses (RequestError) fails at its first step with InvalidArgument, which the frontend
+        answers with a 400 naming the field, and the log gets one line for it (`refusal`)."""
         try:
             prompt, params = request_to_params(request, self.parser)
-            # the client's cache_salt (no tenant: the frontend passes no API key; dynamo_protocol's NOTE)
-            salt = request_salt(None, request_cache_salt(request))
+            salt = self.request_salt(request)
         except RequestError as e:
-            raise E.InvalidArgument(str(e)) from None
+            return refusal(self.errors.InvalidArgument(str(e)), self._loop)
+        return self._generate(prompt, params, salt, context)
+
+    async def _generate(self, prompt: list[int], params, salt: str | None, context) -> AsyncIterator[dict]:
+        E = self.errors
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
         try:
@@ -230,95 +286,3 @@ class DynamoWorker:
                 self.thread.abort(rids)
             if not stopped.done():
                 stopped.cancel()
-
-
-async def _serve(build_dir: Path, engine: LLMEngine, opts: DynamoWorkerOptions,
-                 on_ready: Callable[[str, str], None] | None) -> None:
-    llm, runtime_mod, exceptions = import_dynamo()
-    folder = model_folder(build_dir, engine)
-    name = opts.served_model_name or build_dir.name
-    loop = asyncio.get_running_loop()
-    discovery = opts.discovery_backend or os.environ.get("DYN_DISCOVERY_BACKEND", "etcd")
-    plane = opts.request_plane or os.environ.get("DYN_REQUEST_PLANE", "tcp")
-    try:
-        runtime = runtime_mod.DistributedRuntime(loop, discovery, plane)
-    except Exception as e:  # noqa: BLE001 - Dynamo raises a bare Exception for its settings ($DYN_*)
-        raise ConfigError(f"the Dynamo runtime did not start ({discovery} discovery, {plane} request plane): {e}; "
-                          "check the DYN_* environment variables (docs/DEPLOYMENT.md)") from None
-    endpoint = runtime.endpoint(opts.path)
-    cfg, pool = engine.config, engine.pool
-    kv_publisher = None
-    if cfg.enable_prefix_caching:
-        kv_publisher = llm.KvEventPublisher(endpoint, kv_block_size=pool.block_size, enable_local_indexer=True)
-    metrics_publisher = llm.WorkerMetricsPublisher()
-    await metrics_publisher.create_endpoint(endpoint)
-    worker_type = {"agg": llm.WorkerType.Aggregated, "prefill": llm.WorkerType.Prefill,
-                   "decode": llm.WorkerType.Decode}[opts.mode]
-    needs: list | None = None
-    if opts.mode == "agg":
-        worker = DynamoWorker(engine, exceptions, kv_publisher, metrics_publisher)
-    else:  # disaggregated: each side needs the other (Dynamo's readiness gate)
-        from .dynamo_disagg import DecodeWorker, PrefillWorker
-
-        cls = PrefillWorker if opts.mode == "prefill" else DecodeWorker
-        worker = cls(engine, exceptions, kv_publisher, metrics_publisher, transport=opts.kv_transfer,
-                     timeout_s=opts.kv_transfer_timeout_s)
-        needs = [[llm.WorkerType.Decode if opts.mode == "prefill" else llm.WorkerType.Prefill]]
-    endpoint.metrics.register_prometheus_expfmt_callback(worker.prometheus_text)
-
-    rc = llm.ModelRuntimeConfig()
-    rc.total_kv_blocks = pool.num_usable_blocks
-    rc.max_num_seqs = cfg.max_num_seqs
-    rc.max_num_batched_tokens = cfg.max_num_batched_tokens
-    rc.context_length = engine.max_model_len
-    rc.enable_local_indexer = kv_publisher is not None
-    rc.kv_event_publishing_enabled = kv_publisher is not None
-    model_type = llm.ModelType.Completions
-    if getattr(engine.tokenizer, "chat_template", None):
-        model_type = llm.ModelType.Chat | llm.ModelType.Completions
-    if opts.mode == "prefill":  # no OpenAI surface; the legacy Prefill bit, as Dynamo's vLLM prefill worker sends
-        model_type = llm.ModelType.Prefill
-    worker.thread.start()
-    stops = 0
-
-    def on_signal() -> None:
-        nonlocal stops
-        stops += 1
-        if stops == 1:
-            log.warning("stopping: requests in flight finish first (a second signal ends them)")
-            runtime.shutdown()
-        else:
-            worker.thread.stop(reason="the worker is shutting down")
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal)
-    try:
-        await llm.register_model(llm.ModelInput.Tokens, model_type, endpoint, str(folder), name,
-                                 worker_type=worker_type, kv_cache_block_size=pool.block_size,
-                                 runtime_config=rc, needs=needs)
-        if on_ready is not None:
-            on_ready(name, f"dyn://{opts.path}")
-        await endpoint.serve_endpoint(worker.generate, graceful_shutdown=True)
-    finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
-        worker.thread.stop(reason="the worker is shutting down")
-        worker.close()
-        if kv_publisher is not None:
-            kv_publisher.shutdown()
-        runtime.shutdown()
-
-
-def serve_dynamo(build_dir: str | Path, opts: DynamoWorkerOptions = DynamoWorkerOptions(),
-                 on_ready: Callable[[str, str], None] | None = None) -> None:
-    """Serve `build_dir` as a Dynamo worker until SIGTERM/SIGINT. `on_ready(model name, endpoint
-    path)` is called once the model is registered and the endpoint is about to serve."""
-    import_dynamo()  # before loading the engine: a missing extra fails in a second, not after the load
-    if opts.mode != "agg" and opts.kv_transfer == "nixl":
-        from .kv_transfer import import_nixl
-
-        import_nixl()
-    build_dir = Path(build_dir)
-    engine = LLMEngine(build_dir, opts.engine)
-    model_folder(build_dir, engine)
-    asyncio.run(_serve(build_dir, engine, opts, on_ready))

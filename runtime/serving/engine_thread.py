@@ -23,6 +23,10 @@ sits in front of a small one: the small one takes the next free batch slot.
 `stop()` ends the thread without waiting for a long step: after `STOP_WAIT_S` every open
 request gets a final error event from the caller's thread, and the engine thread, when
 its step returns, delivers nothing more.
+
+`health()` is what a probe reports (`/health`): None while the thread runs and has passed
+through its loop within `stall_s` (STALL_S; it does at least every IDLE_WAIT_S while idle,
+after every step while busy), else why not (stopped, or one step running that long).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -45,6 +50,7 @@ log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.5  # longest the idle thread sleeps on its inbox before ticking again
 STOP_WAIT_S = 2.0  # longest stop() waits for a step in progress before failing the open requests
+STALL_S = 60.0  # a step running longer than this makes health() report the engine stalled (seconds)
 
 
 @dataclass(slots=True)
@@ -121,6 +127,8 @@ class EngineThread:
         self._closed = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvexport-engine", daemon=True)
+        self.stall_s = STALL_S  # seconds (health())
+        self._beat = time.monotonic()  # when the engine thread last passed through its loop
 
     def start(self) -> None:
         self._thread.start()
@@ -164,6 +172,14 @@ class EngineThread:
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()
+
+    def health(self) -> str | None:
+        """None while the engine thread serves; else why not: it stopped, or it has been inside
+        one step for more than `stall_s` seconds (a stuck backend or I/O: a probe should fail)."""
+        if not self._thread.is_alive():
+            return "engine thread stopped"
+        stuck = time.monotonic() - self._beat
+        return f"engine stalled: no step has finished for {stuck:.0f} s" if stuck > self.stall_s else None
 
     def submit(self, prompt: list[int], params: SamplingParams, deliver: Deliver, first_index: int = 0,
                request_ids: list[str] | None = None, group: str | None = None,
@@ -317,6 +333,7 @@ class EngineThread:
     def _run(self) -> None:
         eng = self.engine
         while not self._stop.is_set():
+            self._beat = time.monotonic()
             self._drain(block=not (eng.has_unfinished() or self._queued))
             with self._lock:
                 if self._stop.is_set() or self._closed:

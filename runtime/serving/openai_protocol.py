@@ -120,7 +120,8 @@ class _SamplingBody(_Body):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     # extension (vLLM): prefix-cache blocks are shared only with requests of the same salt (and tenant);
-    # a non-empty string, kept secret (a random 256-bit value, e.g. 43 base64 characters)
+    # a non-empty string, kept secret (a random 256-bit value, e.g. 43 base64 characters); with --cache-salt-key
+    # only one a gateway signed (cache_salts.py). The only place serve reads a salt from (`nvext` is refused)
     cache_salt: str | None = None
     logit_bias: dict[str, float] | None = None  # not implemented: only null, {} or zero biases (check_inert)
     # accepted and ignored: they change nothing in the output

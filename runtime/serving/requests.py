@@ -15,12 +15,10 @@ applies (body size, stop strings, the chat template's time) are defined here, on
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, fields as dc_fields
 from typing import Any, Mapping, Sequence
 
-from kvexport.errors import KvExportError
-
+from ..request_checks import RequestError, check_token_ids, prompt_logprobs_refusal
 from ..sampling_params import SamplingError, SamplingParams
 from .time_limit import TimeLimitExceeded, time_limit
 
@@ -35,37 +33,6 @@ MAX_STOP_STRINGS = 16  # stop strings per request
 MAX_STOP_CHARS = 256  # characters per stop string
 MAX_STOP_TOKEN_IDS = 256  # stop_token_ids per request
 CHAT_TEMPLATE_TIMEOUT_S = 5.0  # rendering a chat template longer than this stops it (runtime/serving/time_limit.py)
-
-
-class RequestError(KvExportError):
-    """A request a client got wrong; `param` names the offending field when there is one,
-    `code` is a machine-readable reason where one is useful (e.g. context_length_exceeded)."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.param = param
-        self.code = code
-
-
-def check_token_ids(ids, vocab_size: int, param: str = "prompt") -> list[int]:
-    """`ids` as a list of ints, each in [0, vocab_size). Raises RequestError otherwise
-    (NOTE: a negative id would silently wrap to a real token in a gather)."""
-    if hasattr(ids, "tolist"):  # a numpy array
-        ids = ids.tolist()
-    if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)):
-        raise RequestError(f"{param}: expected a list of token ids, got {type(ids).__name__}", param)
-    out = []
-    for t in ids:
-        try:  # int and numpy integers; not bool, float or str
-            if isinstance(t, bool):
-                raise TypeError
-            t = operator.index(t)
-        except TypeError:
-            raise RequestError(f"{param}: token ids must be integers, got {t!r}", param) from None
-        if not 0 <= t < vocab_size:
-            raise RequestError(f"{param}: token id {t} is outside this model's vocabulary [0, {vocab_size})", param)
-        out.append(t)
-    return out
 
 
 def chat_messages(messages: Any, param: str = "messages") -> list[dict[str, str]]:
@@ -98,12 +65,6 @@ def chat_messages(messages: Any, param: str = "messages") -> list[dict[str, str]
             raise RequestError(f"{where}.content must be a string or a list of text parts", f"{where}.content")
         out.append({"role": m["role"], "content": content})
     return out
-
-
-def prompt_logprobs_refusal(build_dir, what: str = "prompt_logprobs") -> str:
-    """Why a build cannot score prompts (SamplingParams.prompt_logprobs), and what to do."""
-    return (f"{what}: prompt log-probabilities need a build whose prefill returns every token's logits; "
-            f"{build_dir} returns the last token's only: rebuild it with `kvexport build MODEL --all-logits`")
 
 
 MAX_CACHE_SALT_CHARS = 1024  # characters of a request's cache_salt at most (256 random bits are 43 in base64)
@@ -143,10 +104,8 @@ class RequestParser:
 
     @classmethod
     def for_engine(cls, engine) -> "RequestParser":
-        manifest = getattr(engine, "manifest", None)  # NOTE: test doubles of the engine lack it
-        scores = manifest is None or manifest.all_logits
         return cls(engine.tokenizer, engine.vocab_size, engine.max_model_len,
-                   None if scores else str(engine.build_dir), bool(getattr(engine, "streaming", False)))
+                   None if engine.manifest.all_logits else str(engine.build_dir), engine.streaming)
 
     # ---- prompts ----------------------------------------------------------------------
     def text(self, text: str, param: str = "prompt") -> list[int]:

@@ -49,7 +49,8 @@ from ..config import EngineConfig
 from ..engine import LLMEngine
 from .engine_thread import Deliver, EngineThread, Event
 from .openai_protocol import ApiError, ChatCompletionRequest, CompletionRequest
-from .requests import MAX_BODY_BYTES, RequestError, RequestParser, check_cache_salt
+from .cache_salts import SaltKey, accept_salt
+from .requests import MAX_BODY_BYTES, RequestError, RequestParser
 from ..sampling_params import SamplingParams
 
 DISCONNECT_POLL_S = 1.0  # how often a running request checks whether its client left (and the shutdown)
@@ -121,8 +122,10 @@ class OpenAIServer:
     """What the routes share: the engine (read only: its tokenizer and limits), the thread
     that owns it, the request parser, the served name."""
 
-    def __init__(self, engine: LLMEngine, model_name: str, worker: EngineThread | None = None):
+    def __init__(self, engine: LLMEngine, model_name: str, worker: EngineThread | None = None,
+                 salt_key: SaltKey | None = None):
         self.engine = engine
+        self.salt_key = salt_key  # with one, only gateway-signed cache_salts are taken (cache_salts.py)
         self.worker = worker or EngineThread(engine)
         self.parser = RequestParser.for_engine(engine)
         self.model_name = model_name
@@ -192,8 +195,10 @@ class OpenAIServer:
         """Both POST routes: a whole response, or a StreamingResponse of chunks."""
         self.check_model(body.model)
         proto.check_inert(body)
-        # the prefix cache is shared only within a tenant (--api-keys) and a cache_salt
-        salt = request_salt(auth.tenant_of(request.scope), check_cache_salt(body.cache_salt))
+        # the prefix cache is shared only within a tenant (--api-keys) and a cache_salt, taken by cache_salts.py's
+        # rule (the body's field is the only place: `nvext` is refused as an unknown field)
+        salt = request_salt(auth.tenant_of(request.scope), accept_salt((("cache_salt", body.cache_salt),),
+                                                                       self.salt_key))
         chat = isinstance(body, ChatCompletionRequest)
         # NOTE: the cheap limits first, on the event loop (counts as sent); tokenizing and the chat
         # template run in a worker thread, so a big request never holds up /health or other clients
@@ -349,8 +354,8 @@ async def models(request: Request):
 
 
 async def health(request: Request):
-    alive = _server(request).worker.is_alive()
-    return JSONResponse({"status": "ok" if alive else "engine thread stopped"}, status_code=200 if alive else 503)
+    why = _server(request).worker.health()  # None, or: stopped / stalled in a step (engine_thread.py)
+    return JSONResponse({"status": why or "ok"}, status_code=503 if why else 200)
 
 
 async def metrics(request: Request):
@@ -444,11 +449,13 @@ def _openapi(app: FastAPI) -> Callable[[], dict]:
 
 
 def create_app(build_dir: str | Path, config: EngineConfig = EngineConfig(), served_model_name: str | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES, api_keys: auth.ApiKeys | None = None) -> FastAPI:
-    """The FastAPI app serving `build_dir` (named `served_model_name`, or the build folder's name)."""
+               max_body_bytes: int = MAX_BODY_BYTES, api_keys: auth.ApiKeys | None = None,
+               salt_key: SaltKey | None = None) -> FastAPI:
+    """The FastAPI app serving `build_dir` (named `served_model_name`, or the build folder's name); with
+    `salt_key`, only cache_salts a gateway signed with it are taken (runtime/serving/cache_salts.py)."""
     engine = LLMEngine(build_dir, config)
-    return build_app(OpenAIServer(engine, served_model_name or Path(build_dir).resolve().name), max_body_bytes,
-                     api_keys)
+    return build_app(OpenAIServer(engine, served_model_name or Path(build_dir).resolve().name, salt_key=salt_key),
+                     max_body_bytes, api_keys)
 
 
 def build_app(server: OpenAIServer, max_body_bytes: int = MAX_BODY_BYTES,
@@ -488,7 +495,7 @@ def build_app(server: OpenAIServer, max_body_bytes: int = MAX_BODY_BYTES,
     app.add_api_route("/v1/models", models, methods=["GET"], responses={200: {"model": proto.ModelList}})
     app.add_api_route("/health", health, methods=["GET"],
                       responses={200: {"model": proto.Health}, 503: {"model": proto.Health,
-                                                                      "description": "the engine thread stopped"}})
+                                                                      "description": "the engine thread stopped or stalled"}})
     app.add_api_route("/metrics", metrics, methods=["GET"], response_class=PlainTextResponse,
                       responses={200: {"description": "Prometheus text format",
                                        "content": {"text/plain": {"schema": {"type": "string"}}}}})
@@ -539,18 +546,18 @@ def listen(host: str, port: int) -> socket.socket:
 def serve(build_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, config: EngineConfig = EngineConfig(),
           served_model_name: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
           shutdown_grace: float = SHUTDOWN_GRACE_S, on_ready: Callable[[str], None] | None = None,
-          api_keys: auth.ApiKeys | None = None) -> None:
+          api_keys: auth.ApiKeys | None = None, salt_key: SaltKey | None = None) -> None:
     """Serve `build_dir` on host:port until SIGTERM/SIGINT (with `api_keys`: to their holders
-    only). The port is bound first, then the model loaded; `on_ready(url)` is called once
-    both are done and requests are taken (url: http://host:port, with the real port when
-    `port` is 0). On shutdown, running requests have `shutdown_grace` s to finish; what is
-    left is ended with 503. Raises ServeError (or the build's KvExportError) when the server
-    cannot start."""
+    only; with `salt_key`: only cache_salts a gateway signed). The port is bound first, then the
+    model loaded; `on_ready(url)` is called once both are done and requests are taken (url:
+    http://host:port, with the real port when `port` is 0). On shutdown, running requests have
+    `shutdown_grace` s to finish; what is left is ended with 503. Raises ServeError (or the
+    build's KvExportError) when the server cannot start."""
     if isinstance(shutdown_grace, bool) or not isinstance(shutdown_grace, (int, float)) or not 0 <= shutdown_grace:
         raise ConfigError(f"shutdown_grace must be a number of seconds >= 0, got {shutdown_grace!r}")
     sock = listen(host, port)
     try:
-        app = create_app(build_dir, config, served_model_name, max_body_bytes, api_keys)
+        app = create_app(build_dir, config, served_model_name, max_body_bytes, api_keys, salt_key)
         bound = sock.getsockname()[1]
         url = f"http://{f'[{host}]' if ':' in host else host}:{bound}"
         # uvicorn's own limit is a backstop: our requests end at the grace, polled every DISCONNECT_POLL_S

@@ -61,8 +61,9 @@ from kvexport.errors import KvExportError
 from . import metrics as mx
 from ..config import EngineConfig
 from ..core.block_hash import request_salt
+from .cache_salts import SaltKey, accept_salt
 from .requests import (MAX_BODY_BYTES, MAX_CACHE_SALT_CHARS, MAX_STOP_CHARS, MAX_STOP_STRINGS, RequestError,
-                       RequestParser, check_cache_salt)
+                       RequestParser)
 from ..sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -209,14 +210,16 @@ def parse_request(arrays: dict[str, np.ndarray], parser: RequestParser,
     return prompt, params, stream
 
 
-def parse_cache_salt(arrays: dict[str, np.ndarray]) -> str | None:
+def parse_cache_salt(arrays: dict[str, np.ndarray], key: SaltKey | None = None) -> str | None:
     """The `cache_salt` input -> the request's prefix-cache salt (block_hash.request_salt), or
-    None when absent. Checked as `kvexport serve` checks its body field (requests.check_cache_salt);
-    the byte length before decoding. NOTE: Triton knows no kvexport tenants (its authentication is
-    its own): a gateway that has tenants puts each one's secret salt here."""
+    None when absent. Taken by the rule every front end applies (cache_salts.accept_salt: the input
+    is the only place; with `key`, the model's $KVEXPORT_CACHE_SALT_KEY, only a salt a gateway
+    signed, and never none); the byte length checked before decoding. NOTE: Triton knows no
+    kvexport tenants (its authentication is its own): a gateway that has tenants puts each one's
+    signed salt here."""
     raw = _scalar(arrays, "cache_salt", None)
     if raw is None:
-        return None
+        return request_salt(None, accept_salt((("cache_salt", None),), key))
     if isinstance(raw, bytes):
         if len(raw) > 4 * MAX_CACHE_SALT_CHARS:  # UTF-8: at most 4 bytes a character
             raise RequestError(f"cache_salt: at most {MAX_CACHE_SALT_CHARS} characters, got {len(raw)} bytes",
@@ -225,7 +228,7 @@ def parse_cache_salt(arrays: dict[str, np.ndarray]) -> str | None:
             raw = raw.decode("utf-8")
         except UnicodeDecodeError:
             raise RequestError("cache_salt is not valid UTF-8", "cache_salt") from None
-    return request_salt(None, check_cache_salt(str(raw)))
+    return request_salt(None, accept_salt((("cache_salt", str(raw)),), key))
 
 
 @dataclass(eq=False)
@@ -258,6 +261,7 @@ class TritonPythonModel:
         build_dir, cfg = engine_settings(config.get("parameters", {}), args["model_repository"])
         self.engine = LLMEngine(build_dir, cfg)
         self.parser = RequestParser.for_engine(self.engine)
+        self.salt_key = SaltKey.from_env()  # $KVEXPORT_CACHE_SALT_KEY: only gateway-signed cache_salts (cache_salts.py)
         self.labels = {"model": args["model_name"], "version": str(args["model_version"]),
                        "instance": args["model_instance_name"]}
         self._lock = threading.Lock()  # guards _active: execute() adds, the engine thread removes
@@ -287,7 +291,7 @@ class TritonPythonModel:
                     if t is not None:
                         arrays[name] = t.as_numpy()
                 prompt, params, stream = parse_request(arrays, self.parser, json.loads(request.parameters() or "{}"))
-                salt = parse_cache_salt(arrays)
+                salt = parse_cache_salt(arrays, self.salt_key)
             except Exception as e:  # noqa: BLE001 - a bad request gets an error, the model keeps serving
                 msg = str(e) if isinstance(e, KvExportError) else f"invalid request: {e}"
                 sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(msg)),

@@ -16,6 +16,7 @@ from kvexport.runtime.core.block_hash import hash_full_blocks, request_salt, spl
 from kvexport.runtime.core.block_pool import BlockPool, BlockRemoved, BlockStored
 from kvexport.runtime.core.kv_cache_manager import TIER_BLOCK, KVCacheManager
 from kvexport.runtime.core.kv_tiers import HOST, TierIndex
+from kvexport.runtime.serving.cache_salts import SaltKey
 from kvexport.runtime.serving.dynamo_protocol import (chunk, completion_usage, external_hash, kv_event_batch,
                                                       request_cache_salt, request_to_params, router_cache_salt)
 from kvexport.runtime.serving.engine_thread import Event
@@ -165,6 +166,30 @@ def test_the_cache_salt_is_read_where_the_frontend_puts_it():
         with pytest.raises(RequestError) as e:
             request_cache_salt(req(**groups))
         assert e.value.param == field
+
+
+def test_the_worker_takes_one_salt_and_with_a_key_only_a_signed_one():
+    both = lambda r, n, key=None: request_cache_salt(req(routing={"dp_rank": 0, "cache_salt": r},  # noqa: E731
+                                                         extra_args={"nvext": {"cache_salt": n}}), key)
+    # the frontend writes one value into both places; two different ones are refused, not chosen between
+    # (before: routing.cache_salt won silently)
+    with pytest.raises(RequestError, match="disagree") as e:
+        both("gateway-salt", "client-salt")
+    assert e.value.code == "conflicting_cache_salt" and "client-salt" not in str(e.value)
+    for r, n, field in (("", None, "routing.cache_salt"), ("s", "", "extra_args.nvext.cache_salt")):
+        with pytest.raises(RequestError, match="non-empty") as e:  # an empty salt is not a salt, in either place
+            both(r, n)
+        assert e.value.param == field
+    key = SaltKey.parse("k" * 40)
+    signed = key.sign("acme")
+    assert both(signed, signed, key) == signed
+    assert request_cache_salt(req(extra_args={"nvext": {"cache_salt": signed}}), key) == signed
+    for salt in ("acme", "acme." + "0" * 64, SaltKey.parse("z" * 40).sign("acme")):  # chosen by a client: refused
+        with pytest.raises(RequestError, match="not signed") as e:
+            both(salt, salt, key)
+        assert e.value.code == "invalid_cache_salt" and salt not in str(e.value)
+    with pytest.raises(RequestError, match="missing"):  # with a key, every request needs a salt
+        request_cache_salt(req(routing={"dp_rank": 0}), key)
 
 
 def _stored_and_router_hashes(events, bs, dyn):

@@ -93,11 +93,23 @@ def test_the_frontend_serves_kvexports_greedy_tokens(cluster, chat_build):
     assert (stopped["text"], stopped["finish_reason"]) == (text[:text.index(cut)], "stop")
 
 
+def worker_log(cluster) -> str:
+    return "".join(p.read_text(errors="replace") for p in cluster.logs if p.name.startswith("worker"))
+
+
 def test_what_the_worker_refuses_is_a_400_naming_the_field(cluster):
     r = httpx.post(f"{cluster.base}/v1/completions", json={"model": MODEL, "prompt": [5, 6], "n": 2}, timeout=30)
     assert r.status_code == 400 and "sampling_options.n" in r.text, r.text
     r = httpx.post(f"{cluster.base}/v1/completions", json={"model": MODEL, "prompt": [5] * 80}, timeout=30)
     assert r.status_code == 400 and "context holds 64" in r.text, r.text
+    # one line in the worker's log per refused request, no traceback (a client cannot flood the log)
+    log = worker_log(cluster)
+    assert "Traceback" not in log, log
+    assert [x for x in log.splitlines() if "InvalidArgument" in x] == [
+        "dynamo._core.InvalidArgument: sampling_options.n=2: a kvexport Dynamo worker returns one choice per "
+        "request; send n=1 (or several requests)",
+        "dynamo._core.InvalidArgument: prompt: the prompt has 80 tokens but the context holds 64 (prompt + at least "
+        "1 output token)"], log
 
 
 def test_a_client_leaving_mid_stream_frees_its_blocks(cluster, bench):

@@ -6,10 +6,17 @@ Tenant B gets no cached token of tenant A's prompt, by usage.prompt_tokens_detai
 on A's cached prompt matches B's time on a prompt nobody sent, while A's own cached time is
 far lower. The same tenant (with either key) and the same cache_salt hit; another salt does
 not. Also the salt's encoding (core/block_hash.py), the Python API's prompt dicts and the
-Triton model's `cache_salt` input."""
+Triton model's `cache_salt` input. Behind a gateway (`--cache-salt-key`, issue 36 §1): through
+`kvexport serve` no salt field a client sends reaches another salt's blocks, and the real
+tritonserver with $KVEXPORT_CACHE_SALT_KEY takes only signed salts."""
 
+import os
+import signal
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -19,8 +26,11 @@ from kvexport import LLM, SamplingParams
 from kvexport.errors import KvExportError
 from kvexport.exporter.build import BuildOptions, build
 from kvexport.runtime.core.block_hash import hash_full_blocks, request_salt
+from kvexport.runtime.config import EngineConfig
+from kvexport.runtime.serving.cache_salts import SaltKey
 from kvexport.runtime.serving.requests import RequestError
 from kvexport.runtime.serving.triton_model import INPUTS, parse_cache_salt
+from kvexport.runtime.serving.triton_repo import TritonRepoOptions, write_repository
 
 KEY_A, KEY_A2, KEY_B = "key-of-tenant-a-0001", "key-of-tenant-a-0002", "key-of-tenant-b-0001"
 BLOCK = 16  # the build's KV block size (the default)
@@ -182,3 +192,102 @@ def test_triton_model_takes_cache_salt():
     for value, what in ((b"", "non-empty"), (b"\xff", "not valid UTF-8"), (b"x" * 4097, "at most 1024")):
         with pytest.raises(RequestError, match=what):
             parse_cache_salt({"cache_salt": np.array([value], dtype=object)})
+    # with the model's salt key ($KVEXPORT_CACHE_SALT_KEY): only a salt the gateway signed, never none
+    key = SaltKey.parse("k" * 40)
+    signed = key.sign("acme")
+    salted = parse_cache_salt({"cache_salt": np.array([signed.encode()], dtype=object)}, key)
+    assert salted == request_salt(None, signed)
+    for arrays in ({}, {"cache_salt": np.array([b"acme"], dtype=object)},
+                   {"cache_salt": np.array([signed[:-1].encode() + b"0"], dtype=object)}):
+        with pytest.raises(RequestError, match="signed") as e:
+            parse_cache_salt(arrays, key)
+        assert e.value.code == "invalid_cache_salt"
+
+
+SALT_KEY = "salt-key-of-the-gateway-and-servers-0001"
+
+
+def gateway_body(key: SaltKey, tenant: str, client_body: dict) -> dict:
+    """What a gateway of the first tenant recipe forwarded: the client's body with `cache_salt`
+    set to the tenant's (now signed) salt, anything else as the client sent it."""
+    return {**client_body, "cache_salt": key.sign(tenant)}
+
+
+def test_behind_a_gateway_no_salt_a_client_sends_reaches_another_salts_blocks(long_build, serve_process, tmp_path):
+    """`kvexport serve --cache-salt-key`: a client of tenant globex (through the gateway, or around
+    it) sends every combination of salt fields on a prompt tenant acme has cached: each is refused
+    (400 naming the field) or served without a cached token; acme's own repeat hits."""
+    keyfile = tmp_path / "salt.key"
+    keyfile.write_text(f"# the gateway's and the servers' salt key\n{SALT_KEY}\n")
+    keyfile.chmod(0o600)
+    s = serve_process(long_build, "--cache-salt-key", str(keyfile), "--kv-cache-memory", "64MiB")
+    assert "cache_salts: gateway-signed only" in s.log.read_text()
+    key = SaltKey.parse(SALT_KEY)
+    acme = key.sign("acme")
+    forged = [f"acme.{'0' * 64}", "acme", SaltKey.parse("x" * 40).sign("acme"), acme[:-1] + chr(ord(acme[-1]) ^ 1)]
+    through = [{}, {"cache_salt": "acme"}, {"cache_salt": ""}, {"nvext": {"cache_salt": "acme"}},
+               {"nvext": {"cache_salt": acme}}, {"extra_body": {"cache_salt": "acme"}}]
+    around = ([{}, {"cache_salt": ""}, {"cache_salt": 7}, {"cache_salt": None}, {"nvext": {"cache_salt": "acme"}}]
+              + [{"cache_salt": f} for f in forged] + [{"cache_salt": f, "nvext": {"cache_salt": f}} for f in forged])
+    cases = [("gateway", c) for c in through] + [("direct", c) for c in around]
+    with httpx.Client(base_url=s.base, timeout=60) as http:
+        def send(body: dict, prompt: list[int]) -> tuple[int, object]:
+            r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1, **body})
+            if r.status_code != 200:
+                return r.status_code, r.json()["error"]["param"]
+            return 200, r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        for n, (route, client) in enumerate(cases):
+            p = prompts(1, seed=100 + n)[0][:4 * BLOCK + 1]  # four full blocks, acme's only
+            assert send(gateway_body(key, "acme", {}), p) == (200, 0)
+            assert send(gateway_body(key, "acme", {}), p) == (200, 4 * BLOCK)  # acme hits its own
+            body = gateway_body(key, "globex", client) if route == "gateway" else client
+            status, got = send(body, p)
+            if route == "gateway" and "nvext" not in client and "extra_body" not in client:
+                assert (status, got) == (200, 0), (route, client)  # globex's own salt: none of acme's blocks
+            else:  # a field this server does not take, or a salt the gateway did not sign: refused by name
+                assert status == 400 and str(got).split(".")[0] in ("cache_salt", "nvext", "extra_body"), \
+                    (route, client, status, got)
+    log = s.log.read_text()
+    assert SALT_KEY not in log and acme not in log
+
+
+def test_triton_model_takes_only_signed_salts_with_the_key_in_its_environment(chat_build, tmp_path, free_ports):
+    """`kvexport triton-serve` with $KVEXPORT_CACHE_SALT_KEY (the real tritonserver; its model
+    stubs inherit the variable): unsigned and missing salts are refused by name, a signed one is served."""
+    env_dir = Path(os.environ.get("KVEXPORT_TRITON_ENV", Path(__file__).resolve().parents[2] / ".venv-triton"))
+    if not (env_dir / "bin" / "python3").exists():
+        pytest.skip(f"no Triton execution environment at {env_dir}: run scripts/install.sh --dev")
+    write_repository(chat_build, tmp_path / "repo", TritonRepoOptions(
+        engine=EngineConfig(kv_cache_memory="1MiB", threads=1), name="m", execution_env=str(env_dir)))
+    keyfile = tmp_path / "salt.key"
+    keyfile.write_text(SALT_KEY + "\n")
+    keyfile.chmod(0o600)
+    http, grpc, metrics = free_ports(3)
+    log = tmp_path / "triton-serve.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "kvexport.cli", "triton-serve", str(tmp_path / "repo"),
+                                 "--triton-env", str(env_dir), "--http-port", str(http), "--grpc-port", str(grpc),
+                                 "--metrics-port", str(metrics)], stdout=f, stderr=subprocess.STDOUT, cwd=tmp_path,
+                                env=dict(os.environ, COLUMNS="400", KVEXPORT_CACHE_SALT_KEY=str(keyfile)))
+    try:
+        deadline = time.monotonic() + 180
+        while "Triton serving" not in log.read_text(errors="replace"):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-5000:]
+            time.sleep(0.2)
+        url = f"http://127.0.0.1:{http}/v2/models/m/generate"
+        body = {"input_ids": [1, 2, 3], "max_tokens": 1}
+        signed = SaltKey.parse(SALT_KEY).sign("acme")
+        for extra, expect in (({}, "cache_salt: missing"), ({"cache_salt": "acme"}, "cache_salt: not signed"),
+                              ({"cache_salt": signed[:-1] + "x"}, "cache_salt: not signed")):
+            r = httpx.post(url, json={**body, **extra}, timeout=60)
+            assert expect in r.text and signed not in r.text, (extra, r.text)
+        r = httpx.post(url, json={**body, "cache_salt": signed}, timeout=60)
+        assert r.status_code == 200 and r.json()["finish_reason"] == "length", r.text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    assert SALT_KEY not in log.read_text(errors="replace")

@@ -57,7 +57,8 @@ def triton(build_dir, out, name, copy_build, instances, execution_env, force, **
               show_default=True, help="Seconds a prefill worker keeps a request's KV for its decode worker.")
 @click.option("--cache-salt-key", envvar="KVEXPORT_CACHE_SALT_KEY", metavar="FILE",
               help="Take only prefix-cache salts a gateway signed with a key in FILE, and refuse requests without "
-                   "one (tenants behind a gateway; docs/DEPLOYMENT.md) [$KVEXPORT_CACHE_SALT_KEY; none: salts as sent].")
+                   "one (tenants behind a gateway; docs/DEPLOYMENT.md) "
+                   "[$KVEXPORT_CACHE_SALT_KEY; none: salts as sent].")
 @engine_options
 def dynamo(build_dir, mode, namespace, component, endpoint, served_model_name, discovery_backend, request_plane,
            kv_transfer, kv_transfer_timeout, cache_salt_key, **settings):

@@ -168,16 +168,23 @@ def _chat_bench(build_dir, chat: str, pool_conversations: int, json_out, cfg, tu
 @click.option("--api-keys", envvar="KVEXPORT_API_KEYS", metavar="FILE",
               help="Require `Authorization: Bearer KEY`: a file of `KEY TENANT` lines; each tenant's prefix cache "
                    "is its own [$KVEXPORT_API_KEYS; none: no keys, one shared cache].")
+@click.option("--cache-salt-key", envvar="KVEXPORT_CACHE_SALT_KEY", metavar="FILE",
+              help="Take only cache_salts a gateway signed with a key in FILE, and refuse requests without one "
+                   "(tenants behind a gateway; docs/DEPLOYMENT.md) [$KVEXPORT_CACHE_SALT_KEY; none: salts as sent].")
 @engine_options
-def serve(build_dir, host, port, served_model_name, shutdown_grace, api_keys, **settings):
+def serve(build_dir, host, port, served_model_name, shutdown_grace, api_keys, cache_salt_key, **settings):
     """Serve a paged build over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
     from kvexport.runtime.serving.auth import ApiKeys
+    from kvexport.runtime.serving.cache_salts import SaltKey
     from kvexport.runtime.serving.server import serve as run_server
 
     cfg = engine_config(settings)
     keys = ApiKeys.load(api_keys) if api_keys else None  # before the port and the model: a bad file fails at once
+    salt_key = SaltKey.load(cache_salt_key) if cache_salt_key else None  # likewise
     guard = f" ({len(keys.tenants)} tenant(s) with API keys)" if keys else ""
+    guard += " (cache_salts: gateway-signed only)" if salt_key else ""
     run_server(build_dir, host, port, cfg, served_model_name, shutdown_grace=shutdown_grace, api_keys=keys,
+               salt_key=salt_key,
                on_ready=lambda url: console.print(f"serving {escape(str(build_dir))} on {escape(url)}/v1{guard}",
                                                   highlight=False))
 
