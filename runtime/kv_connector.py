@@ -14,7 +14,8 @@ Who calls what (all on the engine thread, between steps):
                       them on the worker side's copier (the connector metadata of a step)
     disaggregation    prefill: prompt_blocks -> export_blocks (runtime/serving/dynamo_disagg.py);
                       decode: prompt_blocks -> held -> import_blocks -> release once admitted
-    shutdown          LLMEngine.close -> persist (every group's cached blocks to the disk tier)
+    shutdown          LLMEngine.close -> persist (every group's cached blocks and the host tier's to
+                      the disk tier), close (the folder's lock released)
     router events     record_events / pop_events / usage (runtime/serving/dynamo_worker.py)
     metrics           tier_stats (LLMEngine.kv_stats: /metrics, Triton's metrics, bench)
 
@@ -100,14 +101,20 @@ class KVConnector:
         return [r for r, _ in out], self.worker.read([(r.group, b) for r, b in out])
 
     def persist(self, timeout_s: float = 30.0) -> bool:
-        """Write every block the pools still cache, every group, to the disk tier and wait for the
+        """Write every block the pools still cache, every group, and the host tier's blocks to the
+        disk tier, most recently used first within its budget, and wait up to `timeout_s` for the
         writes (a restart on the same folder finds them); True when all are written or there is no
         disk tier."""
         if not self.scheduler.disk_on:
             return True
         self.scheduler.persist()
-        self.worker.run(self.scheduler.take_ops())
+        self.worker.run(self.scheduler.take_ops(), newest_first=True)
         return self.worker.flush(timeout_s)
+
+    def close(self) -> None:
+        """Stop using the disk tier and release its folder's lock (after `persist`, at shutdown):
+        another process may use the folder from now on."""
+        self.worker.close(timeout_s=0.0)
 
     # ---- in -----------------------------------------------------------------------------
     def import_blocks(self, blocks: Sequence[BlockImport], payload: np.ndarray) -> list[BlockHold]:

@@ -9,7 +9,8 @@ block ids and prefix-cache keys only (no tensors, no requests):
     allocate(group, n)            n fresh pool blocks, held once; the evicted blocks offered to the tiers
     publish(group, ids, ...)      blocks written from outside registered under their keys
     release(holds)                the references `allocate` took, dropped
-    persist()                     every cached pool block queued for the disk tier (shutdown)
+    persist()                     every cached pool block, then the host tier's, queued for the disk
+                                  tier, most recently used first within its budget (shutdown)
     take_ops()                    the tier ops those calls queued, for the worker side, in order
     record_events / pop_events    a group's prefix-cache events (stored / removed) for a router
     usage()                       the full group's blocks, used and usable (a router's load signal)
@@ -151,13 +152,15 @@ class KVConnectorScheduler:
         return self.tiers is not None and self.tiers.disk_on
 
     def persist(self) -> None:
-        """Queue every block the pools still cache, every group, for the disk tier (a restart
-        finds them). No-op without a disk tier."""
+        """Queue for the disk tier what a restart should find (TierIndex.persist): every block the
+        pools still cache, every group, then the host tier's blocks, most recently used first,
+        within the disk budget. No-op without a disk tier."""
         if self.tiers is None or not self.tiers.disk_on:
             return
-        for group, pool in self.pools.items():
-            for block_id, block_hash in pool.cached_blocks():
-                self.tiers.persist(group, block_id, block_hash)
+        # NOTE: the pools' blocks in the order they were cached: a prompt's first blocks before its
+        # later ones, so a tight budget keeps prefixes whole (a block is no hit without its parent)
+        self.tiers.persist([(group, block_id, block_hash) for group, pool in self.pools.items()
+                            for block_id, block_hash in pool.cached_blocks()])
 
     def take_ops(self) -> tuple[TierOp, ...]:
         """The tier transfers queued so far, in order, for the worker side (and forget them)."""

@@ -19,6 +19,11 @@ Keys are `(KV cache group, block hash)`: the pool's chained, salted block hashes
 The build's identity guards the disk tier's files (kv_offload.py), so a key can never name
 another build's KV.
 
+The tiers are one user of the engine's KV connector (runtime/kv_connector.py): `TierIndex` is
+its scheduler side's tier state (runtime/core/kv_connector.py), the copier its worker side's;
+blocks moved from outside a step (a disaggregated hand-off, persistence at shutdown) queue their
+tier ops here through the connector too.
+
 NOTE: ops are one ordered list per step: a block evicted and reused in the same step is
 saved (`SaveBlock`) before anything is loaded into it, and a key dropped after it was loaded
 was loaded first. The copier must run them in this order, before the step's compute writes
@@ -174,14 +179,38 @@ class TierIndex:
             self._disk_used += size
             self._fit_disk()
 
-    def persist(self, group: str, block_id: int, block_hash: BlockHash) -> None:
-        """Write a block the pool still holds to the disk tier (at shutdown: a restart finds it)."""
-        key, size = (group, block_hash), self.block_bytes[group]
-        if self.disk_on and key not in self._disk and self.disk_bytes >= size:
-            self._ops.append(SaveBlock(group, block_id, block_hash, DISK))
-            self._disk[key] = None
-            self._disk_used += size
-            self._fit_disk()
+    def persist(self, pool_blocks: list[tuple[str, int, BlockHash]]) -> None:
+        """At shutdown: keep on disk what a restart should find, most recently used first, within
+        the disk budget: `pool_blocks` (group, block id, key: the blocks the pools still cache, in
+        the order to keep them), then the host tier's blocks (most recent first), then the disk's
+        own. Queues the drops of the disk blocks that no longer fit first (the budget is never
+        overrun), then the writes in that order (a short grace writes the best)."""
+        if not self.disk_on:
+            return
+        keep: dict[TierKey, SaveBlock | MoveToDisk | None] = {}  # most recent first; None: on disk already
+        used = 0
+
+        def want(key: TierKey, op: SaveBlock | MoveToDisk | None) -> None:
+            nonlocal used
+            size = self.block_bytes[key[0]]
+            if key not in keep and used + size <= self.disk_bytes:
+                keep[key] = None if key in self._disk else op
+                used += size
+
+        for group, block_id, block_hash in pool_blocks:
+            want((group, block_hash), SaveBlock(group, block_id, block_hash, DISK))
+        for key in reversed(self._host):
+            want(key, MoveToDisk(*key))
+        for key in reversed(self._disk):
+            want(key, None)
+        self._ops += [DropBlock(*key, DISK) for key in self._disk if key not in keep]
+        self._ops += [op for op in keep.values() if op is not None]
+        for key, op in keep.items():
+            if isinstance(op, MoveToDisk):  # the host copy goes to disk (the copier drops it)
+                del self._host[key]
+                self._host_used -= self.block_bytes[key[0]]
+        self._disk = OrderedDict((key, None) for key in reversed(keep))  # first = least recently used
+        self._disk_used = used
 
     def prefetch(self, key: TierKey) -> None:
         """Ask for a disk block to be read into the staging area (once)."""

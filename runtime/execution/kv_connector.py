@@ -7,6 +7,7 @@ scheduler side queued (runtime/core/kv_connector.py, kv_tiers.py), through the K
     read(blocks)                 [(group, block id), ...] -> their payloads back to back (uint8)
     write(group, blocks)         [(block id, payload), ...] -> those blocks of the group's pool
     run(ops) / flush(timeout)    tier ops (saves, loads, disk writes); wait for the disk writes
+    close()                      the disk tier's folder released (shutdown)
     block_bytes, identity        a block's payload size per group; what the bytes mean (the build)
 
 A block's payload is every pool tensor of its group sliced at the block (K/V codes, int4's in-row
@@ -66,15 +67,21 @@ class KVConnectorWorker:
             copies.copier.write(group, block_id, payload)
         copies.copier.synchronize()
 
-    def run(self, ops: Sequence[TierOp]) -> None:
-        """Carry out tier ops in order (kv_tiers.py's NOTE); there are none without tiers."""
+    def run(self, ops: Sequence[TierOp], *, newest_first: bool = False) -> None:
+        """Carry out tier ops in order (kv_tiers.py's NOTE); there are none without tiers.
+        `newest_first`: their disk writes go most recently used first (KVOffload.run)."""
         if ops:
             assert self.offload is not None, "tier ops come only from an engine with KV tiers"
-            self.offload.run(ops)
+            self.offload.run(ops, newest_first=newest_first)
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait for the disk writes queued so far (KVOffload.flush); True when all are done."""
         return self.offload.flush(timeout_s) if self.offload is not None else True
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop using the disk tier and release its folder (KVOffload.close_disk)."""
+        if self.offload is not None:
+            self.offload.close_disk(timeout_s)
 
 
 __all__ = ["KVConnectorWorker"]

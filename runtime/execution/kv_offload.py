@@ -22,6 +22,11 @@ layout, dtype, block size, scales) with that layout, so a block is never read in
 NOTE: saves and loads run on the engine thread before the step (they are memory copies: a
 block of smollm2-135m fp32 is 720 KiB); only disk I/O runs on the I/O thread, so a request
 whose prefix is on disk waits in the queue ("loading") while the others' steps run.
+
+NOTE (bounded waits): a disk read not done within `disk_timeout_s` (DISK_TIMEOUT_S) of its request
+counts as missing (failed: recomputed; its late answer is dropped), and a disk job running longer
+than that turns the disk tier off (the disk does not answer: a hung mount), so no request waits
+on the disk longer than the limit and `flush` (shutdown) does not wait on a hung job.
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ from ..core.kv_tiers import HOST, STAGED, DropBlock, LoadBlock, MoveToDisk, Pref
 from .kv_disk import CorruptBlock, DiskFull, DiskTier
 
 log = logging.getLogger(__name__)
+
+DISK_TIMEOUT_S = 5.0  # longest a disk read may take before its block counts as missing (seconds)
 
 
 def block_tensors(backend, manifest: Manifest) -> list[tuple[str, Any]]:
@@ -184,7 +191,7 @@ class OffloadStats:
     disk_read_bytes: int = 0  # disk files -> staging (verified)
     load_seconds: float = 0.0  # copying tier hits into the pool + reading them from disk
     loads: int = 0  # blocks loaded into the pool
-    disk_errors: int = 0  # corrupt, truncated or foreign block files refused
+    disk_errors: int = 0  # corrupt, truncated or foreign block files, entries not regular files, reads too slow
 
 
 class KVOffload:
@@ -203,16 +210,18 @@ class KVOffload:
         self.staged: dict[TierKey, np.ndarray] = {}
         self.stats = OffloadStats()
         self.disk: DiskTier | None = None
+        self.disk_timeout_s = DISK_TIMEOUT_S  # seconds (module NOTE)
         self._disk_off: str | None = None  # why the disk tier turned off
         self._reported_off = False
-        self._done: queue.Queue = queue.Queue()  # (kind, key, payload | reason, seconds) from the I/O thread
+        self._done: queue.Queue = queue.Queue()  # (kind, read id, key, payload | reason, seconds) from the I/O thread
         self._jobs: queue.Queue = queue.Queue()
-        self._inflight = 0  # prefetches not yet polled
-        self._lock = threading.Lock()
+        self._reads: dict[int, tuple[TierKey, float]] = {}  # prefetches not yet polled: id -> (key, deadline)
+        self._read_id = 0
+        self._busy: tuple[str, float] | None = None  # the I/O thread's job now: (kind, time.monotonic() at start)
         self._manifest = manifest
 
     def open_disk(self, folder: str | Path) -> None:
-        """Use `folder` as the disk tier (kv_disk.DiskTier checks it: ConfigError naming
+        """Use `folder` as the disk tier (kv_disk.DiskTier checks and locks it: ConfigError naming
         --kv-offload-dir) and start the I/O thread."""
         m = self._manifest
         describe = {"build": str(m.model.family), "kv_dtype": m.kv.dtype, "block_size": m.kv.block_size}
@@ -222,38 +231,59 @@ class KVOffload:
         atexit.register(self.flush, 10.0)
 
     def disk_blocks(self) -> list[TierKey]:
-        """The blocks on disk at start, least recently written first (TierIndex.add_disk_blocks)."""
+        """The blocks on disk at start, least recently written first (TierIndex.add_disk_blocks);
+        entries that are not block files are counted as disk errors."""
         if self.disk is None:
             return []
-        return [(g, k) for g, k, n in self.disk.scan() if g in self.block_bytes]
+        found = [(g, k) for g, k, n in self.disk.scan() if g in self.block_bytes]
+        self.stats.disk_errors += self.disk.bad_entries
+        return found
+
+    def close_disk(self, timeout_s: float = 10.0) -> None:
+        """Stop using the disk tier (shutdown, after `flush`): later disk jobs are dropped, and the
+        folder's lock is released once the jobs queued are done (at most `timeout_s`)."""
+        if self.disk is None:
+            return
+        self.flush(timeout_s)
+        if self._disk_off is None:
+            self._disk_off = "closed"
+            self._reported_off = True  # NOTE: not a fault: nothing to report
+        self.disk.close()
 
     # ---- the step's ops ------------------------------------------------------------------
-    def run(self, ops: Sequence[TierOp]) -> None:
-        """Carry out a step's transfers in order (kv_tiers.py module NOTE)."""
+    def run(self, ops: Sequence[TierOp], *, newest_first: bool = False) -> None:
+        """Carry out a step's transfers in order (kv_tiers.py module NOTE). `newest_first`: the
+        disk writes among `ops` go from the most to the least recently used block (persistence),
+        and their files are dated so, so a restart's index keeps that order."""
+        stamp = time.time_ns() if newest_first else None
         for op in ops:
             key = (op.group, op.block_hash)
+            mtime = None
+            if stamp is not None and isinstance(op, (SaveBlock, MoveToDisk)):
+                stamp -= 1_000  # one microsecond older than the block written before it
+                mtime = stamp
             if isinstance(op, SaveBlock):
                 payload = self.copier.read(op.group, op.block_id)
                 if op.tier == HOST:
                     self.host[key] = payload
                     self.stats.host_write_bytes += payload.nbytes
                 else:
-                    self._submit(("write", key, payload))
+                    self._submit(("write", key, payload, mtime))
             elif isinstance(op, MoveToDisk):
                 payload = self.host.pop(key, None)
                 if payload is not None:
-                    self._submit(("write", key, payload))
+                    self._submit(("write", key, payload, mtime))
             elif isinstance(op, DropBlock):
                 if op.tier == HOST:
                     self.host.pop(key, None)
                 elif op.tier == STAGED:
                     self.staged.pop(key, None)
                 else:
-                    self._submit(("remove", key, None))
+                    self._submit(("remove", key, None, None))
             elif isinstance(op, Prefetch):
-                with self._lock:
-                    self._inflight += 1
-                self._submit(("read", key, None))
+                self._read_id += 1
+                self._reads[self._read_id] = (key, time.monotonic() + self.disk_timeout_s)
+                self._submit(("read", key, None, self._read_id))
             else:
                 assert isinstance(op, LoadBlock)
                 t = time.perf_counter()
@@ -266,17 +296,21 @@ class KVOffload:
 
     def poll(self, wait_s: float = 0.0) -> TierEvents:
         """Disk reads finished since the last poll (waiting up to `wait_s` for one when some are in
-        flight: an engine with nothing else to do), failures, and the disk tier turning off."""
+        flight: an engine with nothing else to do), failures (reads past `disk_timeout_s` among
+        them), and the disk tier turning off (a disk job running past that limit turns it off)."""
         prefetched, failed = [], []
-        block = wait_s > 0 and self._inflight > 0
+        block = wait_s > 0 and bool(self._reads)
         while True:
             try:
-                kind, key, value, seconds = self._done.get(timeout=wait_s) if block else self._done.get_nowait()
+                kind, rid, key, value, seconds = self._done.get(timeout=wait_s) if block else self._done.get_nowait()
             except queue.Empty:
                 break
             block = False
-            with self._lock:
-                self._inflight -= 1
+            if kind == "lost":  # a block written nowhere (kv_disk.CorruptBlock on write)
+                failed.append(key)
+                continue
+            if self._reads.pop(rid, None) is None:
+                continue  # NOTE: too late: already reported failed (timed out)
             self.stats.load_seconds += seconds
             if kind == "ok":
                 self.staged[key] = value
@@ -284,6 +318,7 @@ class KVOffload:
                 prefetched.append(key)
             else:
                 failed.append(key)
+        self._check_time(failed)
         off = None
         if self._disk_off is not None and not self._reported_off:
             off, self._reported_off = self._disk_off, True
@@ -291,24 +326,47 @@ class KVOffload:
             return _NO_EVENTS
         return TierEvents(tuple(prefetched), tuple(failed), off)
 
+    def _check_time(self, failed: list[TierKey]) -> None:
+        """Reads past their deadline fail (counted as disk errors); a disk job running past the
+        limit turns the disk tier off, and then every read in flight fails."""
+        now, busy = time.monotonic(), self._busy
+        if busy is not None and now - busy[1] > self.disk_timeout_s and self._disk_off is None:
+            self._disk_off = (f"a disk {busy[0]} in {self.disk.root if self.disk else '?'} took more than "
+                              f"{self.disk_timeout_s:g} s (the disk does not answer)")
+            log.warning("the disk KV tier is off: %s; serving goes on without it", self._disk_off)
+        for rid, (key, deadline) in list(self._reads.items()):
+            if now > deadline or self._disk_off is not None:
+                del self._reads[rid]
+                self.stats.disk_errors += 1
+                log.warning("disk KV tier: reading %s-%s took more than %g s; the block is recomputed", key[0],
+                            key[1].hex(), self.disk_timeout_s)
+                failed.append(key)
+
     @property
     def busy(self) -> bool:
         """Disk reads are in flight."""
-        return self._inflight > 0
+        return bool(self._reads)
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until the disk writes queued so far are done (a restart then finds them); returns
-        whether they all are. Also runs at interpreter exit (a server stopping)."""
+        whether they all are. Gives up early when a disk job hangs past `disk_timeout_s`. Also runs
+        at interpreter exit (a server stopping)."""
         end = time.monotonic() + timeout_s
         while self._jobs.unfinished_tasks and time.monotonic() < end:
+            busy = self._busy
+            if busy is not None and time.monotonic() - busy[1] > self.disk_timeout_s:
+                log.warning("disk KV tier: a disk %s hangs; %d disk jobs left undone", busy[0],
+                            self._jobs.unfinished_tasks)
+                break
             time.sleep(0.005)
         return not self._jobs.unfinished_tasks
 
     # ---- the I/O thread -------------------------------------------------------------------------
     def _submit(self, job) -> None:
         if self.disk is None or (self._disk_off is not None and job[0] != "read"):
-            if job[0] == "read":  # NOTE: never left waiting: a read the tier cannot serve fails
-                self._done.put(("failed", job[1], "the disk tier is off", 0.0))
+            return
+        if self._disk_off is not None:  # NOTE: never left waiting: a read the tier cannot serve fails
+            self._done.put(("failed", job[3], job[1], "the disk tier is off", 0.0))
             return
         self._jobs.put(job)
 
@@ -317,17 +375,19 @@ class KVOffload:
         assert disk is not None
         while True:
             job = self._jobs.get()
+            self._busy = (job[0], time.monotonic())
             try:
                 self._do(disk, *job)
             finally:
+                self._busy = None
                 self._jobs.task_done()
 
-    def _do(self, disk: DiskTier, kind: str, gk: TierKey, payload) -> None:
+    def _do(self, disk: DiskTier, kind: str, gk: TierKey, payload, extra) -> None:
         group, key = gk
         try:
             if kind == "write":
                 if self._disk_off is None:
-                    self.stats.disk_write_bytes += disk.write(group, key, memoryview(payload))
+                    self.stats.disk_write_bytes += disk.write(group, key, memoryview(payload), mtime_ns=extra)
             elif kind == "remove":
                 disk.remove(group, key)
             else:
@@ -336,18 +396,18 @@ class KVOffload:
                 if data.size != self.block_bytes[group]:
                     disk.remove(group, key)
                     raise CorruptBlock(f"{group}-{key.hex()}: {data.size} bytes, a block has {self.block_bytes[group]}")
-                self._done.put(("ok", gk, data, time.perf_counter() - t))
+                self._done.put(("ok", extra, gk, data, time.perf_counter() - t))
         except DiskFull as e:
             self._disk_off = f"writing {disk.root} failed: {e}"
             log.warning("the disk KV tier is off: %s; serving goes on without it", self._disk_off)
         except CorruptBlock as e:
             self.stats.disk_errors += 1
             log.warning("disk KV tier: %s; the block is recomputed", e)
-            self._done.put(("failed", gk, str(e), 0.0))
+            self._done.put(("failed", extra, gk, str(e), 0.0) if kind == "read" else ("lost", None, gk, str(e), 0.0))
         except Exception as e:  # noqa: BLE001 - the I/O thread must survive anything a file does
             log.exception("disk KV tier: %s of %s failed", kind, key.hex())
             if kind == "read":
-                self._done.put(("failed", gk, str(e), 0.0))
+                self._done.put(("failed", extra, gk, str(e), 0.0))
 
 
 _NO_EVENTS = TierEvents()
