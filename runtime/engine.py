@@ -20,7 +20,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from kvexport import io, manifest as mf
+from kvexport import io, manifest as mf, verify
 from kvexport.errors import ConfigError, KvExportError
 
 from .execution.backends import create_backend
@@ -71,9 +71,16 @@ class LLMEngine:
         sizes = kv_pool_sizes(budget, kv.block_size, per_token, kv.local_window, config.max_num_seqs,
                               config.max_num_batched_tokens)
         num_blocks, local_blocks = sizes.num_blocks, sizes.local_num_blocks
-        if backend is None:
-            backend, config = create_backend(self.build_dir, self.manifest, config, num_blocks,
-                                             local_num_blocks=local_blocks)
+        # the weights file against its recorded sha256 (kvexport/verify.py), hashed while the sessions load
+        checksum = verify.Verification.start(self.build_dir, self.manifest)
+        try:
+            if backend is None:
+                backend, config = create_backend(self.build_dir, self.manifest, config, num_blocks,
+                                                 local_num_blocks=local_blocks)
+        except BaseException:
+            checksum.cancel()
+            raise
+        checksum.wait()  # ChecksumError: a damaged weights file is refused, never served
         self.config = config
         model = self.manifest.model
         self.vocab_size: int = model.vocab_size
@@ -231,10 +238,12 @@ class LLMEngine:
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Before the process ends (a server stopping; call it from the thread that owns the engine,
-        with no step running): write the prefix-cache blocks the pool still holds to the disk tier
-        and wait for the disk writes, so a restart on the same kv_offload_dir finds them. No-op
-        without a disk tier."""
+        with no step running): write the prefix-cache blocks the pool and the host tier still hold
+        to the disk tier (most recently used first, within its budget) and wait up to `timeout_s`
+        for the writes, so a restart on the same kv_offload_dir finds them; then release the
+        folder (its lock) and stop using the disk tier. No-op without a disk tier."""
         self.kv_connector.persist(timeout_s)
+        self.kv_connector.close()
 
     def tier_stats(self) -> dict:
         """The KV tiers' figures (all 0 without tiers): blocks held, hits and bytes moved per tier,

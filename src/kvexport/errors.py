@@ -44,3 +44,8 @@ class TensorRTUnavailableError(KvExportError):
 
 class EngineBuildError(KvExportError):
     """TensorRT refused a graph or produced no engine."""
+
+
+class ChecksumError(ManifestError):
+    """A file of a build does not match the sha256 its manifest records (damaged or replaced
+    after the build), or cannot be verified; the message names the file and what to do."""

@@ -11,7 +11,13 @@ only its declared inputs and outputs are looked at:
   3. every tensor io.graph_io() gives for the manifest's layout and attention is there, with the
      manifest's KV heads, head_dim, block size and vocab on the right axes and the manifest's
      KV and activation dtypes, and there are no others;
-  4. the manifest's own graphs[phase].inputs / outputs equal the graph's, in order.
+  4. the manifest's own graphs[phase].inputs / outputs equal the graph's, in order;
+  5. the position tables stored in the graphs fix the context: every RoPE cos/sin table
+     (`rope[.local][.long].cos|sin`, [max_seq_len, rotary_dim / 2]) has kv.max_seq_len rows
+     and, for the global kind, model.rotary_dim / 2 columns; a learned position table
+     (`model.embed_positions.weight`) has at least kv.max_seq_len rows. Only the initializers'
+     dims in the graph proto are read, never the weights file (a position past a table's rows
+     is an onnxruntime out-of-bounds Gather, after the whole prompt ran).
 
 NOTE: tensor names and axis orders come from kvexport/io.py alone: io.graph_io() is called with
 negative stand-ins for the sizes, so where each size sits in each tensor's shape is read off
@@ -20,14 +26,12 @@ the contract, never spelt here (a real dimension is never negative).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import io
 from .errors import ManifestError
-
-if TYPE_CHECKING:
-    from .manifest import Manifest
 
 _REBUILD = "rebuild with `kvexport build --force`"
 # stand-in -> manifest field whose value belongs at that axis
@@ -37,26 +41,37 @@ _LAYER_NAMES = (io.key_cache, io.past_key, io.present_key, io.new_key, io.key_ca
                 io.latent_cache_out)
 
 
-def check_graphs(build_dir: Path, m: Manifest) -> None:
+# NOTE: `m` below is a kvexport.manifest.Manifest; manifest.load() calls this module, so it does not import it
+def check_graphs(build_dir: Path, m) -> None:
     """Refuse (ManifestError) a manifest that does not describe the graphs it lists."""
     for phase, entry in m.graphs.items():
         path = Path(build_dir) / entry.file
-        inputs, outputs = read_graph_io(path)
+        model = _load(path)
+        inputs, outputs = _graph_io(model)
         try:
             check_graph_io(m, io.Phase(phase), inputs, outputs, path.name)
+            check_tables(m, {t.name: tuple(t.dims) for t in model.graph.initializer}, path.name)
         except ManifestError as e:
             raise ManifestError(f"{build_dir}: {e}") from None
+
+
+def _load(path: Path) -> Any:
+    """The graph proto of `path` without its external data (cheap: no weights are read)."""
+    import onnx
+
+    try:
+        return onnx.load(str(path), load_external_data=False)
+    except Exception as e:  # NOTE: DecodeError, OSError, ValueError... from protobuf or onnx: all mean unreadable
+        raise ManifestError(f"{path} is not a readable ONNX model ({type(e).__name__}: {e}); {_REBUILD}") from None
 
 
 def read_graph_io(path: Path) -> tuple[tuple[io.TensorSpec, ...], tuple[io.TensorSpec, ...]]:
     """A graph's declared inputs (initializers excluded) and outputs, as io.TensorSpec
     (dims: ints for fixed axes, axis names for dynamic ones)."""
-    import onnx
+    return _graph_io(_load(path))
 
-    try:
-        model = onnx.load(str(path), load_external_data=False)
-    except Exception as e:  # NOTE: DecodeError, OSError, ValueError... from protobuf or onnx: all mean unreadable
-        raise ManifestError(f"{path} is not a readable ONNX model ({type(e).__name__}: {e}); {_REBUILD}") from None
+
+def _graph_io(model: Any) -> tuple[tuple[io.TensorSpec, ...], tuple[io.TensorSpec, ...]]:
     initializers = {t.name for t in model.graph.initializer}
     inputs = tuple(_spec(v) for v in model.graph.input if v.name not in initializers)
     return inputs, tuple(_spec(v) for v in model.graph.output)
@@ -78,7 +93,7 @@ def _fmt(t: io.TensorSpec) -> str:
     return f"{t.name!r} {t.dtype} [{', '.join(map(str, t.shape))}]"
 
 
-def check_graph_io(m: Manifest, phase: io.Phase, inputs: tuple[io.TensorSpec, ...],
+def check_graph_io(m, phase: io.Phase, inputs: tuple[io.TensorSpec, ...],
                    outputs: tuple[io.TensorSpec, ...], name: str) -> None:
     """Rules 1-4 of the module docstring for one graph (`name`: its file name, for messages)."""
     kv = m.kv
@@ -155,3 +170,36 @@ def _check_tensor(want: io.TensorSpec, got: io.TensorSpec, kind: str, name: str,
             # so those builds still serve
             raise ManifestError(f"{name}'s {kind} {_fmt(got)} has {g!r} on axis {axis}, kvexport/io.py says {w!r}; "
                                 f"{_REBUILD}")
+
+
+# RoPE tables as exporter/graph.py names them: "rope" (global kind) or "rope.local", then ".long"
+# for longrope's long set, then ".cos" / ".sin"; learned positions (GPT-2) as its family stores them
+_ROPE_TABLE = re.compile(r"rope(\.local)?(\.long)?\.(cos|sin)")
+_LEARNED_POSITIONS = ("model.embed_positions.weight", "model.embed_positions.weight.q")
+
+
+def check_tables(m, dims: dict[str, tuple[int, ...]], name: str) -> None:
+    """Rule 5 of the module docstring for one graph: `dims` maps each initializer's name to its
+    dims (from the graph proto; `name`: the graph's file name, for messages)."""
+    claim = m.kv.max_seq_len
+    redo = (f"rebuild with `kvexport build MODEL --max-seq-len {claim} --force` to serve {claim} tokens, or "
+            f"restore the manifest the build was written with")
+    for table, shape in sorted(dims.items()):
+        if (match := _ROPE_TABLE.fullmatch(table)) is not None:
+            if len(shape) != 2:
+                raise ManifestError(f"{name}'s RoPE table {table!r} has dims {list(shape)}, not [positions, "
+                                    f"rotary_dim / 2]: corrupt or replaced? {_REBUILD}")
+            if shape[0] != claim:
+                raise ManifestError(f"manifest field 'kv.max_seq_len' is {claim}, but {name}'s RoPE table {table!r} "
+                                    f"has {shape[0]} rows: the graphs serve positions 0..{shape[0] - 1}, a context "
+                                    f"of {shape[0]} tokens; {redo}")
+            half = m.model.rotary_dim // 2
+            if match.group(1) is None and shape[1] != half:
+                raise ManifestError(f"manifest fields 'model.head_dim' / 'model.rope.partial_rotary_factor' give "
+                                    f"{half} rotated channel pairs, but {name}'s RoPE table {table!r} has "
+                                    f"{shape[1]}; {_REBUILD}")
+        elif table in _LEARNED_POSITIONS and (not shape or shape[0] < claim):
+            rows = shape[0] if shape else 0
+            raise ManifestError(f"manifest field 'kv.max_seq_len' is {claim}, but {name}'s learned position table "
+                                f"{table!r} has {rows} rows: the graphs serve a context of at most {rows} tokens; "
+                                f"{redo}")

@@ -255,10 +255,10 @@ def test_weights_fp16_means_dtype_fp16():
 
 
 def test_manifest_of_earlier_builds_still_loads(hf_folder, tmp_path):
-    """Manifests written before weights.precision/quantization existed load with None."""
+    """Manifests written before weights.precision/quantization/sha256 existed load with None."""
     out, _ = build(str(hf_folder("llama", num_key_value_heads=2)), tmp_path / "b", BuildOptions(validate=False, **OPTS))
     d = json.loads((out / io.MANIFEST_NAME).read_text())
-    for k in ("precision", "quantization"):
+    for k in ("precision", "quantization", "sha256"):
         d["weights"].pop(k, None)
     m = Manifest.from_json(d)
     assert m.weights == WeightsEntry(d["weights"]["file"], d["weights"]["bytes"], d["weights"]["parameters"])
