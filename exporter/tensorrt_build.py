@@ -44,7 +44,7 @@ from kvexport import manifest as mf
 from kvexport.errors import ConfigError, EngineBuildError, KvExportError, TensorRTUnavailableError
 from kvexport.manifest import (EngineBuildOptions, EngineFile, EngineLimits, EnginesEntry, Manifest, PluginInfo,
                                ShapeRange, sha256)
-from kvexport.tensorrt_env import cuda_device, plugin_module, register_plugins, require_tensorrt, trt_logger
+from kvexport.tensorrt_env import cuda_device, register_plugins, require_tensorrt, trt_logger
 
 if TYPE_CHECKING:  # typed by tensorrt-stubs; imported for real only inside functions
     import tensorrt as trt
@@ -263,12 +263,9 @@ def _build_one(builder: trt.Builder, logger: trt.ILogger, onnx_path: Path, shape
         f.write(serialized)
 
 
-def _kernel_configs(plugin: Any) -> Any:
-    """The plugin's kernel configurations (its TensorRT tactics) for the manifest: the
-    plugin module's kernel_configs() when it has one, else the tile lists of configs.py."""
-    fn = getattr(plugin, "kernel_configs", None)
-    if callable(fn):
-        return fn()
+def _kernel_configs() -> Any:
+    """The plugin's kernel configurations (its TensorRT tactics) for the manifest: the tile
+    lists of plugins/paged_attention/configs.py."""
     try:
         configs = importlib.import_module("kvexport.plugins.paged_attention.configs")
     except ImportError:
@@ -298,9 +295,8 @@ def build_engines(build_dir: str | Path, manifest: Manifest,
     quant = engine_quantization(manifest.weights)
     log.info("engine weights: %s (%s%s)", quant.weights, quant.mode,
              f", blocks of {quant.block_size}" if quant.block_size else "")
-    plugin = plugin_module()
     register_plugins()  # PagedAttention, and PagedMLA for MLA graphs
-    kernel_configs = _kernel_configs(plugin)
+    kernel_configs = _kernel_configs()
 
     def produce(tmp: Path) -> dict[str, EngineFile]:
         logger = trt_logger()

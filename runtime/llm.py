@@ -110,7 +110,7 @@ class LLM:
         stream; samples after the first are admitted once the first has computed the prompt,
         so they reuse its KV blocks.
         NOTE: the prompt's length is not checked here: an empty or too long prompt fails
-        alone (its output carries the engine's error), as DESIGN.md asks."""
+        alone (its output carries the engine's error): docs/ARCHITECTURE.md, "A request fails alone"."""
         rids = [self.engine.add_request(ids, params, salt=salt)]
         for i in range(1, params.n):
             rids.append(self.engine.add_request(ids, params, sample_index=i, share_prompt_with=rids[0], salt=salt))

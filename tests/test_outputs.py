@@ -188,7 +188,7 @@ def test_an_earlier_output_is_replaced_only_with_force(tmp_path):
 
 
 def test_a_build_with_kvexports_own_extras_is_replaced(tmp_path):
-    """engines/ added later, a Triton repository inside (DESIGN.md), an atomic save's temp file."""
+    """engines/ added later, a Triton repository inside (BUILD/triton/), an atomic save's temp file."""
     out = fake_build(tmp_path / "out")
     (out / "engines").mkdir()
     (out / ".kvexport.json.1a2b3c4d").write_text("{}")

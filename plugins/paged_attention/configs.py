@@ -9,11 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..common import kernel_source
+from ..common.kernel_source import AOT_TARGETS, GPU_ACT_DTYPES, TRITON_TYPES, pow2  # noqa: F401  (shared by every op)
 from .spec import PagedAttentionAttrs
-
-# Triton type names of the activation / pool dtypes (spec.ACT_DTYPES, spec.KV_DTYPES)
-TRITON_TYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "int8": "i8", "int4": "u8"}  # int4: byte rows
-AOT_TARGETS = (80, 90)  # CUDA compute capabilities CI compiles for (A100, H100/H200)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,16 +67,9 @@ SHAPES = (Shape("llama3-8b", 8, 4, 128, 16),  # GQA, head_dim 128
           Shape("gpt-oss-20b-local", 8, 8, 64, 16, 128, sinks=True))
 
 
-def pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def block_m_for(tile: TileConfig, group: int) -> int:
     """Rows per program: at least one whole query group."""
     return max(tile.block_m, pow2(group))
-
-
-GPU_ACT_DTYPES = ("float16", "bfloat16")  # TensorRT plugin / GPU activations (fp32: CPU tests only)
 
 
 def kv_pairs(act_dtypes=GPU_ACT_DTYPES) -> list[tuple[str, str]]:
@@ -88,33 +79,14 @@ def kv_pairs(act_dtypes=GPU_ACT_DTYPES) -> list[tuple[str, str]]:
 
 
 @dataclass(frozen=True, slots=True)
-class KernelSource:
-    """Everything `triton.compile` needs for one configuration."""
+class KernelSource(kernel_source.KernelSource):
+    """One configuration of a PagedAttention kernel: "prefill" | "decode" | "decode_split" | "reduce"."""
 
-    kernel: str  # "prefill" | "decode" | "decode_split" | "reduce"
-    signature: dict  # parameter name -> Triton type ("*fp16", "i32", "constexpr")
-    constexprs: dict  # parameter name -> value
-    num_warps: int
-    num_stages: int
-
-    def ast_source(self):
-        import triton
-
+    def kernel_fn(self):
         from . import kernels
 
-        fn = {"prefill": kernels.prefill_kernel, "decode": kernels.decode_kernel,
-              "decode_split": kernels.decode_kernel, "reduce": kernels.reduce_kernel}[self.kernel]
-        return triton.compiler.ASTSource(fn=fn, signature=self.signature, constexprs=self.constexprs)
-
-    def compile(self, capability: int | None = None):
-        """Compiles for CUDA sm_<capability> (no GPU needed; None = the current GPU); returns
-        the CompiledKernel (`.asm["ptx"]`, `.metadata.name`, `.metadata.shared`)."""
-        import triton
-        from triton.backends.compiler import GPUTarget
-
-        target = None if capability is None else GPUTarget("cuda", capability, 32)
-        return triton.compile(self.ast_source(), target=target,
-                              options={"num_warps": self.num_warps, "num_stages": self.num_stages})
+        return {"prefill": kernels.prefill_kernel, "decode": kernels.decode_kernel,
+                "decode_split": kernels.decode_kernel, "reduce": kernels.reduce_kernel}[self.kernel]
 
 
 _IN = ("q_ptr", "k_ptr", "v_ptr", "kc_ptr", "vc_ptr", "bt_ptr", "seq_lens_ptr", "qsl_ptr", "slot_ptr",

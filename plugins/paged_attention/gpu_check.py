@@ -13,21 +13,16 @@ sinks) is in the correctness cases too: split-K decode (sinks in the reduce kern
 decode with int8 KV, the AOT kernel and a prefill, all windowed.
 
 Writes <out>/gpu_check.json and prints a summary. `--tiny` runs the same logic at toy sizes
-on CPU under TRITON_INTERPRET=1 (tests/plugins/test_gpu_check_dry_run.py).
+on CPU under TRITON_INTERPRET=1 (tests/plugins/test_gpu_check_dry_run.py). The command line,
+the correctness loop, timing and copy bandwidth are plugins/common/gpu_check.py's.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import platform
-import statistics
 import sys
 import time
-import traceback
-from datetime import datetime, timezone
-from typing import Callable
+
+from ..common.gpu_check import check_cases, cli, copy_bandwidth, correctness_lines, median_seconds, ragged, report_header
 
 LLAMA = dict(num_heads=32, num_kv_heads=8, head_dim=128, block_size=16)
 TINY = dict(num_heads=4, num_kv_heads=2, head_dim=16, block_size=4)
@@ -50,15 +45,6 @@ def _case(shape: dict, batch: int, ctx: int, q_len: int, device: str, **kw):
     return make_case(**shape, **ragged(shape["block_size"], batch, ctx, q_len), device=device, **kw)
 
 
-def ragged(block_size: int, batch: int, ctx: int, q_len: int) -> dict:
-    """make_case's q_lens, ctx_lens and num_blocks for `batch` sequences of q_len new tokens after
-    contexts ragged around ctx - q_len, with 8 blocks to spare (plugins/paged_mla/gpu_check.py too)."""
-    q_lens = [q_len] * batch
-    ctx_lens = [max(0, ctx - q_len - 7 * (i % 3)) for i in range(batch)]
-    need = 1 + sum(-(-(c + q) // block_size) for c, q in zip(ctx_lens, q_lens))
-    return dict(q_lens=q_lens, ctx_lens=ctx_lens, num_blocks=need + 8)
-
-
 def check_correctness(shape: dict, device: str, cases: list[dict]) -> list[dict]:
     import torch
 
@@ -66,65 +52,21 @@ def check_correctness(shape: dict, device: str, cases: list[dict]) -> list[dict]
     from .reference import paged_attention
     from .spec import TOLERANCE
 
-    results = []
-    for c in cases:
-        c = dict(c)
-        name, splits = c.pop("name"), c.pop("num_splits", None)
-        case_shape = c.pop("shape", shape)
+    def compare(c: dict) -> tuple[float, float, bool]:
+        splits, case_shape = c.pop("num_splits", None), c.pop("shape", shape)
         # aot: run decode inputs through prefill_kernel, the one kernel TensorRT engines launch
         # (a max_q_len above the real one only selects it; its grid does not depend on it)
         force = dict(max_q_len=2) if c.pop("aot", False) else {}
-        t0 = time.perf_counter()
-        try:
-            inputs, attrs = _case(case_shape, device=device, **c)
-            ref_in = _clone(inputs)
-            out = paged_attention_triton(**inputs, attrs=attrs, num_splits=splits, **force)
-            ref = paged_attention(**ref_in, attrs=attrs)
-            err = (out.double() - ref.double()).abs().max().item()
-            tol = TOLERANCE[c.get("act_dtype", "float32")]
-            pools = torch.equal(inputs["key_cache"], ref_in["key_cache"]) and \
-                torch.equal(inputs["value_cache"], ref_in["value_cache"])
-            results.append(dict(name=name, ok=bool(err <= tol and pools), max_err=err, tolerance=tol,
-                                pools_bit_exact=pools, seconds=round(time.perf_counter() - t0, 2)))
-        except Exception as e:  # report and go on: one broken case must not hide the others
-            results.append(dict(name=name, ok=False, error=f"{type(e).__name__}: {e}",
-                                trace=traceback.format_exc()[-2000:]))
-        del c
-        if device == "cuda":
-            torch.cuda.empty_cache()
-    return results
+        inputs, attrs = _case(case_shape, device=device, **c)
+        ref_in = _clone(inputs)
+        out = paged_attention_triton(**inputs, attrs=attrs, num_splits=splits, **force)
+        ref = paged_attention(**ref_in, attrs=attrs)
+        err = (out.double() - ref.double()).abs().max().item()
+        pools = torch.equal(inputs["key_cache"], ref_in["key_cache"]) and \
+            torch.equal(inputs["value_cache"], ref_in["value_cache"])
+        return err, TOLERANCE[c.get("act_dtype", "float32")], pools
 
-
-def _time(fn, device: str, warmup: int, iters: int) -> float:
-    """Median seconds of fn()."""
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def copy_bandwidth(device: str, nbytes: int, warmup: int, iters: int) -> float:
-    """Device-to-device copy, bytes/s counting read + write."""
-    import torch
-
-    src = torch.empty(nbytes // 2, dtype=torch.float16, device=device).fill_(1.0)
-    dst = torch.empty_like(src)
-    t = _time(lambda: dst.copy_(src), device, warmup, iters)
-    return 2 * nbytes / t
+    return check_cases(device, cases, compare)
 
 
 def decode_bytes(inputs: dict, attrs) -> int:
@@ -157,7 +99,7 @@ def time_decode(shape: dict, device: str, batch: int, ctx: int, kv_dtype: str, a
             fn = lambda: paged_attention_triton(**inputs, attrs=attrs, max_q_len=1, max_seq_len=max_len,  # noqa: E731
                                                 num_splits=p.num_splits, tile=tile)
             try:
-                t = _time(fn, device, warmup, iters)
+                t = median_seconds(fn, device, warmup, iters)
                 variants.append(dict(tile=str(tile), num_splits=p.num_splits, seconds=t, bytes_per_s=nbytes / t))
             except Exception as e:
                 variants.append(dict(tile=str(tile), num_splits=p.num_splits, error=f"{type(e).__name__}: {e}"))
@@ -169,7 +111,7 @@ def time_decode(shape: dict, device: str, batch: int, ctx: int, kv_dtype: str, a
         fn = lambda: paged_attention_triton(**inputs, attrs=attrs, max_q_len=2, max_seq_len=max_len,  # noqa: E731
                                             tile=tile)
         try:
-            t = _time(fn, device, warmup, iters)
+            t = median_seconds(fn, device, warmup, iters)
             aot.append(dict(tile=str(tile), seconds=t, bytes_per_s=nbytes / t))
         except Exception as e:
             aot.append(dict(tile=str(tile), error=f"{type(e).__name__}: {e}"))
@@ -179,19 +121,10 @@ def time_decode(shape: dict, device: str, batch: int, ctx: int, kv_dtype: str, a
                 aot_variants=aot)
 
 
-def run(tiny: bool, out_dir: str) -> dict:
-    import torch
-
+def run(tiny: bool) -> dict:
     device = "cpu" if tiny else "cuda"
     shape = TINY if tiny else LLAMA
-    report: dict = dict(date=datetime.now(timezone.utc).isoformat(timespec="seconds"), host=platform.node(),
-                        tiny=tiny, torch=torch.__version__, shape=shape)
-    import triton
-
-    report["triton"] = triton.__version__
-    if device == "cuda":
-        report["gpu"] = torch.cuda.get_device_name()
-        report["cuda"] = torch.version.cuda
+    report = dict(report_header(tiny), shape=shape)
     t0 = time.perf_counter()
     int4_shape = TINY_INT4 if tiny else LLAMA
     if tiny:
@@ -274,12 +207,7 @@ def run(tiny: bool, out_dir: str) -> dict:
 
 
 def summary(r: dict) -> str:
-    lines = [f"PagedAttention GPU check {r['date']} on {r.get('gpu', 'CPU (tiny, interpreter)')} "
-             f"(torch {r['torch']}, triton {r['triton']})"]
-    for c in r["correctness"]:
-        detail = (f"max err {c['max_err']:.2e} (tol {c['tolerance']:.0e}), pools exact {c['pools_bit_exact']}"
-                  if "max_err" in c else c.get("error", ""))
-        lines.append(f"  [{'ok' if c['ok'] else 'FAIL'}] {c['name']}: {detail}")
+    lines = correctness_lines(r, "PagedAttention")
     lines.append(f"  copy bandwidth {r['copy_bytes_per_s'] / 1e9:.0f} GB/s")
     for key in ("decode_b64_ctx4k_fp16", "decode_b16_long_fp16", "decode_b16_long_int8", "decode_b16_long_int4"):
         d = r[key]
@@ -300,33 +228,9 @@ def summary(r: dict) -> str:
     return "\n".join(lines)
 
 
-def cli(argv, description: str, json_name: str, run: Callable[[bool, str], dict],
-        summary: Callable[[dict], str]) -> int:
-    """The command line of a GPU check (plugins/paged_mla/gpu_check.py's too): --out, --tiny;
-    run(tiny, out) -> report, written to <out>/json_name ({"error", "trace"} when it raised),
-    then summary(report) printed; 0 when every correctness case passed."""
-    ap = argparse.ArgumentParser(description=description)
-    ap.add_argument("--out", default=os.environ.get("OUT", "."), help=f"folder for {json_name}")
-    ap.add_argument("--tiny", action="store_true", help="toy sizes on CPU under TRITON_INTERPRET=1")
-    args = ap.parse_args(argv)
-    if args.tiny:
-        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (kernels are decorated then)
-    os.makedirs(args.out, exist_ok=True)
-    try:
-        report = run(args.tiny, args.out)
-    except Exception as e:
-        report = dict(error=f"{type(e).__name__}: {e}", trace=traceback.format_exc())
-        print(report["trace"], file=sys.stderr)
-    with open(os.path.join(args.out, json_name), "w") as f:
-        json.dump(report, f, indent=1, default=str)
-    if "error" in report:
-        return 1
-    print(summary(report))
-    return 0 if report["goals"]["correctness"] else 1
-
-
 def main(argv=None) -> int:
     return cli(argv, __doc__.splitlines()[0], "gpu_check.json", run, summary)
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -11,6 +11,7 @@ import torch
 
 from kvexport import io
 
+from ..common.cases import paged_batch
 from .spec import PagedAttentionAttrs
 
 # the pools' torch dtype by kv_dtype (int4: uint8 rows of codes and scales, io.KV_INT4_FORMAT)
@@ -168,19 +169,8 @@ def make_case(*, num_heads: int, num_kv_heads: int, head_dim: int, block_size: i
     attrs = PagedAttentionAttrs(num_heads, num_kv_heads, head_dim, block_size,
                                 head_dim ** -0.5 if scale is None else scale, sliding_window, kv_dtype,
                                 logit_softcap, tuple(attention_sinks))
-    totals = [c + q for c, q in zip(ctx_lens, q_lens)]
-    blocks_per = [-(-t // block_size) for t in totals]
-    shared = min([shared_prefix_blocks] + [c // block_size for c in ctx_lens]) if shared_prefix_blocks else 0
-    need = 1 + shared + sum(b - shared for b in blocks_per)
-    num_blocks = num_blocks or 2 * need + 3
-    assert num_blocks >= need
-    ids = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()  # block 0 = pad block
-    shared_ids = [ids.pop() for _ in range(shared)]
-    max_blocks = max(blocks_per) + 1
-    tables = torch.full((len(q_lens), max_blocks), 0, dtype=torch.int64)
-    for s, nb in enumerate(blocks_per):
-        row = shared_ids + [ids.pop() for _ in range(nb - shared)]
-        tables[s, :nb] = torch.tensor(row, dtype=torch.int64)
+    batch = paged_batch(block_size, q_lens, ctx_lens, num_blocks, shared_prefix_blocks, gen)
+    num_blocks = batch.num_blocks
     f = torch.float32
     pool_dtype = torch_dtype(kv_dtype)
     kvh, d = num_kv_heads, head_dim
@@ -199,23 +189,14 @@ def make_case(*, num_heads: int, num_kv_heads: int, head_dim: int, block_size: i
         key_cache = torch.randn(pool_shape, generator=gen, dtype=f).to(pool_dtype)
         value_cache = torch.randn(pool_shape, generator=gen, dtype=f).to(pool_dtype)
         k_scale = v_scale = None
-    starts = [0]
-    for q in q_lens:
-        starts.append(starts[-1] + q)
-    slots = []
-    for s, (c, q) in enumerate(zip(ctx_lens, q_lens)):
-        for j in range(c, c + q):
-            slots.append(int(tables[s, j // block_size]) * block_size + j % block_size)
-    t = starts[-1]
+    t = batch.num_tokens
     act = torch_dtype(act_dtype)
     inputs = dict(
         query=torch.randn(t, num_heads, d, generator=gen).to(act),
         key=torch.randn(t, kvh, d, generator=gen).to(act),
         value=torch.randn(t, kvh, d, generator=gen).to(act),
-        key_cache=key_cache, value_cache=value_cache, block_tables=tables,
-        seq_lens=torch.tensor(totals, dtype=torch.int64),
-        query_start_loc=torch.tensor(starts, dtype=torch.int64),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64), k_scale=k_scale, v_scale=v_scale)
+        key_cache=key_cache, value_cache=value_cache, block_tables=batch.block_tables, seq_lens=batch.seq_lens,
+        query_start_loc=batch.query_start_loc, slot_mapping=batch.slot_mapping, k_scale=k_scale, v_scale=v_scale)
     if device != "cpu":
         inputs = {k: (v.to(device) if v is not None else None) for k, v in inputs.items()}
     return inputs, attrs

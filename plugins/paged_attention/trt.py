@@ -21,9 +21,11 @@ kvexport/io.py KV_INT4_FORMAT); the kv_dtype attribute "int4" tells them from ot
 NOTE: no `from __future__ import annotations` here — tensorrt.plugin reads the annotations
 of the decorated functions as classes.
 
-Type-checked against `tensorrt-stubs` (tests/tensorrt/test_typecheck.py); the stubs do not
-cover `tensorrt.plugin`, and TensorRT itself is not installable on the project's machines, so
-the registration has never run (README.md, "What is verified how").
+What every op's registration shares (the TensorRT check, registering once, type strings, tactic
+lookup, the AOT launch) is plugins/common/trt.py's. Type-checked against `tensorrt-stubs`
+(tests/tensorrt/test_typecheck.py); the stubs do not cover `tensorrt.plugin`, and TensorRT itself
+is not installable on the project's machines, so the registration has never run (README.md,
+"What is verified how").
 """
 
 from typing import Any, Dict, List, Tuple, Union
@@ -31,15 +33,12 @@ from typing import Any, Dict, List, Tuple, Union
 import numpy as np
 import numpy.typing as npt
 
-from kvexport.errors import EngineBuildError, KvExportError, TensorRTUnavailableError
+from kvexport.errors import TensorRTUnavailableError  # noqa: F401  (register() raises it)
 
+from ..common import trt as common
 from . import configs, spec
 from .spec import PagedAttentionAttrs
 
-# TensorRT type names (tensorrt.plugin AutoTuneCombination) of the spec's dtypes
-TRT_TYPES = {"float32": "FP32", "float16": "FP16", "bfloat16": "BF16", "int8": "INT8", "int4": "UINT8"}
-_INDEX_TYPES = ("INT64",) * 4  # block_tables, seq_lens, query_start_loc, slot_mapping
-_registered = False
 # attention_sinks (a float32 array attribute): nodes without it (graphs exported before sinks, models
 # without them) take none; the sinks are compiled into the layer's kernel (kernels.py SINKS)
 _NO_SINKS = np.zeros(0, np.float32)
@@ -49,20 +48,13 @@ def type_combinations() -> List[str]:
     """The autotune type strings, one per (activation, pool) pair, over the 11 inputs and 3
     outputs in spec order: q, k, v, key_cache, value_cache, 4 index tensors, k_scale,
     v_scale | output, key_cache, value_cache."""
-    out = []
-    for act, kv in configs.kv_pairs():
-        a, p = TRT_TYPES[act], TRT_TYPES[kv]
-        out.append(", ".join((a, a, a, p, p) + _INDEX_TYPES + ("FP32", "FP32", a, p, p)))
-    return out
+    return common.type_combinations(configs.kv_pairs(),
+                                    lambda a, p: (a, a, a, p, p) + common.INDEX_TYPES + ("FP32", "FP32", a, p, p))
 
 
 def tactic_tile(tactic: int) -> configs.TileConfig:
     """The prefill tile of a TensorRT tactic id (configs.TileConfig.tactic)."""
-    for tile in configs.PREFILL_TILES:
-        if tile.tactic == tactic:
-            return tile
-    raise EngineBuildError(f"unknown PagedAttention tactic {tactic}: the engine was built by "
-                                   "another kvexport version; rebuild it")
+    return common.tactic_tile(spec.OP_TYPE, configs.PREFILL_TILES, tactic)
 
 
 def aot_kernel(attrs: PagedAttentionAttrs, act: str, tactic: int, capability: Union[int, None] = None,
@@ -72,35 +64,10 @@ def aot_kernel(attrs: PagedAttentionAttrs, act: str, tactic: int, capability: Un
     return src, src.compile(capability)
 
 
-def check_tensorrt(op_type: str) -> None:
-    """TensorRTUnavailableError naming the kvexport::<op_type> plugin unless TensorRT >= 10.10 (with
-    tensorrt.plugin.aot_impl) is importable (plugins/paged_mla/trt.py's register() too)."""
-    try:
-        import tensorrt as trt
-        import tensorrt.plugin as trtp  # type: ignore[import-not-found, unused-ignore]  # not in the stubs
-    except ImportError as e:
-        raise TensorRTUnavailableError(
-            f"TensorRT is not installed: the kvexport::{op_type} plugin needs TensorRT >= 10.10 "
-            "(`pip install tensorrt` on a machine with an NVIDIA GPU and driver). ONNX builds and the "
-            f"onnxruntime backend do not need it. ({e})") from e
-    if not hasattr(trtp, "aot_impl"):
-        raise TensorRTUnavailableError(f"TensorRT {getattr(trt, '__version__', '?')} has no "
-                                       "tensorrt.plugin.aot_impl; ahead-of-time plugins need TensorRT >= 10.10")
-
-
 def register() -> None:
     """Registers the plugin with TensorRT's plugin registry (idempotent). Raises
     TensorRTUnavailableError when TensorRT (>= 10.10, with tensorrt.plugin.aot_impl) is missing."""
-    global _registered
-    if _registered:
-        return
-    check_tensorrt("PagedAttention")
-    import tensorrt as trt
-
-    dtype_names: Dict[trt.DataType, str] = {trt.float32: "float32", trt.float16: "float16",
-                                            trt.bfloat16: "bfloat16", trt.int8: "int8", trt.uint8: "int4"}
-    _define(dtype_names)
-    _registered = True
+    common.register_once(spec.OP_TYPE, _define, int4_pools=True)
 
 
 def _define(dtype_names: Dict[Any, str]) -> None:
@@ -132,22 +99,13 @@ def _define(dtype_names: Dict[Any, str]) -> None:
                             attention_sinks: npt.NDArray[np.float32], outputs: Tuple[TD, TD, TD], tactic: int
                             ) -> Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams, trtp.SymExprs]:
         attrs = PagedAttentionAttrs(num_heads, num_kv_heads, head_dim, block_size, scale, sliding_window,
-                                    kv_dtype.decode() if isinstance(kv_dtype, bytes) else kv_dtype, logit_softcap,
+                                    common.text_attr(kv_dtype), logit_softcap,
                                     tuple(np.asarray(attention_sinks, np.float32).reshape(-1).tolist()))
         act, pool = dtype_names[query.dtype], dtype_names[key_cache.dtype]
-        if pool != attrs.kv_dtype:
-            raise KvExportError(f"PagedAttention: pool dtype {pool} != kv_dtype attribute {attrs.kv_dtype}")
+        common.check_pool(spec.OP_TYPE, pool, attrs.kv_dtype)
         # int8 scales [kvH, head_dim] (per channel) or [kvH] (per head: builds before per-channel)
         src, kernel = aot_kernel(attrs, act, tactic, per_channel_scales=k_scale.ndim == 2)
         block_q = src.constexprs["BLOCK_M"] // attrs.group_size
-        num_tokens = query.shape_expr[0]  # [T, H, D]
-        num_seqs = seq_lens.shape_expr[0]  # [S]
-        params = trtp.KernelLaunchParams()
-        params.grid_x = num_tokens // block_q + num_seqs  # q-tiles: T // BLOCK_Q + S bounds them all
-        params.grid_y = num_kv_heads
-        params.block_x = kernel.metadata.num_warps * 32
-        params.shared_mem = kernel.metadata.shared
-        # kernel scalars after the 11 inputs: num_seqs, max_blocks, num_blocks
-        extra = trtp.SymIntExprs.from_tuple([trtp.SymInt32(num_seqs), trtp.SymInt32(block_tables.shape_expr[1]),
-                                             trtp.SymInt32(key_cache.shape_expr[1])])
-        return kernel.metadata.name, kernel.asm["ptx"], params, extra
+        # query [T, H, D], seq_lens [S]; kernel scalars after the 11 inputs: num_seqs, max_blocks, num_blocks
+        return common.aot_launch(trtp, kernel, query.shape_expr[0], seq_lens.shape_expr[0], block_q, num_kv_heads,
+                                 block_tables.shape_expr[1], key_cache.shape_expr[1])

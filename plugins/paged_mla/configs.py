@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..paged_attention.configs import AOT_TARGETS, GPU_ACT_DTYPES, TRITON_TYPES, pow2  # noqa: F401
+from ..common import kernel_source
+from ..common.kernel_source import AOT_TARGETS, GPU_ACT_DTYPES, TRITON_TYPES, pow2  # noqa: F401  (shared by every op)
 from .spec import PagedMLAAttrs
 
 
@@ -77,32 +78,14 @@ def constexprs(attrs: PagedMLAAttrs, tile: TileConfig) -> dict:
 
 
 @dataclass(frozen=True, slots=True)
-class KernelSource:
-    """Everything `triton.compile` needs for one configuration."""
+class KernelSource(kernel_source.KernelSource):
+    """One configuration of a PagedMLA kernel: "mla" | "mla_split" | "reduce"."""
 
-    kernel: str  # "mla" | "mla_split" | "reduce"
-    signature: dict  # parameter name -> Triton type ("*fp16", "i32", "constexpr")
-    constexprs: dict  # parameter name -> value
-    num_warps: int
-    num_stages: int
-
-    def ast_source(self):
-        import triton
-
+    def kernel_fn(self):
         from . import kernels
 
-        fn = {"mla": kernels.mla_kernel, "mla_split": kernels.mla_split_kernel,
-              "reduce": kernels.mla_reduce_kernel}[self.kernel]
-        return triton.compiler.ASTSource(fn=fn, signature=self.signature, constexprs=self.constexprs)
-
-    def compile(self, capability: int | None = None):
-        """Compiles for CUDA sm_<capability> (no GPU needed; None = the current GPU)."""
-        import triton
-        from triton.backends.compiler import GPUTarget
-
-        target = None if capability is None else GPUTarget("cuda", capability, 32)
-        return triton.compile(self.ast_source(), target=target,
-                              options={"num_warps": self.num_warps, "num_stages": self.num_stages})
+        return {"mla": kernels.mla_kernel, "mla_split": kernels.mla_split_kernel,
+                "reduce": kernels.mla_reduce_kernel}[self.kernel]
 
 
 _IN = ("q_ptr", "lat_ptr", "cache_ptr", "bt_ptr", "seq_lens_ptr", "qsl_ptr", "slot_ptr", "scale_ptr")

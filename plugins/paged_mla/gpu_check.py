@@ -13,18 +13,16 @@ PagedAttention check):
   3. int8 latent vs fp16 at long context (reported).
 
 Writes <out>/gpu_check_mla.json and prints a summary. `--tiny` runs the same logic at toy sizes on
-CPU under TRITON_INTERPRET=1 (tests/plugins/test_gpu_check_dry_run.py, through gpu_check.sh).
+CPU under TRITON_INTERPRET=1 (tests/plugins/test_gpu_check_dry_run.py, through gpu_check.sh). The
+command line, the correctness loop, timing and copy bandwidth are plugins/common/gpu_check.py's.
 """
 
 from __future__ import annotations
 
-import platform
 import sys
 import time
-import traceback
-from datetime import datetime, timezone
 
-from ..paged_attention.gpu_check import cli, ragged
+from ..common.gpu_check import check_cases, cli, copy_bandwidth, correctness_lines, median_seconds, ragged, report_header
 
 V3 = dict(num_heads=128, kv_lora_rank=512, qk_rope_head_dim=64, block_size=16, scale=192 ** -0.5)
 V3_TP8 = dict(V3, num_heads=16)
@@ -45,31 +43,21 @@ def check_correctness(device: str, cases: list[dict]) -> list[dict]:
     from .reference import paged_mla
     from .spec import TOLERANCE
 
-    results = []
-    for c in cases:
-        c = dict(c)
-        name, splits, shape = c.pop("name"), c.pop("num_splits", None), c.pop("shape")
+    def compare(c: dict) -> tuple[float, float, bool]:
+        splits, shape = c.pop("num_splits", None), c.pop("shape")
         # aot: decode inputs through mla_kernel without split-K, the one kernel TensorRT engines launch
         if c.pop("aot", False):
             splits = 1
-        t0 = time.perf_counter()
-        try:
-            inputs, attrs = _case(shape, device=device, **c)
-            ref_in = {k: v.clone() for k, v in inputs.items()}
-            out = paged_mla_triton(**inputs, attrs=attrs, num_splits=splits)
-            ref = paged_mla(**ref_in, attrs=attrs)
-            err = (out.double() - ref.double()).abs().max().item()
-            mag = ref.double().abs().max().item()
-            tol = TOLERANCE[c.get("act_dtype", "float32")] * max(1.0, mag)  # the output's scale
-            pools = torch.equal(inputs["latent_cache"], ref_in["latent_cache"])
-            results.append(dict(name=name, ok=bool(err <= tol and pools), max_err=err, tolerance=tol,
-                                pools_bit_exact=pools, seconds=round(time.perf_counter() - t0, 2)))
-        except Exception as e:  # report and go on: one broken case must not hide the others
-            results.append(dict(name=name, ok=False, error=f"{type(e).__name__}: {e}",
-                                trace=traceback.format_exc()[-2000:]))
-        if device == "cuda":
-            torch.cuda.empty_cache()
-    return results
+        inputs, attrs = _case(shape, device=device, **c)
+        ref_in = {k: v.clone() for k, v in inputs.items()}
+        out = paged_mla_triton(**inputs, attrs=attrs, num_splits=splits)
+        ref = paged_mla(**ref_in, attrs=attrs)
+        err = (out.double() - ref.double()).abs().max().item()
+        mag = ref.double().abs().max().item()
+        tol = TOLERANCE[c.get("act_dtype", "float32")] * max(1.0, mag)  # the output's scale
+        return err, tol, torch.equal(inputs["latent_cache"], ref_in["latent_cache"])
+
+    return check_cases(device, cases, compare)
 
 
 def decode_bytes(inputs: dict, attrs) -> int:
@@ -87,7 +75,6 @@ def decode_bytes(inputs: dict, attrs) -> int:
 def time_decode(shape: dict, device: str, batch: int, ctx: int, kv_dtype: str, act: str, warmup: int, iters: int,
                 splits_options, tiles) -> dict:
     """Best time over the split / tile options (each one reported); splits 1 is the AOT kernel."""
-    from ..paged_attention.gpu_check import _time
     from .launch import paged_mla_triton, plan
 
     inputs, attrs = _case(shape, batch, ctx, 1, device, kv_dtype=kv_dtype, act_dtype=act, seed=1)
@@ -100,7 +87,7 @@ def time_decode(shape: dict, device: str, batch: int, ctx: int, kv_dtype: str, a
             fn = lambda: paged_mla_triton(**inputs, attrs=attrs, max_q_len=1, max_seq_len=max_len,  # noqa: E731
                                           num_splits=p.num_splits, tile=tile)
             try:
-                t = _time(fn, device, warmup, iters)
+                t = median_seconds(fn, device, warmup, iters)
                 variants.append(dict(tile=str(tile), num_splits=p.num_splits, seconds=t, bytes_per_s=nbytes / t))
             except Exception as e:
                 variants.append(dict(tile=str(tile), num_splits=p.num_splits, error=f"{type(e).__name__}: {e}"))
@@ -112,17 +99,10 @@ def time_decode(shape: dict, device: str, batch: int, ctx: int, kv_dtype: str, a
 
 
 def run(tiny: bool) -> dict:
-    import torch
-    import triton
-
-    from ..paged_attention.gpu_check import copy_bandwidth
     from . import configs
 
     device = "cpu" if tiny else "cuda"
-    report: dict = dict(date=datetime.now(timezone.utc).isoformat(timespec="seconds"), host=platform.node(),
-                        tiny=tiny, torch=torch.__version__, triton=triton.__version__)
-    if device == "cuda":
-        report["gpu"] = torch.cuda.get_device_name()
+    report = report_header(tiny)
     big, tp = (TINY, TINY_TP) if tiny else (V3, V3_TP8)
     report["shapes"] = dict(all_heads=big, tp8=tp)
     if tiny:
@@ -174,12 +154,7 @@ def run(tiny: bool) -> dict:
 
 
 def summary(r: dict) -> str:
-    lines = [f"PagedMLA GPU check {r['date']} on {r.get('gpu', 'CPU (tiny, interpreter)')} "
-             f"(torch {r['torch']}, triton {r['triton']})"]
-    for c in r["correctness"]:
-        detail = (f"max err {c['max_err']:.2e} (tol {c['tolerance']:.1e}), pool exact {c['pools_bit_exact']}"
-                  if "max_err" in c else c.get("error", ""))
-        lines.append(f"  [{'ok' if c['ok'] else 'FAIL'}] {c['name']}: {detail}")
+    lines = correctness_lines(r, "PagedMLA")
     lines.append(f"  copy bandwidth {r['copy_bytes_per_s'] / 1e9:.0f} GB/s")
     for key in ("decode_long_fp16", "decode_long_int8", "decode_tp8_fp16"):
         d = r[key]
@@ -193,7 +168,8 @@ def summary(r: dict) -> str:
 
 
 def main(argv=None) -> int:
-    return cli(argv, __doc__.splitlines()[0], "gpu_check_mla.json", lambda tiny, out: run(tiny), summary)
+    return cli(argv, __doc__.splitlines()[0], "gpu_check_mla.json", run, summary)
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,57 +1,34 @@
 """The reference PagedMLA as an onnxruntime custom op, so MLA `--attention plugin` graphs run on
-CPU before (or without) the native op: validation, tests, fallback — as
-plugins/paged_attention/ort.py does for PagedAttention.
+CPU before (or without) the native op: validation, tests, fallback.
 
-Uses onnxruntime-extensions' Python custom ops (PyOp), which live in one fixed domain
-(`ai.onnx.contrib`) with fixed element types: `rewrite_for_reference()` points each
-`kvexport::PagedMLA` node at a PyOp registered for the node's dtypes (float16 / bfloat16
-tensors pass through Casts to float32: lossless, the reference rounds what it stores to the
-kv_dtype attribute and the pool is cast back). `plugin_session()` rewrites PagedAttention
-nodes too (paged_attention.ort), so one call opens any plugin graph.
-
-NOTE: a PyOp returns its outputs through Python lists, so the updated pool is copied each call
-(O(pool) per layer per step): fine for tests and validation, not for serving.
+The PyOp plumbing (registration, the rewrite, float16 / bfloat16 through Casts to float32, the
+session) is plugins/common/pyop.py's; this module gives PagedMLA's attributes, element types and
+node rewrite. `plugin_session()` rewrites every registered op's nodes (PagedAttention's too), so
+one call opens any plugin graph.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import onnx
 
-from ..paged_attention.ort import (
-    _extensions,
-    add_exact,
-    cast_wide,
-    open_session,
-    pyop_attrs,
-    pyop_dtype,
-    read_exact,
-    rewrite_nodes,
-)
+from ..common.pyop import add_exact, cast_wide, plugin_session, pyop_dtype, read_exact, register, rewrite_nodes
 from ..paged_attention.ort import rewrite_for_reference as rewrite_paged_attention
 from .reference import paged_mla
 from .spec import NUM_INPUTS, OP_TYPE, PagedMLAAttrs
 
-_REGISTERED: set[str] = set()
+__all__ = ["plugin_session", "rewrite_for_reference", "rewrite_paged_attention"]
+
 _ATTR_TYPES = {"num_heads": "int", "kv_lora_rank": "int", "qk_rope_head_dim": "int", "block_size": "int",
                "scale": "float", "kv_dtype": "str", "plugin_namespace": "str", "plugin_version": "str"}
-_EXACT = ("scale",)  # passed exactly (paged_attention.ort add_exact: PyOps see floats to 6 digits)
+_EXACT = ("scale",)  # passed exactly (common.pyop.add_exact: PyOps see floats to 6 digits)
 
 
 def _register(act: str, kv: str) -> str:
     """Register (once per process) the reference as a PyOp for these element types."""
     import torch
-
-    name = f"KvexportPagedMLA_{act}_{kv}"
-    if name in _REGISTERED:
-        return name
-    ortx = _extensions()
-    d = ortx.PyCustomOpDef
-    dt = {"float32": d.dt_float, "int8": d.dt_int8}
-    types = [dt[act]] * 2 + [dt[kv]] + [d.dt_int64] * 4 + [d.dt_float]
 
     def run(*args, **kw):
         attrs_ = PagedMLAAttrs.from_onnx_attributes(read_exact(kw, _EXACT))
@@ -60,9 +37,8 @@ def _register(act: str, kv: str) -> str:
         out = paged_mla(t[0], t[1], cache, *t[3:8], attrs=attrs_)
         return out.numpy(), cache.numpy()
 
-    ortx.onnx_op(op_type=name, inputs=types, outputs=[dt[act], dt[kv]], attrs=pyop_attrs(d, _ATTR_TYPES, _EXACT))(run)
-    _REGISTERED.add(name)
-    return name
+    return register(f"KvexportPagedMLA_{act}_{kv}", [act] * 2 + [kv] + ["int64"] * 4 + ["float32"], [act, kv],
+                    _ATTR_TYPES, _EXACT, run)
 
 
 def _rewrite_node(node: onnx.NodeProto, dtype: Callable[[str], str]) -> tuple[str, list, list]:
@@ -75,12 +51,3 @@ def _rewrite_node(node: onnx.NodeProto, dtype: Callable[[str], str]) -> tuple[st
 def rewrite_for_reference(model: onnx.ModelProto) -> onnx.ModelProto:
     """A copy of `model` whose PagedMLA nodes call the registered reference PyOps."""
     return rewrite_nodes(model, OP_TYPE, NUM_INPUTS, _rewrite_node)
-
-
-def plugin_session(path: str | Path, threads: int | None = None, options=None):
-    """An onnxruntime CPU session for a plugin graph with PagedMLA and/or PagedAttention nodes,
-    all run by their references (external weights resolved next to the graph). `options`:
-    onnxruntime SessionOptions to start from (the runtime's); else defaults."""
-    path = Path(path)
-    model = rewrite_for_reference(rewrite_paged_attention(onnx.load(str(path), load_external_data=False)))
-    return open_session(model, path, threads, options)

@@ -6,14 +6,14 @@ and pool kind once); by hand, every configuration for every --arch:
     python -m kvexport.plugins.paged_mla.ptx --all --arch 80 90 [--jobs N] [--json out.json]
 
 Runs in its own process: kernels.py must be imported without TRITON_INTERPRET. The compile and
-the report are PagedAttention's (plugins/paged_attention/ptx.py).
+the report are plugins/common/ptx.py's.
 """
 
 from __future__ import annotations
 
 import sys
 
-from kvexport.plugins.paged_attention import ptx
+from ..common import ptx
 
 TYPE_KEYS = ("q_ptr", "cache_ptr", "out_ptr")
 
@@ -25,11 +25,11 @@ def spills(k) -> dict:
 
 def compile_all(capabilities=(80, 90), jobs: int | None = None, every: bool = True) -> list[dict]:
     """every: all_sources() for each capability; else ci_sources() (their own capabilities)."""
-    return ptx.compile_all(capabilities, jobs, every, __package__ + ".configs", TYPE_KEYS, spills)
+    return ptx.compile_all(__package__ + ".configs", TYPE_KEYS, capabilities, jobs, every, spills)
 
 
 def main(argv=None) -> int:
-    return ptx.main(argv, __doc__, "MLA ", configs=__package__ + ".configs", type_keys=TYPE_KEYS, extra=spills)
+    return ptx.main(argv, __doc__, "MLA ", __package__ + ".configs", TYPE_KEYS, spills)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..common.cases import paged_batch
 from ..paged_attention.reference import quantize, torch_dtype
 from .spec import PagedMLAAttrs
 
@@ -112,21 +113,10 @@ def make_case(*, num_heads: int, kv_lora_rank: int, qk_rope_head_dim: int, block
     w = kv_lora_rank + qk_rope_head_dim
     scale = float(torch.tensor(w ** -0.5 if scale is None else scale, dtype=torch.float32))  # as the ONNX attribute
     attrs = PagedMLAAttrs(num_heads, kv_lora_rank, qk_rope_head_dim, block_size, scale, kv_dtype)
-    totals = [c + q for c, q in zip(ctx_lens, q_lens)]
-    blocks_per = [-(-t // block_size) for t in totals]
-    shared = min([shared_prefix_blocks] + [c // block_size for c in ctx_lens]) if shared_prefix_blocks else 0
-    need = 1 + shared + sum(b - shared for b in blocks_per)
-    num_blocks = num_blocks or 2 * need + 3
-    assert num_blocks >= need
-    ids = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()  # block 0 = pad block
-    shared_ids = [ids.pop() for _ in range(shared)]
-    max_blocks = max(blocks_per, default=0) + 1
-    tables = torch.zeros((len(q_lens), max_blocks), dtype=torch.int64)
-    for s, nb in enumerate(blocks_per):
-        row = shared_ids + [ids.pop() for _ in range(nb - shared)]
-        tables[s, :nb] = torch.tensor(row, dtype=torch.int64)
+    batch = paged_batch(block_size, q_lens, ctx_lens, num_blocks, shared_prefix_blocks, gen)
+    num_blocks = batch.num_blocks
     shape = attrs.pool_shape(num_blocks)
-    t = sum(q_lens)
+    t = batch.num_tokens
     act = torch_dtype(act_dtype)
     kv_scale = torch.ones(w)
     if realistic:
@@ -147,15 +137,9 @@ def make_case(*, num_heads: int, kv_lora_rank: int, qk_rope_head_dim: int, block
             cache = torch.randn(shape, generator=gen).to(torch_dtype(kv_dtype))
         latent = torch.randn(t, w, generator=gen)
         query = torch.randn(t, num_heads, w, generator=gen)
-    starts = [0]
-    for q in q_lens:
-        starts.append(starts[-1] + q)
-    slots = [int(tables[s, j // block_size]) * block_size + j % block_size
-             for s, (c, q) in enumerate(zip(ctx_lens, q_lens)) for j in range(c, c + q)]
-    inputs = dict(query=query.to(act), latent=latent.to(act), latent_cache=cache, block_tables=tables,
-                  seq_lens=torch.tensor(totals, dtype=torch.int64),
-                  query_start_loc=torch.tensor(starts, dtype=torch.int64),
-                  slot_mapping=torch.tensor(slots, dtype=torch.int64), kv_scale=kv_scale.float())
+    inputs = dict(query=query.to(act), latent=latent.to(act), latent_cache=cache, block_tables=batch.block_tables,
+                  seq_lens=batch.seq_lens, query_start_loc=batch.query_start_loc, slot_mapping=batch.slot_mapping,
+                  kv_scale=kv_scale.float())
     if device != "cpu":
         inputs = {k: v.to(device) for k, v in inputs.items()}
     return inputs, attrs

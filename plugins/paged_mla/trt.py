@@ -15,42 +15,30 @@ attention `mla_kernel` (any q_len) without split-K; split-K (two launches) is th
 input (ignored unless int8). NOTE: no `from __future__ import annotations` here — tensorrt.plugin
 reads the decorated functions' annotations as classes.
 
-Type-checked against `tensorrt-stubs` (tests/tensorrt/test_typecheck.py); TensorRT is not
-installable on the project's machines, so the registration has never run.
+What every op's registration shares (the TensorRT check, registering once, type strings, tactic
+lookup, the AOT launch) is plugins/common/trt.py's. Type-checked against `tensorrt-stubs`
+(tests/tensorrt/test_typecheck.py); TensorRT is not installable on the project's machines, so the
+registration has never run.
 """
 
 from typing import Any, Dict, List, Tuple, Union
 
-from kvexport.errors import EngineBuildError, KvExportError
-from kvexport.errors import TensorRTUnavailableError  # noqa: F401 - check_tensorrt raises it
+from kvexport.errors import TensorRTUnavailableError  # noqa: F401  (register() raises it)
 
-from ..paged_attention.trt import check_tensorrt
+from ..common import trt as common
 from . import configs, spec
 from .spec import PagedMLAAttrs
-
-# TensorRT type names (tensorrt.plugin AutoTuneCombination) of the spec's dtypes
-TRT_TYPES = {"float32": "FP32", "float16": "FP16", "bfloat16": "BF16", "int8": "INT8"}
-_INDEX_TYPES = ("INT64",) * 4  # block_tables, seq_lens, query_start_loc, slot_mapping
-_registered = False
 
 
 def type_combinations() -> List[str]:
     """The autotune type strings, one per (activation, pool) pair, over the 8 inputs and 2 outputs
     in spec order: query, latent, latent_cache, 4 index tensors, kv_scale | output, latent_cache."""
-    out = []
-    for act, kv in configs.kv_pairs():
-        a, p = TRT_TYPES[act], TRT_TYPES[kv]
-        out.append(", ".join((a, a, p) + _INDEX_TYPES + ("FP32", a, p)))
-    return out
+    return common.type_combinations(configs.kv_pairs(), lambda a, p: (a, a, p) + common.INDEX_TYPES + ("FP32", a, p))
 
 
 def tactic_tile(tactic: int) -> configs.TileConfig:
     """The tile of a TensorRT tactic id (configs.TileConfig.tactic)."""
-    for tile in configs.TILES:
-        if tile.tactic == tactic:
-            return tile
-    raise EngineBuildError(f"unknown PagedMLA tactic {tactic}: the engine was built by another kvexport version; "
-                           "rebuild it")
+    return common.tactic_tile(spec.OP_TYPE, configs.TILES, tactic)
 
 
 def aot_kernel(attrs: PagedMLAAttrs, act: str, tactic: int, capability: Union[int, None] = None):
@@ -70,16 +58,7 @@ def launch_grid(attrs: PagedMLAAttrs, tactic: int) -> Tuple[int, int]:
 def register() -> None:
     """Registers the plugin with TensorRT's plugin registry (idempotent). Raises
     TensorRTUnavailableError when TensorRT (>= 10.10, with tensorrt.plugin.aot_impl) is missing."""
-    global _registered
-    if _registered:
-        return
-    check_tensorrt("PagedMLA")
-    import tensorrt as trt
-
-    dtype_names: Dict[trt.DataType, str] = {trt.float32: "float32", trt.float16: "float16",
-                                            trt.bfloat16: "bfloat16", trt.int8: "int8"}
-    _define(dtype_names)
-    _registered = True
+    common.register_once(spec.OP_TYPE, _define)
 
 
 def _define(dtype_names: Dict[Any, str]) -> None:
@@ -108,20 +87,11 @@ def _define(dtype_names: Dict[Any, str]) -> None:
                       outputs: Tuple[TD, TD], tactic: int
                       ) -> Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams, trtp.SymExprs]:
         attrs = PagedMLAAttrs(num_heads, kv_lora_rank, qk_rope_head_dim, block_size, scale,
-                              kv_dtype.decode() if isinstance(kv_dtype, bytes) else kv_dtype)
+                              common.text_attr(kv_dtype))
         act, pool = dtype_names[query.dtype], dtype_names[latent_cache.dtype]
-        if pool != attrs.kv_dtype:
-            raise KvExportError(f"PagedMLA: pool dtype {pool} != kv_dtype attribute {attrs.kv_dtype}")
+        common.check_pool(spec.OP_TYPE, pool, attrs.kv_dtype)
         src, kernel = aot_kernel(attrs, act, tactic)
         block_q, head_programs = launch_grid(attrs, tactic)
-        num_tokens = query.shape_expr[0]  # [T, H, W]
-        num_seqs = seq_lens.shape_expr[0]  # [S]
-        params = trtp.KernelLaunchParams()
-        params.grid_x = num_tokens // block_q + num_seqs  # q-tiles: T // BLOCK_Q + S bounds them all
-        params.grid_y = head_programs
-        params.block_x = kernel.metadata.num_warps * 32
-        params.shared_mem = kernel.metadata.shared
-        # kernel scalars after the 8 inputs: num_seqs, max_blocks, num_blocks
-        extra = trtp.SymIntExprs.from_tuple([trtp.SymInt32(num_seqs), trtp.SymInt32(block_tables.shape_expr[1]),
-                                             trtp.SymInt32(latent_cache.shape_expr[1])])
-        return kernel.metadata.name, kernel.asm["ptx"], params, extra
+        # query [T, H, W], seq_lens [S]; kernel scalars after the 8 inputs: num_seqs, max_blocks, num_blocks
+        return common.aot_launch(trtp, kernel, query.shape_expr[0], seq_lens.shape_expr[0], block_q, head_programs,
+                                 block_tables.shape_expr[1], latent_cache.shape_expr[1])

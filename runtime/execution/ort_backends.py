@@ -402,17 +402,14 @@ class NativeOpBackend(_PluginBackend):
 
 
 class ReferenceOpBackend(_PluginBackend):
-    """`--attention plugin` with the float64 torch reference PagedAttention as a PyOp
-    (plugins/paged_attention/ort.py). The graph returns the updated pools."""
+    """`--attention plugin` with the float64 torch references of the ops (PagedAttention, PagedMLA) as
+    PyOps (plugins/common/pyop.py). The graph returns the updated pools."""
 
     attention_impl = "plugin (reference PyOp)"
     step_split_ok = False  # it opens the graph file as is
 
     def _open(self, path: Path, plan: SessionPlan):
-        if self.kv.latent:  # MLA: PagedMLA nodes (plugins/paged_mla/ort.py runs PagedAttention ones too)
-            from kvexport.plugins.paged_mla.ort import plugin_session
-        else:
-            from kvexport.plugins.paged_attention.ort import plugin_session
+        from kvexport.plugins.common.pyop import plugin_session  # every registered op's nodes (PagedAttention, PagedMLA)
 
         return plugin_session(path, options=self.session_options(plan))  # a CPU op: CPU provider only
 

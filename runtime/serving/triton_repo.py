@@ -145,7 +145,7 @@ def write_repository(build_dir: str | Path, out: str | Path, opts: TritonRepoOpt
         model_dir = tmp / name
         (model_dir / "1").mkdir(parents=True)
         if opts.copy_build:
-            # NOTE: skip the repository itself (DESIGN.md puts triton/ inside the build) and
+            # NOTE: skip the repository itself (it may sit inside the build: BUILD/triton/) and
             # its temporary and old folders next to it
             siblings = outputs.sibling_prefix(out)
             ignore = (lambda d, names: [n for n in names if Path(d) == out.parent and

@@ -214,7 +214,7 @@ def foreign_entries(path: Path, kind: Kind) -> list[str]:
             p = path / name
             if name in known or _is_temp(p, known):
                 continue
-            if recognise(p) is Kind.TRITON:  # DESIGN.md's layout: BUILD/triton/
+            if recognise(p) is Kind.TRITON:  # a repository inside the build: BUILD/triton/
                 foreign += [f"{name}/{x}" for x in foreign_entries(p, Kind.TRITON)]
             else:
                 foreign.append(name)

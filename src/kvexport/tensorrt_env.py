@@ -1,5 +1,6 @@
-"""The TensorRT environment: is TensorRT really there, which CUDA GPU, the PagedAttention plugin's
-registration module, and a TensorRT logger that forwards to `logging`.
+"""The TensorRT environment: is TensorRT really there, which CUDA GPU, the registration of every
+kvexport op (the plugin registry, kvexport.plugins.REGISTRY), and a TensorRT logger that forwards
+to `logging`.
 
 Shared by the exporter (exporter/tensorrt_build.py builds engines) and the runtime
 (runtime/execution/trt_backend.py runs them), so serving never imports the exporter. Every check raises
@@ -18,15 +19,15 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError, KvExportError, TensorRTUnavailableError
 from .manifest_engines import GpuInfo
+from .plugins import REGISTRY
 
 if TYPE_CHECKING:  # typed by tensorrt-stubs; imported for real only inside functions
     import tensorrt as trt
 
 log = logging.getLogger(__name__)
 
-PLUGIN_MODULE = "kvexport.plugins.paged_attention.trt"  # exposes register() (and kernel_configs())
-# every op's TensorRT registration (PagedAttention first): a graph may hold any of them (MLA builds: PagedMLA)
-PLUGIN_MODULES = (PLUGIN_MODULE, "kvexport.plugins.paged_mla.trt")
+# every op's TensorRT registration module (each exposes register()), in registry order: a graph may hold any
+PLUGIN_MODULES = tuple(p.trt_module for p in REGISTRY)
 
 INSTALL_HINT = ('install TensorRT with `pip install "kvexport[tensorrt]"` on a machine with an NVIDIA GPU '
                 'and driver, or use the NVIDIA TensorRT container (see docker/)')
@@ -69,8 +70,8 @@ def cuda_device(device: int = 0) -> GpuInfo:
     return GpuInfo(torch.cuda.get_device_name(device), f"{major}.{minor}")
 
 
-def plugin_module(name: str = PLUGIN_MODULE) -> Any:
-    """A TensorRT registration module (default PagedAttention's; imported late: it imports tensorrt)."""
+def plugin_module(name: str) -> Any:
+    """An op's TensorRT registration module (one of PLUGIN_MODULES; imported late: it imports tensorrt)."""
     try:
         return importlib.import_module(name)
     except ModuleNotFoundError as e:
@@ -84,8 +85,8 @@ def plugin_module(name: str = PLUGIN_MODULE) -> Any:
 
 
 def register_plugins() -> None:
-    """Register every kvexport op with TensorRT (PagedAttention, PagedMLA): engine builds parse graphs that
-    hold them, and JIT plugins need the registration to deserialize."""
+    """Register every kvexport op of the plugin registry with TensorRT (PagedAttention, PagedMLA): engine
+    builds parse graphs that hold them, and JIT plugins need the registration to deserialize."""
     for name in PLUGIN_MODULES:
         plugin_module(name).register()
 

@@ -4,14 +4,12 @@ tests against that reference and a graph parity test (exporter, onnxruntime harn
 import importlib
 from pathlib import Path
 
-from kvexport import io
-from kvexport.plugins import PLUGINS
+from kvexport import io, tensorrt_env
+from kvexport.plugins import PLUGINS, REGISTRY
 
 TESTS = Path(__file__).resolve().parents[1]
-# op_type -> (test file under tests/, its graph parity test) (a new op must add one)
-PARITY_TESTS = {"PagedAttention": ("exporter/test_plugin_and_int8.py",
-                                   "test_plugin_graph_matches_transformers_and_onnx_attention"),
-                "PagedMLA": ("exporter/test_deepseek_mla.py", "test_parity_fp32")}
+# op_type -> (test file under tests/, its graph parity test), as the registry names them
+PARITY_TESTS = {p.op_type: tuple(p.parity_test.split("::")) for p in REGISTRY}
 SOURCE = Path(importlib.import_module("kvexport.plugins").__file__).parent
 
 
@@ -31,3 +29,10 @@ def test_every_registered_plugin_has_reference_kernel_tests_and_graph_parity():
         assert callable(getattr(ref, folder))  # the reference is named after the folder
         assert f"kvexport.plugins.{folder}" in kernel_tests and "reference" in kernel_tests
         assert f"def {parity_test}(" in parity_tests
+
+
+def test_every_registered_plugin_is_registered_with_tensorrt():
+    """tensorrt_env registers the registry's ops, each through its folder's trt.register()."""
+    assert tensorrt_env.PLUGIN_MODULES == tuple(f"kvexport.plugins.{p.folder}.trt" for p in REGISTRY)
+    for name in tensorrt_env.PLUGIN_MODULES:
+        assert callable(importlib.import_module(name).register)  # imports no tensorrt until called

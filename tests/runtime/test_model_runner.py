@@ -65,7 +65,7 @@ class Poisoned:
     def __init__(self, real):
         self.real, self.calls = real, 0
         self.num_blocks, self.full_block_tables, self.pads_queries = real.num_blocks, real.full_block_tables, False
-        self.attention_impl = real.attention_impl
+        self.attention_impl, self.groups = real.attention_impl, real.groups
 
     def execute(self, inp, all_tokens=False):
         self.calls += 1

@@ -101,7 +101,7 @@ def test_an_earlier_repository_is_replaced_with_force(tiny_build, tmp_path):
 
 
 def test_inside_the_build_is_fine_and_replaced_with_force(tiny_build, tmp_path):
-    """DESIGN.md's layout, BUILD/triton/; the build is then still replaceable by `build --force`."""
+    """A repository inside the build, BUILD/triton/; the build is then still replaceable by `build --force`."""
     import shutil
 
     b = tmp_path / "b"

@@ -91,7 +91,7 @@ def test_copy_build_is_self_contained(tiny_build, tmp_path):
 
 
 def test_copy_build_into_a_repository_inside_the_build(tiny_build, tmp_path):
-    """DESIGN.md's layout: build/<name>/triton/. Copying the build must skip the repository."""
+    """A repository inside the build: build/<name>/triton/. Copying the build must skip the repository."""
     import shutil
 
     build = tmp_path / "b"

@@ -1,5 +1,5 @@
 """Type-check the TensorRT glue (kvexport/tensorrt_env.py, exporter/tensorrt_build.py,
-runtime/execution/trt_backend.py, plugins/paged_attention/trt.py, plugins/paged_mla/trt.py) with mypy
+runtime/execution/trt_backend.py, plugins/common/trt.py, plugins/paged_attention/trt.py, plugins/paged_mla/trt.py) with mypy
 against the `tensorrt-stubs` type stubs: every TensorRT class, method, argument count and
 enum member the glue uses must exist with that signature in the stubs (TensorRT 10.13).
 
@@ -27,7 +27,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 MODULES = ("kvexport.tensorrt_env", "kvexport.exporter.tensorrt_build", "kvexport.runtime.execution.trt_backend",
-           "kvexport.plugins.paged_attention.trt", "kvexport.plugins.paged_mla.trt")
+           "kvexport.plugins.common.trt", "kvexport.plugins.paged_attention.trt", "kvexport.plugins.paged_mla.trt")
 
 MYPY_INI = """\
 [mypy]
@@ -69,7 +69,7 @@ def _fixed_stubs(src: Path, dst: Path) -> Path:
 def _source_tree(dst: Path) -> Path:
     """kvexport as mypy should see it: the package-dir mapping of pyproject.toml, as symlinks."""
     pkg = dst / "kvexport"
-    shutil.copytree(REPO / "kvexport", pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO / "src" / "kvexport", pkg, ignore=shutil.ignore_patterns("__pycache__"))
     for sub in ("exporter", "runtime", "plugins", "recipes"):
         os.symlink(REPO / sub, pkg / sub)
     return dst

@@ -35,8 +35,8 @@
 #include <utility>
 #include <vector>
 
+#include "../../common/cpu/paged_op.h"  // errors, metadata checks, shape inference (shared with PagedMLA)
 #include "paged_attention_int4.h"
-#include "paged_attention_shapes.h"
 #include "paged_attention_sinks.h"
 #include "paged_attention_simd.h"
 #include "../../paged_mla/cpu/paged_mla_ort.h"  // kvexport::PagedMLA, registered below
@@ -393,9 +393,11 @@ int8_t quantize(float x, float scale) {  // ONNX QuantizeLinear, zero point 0
   return static_cast<int8_t>(std::min(127.f, std::max(-128.f, q)));
 }
 
-[[noreturn]] void fail(const std::string& msg) { throw std::invalid_argument("kvexport::PagedAttention: " + msg); }
+constexpr const char* kOp = "PagedAttention";
 
-std::vector<int64_t> shape_of(const Ort::ConstValue& v) { return v.GetTensorTypeAndShapeInfo().GetShape(); }
+[[noreturn]] void fail(const std::string& msg) { kvexport_paged::fail(kOp, msg); }
+
+using kvexport_paged::shape_of;
 
 struct Kernel {
   Attrs a;
@@ -432,12 +434,7 @@ struct Kernel {
   }
 
   OrtStatusPtr ComputeV2(OrtKernelContext* context) {
-    try {
-      Compute(context);
-      return nullptr;
-    } catch (const std::exception& e) {
-      return Ort::GetApi().CreateStatus(ORT_INVALID_ARGUMENT, e.what());
-    }
+    return kvexport_paged::as_status([&] { Compute(context); });
   }
 
   void Compute(OrtKernelContext* context) {
@@ -460,8 +457,7 @@ struct Kernel {
                                                     : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
     if (pool_type != want || vc.GetTensorTypeAndShapeInfo().GetElementType() != want)
       fail("pool element type does not match kv_dtype");
-    if (bt.size() != 2 || sl.size() != 1 || bt[0] != sl[0] || ql != std::vector<int64_t>{sl[0] + 1} || sm != std::vector<int64_t>{T})
-      fail("block_tables [S, max_blocks], seq_lens [S], query_start_loc [S+1], slot_mapping [T] disagree");
+    kvexport_paged::check_index_shapes(kOp, bt, sl, ql, sm, T);
     const int64_t S = sl[0], NB = ps[1], MB = bt[1], bs = a.block_size;
     const auto kss = shape_of(ctx.GetInput(9));
     const bool per_head = kss == std::vector<int64_t>{kvH};  // builds calibrated before per-channel scales
@@ -492,19 +488,7 @@ struct Kernel {
     const int64_t* slots = ctx.GetInput(8).GetTensorData<int64_t>();
 
     // validate the step's metadata before anything is written
-    if (st.qsl[0] != 0 || st.qsl[S] != T) fail("query_start_loc must start at 0 and end at num_tokens");
-    for (int64_t s = 0; s < S; ++s) {
-      const int64_t q_len = st.qsl[s + 1] - st.qsl[s];
-      if (q_len < 0) fail("query_start_loc must be non-decreasing");
-      if (st.seq_lens[s] < q_len) fail("seq_lens[s] is smaller than the sequence's new tokens");
-      if (q_len == 0) continue;
-      if (st.seq_lens[s] > MB * bs) fail("a sequence needs more blocks than block_tables has columns");
-      const int64_t need = (st.seq_lens[s] + bs - 1) / bs;
-      for (int64_t b = 0; b < need; ++b)
-        if (st.tables[s * MB + b] < 0 || st.tables[s * MB + b] >= NB) fail("block id out of range of the pool");
-    }
-    for (int64_t t = 0; t < T; ++t)
-      if (slots[t] >= NB * bs) fail("slot_mapping points past the pool");
+    kvexport_paged::check_step(kOp, st.qsl, st.seq_lens, st.tables, slots, S, T, MB, NB, bs);
     if (a.int8)
       for (int64_t i = 0; i < kvH * D; ++i)
         if (!(st.k_scale[i] > 0.f) || !(st.v_scale[i] > 0.f)) fail("int8 scales must be > 0");
@@ -564,15 +548,18 @@ struct Kernel {
   }
 };
 
+// Output 0 has the query's type and shape, outputs 1 and 2 the pools' (float32, int8 or uint8).
+OrtStatusPtr infer_types(const OrtCustomOp*, OrtShapeInferContext* ctx) {
+  const size_t from[3] = {0, 3, 4};
+  for (size_t i = 0; i < 3; ++i)
+    if (OrtStatusPtr st = kvexport_paged::infer_like(ctx, i, from[i], "kvexport_paged_attention_dim_")) return st;
+  return nullptr;
+}
+
 struct Op : Ort::CustomOpBase<Op, Kernel, true> {
-  Op() { OrtCustomOp::InferOutputShapeFn = kvexport_shapes::infer_types; }
+  Op() { OrtCustomOp::InferOutputShapeFn = infer_types; }
   OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
-    try {
-      *kernel = new Kernel(api, info);
-      return nullptr;
-    } catch (const std::exception& e) {
-      return api.CreateStatus(ORT_INVALID_ARGUMENT, e.what());
-    }
+    return kvexport_paged::as_status([&] { *kernel = new Kernel(api, info); });
   }
   const char* GetName() const { return "PagedAttention"; }
   const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }

@@ -40,6 +40,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "../../common/cpu/paged_op.h"  // errors, metadata checks, shape inference (shared with PagedAttention)
 #include "../../paged_attention/cpu/paged_attention_simd.h"
 #include "paged_mla_ort.h"
 
@@ -341,9 +342,11 @@ void merge(Step& st, size_t first, size_t n) {
   }
 }
 
-[[noreturn]] void fail(const std::string& msg) { throw std::invalid_argument("kvexport::PagedMLA: " + msg); }
+constexpr const char* kOp = "PagedMLA";
 
-std::vector<int64_t> shape_of(const Ort::ConstValue& v) { return v.GetTensorTypeAndShapeInfo().GetShape(); }
+[[noreturn]] void fail(const std::string& msg) { kvexport_paged::fail(kOp, msg); }
+
+using kvexport_paged::shape_of;
 
 int64_t int_attr(const OrtKernelInfo* info, const char* name) {
   return Ort::ConstKernelInfo(info).GetAttribute<int64_t>(name);
@@ -372,12 +375,7 @@ struct Kernel {
   }
 
   OrtStatusPtr ComputeV2(OrtKernelContext* context) {
-    try {
-      Compute(context);
-      return nullptr;
-    } catch (const std::exception& e) {
-      return Ort::GetApi().CreateStatus(ORT_INVALID_ARGUMENT, e.what());
-    }
+    return kvexport_paged::as_status([&] { Compute(context); });
   }
 
   ONNXTensorElementDataType pool_type() const {
@@ -404,9 +402,7 @@ struct Kernel {
       fail("latent_cache must be [1, num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]");
     if (pool.GetTensorTypeAndShapeInfo().GetElementType() != pool_type())
       fail("latent_cache element type does not match kv_dtype");
-    if (bt.size() != 2 || sl.size() != 1 || bt[0] != sl[0] || ql != std::vector<int64_t>{sl[0] + 1} ||
-        sm != std::vector<int64_t>{T})
-      fail("block_tables [S, max_blocks], seq_lens [S], query_start_loc [S+1], slot_mapping [T] disagree");
+    kvexport_paged::check_index_shapes(kOp, bt, sl, ql, sm, T);
     if (ss != std::vector<int64_t>{W}) fail("kv_scale must be [kv_lora_rank + qk_rope_head_dim]");
     const int64_t S = sl[0], NB = ps[1], MB = bt[1];
 
@@ -423,19 +419,7 @@ struct Kernel {
     st.lora_pad = (L + 15) / 16 * 16;
 
     // validate the step's metadata before anything is written
-    if (st.qsl[0] != 0 || st.qsl[S] != T) fail("query_start_loc must start at 0 and end at num_tokens");
-    for (int64_t s = 0; s < S; ++s) {
-      const int64_t q_len = st.qsl[s + 1] - st.qsl[s];
-      if (q_len < 0) fail("query_start_loc must be non-decreasing");
-      if (st.seq_lens[s] < q_len) fail("seq_lens[s] is smaller than the sequence's new tokens");
-      if (q_len == 0) continue;
-      if (st.seq_lens[s] > MB * bs) fail("a sequence needs more blocks than block_tables has columns");
-      const int64_t need = (st.seq_lens[s] + bs - 1) / bs;
-      for (int64_t b = 0; b < need; ++b)
-        if (st.tables[s * MB + b] < 0 || st.tables[s * MB + b] >= NB) fail("block id out of range of the pool");
-    }
-    for (int64_t t = 0; t < T; ++t)
-      if (slots[t] >= NB * bs) fail("slot_mapping points past the pool");
+    kvexport_paged::check_step(kOp, st.qsl, st.seq_lens, st.tables, slots, S, T, MB, NB, bs);
     if (st.kv_scale)
       for (int64_t i = 0; i < W; ++i)
         if (!(scale[i] > 0.f) || std::isinf(scale[i])) fail("int8 kv_scale must be finite and > 0");
@@ -527,57 +511,14 @@ OrtStatusPtr infer_types(const OrtCustomOp*, OrtShapeInferContext* ctx) {
   int64_t lora = -1;
   size_t got = 0;
   if (OrtStatusPtr st = api.ReadOpAttr(attr, ORT_OP_ATTR_INT, &lora, sizeof lora, &got)) return st;
-  static std::atomic<uint64_t> unnamed{0};
-  const size_t from[2] = {0, 2};
-  for (size_t o = 0; o < 2; ++o) {
-    OrtTensorTypeAndShapeInfo* info = nullptr;  // owned by the context (not released here)
-    if (OrtStatusPtr st = api.ShapeInferContext_GetInputTypeShape(ctx, from[o], &info)) return st;
-    size_t rank = 0;
-    if (OrtStatusPtr st = api.GetDimensionsCount(info, &rank)) return st;
-    std::vector<int64_t> dims(rank);
-    std::vector<const char*> names(rank, nullptr);
-    if (rank) {
-      if (OrtStatusPtr st = api.GetDimensions(info, dims.data(), rank)) return st;
-      if (OrtStatusPtr st = api.GetSymbolicDimensions(info, names.data(), rank)) return st;
-    }
-    std::vector<std::string> own(rank);
-    std::vector<const char*> out_names(rank);
-    for (size_t d = 0; d < rank; ++d) {
-      out_names[d] = names[d] ? names[d] : "";
-      // NOTE: an unknown, unnamed dim written back as -1 becomes dim_value -1, which later
-      // shape inference rejects: such dims get a name of their own (as PagedAttention's).
-      if (dims[d] < 0 && out_names[d][0] == '\0') {
-        own[d] = "kvexport_paged_mla_dim_" + std::to_string(unnamed++);
-        out_names[d] = own[d].c_str();
-      }
-    }
-    if (o == 0 && rank == 3) {
-      dims[2] = lora;
-      out_names[2] = "";
-    }
-    ONNXTensorElementDataType type;
-    if (OrtStatusPtr st = api.GetTensorElementType(info, &type)) return st;
-    OrtTensorTypeAndShapeInfo* shaped = nullptr;
-    if (OrtStatusPtr st = api.CreateTensorTypeAndShapeInfo(&shaped)) return st;
-    OrtStatusPtr st = api.SetTensorElementType(shaped, type);
-    if (!st) st = api.SetDimensions(shaped, dims.data(), rank);
-    if (!st) st = api.SetSymbolicDimensions(shaped, out_names.data(), rank);
-    if (!st) st = api.ShapeInferContext_SetOutputTypeShape(ctx, o, shaped);
-    api.ReleaseTensorTypeAndShapeInfo(shaped);
-    if (st) return st;
-  }
-  return nullptr;
+  if (OrtStatusPtr st = kvexport_paged::infer_like(ctx, 0, 0, "kvexport_paged_mla_dim_", lora)) return st;
+  return kvexport_paged::infer_like(ctx, 1, 2, "kvexport_paged_mla_dim_");
 }
 
 struct Op : Ort::CustomOpBase<Op, Kernel, true> {
   Op() { OrtCustomOp::InferOutputShapeFn = infer_types; }
   OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
-    try {
-      *kernel = new Kernel(api, info);
-      return nullptr;
-    } catch (const std::exception& e) {
-      return api.CreateStatus(ORT_INVALID_ARGUMENT, e.what());
-    }
+    return kvexport_paged::as_status([&] { *kernel = new Kernel(api, info); });
   }
   const char* GetName() const { return "PagedMLA"; }
   const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
