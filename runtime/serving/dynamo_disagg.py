@@ -59,7 +59,7 @@ from ..core.block_hash import BlockHash
 from ..engine import LLMEngine
 from ..kv_connector import BlockImport, BlockRef, KVConnector
 from .dynamo_protocol import chunk, completion_usage, request_to_params
-from .dynamo_worker import DynamoWorker
+from .dynamo_worker import DynamoWorker, refusal
 from .engine_thread import Event
 from .requests import RequestError
 
@@ -116,6 +116,7 @@ class DisaggStats:
     reused_blocks: int = 0  # blocks the decode worker already held (not read)
     pull_seconds: float = 0.0  # time spent reading
     recomputed: int = 0  # decode: requests that came without usable KV (computed here)
+    mismatched: int = 0  # decode: offers of another build or transport (computed here; `misconfigured`)
 
 
 class _DisaggWorker(DynamoWorker):
@@ -126,6 +127,7 @@ class _DisaggWorker(DynamoWorker):
         self.identity = self.kv.identity  # what this engine's block bytes mean (the offer's guard)
         self.block_bytes = self.kv.block_bytes  # group -> bytes of one block
         self.transport = transport
+        self.role = role
         self.stats = DisaggStats()
         self.nixl = None
         if transport == "nixl":
@@ -149,10 +151,23 @@ class _DisaggWorker(DynamoWorker):
                             ("kvexport_disagg_reused_blocks_total", s.reused_blocks),
                             ("kvexport_disagg_pull_seconds_total", s.pull_seconds),
                             ("kvexport_disagg_recomputed_total", s.recomputed),
+                            ("kvexport_disagg_mismatched_total", s.mismatched),
+                            ("kvexport_disagg_misconfigured", int(self.not_ready_reason is not None)),
                             ("kvexport_disagg_rooms_open", self.nixl.rooms if self.nixl else 0),
                             ("kvexport_disagg_rooms_expired_total", self.nixl.expired if self.nixl else 0)):
-            lines.append(f"# TYPE {name} {'gauge' if name.endswith('_open') else 'counter'}\n{name} {value}")
+            kind = "counter" if name.endswith("_total") else "gauge"
+            lines.append(f"# TYPE {name} {kind}\n{name} {value}")
         return "\n".join(lines) + "\n"
+
+    def misconfigured(self, reason: str) -> None:
+        """The deployment is wrong (its two sides disagree), not the request: say so once in the
+        log at ERROR, and from then on report not ready (the system server's /health, which a
+        supervisor's readiness probe reads; kvexport_disagg_misconfigured 1 on /metrics)."""
+        if self.not_ready_reason is None:
+            self.not_ready_reason = reason
+            log.error("disaggregated %s worker misconfigured, reporting not ready: %s", self.role, reason)
+            if self.set_health is not None:
+                self.set_health(False)
 
     def _abort_when_stopped(self, stopped: asyncio.Future, rids: list[str], state: dict, then=None) -> None:
         """Abort the request as soon as its context stops (the client left), even if Dynamo never
@@ -170,21 +185,17 @@ class _DisaggWorker(DynamoWorker):
         stopped.add_done_callback(cb)
 
     def _parse(self, request: Any, prefill: bool):
-        E = self.errors
+        """(prompt, params, salt) of a request; raises RequestError (`generate` refuses it)."""
         if prefill and isinstance(request, dict):
             # the prompt and the first token only (Dynamo's prefill router asks for max_tokens 1 too)
             stop = dict(request.get("stop_conditions") or {})
             stop.update(max_tokens=1)
             stop.pop("min_tokens", None)
             request = {**request, "stop_conditions": stop}
-        try:
-            prompt, params = request_to_params(request, self.parser)
-            # salted as DynamoWorker.generate salts it (cache_salts.py's rule): both sides must key the
-            # prompt's blocks alike
-            salt = self.request_salt(request)
-        except RequestError as e:
-            raise E.InvalidArgument(str(e)) from None
-        return prompt, params, salt
+        prompt, params = request_to_params(request, self.parser)
+        # salted as DynamoWorker.generate salts it (cache_salts.py's rule): both sides must key the
+        # prompt's blocks alike
+        return prompt, params, self.request_salt(request)
 
 
 class PrefillWorker(_DisaggWorker):
@@ -199,11 +210,20 @@ class PrefillWorker(_DisaggWorker):
             await asyncio.sleep(0.02 if self.nixl.rooms else 0.25)
             self.nixl.poll()
 
-    async def generate(self, request: Any, context):
+    def generate(self, request: Any, context):
+        """The endpoint handler. A request the worker refuses fails at its first step with
+        InvalidArgument (a 400), one line in the log (dynamo_worker.refusal). NOTE: Dynamo calls it
+        on a thread of its own, not the event loop's: only the parse happens here."""
+        try:
+            prompt, params, salt = self._parse(request, prefill=True)
+        except RequestError as e:
+            return refusal(self.errors.InvalidArgument(str(e)), self._loop)
+        return self._prefill(prompt, params, salt, context)
+
+    async def _prefill(self, prompt: list[int], params, salt: str | None, context):
         E = self.errors
         if self.nixl is not None and self._poller is None:
             self._poller = asyncio.ensure_future(self._poll())
-        prompt, params, salt = self._parse(request, prefill=True)
         keys = self.kv.prompt_blocks(prompt, salt)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
@@ -272,15 +292,22 @@ class DecodeWorker(_DisaggWorker):
         offer = params.get(PARAMS_KEY) if isinstance(params, dict) else None
         return (offer if isinstance(offer, dict) else None), pr.get("prompt_tokens_details")
 
-    async def _receive(self, offer: dict, prompt: list[int], salt: str | None) -> list:
-        """Pull the offered blocks this engine lacks and write them into its pool; returns the
-        holds to release once the request is admitted ([] when nothing was written)."""
-        E = self.errors
+    def mismatch(self, offer: dict) -> str | None:
+        """Why this worker cannot take `offer` (the two workers are deployed inconsistently), or None."""
         if offer.get("format") != FORMAT or offer.get("identity") != self.identity \
                 or offer.get("block_size") != self.block_size:
-            raise E.InvalidArgument(
-                "the prefill worker serves another build (its KV blocks would not mean the same here): run "
-                "`kvexport dynamo --mode prefill` and `--mode decode` on the same build directory")
+            return ("the prefill worker serves another build (its KV blocks would not mean the same here): run "
+                    "`kvexport dynamo --mode prefill` and `--mode decode` on the same build directory and the "
+                    "same kvexport")
+        if "nixl" in offer and self.nixl is None:
+            return ("the prefill worker offers its KV over NIXL but this decode worker runs --kv-transfer "
+                    "request-plane: start both with the same --kv-transfer")
+        return None
+
+    async def _receive(self, offer: dict, prompt: list[int], salt: str | None) -> list:
+        """Pull the offered blocks this engine lacks and write them into its pool; returns the
+        holds to release once the request is admitted ([] when nothing was written). The offer
+        passed `mismatch`."""
         want = wanted(self.kv.prompt_blocks(prompt, salt), offer.get("blocks") or ())
         held = await on_engine(self, lambda: self.kv.held([(g, h) for g, _, h, _ in want]))
         missing = [w for w in want if (w[0], w[2]) not in held]
@@ -288,9 +315,6 @@ class DecodeWorker(_DisaggWorker):
         ranges = [(off, self.block_bytes[g]) for g, _, _, off in missing]
         t0 = asyncio.get_running_loop().time()
         if "nixl" in offer:
-            if self.nixl is None:
-                raise E.InvalidArgument("the prefill worker offered its KV over NIXL; start this decode worker "
-                                        "with --kv-transfer nixl")
             data = await asyncio.to_thread(self.nixl.pull, offer["nixl"], _merge(ranges))
         else:
             data = await asyncio.to_thread(_inline_ranges, offer.get("inline") or "", ranges)  # off the loop
@@ -303,16 +327,32 @@ class DecodeWorker(_DisaggWorker):
         self.stats.pulled_blocks += sum(len(ids) for _, ids in holds)
         return holds
 
-    async def generate(self, request: Any, context):
-        E = self.errors
-        prompt, params, salt = self._parse(request, prefill=False)
+    def generate(self, request: Any, context):
+        """The endpoint handler. A request the worker refuses fails at its first step with
+        InvalidArgument (a 400), one line in the log (dynamo_worker.refusal). An offer this worker
+        cannot take because the deployment is wrong (`mismatch`: another build, another transport)
+        is no client's fault: the prompt is computed here, the request served, and the worker says
+        once that it is misconfigured and from then on not ready (`misconfigured`). NOTE: Dynamo
+        calls it on a thread of its own, not the event loop's: only the parse happens here."""
+        try:
+            prompt, params, salt = self._parse(request, prefill=False)
+        except RequestError as e:
+            return refusal(self.errors.InvalidArgument(str(e)), self._loop)
         offer, details = self._offer(request)
+        return self._decode_stream(prompt, params, salt, offer, details, context)
+
+    async def _decode_stream(self, prompt: list[int], params, salt: str | None, offer: dict | None,
+                             details: dict | None, context):
+        E = self.errors
         holds: list = []
+        why = self.mismatch(offer) if offer is not None else None
+        if why is not None:
+            self.misconfigured(why)
+            self.stats.mismatched += 1
+            offer = None
         if offer is not None:
             try:
                 holds = await self._receive(offer, prompt, salt)
-            except E.InvalidArgument:
-                raise
             except Exception as e:  # noqa: BLE001 - a failed pull is recomputed, not failed
                 log.warning("disaggregated decode: the KV hand-off failed (%s); computing the prompt here", e)
                 self.stats.recomputed += 1

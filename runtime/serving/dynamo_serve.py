@@ -3,8 +3,10 @@
 SIGTERM/SIGINT. This module owns the process's life: importing Dynamo (and NIXL for a
 disaggregated worker) before the engine loads, registering the build as a token-input model
 (`register_model`, with the KV block size and pool the router needs, read from the engine's KV
-connector), serving the endpoint, and shutting down (the first signal lets in-flight requests
-finish, a second ends them).
+connector), serving the endpoint, its readiness (the system server's /health: ready once
+discovery lists the worker), and shutting down (the first signal lets in-flight requests
+finish, a second ends them; a worker whose discovery registration expired exits non-zero:
+`_watch_registration`).
 
 It sits above both worker modules, so neither imports the other's launcher (dynamo_disagg.py
 builds on dynamo_worker.py; nothing imports back).
@@ -19,7 +21,7 @@ import signal
 from pathlib import Path
 from typing import Callable
 
-from kvexport.errors import ConfigError
+from kvexport.errors import ConfigError, KvExportError
 
 from ..engine import LLMEngine
 from .dynamo_disagg import DecodeWorker, PrefillWorker
@@ -27,6 +29,43 @@ from .cache_salts import SaltKey
 from .dynamo_worker import DynamoWorker, DynamoWorkerOptions, import_dynamo, model_folder
 
 log = logging.getLogger(__name__)
+
+WATCH_EVERY_S = 1.0  # how often the worker checks that discovery still lists it
+LOST_AFTER_S = 3.0  # unlisted this long (after being listed): the registration is lost (`_watch_registration`)
+
+
+class RegistrationLost(KvExportError):
+    """The worker's discovery registration expired and Dynamo 1.6.1 does not renew it: the process
+    exits non-zero (2, the CLI's error status) so that its supervisor starts it again."""
+
+
+async def _watch_registration(endpoint, on_listed: Callable[[], None], on_lost: Callable[[str], None]) -> None:
+    """Call `on_listed()` when discovery first lists this worker's instance (it serves: the system
+    server's /health says ready from then on; Dynamo 1.6.1 starts it "notready", a 503, and leaves
+    it so), and `on_lost(why)` once it has been missing for LOST_AFTER_S after that.
+    NOTE: a process paused past its discovery lease (SIGSTOP, a long GC or disk stall, a throttled
+    container; file discovery's lease is about 10 s) finds its entries gone when it resumes:
+    Dynamo 1.6.1's keep-alive then fails for good (`FileStore::keep_alive failed opening owned
+    file`, every few seconds) and nothing registers the instance, the model card or the KV event
+    source again (`Endpoint.register_endpoint_instance` re-adds the instance only), so the worker
+    would sit unlisted, alive and idle, forever. Exiting is the one way back its API gives."""
+    client = await endpoint.client()
+    me = endpoint.connection_id()
+    seen, missing_since = False, None
+    while True:
+        await asyncio.sleep(WATCH_EVERY_S)
+        listed = me in client.instance_ids()
+        now = asyncio.get_running_loop().time()
+        if listed:
+            if not seen:
+                on_listed()
+            seen, missing_since = True, None
+        elif seen:
+            missing_since = now if missing_since is None else missing_since
+            if now - missing_since >= LOST_AFTER_S:
+                on_lost(f"instance {me:x} is no longer listed in discovery (its lease expired: the process was "
+                        f"paused or cut off longer than the lease) and Dynamo 1.6.1 does not register it again")
+                return
 
 
 async def _serve(build_dir: Path, engine: LLMEngine, opts: DynamoWorkerOptions,
@@ -60,6 +99,12 @@ async def _serve(build_dir: Path, engine: LLMEngine, opts: DynamoWorkerOptions,
                      timeout_s=opts.kv_transfer_timeout_s)
         needs = [[llm.WorkerType.Decode if opts.mode == "prefill" else llm.WorkerType.Prefill]]
     worker.salt_key = salt_key  # every mode takes salts by cache_salts.py's rule
+    worker.set_health = runtime.set_health_status  # a deployment found inconsistent: not ready (/health)
+
+    async def status(body: dict) -> dict:  # GET /engine/kvexport/status (system server): why not ready
+        return {"ready": worker.not_ready_reason is None, "reason": worker.not_ready_reason}
+
+    runtime.register_engine_route("kvexport/status", status)
     endpoint.metrics.register_prometheus_expfmt_callback(worker.prometheus_text)
 
     rc = llm.ModelRuntimeConfig()
@@ -76,6 +121,21 @@ async def _serve(build_dir: Path, engine: LLMEngine, opts: DynamoWorkerOptions,
         model_type = llm.ModelType.Prefill
     worker.thread.start()
     stops = 0
+    lost: list[str] = []
+
+    def on_listed() -> None:
+        if worker.not_ready_reason is None:  # a worker found misconfigured stays not ready
+            runtime.set_health_status(True)
+
+    def on_lost(why: str) -> None:
+        if stops:  # stopping on a signal: the worker left discovery itself
+            return
+        lost.append(why)
+        worker.not_ready_reason = why
+        runtime.set_health_status(False)
+        log.error("exiting so that a supervisor restarts this worker: %s", why)
+        worker.thread.stop(reason="the worker lost its discovery registration")  # in-flight streams: an error
+        runtime.shutdown()
 
     def on_signal() -> None:
         nonlocal stops
@@ -94,7 +154,13 @@ async def _serve(build_dir: Path, engine: LLMEngine, opts: DynamoWorkerOptions,
                                  runtime_config=rc, needs=needs)
         if on_ready is not None:
             on_ready(name, f"dyn://{opts.path}")
-        await endpoint.serve_endpoint(worker.generate, graceful_shutdown=True)
+        watch = asyncio.ensure_future(_watch_registration(endpoint, on_listed, on_lost))
+        try:
+            await endpoint.serve_endpoint(worker.generate, graceful_shutdown=True)
+        finally:
+            watch.cancel()
+        if lost:
+            raise RegistrationLost(f"this Dynamo worker lost its registration: {lost[0]}")
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)

@@ -184,6 +184,8 @@ class DynamoWorker:
         if kv_publisher is not None:
             self.kv.record_events()  # the full group's: Dynamo's router keys one block table per worker
         self.salt_key = salt_key  # with one, only gateway-signed salts are taken (cache_salts.py)
+        self.not_ready_reason: str | None = None  # why the worker says it is not ready (its deployment is wrong)
+        self.set_health = None  # runtime.set_health_status (dynamo_serve.py): the system server's /health
         try:  # the loop the endpoint is served on (refusal's futures); None outside one (tests)
             self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:

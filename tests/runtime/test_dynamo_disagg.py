@@ -7,8 +7,12 @@ lacks into its pool (`KVConnector.import_blocks`) and generates: greedy tokens e
 and the prompt's full blocks are prefix-cache hits there. Builds: fp32 (`onnx` attention), int8
 KV, int4 KV (codes and in-row scales), and a hybrid gemma2 build (both KV cache groups). Plus:
 a decode engine that already holds part of the prefix pulls only the rest; an offer of another
-build is not taken (the identities differ); bad --kv-transfer settings name the option."""
+build is not taken (the identities differ); bad --kv-transfer settings name the option. The
+workers' handlers without Dynamo (issue 36 §4): a refused request is one log line (a failed
+future, no traceback); a decode worker given another build's offer serves the request itself and
+says once that it is misconfigured (not ready)."""
 
+import asyncio
 import time
 
 import numpy as np
@@ -178,3 +182,71 @@ def test_the_prefill_workers_component_defaults_to_prefill():
 
     assert DynamoWorkerOptions(mode="prefill").path == "kvexport.prefill.generate"
     assert DynamoWorkerOptions(mode="decode").path == "kvexport.backend.generate"
+
+
+# ---- the workers' handlers, without Dynamo (issue 36 §4) ----------------------------------------
+class _Errors:
+    """Dynamo's exception types, as dynamo.llm.exceptions names them."""
+
+    InvalidArgument = type("InvalidArgument", (Exception,), {})
+    Unknown = type("Unknown", (Exception,), {})
+    EngineShutdown = type("EngineShutdown", (Exception,), {})
+
+
+class _Context:
+    async def async_killed_or_stopped(self):
+        await asyncio.Event().wait()  # the client stays
+
+
+def _disagg_request(prompt, offer=None, **stop):
+    req = {"token_ids": list(prompt), "stop_conditions": {"max_tokens": 6, "ignore_eos": True, **stop}}
+    if offer is not None:
+        req["prefill_result"] = {"disaggregated_params": {"kv_transfer_params": {dd.PARAMS_KEY: offer}}}
+    return req
+
+
+@pytest.mark.parametrize("cls", [dd.PrefillWorker, dd.DecodeWorker])
+def test_a_refused_request_is_one_line_without_a_traceback(builds, cls):
+    async def main():
+        worker = cls(LLMEngine(builds("fp32"), EngineConfig(**CFG)), _Errors, transport="request-plane")
+        out = []
+        for bad in ({**_disagg_request(PROMPT), "sampling_options": {"n": 2}}, _disagg_request([5] * 80)):
+            stream = await asyncio.to_thread(worker.generate, bad, _Context())  # as Dynamo calls it
+            step = type(stream).__anext__(stream)  # what Dynamo's binding awaits: a future that failed
+            assert isinstance(step, asyncio.Future) and step.done()
+            out.append(step.exception())
+        return out
+
+    errors = asyncio.run(main())
+    assert [type(e) for e in errors] == [_Errors.InvalidArgument] * 2
+    assert all(e.__traceback__ is None for e in errors)  # the log gets "InvalidArgument: <message>" only
+    assert str(errors[0]).startswith("sampling_options.n=2: ") and "context holds 64" in str(errors[1])
+
+
+def test_an_offer_of_another_build_is_served_here_and_the_worker_says_it_is_misconfigured(builds, caplog):
+    out = builds("fp32")
+    want = _run(LLMEngine(out, EngineConfig(**CFG)), PROMPT, GEN).token_ids
+    offer = {"format": dd.FORMAT, "identity": "another build", "block_size": 4, "blocks": [], "inline": ""}
+    health: list[bool] = []
+
+    async def main():
+        worker = dd.DecodeWorker(LLMEngine(out, EngineConfig(**CFG)), _Errors, transport="request-plane")
+        worker.set_health = health.append
+        worker.thread.start()
+        try:
+            got = []
+            for _ in range(2):
+                stream = await asyncio.to_thread(worker.generate, _disagg_request(PROMPT, offer), _Context())
+                got.append([t for c in [c async for c in stream] for t in c["token_ids"]])
+            return worker, got
+        finally:
+            worker.thread.stop()
+
+    with caplog.at_level("ERROR", logger=dd.__name__):
+        worker, got = asyncio.run(main())
+    assert got == [want, want]  # served (the prompt computed here), not a 400 per request
+    assert health == [False] and "serves another build" in worker.not_ready_reason
+    assert [r.levelname for r in caplog.records] == ["ERROR"]  # said once, not per request
+    assert worker.stats.mismatched == 2 and worker.stats.pulled == 0
+    text = worker.prometheus_text()
+    assert "kvexport_disagg_misconfigured 1" in text and "kvexport_disagg_mismatched_total 2" in text
