@@ -119,7 +119,7 @@ class Scheduler:
         self.shared.add(req, share_prompt_with)
         self.prompt_logprobs.add(req)
         self.requests[request_id] = req
-        need = len(prompt) + 1
+        need = len(prompt) + (1 if params.max_tokens else 0)  # NOTE: max_tokens 0 (echo) scores the prompt only
         if not prompt:
             self._finish(req, "error", "empty prompt: give at least one token")
         elif need > self.config.max_model_len:

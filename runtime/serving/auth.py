@@ -150,7 +150,8 @@ class ApiKeys:
 
 # ---- HTTP ----------------------------------------------------------------------------------
 def bearer_key(headers: list[tuple[bytes, bytes]]) -> bytes | None:
-    """The key of an `Authorization: Bearer KEY` header (scheme in any case), or None."""
+    """The key of an `Authorization: Bearer KEY` header (scheme in any case), or None (no such
+    header, or a malformed one: `authorization_sent` tells which)."""
     for name, value in headers:
         if name.lower() == b"authorization":
             scheme, _, key = value.strip().partition(b" ")
@@ -158,12 +159,23 @@ def bearer_key(headers: list[tuple[bytes, bytes]]) -> bytes | None:
     return None
 
 
-def unauthorized(key_sent: bool) -> tuple[ApiError, dict[str, str]]:
+def authorization_sent(headers: list[tuple[bytes, bytes]]) -> bool:
+    """Whether the request has an Authorization header at all (well-formed or not)."""
+    return any(name.lower() == b"authorization" for name, _ in headers)
+
+
+def unauthorized(key_sent: bool, malformed: bool = False) -> tuple[ApiError, dict[str, str]]:
     """OpenAI's 401 (type invalid_request_error, code invalid_api_key) and its WWW-Authenticate
-    header (RFC 6750). NOTE: unlike OpenAI's, the message never repeats any part of the key."""
+    header (RFC 6750): for a wrong key, a malformed Authorization header (`Bearer<TAB>KEY`,
+    `Bearer` alone, `Basic ...`) or none. NOTE: unlike OpenAI's, the message never repeats any
+    part of the header."""
     if key_sent:
         return (ApiError(401, "Incorrect API key provided. Ask this server's operator for a key.",
                          code="invalid_api_key"), {"WWW-Authenticate": 'Bearer error="invalid_token"'})
+    if malformed:
+        return (ApiError(401, "The Authorization header is malformed: send `Authorization: Bearer YOUR_KEY` (the "
+                              "word Bearer, a space, then the key; other schemes such as Basic are not taken).",
+                         code="invalid_api_key"), {"WWW-Authenticate": 'Bearer error="invalid_request"'})
     return (ApiError(401, "You didn't provide an API key. Send it in an Authorization header using Bearer auth "
                           "(Authorization: Bearer YOUR_KEY).", code="invalid_api_key"),
             {"WWW-Authenticate": "Bearer"})
@@ -185,7 +197,7 @@ class ApiKeyAuth:
         if tenant is None:
             if scope["type"] == "websocket":  # no route takes one today; refused all the same (policy violation)
                 return await send({"type": "websocket.close", "code": 1008})
-            err, headers = unauthorized(key is not None)
+            err, headers = unauthorized(key is not None, malformed=authorization_sent(scope["headers"]))
             return await JSONResponse(err.body(), status_code=401, headers=headers)(scope, receive, send)
         scope[TENANT_SCOPE_KEY] = tenant
         await self.app(scope, receive, send)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 import json
-import sys
+import re
 from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -38,35 +38,6 @@ class ApiError(Exception):
     @classmethod
     def from_request_error(cls, e: RequestError) -> "ApiError":
         return cls(400, str(e), param=e.param, code=e.code)
-
-
-# magic bytes of compressed bodies sent without (or with a wrong) Content-Encoding
-_COMPRESSED = ((b"\x1f\x8b", "gzip"), (b"\x28\xb5\x2f\xfd", "zstd"), (b"\x78\x9c", "zlib"), (b"\x78\xda", "zlib"),
-               (b"\x78\x01", "zlib"))
-
-
-def compressed_body_error(coding: str) -> ApiError:
-    """A body sent with a Content-Encoding (gzip, br, ...): 415, this server reads plain JSON only."""
-    return ApiError(415, f"Content-Encoding {coding!r}: this server does not take compressed request bodies; send "
-                         f"the JSON uncompressed (UTF-8, no Content-Encoding)", code="unsupported_content_encoding")
-
-
-def unparsed_body_reason(cause: BaseException | None) -> str:
-    """Why the JSON parser gave up on a request body (`cause`: its exception), in words."""
-    if isinstance(cause, UnicodeDecodeError):
-        raw = bytes(cause.object)
-        for magic, kind in _COMPRESSED:
-            if raw.startswith(magic):
-                return (f"the request body is {kind}-compressed; this server takes the JSON uncompressed "
-                        f"(UTF-8, no Content-Encoding)")
-        return (f"the request body is not UTF-8 text (byte {raw[cause.start:cause.start + 1]!r} at offset "
-                f"{cause.start}: latin-1 or another encoding?); send the JSON encoded as UTF-8")
-    if isinstance(cause, RecursionError):
-        return "the request body could not be parsed as JSON: it is nested too deeply"
-    if isinstance(cause, ValueError) and "digits" in str(cause):
-        return (f"the request body could not be parsed as JSON: a number with too many digits (more than "
-                f"{sys.get_int_max_str_digits()})")
-    return "the request body could not be parsed as JSON"
 
 
 # ---- request bodies -------------------------------------------------------------------------
@@ -375,8 +346,13 @@ def check_inert(body: CompletionRequest | ChatCompletionRequest) -> None:
     for name, (inert, taken) in _INERT.items():
         v = getattr(body, name, None)
         if v is not None and not inert(v, body):
-            raise ApiError(400, f"{name}: this server does not support {name}; it takes only {taken}, got "
-                                f"{json.dumps(v)[:200]}", param=name, code="unsupported_value")
+            refuse_inert(name, v)
+
+
+def refuse_inert(name: str, value: Any) -> None:
+    """ApiError 400: `value` of the unimplemented field `name` would change the result (_INERT)."""
+    raise ApiError(400, f"{name}: this server does not support {name}; it takes only {_INERT[name][1]}, got "
+                        f"{json.dumps(value)[:200]}", param=name, code="unsupported_value")
 
 
 def _several(p: Any) -> bool:
@@ -407,15 +383,20 @@ def prompts(body: CompletionRequest | ChatCompletionRequest, parser: RequestPars
         out = []
         for x, name in zip(raw, names):
             if not isinstance(x, str):  # token ids: the length first, before every id is checked
-                parser.check_length(len(x), name)
+                parser.check_length(len(x), name, outputs(body))
             out.append(parser.prompt(x, name))
     for i, ids in enumerate(out):
         parser.check_length(len(ids), "messages" if isinstance(body, ChatCompletionRequest)
-                            else "prompt" if len(out) == 1 else f"prompt[{i}]")
+                            else "prompt" if len(out) == 1 else f"prompt[{i}]", outputs(body))
     return out
 
 
-def check_fanout(body: CompletionRequest | ChatCompletionRequest, num_prompts: int, n: int, limit: int) -> None:
+def outputs(body: CompletionRequest | ChatCompletionRequest) -> int:
+    """Tokens the context must leave after a prompt: none for `echo` with max_tokens 0 (it scores the prompt)."""
+    return 0 if isinstance(body, CompletionRequest) and body.echo and body.max_tokens == 0 else 1
+
+
+def check_fanout(body: CompletionRequest | ChatCompletionRequest | None, num_prompts: int, n: int, limit: int) -> None:
     """Refuse a request for more than `limit` sequences (prompts x n): one request must not
     fill the engine's queue for minutes (EngineConfig.max_sequences_per_request)."""
     if num_prompts * n > limit:
@@ -426,6 +407,16 @@ def check_fanout(body: CompletionRequest | ChatCompletionRequest, num_prompts: i
                        code="too_many_sequences")
 
 
+def check_stops(stop: str | list | None, stop_token_ids: list | None) -> None:
+    """ApiError 400 for more (or longer) stop strings, or more stop_token_ids, than taken."""
+    stops = [stop] if isinstance(stop, str) else stop or []
+    if len(stops) > MAX_STOP_STRINGS or any(isinstance(x, str) and len(x) > MAX_STOP_CHARS for x in stops):
+        raise ApiError(400, f"stop: at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters",
+                       param="stop")
+    if stop_token_ids is not None and len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise ApiError(400, f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} token ids", param="stop_token_ids")
+
+
 def sampling_params(body: CompletionRequest | ChatCompletionRequest, parser: RequestParser,
                     prompt_len: int) -> SamplingParams:
     """The body's sampling fields -> SamplingParams (max_tokens capped by the context left
@@ -433,12 +424,7 @@ def sampling_params(body: CompletionRequest | ChatCompletionRequest, parser: Req
     the room left, as OpenAI does."""
     chat = isinstance(body, ChatCompletionRequest)
     names: dict[str, str] = {}
-    stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
-    if len(stops) > MAX_STOP_STRINGS or any(len(x) > MAX_STOP_CHARS for x in stops):
-        raise ApiError(400, f"stop: at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters",
-                       param="stop")
-    if body.stop_token_ids is not None and len(body.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        raise ApiError(400, f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} token ids", param="stop_token_ids")
+    check_stops(body.stop, body.stop_token_ids)
     if isinstance(body, ChatCompletionRequest):
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs: set logprobs to true to get top_logprobs", param="top_logprobs")
@@ -509,8 +495,11 @@ def logprobs_block(chat: bool, token_ids: list[int], logprobs: list[float] | Non
                                               for t, v in top]}
                             for s, lp, top in zip(toks, logprobs, tops)]}
     offs = list(itertools.accumulate([offset] + [len(s) for s in toks[:-1]]))
+    # NOTE: with the sampled token itself (up to k + 1 entries, as OpenAI's and vLLM's): a sampled token
+    # is not always among the k most likely
     return {"tokens": toks, "token_logprobs": logprobs, "text_offset": offs,
-            "top_logprobs": [{decode(t): v for t, v in top} for top in tops] if top_logprobs else None}
+            "top_logprobs": [{**{decode(t): v for t, v in top}, s: lp} for s, lp, top in zip(toks, logprobs, tops)]
+            if top_logprobs else None}
 
 
 def merge_logprobs(acc: dict | None, new: dict | None, chat: bool) -> dict | None:
@@ -577,9 +566,14 @@ def sse(obj: dict) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
+# an absolute file-system path (two parts at least): the server's, never shown to a client
+_PATH = re.compile(r"(?<![\w.:/])/(?:[\w.@+~-]+/)+[\w.@+~-]*")
+
+
 def engine_failure(error: str | None) -> ApiError:
     """A request the engine finished with an error: the client's fault (400) when it is
-    about the prompt, the server's (500) otherwise."""
-    msg = error or "the request failed"
+    about the prompt, the server's (500) otherwise. The server's paths (a backend's error
+    naming a graph file, the build folder) become "<server path>": the log has them."""
+    msg = _PATH.sub("<server path>", error or "the request failed")
     client = "prompt" in msg
     return ApiError(400 if client else 500, msg, type="invalid_request_error" if client else "server_error")

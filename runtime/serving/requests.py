@@ -96,7 +96,7 @@ class RequestParser:
     tokenizer: Any  # a transformers tokenizer; None for builds without one
     vocab_size: int  # token ids must be in [0, vocab_size)
     max_model_len: int  # tokens per sequence, prompt + output
-    # why prompt_logprobs are refused (a build without --all-logits: prompt_logprobs_refusal); None: served
+    # a build without --all-logits: how prompt_logprobs_refusal names it (no path: clients read it); None: served
     no_prompt_logprobs: str | None = None
     # --kv-eviction streaming: outputs go on past max_model_len, so max_tokens is neither capped nor refused by it
     unbounded_output: bool = False
@@ -104,8 +104,9 @@ class RequestParser:
 
     @classmethod
     def for_engine(cls, engine) -> "RequestParser":
+        # NOTE: "this build", not its folder: the refusal goes to HTTP clients, who never see the server's paths
         return cls(engine.tokenizer, engine.vocab_size, engine.max_model_len,
-                   None if engine.manifest.all_logits else str(engine.build_dir), engine.streaming)
+                   None if engine.manifest.all_logits else "this build", engine.streaming)
 
     # ---- prompts ----------------------------------------------------------------------
     def text(self, text: str, param: str = "prompt") -> list[int]:
@@ -144,16 +145,17 @@ class RequestParser:
         ids = ids["input_ids"] if isinstance(ids, Mapping) or hasattr(ids, "keys") else ids
         return check_token_ids(ids, self.vocab_size, param)
 
-    def check_length(self, prompt_len: int, param: str = "prompt") -> int:
-        """Refuses an empty prompt or one that leaves no room for an output token; returns
-        the room left (max_model_len - prompt_len >= 1)."""
+    def check_length(self, prompt_len: int, param: str = "prompt", outputs: int = 1) -> int:
+        """Refuses an empty prompt or one that leaves no room for `outputs` tokens (0: a prompt
+        scored only, `echo` with max_tokens 0, may fill the context); returns the room left
+        (max_model_len - prompt_len >= outputs)."""
         if prompt_len == 0:
             raise RequestError(f"{param}: the prompt is empty", param)
         room = self.max_model_len - prompt_len
-        if room < 1:
+        if room < outputs:
+            need = f"prompt + at least {outputs} output token" if outputs else "the prompt, scored only"
             raise RequestError(f"{param}: the prompt has {prompt_len} tokens but the context holds "
-                               f"{self.max_model_len} (prompt + at least 1 output token)", param,
-                               code="context_length_exceeded")
+                               f"{self.max_model_len} ({need})", param, code="context_length_exceeded")
         return room
 
     # ---- sampling ---------------------------------------------------------------------
@@ -175,9 +177,10 @@ class RequestParser:
             return aliases.get(f, f)
 
         assert set(values) <= SAMPLING_FIELDS, set(values) - SAMPLING_FIELDS
-        room = self.check_length(prompt_len)
         kw = {k: v for k, v in values.items() if v is not None}
         max_tokens = kw.pop("max_tokens", None)
+        zero_ok, note = zero_max_tokens
+        room = self.check_length(prompt_len, outputs=0 if zero_ok and max_tokens == 0 else 1)
         if max_tokens is None:
             max_tokens = default_max_tokens or room
         bad_int = isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
@@ -185,7 +188,6 @@ class RequestParser:
                                                                       else self.max_model_len)):
             raise RequestError(f"{name('max_tokens')} must be in [1, {self.max_model_len}] (this deployment's "
                                f"context), got {max_tokens!r}", name("max_tokens"))
-        zero_ok, note = zero_max_tokens
         if bad_int or max_tokens < (0 if zero_ok else 1):
             least = "0" if zero_ok else f"1{' ' + note if note else ''}"
             raise RequestError(f"{name('max_tokens')} must be an integer >= {least}, got {max_tokens!r}",

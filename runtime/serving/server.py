@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import gc
 import math
 import socket
 import time
@@ -40,7 +41,8 @@ from starlette.exceptions import HTTPException
 
 from kvexport.errors import ConfigError, KvExportError
 
-from . import auth, echo
+from . import auth, bodies, echo
+from . import openapi as oas
 from . import metrics as mx
 from . import openai_protocol as proto
 from ..core.block_hash import request_salt
@@ -89,7 +91,7 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         if (coding := headers.get(b"content-encoding", b"").strip().lower()) not in (b"", b"identity"):
-            err = proto.compressed_body_error(coding.decode("latin-1"))
+            err = bodies.compressed_body_error(coding.decode("latin-1"))
             return await JSONResponse(err.body(), status_code=err.status, headers={"Accept-Encoding": "identity"})(
                 scope, receive, send)
         size = headers.get(b"content-length", b"")
@@ -131,6 +133,8 @@ class OpenAIServer:
         self.model_name = model_name
         # sequences one request may ask for (prompts x n); EngineConfig.max_sequences_per_request
         self.max_sequences: int = engine.config.max_sequences_per_request
+        self.limits = bodies.SizeLimits(self.max_sequences, self.parser)  # checked before a body is validated
+        self.parse_lock = asyncio.Lock()  # one body parsed at a time (bodies.py: the GIL is the event loop's too)
         self.created = int(time.time())
         self.cancelled = 0  # sequences stopped because their client went away (aborted unfinished); for /metrics
         self.shutdown_deadline: float | None = None  # time.monotonic() at which running requests are ended
@@ -142,6 +146,13 @@ class OpenAIServer:
     def decode(self, token_id: int) -> str:
         tok = self.engine.tokenizer
         return str(tok.decode([token_id])) if tok is not None else str(token_id)
+
+    async def body(self, request: Request, model: type[proto.BaseModel]):
+        """The POST body as `model`: decoded, size-checked and validated in a worker thread, one body
+        at a time (bodies.py): a 1 MiB body can take a second, which /health and others must not wait for."""
+        raw = await request.body()
+        async with self.parse_lock:
+            return await asyncio.to_thread(bodies.parse, model, raw, request.headers.get("content-type"), self.limits)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -339,12 +350,16 @@ def _server(request: Request) -> OpenAIServer:
     return request.app.state.server
 
 
-async def completions(request: Request, body: CompletionRequest):
-    return await _server(request).generate(request, body)
+# NOTE: the POST routes read their raw body and parse it off the event loop (OpenAIServer.body); the
+# OpenAPI schema still describes it (openapi.py)
+async def completions(request: Request):
+    s = _server(request)
+    return await s.generate(request, await s.body(request, CompletionRequest))
 
 
-async def chat_completions(request: Request, body: ChatCompletionRequest):
-    return await _server(request).generate(request, body)
+async def chat_completions(request: Request):
+    s = _server(request)
+    return await s.generate(request, await s.body(request, ChatCompletionRequest))
 
 
 async def models(request: Request):
@@ -396,7 +411,7 @@ async def _http_error(request: Request, e: HTTPException):
     # HTTPException: in OpenAI's shape
     msg = str(e.detail)
     if e.status_code == 400 and msg == "There was an error parsing the body":
-        msg = proto.unparsed_body_reason(e.__cause__)
+        msg = bodies.unparsed_body_reason(e.__cause__)
     return JSONResponse(ApiError(e.status_code, msg, type="invalid_request_error" if e.status_code < 500
                                  else "server_error").body(), status_code=e.status_code, headers=e.headers)
 
@@ -405,47 +420,6 @@ async def _internal_error(request: Request, e: Exception):
     # the traceback goes to the server's log (Starlette re-raises it to uvicorn), never to the client
     return JSONResponse(ApiError(500, "internal server error (see the server's log)", type="server_error").body(),
                         status_code=500)
-
-
-# ---- the OpenAPI description: every status a route answers, with its body -----------------
-def _errors(*statuses: int) -> dict:
-    return {s: {"model": proto.ErrorResponse, "description": desc} for s, desc in (
-        (400, "invalid request: `param` names the field"),
-        (401, "no valid API key (a server started with --api-keys): Authorization: Bearer KEY"),
-        (404, "unknown model or route"),
-        (413, "request body too large"), (415, "compressed request body (Content-Encoding)"),
-        (499, "the client went away"),
-        (500, "the engine failed the request"), (503, "the engine has stopped or the server is shutting down"),
-    ) if s in statuses}
-
-
-# one server-sent event: `data:` a JSON chunk (or an error body), the last one `[DONE]`
-_SSE_EVENT = {"type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}
-
-
-def _generation_responses(model: type) -> dict:
-    return {200: {"model": model, "description": "the completion; with `stream: true`, server-sent events of "
-                                                 "chunks, then `data: [DONE]`",
-                  "content": {"text/event-stream": {"schema": _SSE_EVENT}}},
-            **_errors(400, 401, 404, 413, 415, 499, 500, 503)}
-
-
-def _openapi(app: FastAPI) -> Callable[[], dict]:
-    """FastAPI's schema without its 422 responses: validation errors are 400s here."""
-    from fastapi.openapi.utils import get_openapi
-
-    def openapi() -> dict:
-        if app.openapi_schema is None:
-            schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
-            for path in schema.get("paths", {}).values():
-                for op in path.values():
-                    op.get("responses", {}).pop("422", None)
-            for name in ("HTTPValidationError", "ValidationError"):
-                schema.get("components", {}).get("schemas", {}).pop(name, None)
-            app.openapi_schema = schema
-        return app.openapi_schema
-
-    return openapi
 
 
 def create_app(build_dir: str | Path, config: EngineConfig = EngineConfig(), served_model_name: str | None = None,
@@ -489,9 +463,11 @@ def build_app(server: OpenAIServer, max_body_bytes: int = MAX_BODY_BYTES,
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)
     app.add_api_route("/v1/completions", completions, methods=["POST"],
-                      responses=_generation_responses(proto.CompletionResponse))
+                      openapi_extra=oas.request_body(CompletionRequest),
+                      responses=oas.generation_responses(proto.CompletionResponse))
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"],
-                      responses=_generation_responses(proto.ChatCompletionResponse))
+                      openapi_extra=oas.request_body(ChatCompletionRequest),
+                      responses=oas.generation_responses(proto.ChatCompletionResponse))
     app.add_api_route("/v1/models", models, methods=["GET"], responses={200: {"model": proto.ModelList}})
     app.add_api_route("/health", health, methods=["GET"],
                       responses={200: {"model": proto.Health}, 503: {"model": proto.Health,
@@ -499,7 +475,7 @@ def build_app(server: OpenAIServer, max_body_bytes: int = MAX_BODY_BYTES,
     app.add_api_route("/metrics", metrics, methods=["GET"], response_class=PlainTextResponse,
                       responses={200: {"description": "Prometheus text format",
                                        "content": {"text/plain": {"schema": {"type": "string"}}}}})
-    app.openapi = _openapi(app)  # type: ignore[method-assign]
+    app.openapi = oas.schema_of(app)  # type: ignore[method-assign]
     return app
 
 
@@ -558,6 +534,9 @@ def serve(build_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, conf
     sock = listen(host, port)
     try:
         app = create_app(build_dir, config, served_model_name, max_body_bytes, api_keys, salt_key)
+        # NOTE: what loading left (torch, transformers, the graphs: ~10^6 objects) is never garbage; frozen, the
+        # collector no longer walks it, which took the GIL for 0.5 s whenever a big request triggered a full collection
+        gc.freeze()
         bound = sock.getsockname()[1]
         url = f"http://{f'[{host}]' if ':' in host else host}:{bound}"
         # uvicorn's own limit is a backstop: our requests end at the grace, polled every DISCONNECT_POLL_S
