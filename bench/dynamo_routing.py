@@ -13,7 +13,7 @@ queries_total from their /metrics), TTFT p50/p90 and the end-to-end time.
 
     .venv/bin/python bench/dynamo_routing.py --json bench/results/dynamo_routing.json   # --concurrency 2: _c2
 
-`local_cluster` is also what tests/runtime/test_dynamo_worker.py starts its cluster with.
+`local_cluster` is also what tests/runtime/serving/test_dynamo_worker.py starts its cluster with.
 """
 
 from __future__ import annotations

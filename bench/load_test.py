@@ -12,7 +12,7 @@ throughput as JSON (stdout and --json), with the date, the machine and its load 
 
 Bounded: every request has a timeout, the whole run a deadline, and the server is
 stopped (process group) however the run ends. `run_load` and `served` are imported by
-tests/runtime/test_server_load.py for a small version of the same check.
+tests/runtime/serving/test_server_load.py for a small version of the same check.
 """
 
 from __future__ import annotations

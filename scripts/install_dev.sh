@@ -10,7 +10,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # TensorRT type stubs for the type-check of the TensorRT glue (tests/tensorrt). Kept out of
 # site-packages: installed there they make `import tensorrt` succeed as an empty package.
 pip install -q --no-deps --target .venv/tensorrt-stubs tensorrt-stubs==10.13.0.35.1
-# NVIDIA Dynamo (`kvexport dynamo`, tests/runtime/test_dynamo_*.py): the test extra pulled the `dynamo`
+# NVIDIA Dynamo (`kvexport dynamo`, tests/runtime/serving/test_dynamo_*.py): the test extra pulled the `dynamo`
 # extra (ai-dynamo-runtime + ai-dynamo's other requirements + nixl-cu12, the disaggregated workers' KV
 # transfer); ai-dynamo itself goes in without its
 # requirements, since it requires `aisimulate`, a placeholder package whose download host is unreachable

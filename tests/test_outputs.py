@@ -1,7 +1,7 @@
 """kvexport/outputs.py: what --force may replace, the temporary folders and their cleanup,
 signals during a swap, permissions. Fake outputs here (a kvexport.json or a Triton marker is
 all the rule reads); real builds and repositories: tests/exporter/test_build_safety.py and
-tests/runtime/test_triton_repo_safety.py."""
+tests/runtime/serving/test_triton_repo_safety.py."""
 
 import json
 import os

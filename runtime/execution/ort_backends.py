@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 
 ORT_KINDS = ("auto", "onnx", "native", "reference")
 # Which sessions a build opens, each with the rewrites it derives (runtime/execution/session_plan.py,
-# where the whole table is; tests/runtime/test_session_plan.py). Measured on smollm2-135m:
+# where the whole table is; tests/runtime/execution/test_session_plan.py). Measured on smollm2-135m:
 #   MatMulNBits accuracy level (ACCURACY_LEVELS: "int8" = 4, int8 activations per block of K;
 #       "float" = 0): int4 perplexity 55.64 at level 4 vs 54.617 at 0 (= the Q4_1 source); decode
 #       ~14x slower with float (its int8 LM head dequantizes in full each step). Level 4 is ~2.3x
@@ -271,7 +271,7 @@ class _OrtBackend:
         QDQ fusion and folds o_proj / down_proj (each followed by the residual Add) into a Gemm
         fed by a DequantizeLinear, which then dequantizes the whole weight on every call. With
         it, 60 of smollm2's 121 int8 matmuls and 48 of Qwen2.5-0.5B's 97 int4 ones stayed
-        unfused; without it all become MatMulNBits (tests/runtime/test_ort_backends.py)."""
+        unfused; without it all become MatMulNBits (tests/runtime/execution/test_ort_backends.py)."""
         return ["MatMulAddFusion"] if self.manifest.weights.precision in ("int8", "int4") else []
 
     def _cpu_model(self, path: Path, plan: SessionPlan, store: dict | None = None) -> str | onnx.ModelProto:

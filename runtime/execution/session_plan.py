@@ -1,7 +1,7 @@
 """Which onnxruntime sessions a build's weights open, and what each one derives from the stored
 graph: one pure function of the manifest (`weights.quantization`, `dtype`) and the runtime's
 `weight_matmul_accuracy` (runtime/config.py). ort_backends.py opens what it says;
-tests/runtime/test_session_plan.py holds the whole table; `kvexport inspect` and the manifest's
+tests/runtime/execution/test_session_plan.py holds the whole table; `kvexport inspect` and the manifest's
 `weights.quantization.serving` describe it in words.
 
     plan_sessions(quant, dtype, accuracy) ─> (SessionPlan(steps 1 .. L-1), SessionPlan(steps L ..))

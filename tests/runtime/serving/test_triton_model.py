@@ -3,7 +3,7 @@ with a stand-in for `triton_python_backend_utils` (it exists only inside Triton'
 step that hangs (injected: the engine's step blocks on an event) must not hold `finalize`
 past the engine thread's STOP_WAIT_S; every open request gets exactly one FINAL response,
 an error; and the file named by KVEXPORT_SHUTDOWN_FILE ends open requests and refuses new
-ones. The real server's SIGTERM path is tests/runtime/test_triton_serve.py."""
+ones. The real server's SIGTERM path is tests/runtime/serving/test_triton_serve.py."""
 
 import json
 import sys

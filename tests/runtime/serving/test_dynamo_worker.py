@@ -36,7 +36,7 @@ httpx = pytest.importorskip("httpx")
 
 NS = "kvxtest"
 MODEL = "tiny"
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "dynamo_routing.py"
+SCRIPT = Path(__file__).resolve().parents[3] / "bench" / "dynamo_routing.py"
 
 
 def _bench():

@@ -25,7 +25,7 @@ pytest.importorskip("dynamo.llm", reason="the dynamo extra is not installed (scr
 httpx = pytest.importorskip("httpx")
 
 MODEL = "tiny"
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "dynamo_routing.py"
+SCRIPT = Path(__file__).resolve().parents[3] / "bench" / "dynamo_routing.py"
 
 
 def _bench():

@@ -2,7 +2,7 @@
 salt (fields that disagree are refused), a salt is a non-empty string, and with a salt key only a
 salt the gateway signed is taken (none, unsigned, forged, another key's: refused, the salt never
 repeated). The key file's mistakes name the file and the line, never the key. The Dynamo worker's
-and the Triton model's use of it: tests/runtime/test_dynamo_protocol.py, test_tenants.py; end to
+and the Triton model's use of it: tests/runtime/serving/test_dynamo_protocol.py, test_tenants.py; end to
 end through `kvexport serve` and a real Dynamo frontend: test_tenants.py, test_dynamo_salts.py."""
 
 import hashlib

@@ -25,7 +25,7 @@ from kvexport.runtime.serving.cache_salts import SaltKey  # noqa: E402
 
 MODEL = "tiny"
 SALT_KEY = "salt-key-of-the-gateway-and-workers-0001"
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "dynamo_routing.py"
+SCRIPT = Path(__file__).resolve().parents[3] / "bench" / "dynamo_routing.py"
 BLOCK = 16
 
 

@@ -23,7 +23,7 @@ from kvexport.runtime.serving.triton_model import INPUTS, MAX_TEXT_BYTES, Reques
 from kvexport.runtime.serving.triton_repo import TritonRepoOptions, write_repository
 
 HOST = "127.0.0.1"
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 TRITON_ENV = Path(os.environ.get("KVEXPORT_TRITON_ENV", REPO_ROOT / ".venv-triton"))
 I64 = lambda *v: np.array(v, np.int64)  # noqa: E731
 

@@ -26,7 +26,7 @@ except Exception as e:  # noqa: BLE001 - ConfigError: nixl is not installed
     pytest.skip(str(e), allow_module_level=True)
 
 MODEL = "tiny"
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "dynamo_routing.py"
+SCRIPT = Path(__file__).resolve().parents[3] / "bench" / "dynamo_routing.py"
 PROMPTS = [[100 + i for i in range(40)],  # 2 full blocks of 16 handed over, 8 tokens computed on decode
            [7, 7, 8, 9, 30000, 12, 5],  # shorter than a block: decode computes it all
            [200 + (i * 37) % 3000 for i in range(33)]]  # 2 blocks + 1 token

@@ -31,7 +31,7 @@ from kvexport.runtime.serving.triton_repo import (TritonRepoOptions, check_repos
                                                   write_repository)
 
 HOST = "127.0.0.1"
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 TRITON_ENV = Path(os.environ.get("KVEXPORT_TRITON_ENV", REPO_ROOT / ".venv-triton"))
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "List three colors:"]
 TINY_PROMPTS = [[1, 5, 9, 3], [7, 7, 2, 11, 40, 41, 42], [100, 3]]

@@ -27,7 +27,7 @@ from kvexport.runtime.serving.triton_local import TritonNotFoundError, locate
 from kvexport.runtime.serving.triton_repo import TritonRepoOptions, write_repository
 
 HOST = "127.0.0.1"
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 TRITON_ENV = Path(os.environ.get("KVEXPORT_TRITON_ENV", REPO_ROOT / ".venv-triton"))
 
 

@@ -255,7 +255,7 @@ def test_behind_a_gateway_no_salt_a_client_sends_reaches_another_salts_blocks(lo
 def test_triton_model_takes_only_signed_salts_with_the_key_in_its_environment(chat_build, tmp_path, free_ports):
     """`kvexport triton-serve` with $KVEXPORT_CACHE_SALT_KEY (the real tritonserver; its model
     stubs inherit the variable): unsigned and missing salts are refused by name, a signed one is served."""
-    env_dir = Path(os.environ.get("KVEXPORT_TRITON_ENV", Path(__file__).resolve().parents[2] / ".venv-triton"))
+    env_dir = Path(os.environ.get("KVEXPORT_TRITON_ENV", Path(__file__).resolve().parents[3] / ".venv-triton"))
     if not (env_dir / "bin" / "python3").exists():
         pytest.skip(f"no Triton execution environment at {env_dir}: run scripts/install.sh --dev")
     write_repository(chat_build, tmp_path / "repo", TritonRepoOptions(

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "load_test.py"
+SCRIPT = Path(__file__).resolve().parents[3] / "bench" / "load_test.py"
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ from pathlib import Path
 from kvexport.runtime.serving import metrics as mx
 from kvexport.runtime.serving.engine_thread import Counters
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "DEPLOYMENT.md"
+DOC = Path(__file__).resolve().parents[3] / "docs" / "DEPLOYMENT.md"
 
 
 def counters() -> Counters:
