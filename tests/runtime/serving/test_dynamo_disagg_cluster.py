@@ -10,7 +10,6 @@ was taken (no room left open, none expired).
 
 Skipped, saying why, where the `dynamo` extra (ai-dynamo, nixl) is not installed."""
 
-import importlib.util
 import shutil
 from pathlib import Path
 
@@ -26,17 +25,16 @@ except Exception as e:  # noqa: BLE001 - ConfigError: nixl is not installed
     pytest.skip(str(e), allow_module_level=True)
 
 MODEL = "tiny"
-SCRIPT = Path(__file__).resolve().parents[3] / "bench" / "dynamo_routing.py"
+from testkit.bench import script as bench_script  # noqa: E402
+
 PROMPTS = [[100 + i for i in range(40)],  # 2 full blocks of 16 handed over, 8 tokens computed on decode
            [7, 7, 8, 9, 30000, 12, 5],  # shorter than a block: decode computes it all
            [200 + (i * 37) % 3000 for i in range(33)]]  # 2 blocks + 1 token
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("kvexport_bench_dynamo_routing", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """bench/dynamo_routing.py, whose `local_cluster` starts the frontend and the workers."""
+    return bench_script("dynamo_routing")
 
 
 @pytest.fixture(scope="module")

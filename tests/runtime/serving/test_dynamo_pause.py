@@ -11,7 +11,6 @@ empty cache (the frontend's router dropped the old instance and its blocks). A l
 
 Skipped, saying why, where the `dynamo` extra is not installed (scripts/install_dev.sh)."""
 
-import importlib.util
 import json
 import os
 import signal
@@ -25,14 +24,13 @@ pytest.importorskip("dynamo.llm", reason="the dynamo extra is not installed (scr
 httpx = pytest.importorskip("httpx")
 
 MODEL = "tiny"
-SCRIPT = Path(__file__).resolve().parents[3] / "bench" / "dynamo_routing.py"
+from testkit.bench import script as bench_script  # noqa: E402
+
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("kvexport_bench_dynamo_routing", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """bench/dynamo_routing.py, whose `local_cluster` starts the frontend and the workers."""
+    return bench_script("dynamo_routing")
 
 
 @pytest.fixture(scope="module")

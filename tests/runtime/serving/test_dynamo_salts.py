@@ -10,7 +10,6 @@ worker's log, never a traceback; the worker's KV events carry no salt in clear.
 
 Skipped, saying why, where the `dynamo` extra is not installed (CI installs it)."""
 
-import importlib.util
 import json
 import time
 from pathlib import Path
@@ -25,15 +24,14 @@ from kvexport.runtime.serving.cache_salts import SaltKey  # noqa: E402
 
 MODEL = "tiny"
 SALT_KEY = "salt-key-of-the-gateway-and-workers-0001"
-SCRIPT = Path(__file__).resolve().parents[3] / "bench" / "dynamo_routing.py"
+from testkit.bench import script as bench_script  # noqa: E402
+
 BLOCK = 16
 
 
 @pytest.fixture(scope="module")
 def cluster(chat_build, tmp_path_factory):
-    spec = importlib.util.spec_from_file_location("kvexport_bench_dynamo_routing", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = bench_script("dynamo_routing")
     tmp = tmp_path_factory.mktemp("dynamo-salts")
     keyfile = tmp / "salt.key"
     keyfile.write_text(SALT_KEY + "\n")

@@ -20,7 +20,6 @@ Skipped, saying why, where the `dynamo` extra is not installed (CI installs it:
 scripts/install_dev.sh)."""
 
 import asyncio
-import importlib.util
 import json
 import os
 import signal
@@ -36,15 +35,13 @@ httpx = pytest.importorskip("httpx")
 
 NS = "kvxtest"
 MODEL = "tiny"
-SCRIPT = Path(__file__).resolve().parents[3] / "bench" / "dynamo_routing.py"
+from testkit.bench import script as bench_script  # noqa: E402
+
 
 
 def _bench():
     """bench/dynamo_routing.py, whose `local_cluster` starts the frontend and the workers."""
-    spec = importlib.util.spec_from_file_location("kvexport_bench_dynamo_routing", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return bench_script("dynamo_routing")
 
 
 @pytest.fixture(scope="module")

@@ -2,20 +2,17 @@
 `kvexport serve` (smollm2-135m, 127.0.0.1); none lost, none duplicated, each one a
 complete completion."""
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[3] / "bench" / "load_test.py"
+from testkit.bench import script as bench_script  # noqa: E402
+
 
 
 @pytest.fixture(scope="module")
 def load_test():
-    spec = importlib.util.spec_from_file_location("kvexport_bench_load_test", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return bench_script("load_test")
 
 
 @pytest.mark.slow
