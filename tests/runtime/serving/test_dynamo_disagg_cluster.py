@@ -11,7 +11,6 @@ was taken (no room left open, none expired).
 Skipped, saying why, where the `dynamo` extra (ai-dynamo, nixl) is not installed."""
 
 import shutil
-from pathlib import Path
 
 import pytest
 

@@ -2,7 +2,6 @@
 `kvexport serve` (smollm2-135m, 127.0.0.1); none lost, none duplicated, each one a
 complete completion."""
 
-from pathlib import Path
 
 import pytest
 
