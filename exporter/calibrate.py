@@ -66,11 +66,12 @@ from kvexport import manifest as mf
 from kvexport.errors import ConfigError, KvExportError, ValidationError
 from kvexport.outputs import new_temp_file, rewrite_dir
 
-from .limits import RANGES
+from .options import range_of
+from .progress import quiet_step
 
 log = logging.getLogger(__name__)
 
-QMAX = 127.0
+QMAX = io.KV_INT8_QMAX
 SCHEME = "static-per-channel-symmetric"
 PER_HEAD_SCHEME = "static-per-head-symmetric"  # builds made before per-channel scales
 # a manifest note of a build whose scales `kvexport calibrate --no-validate` wrote (its validation: None)
@@ -349,13 +350,12 @@ def calibrate(build_dir: str | Path, text: str | Path | None = None, tokens: int
     silently replaced by the recorded one), rewrite them into the graphs, re-validate, and
     update the manifest. `progress` wraps each stage, as build()'s. Returns the new manifest."""
     from . import source
-    from .build import _quiet_step
     from .spec import ModelSpec
     from .validate import fit_prompts, prompt_ids, verdicts
     from .validate import validate as run_validation
 
-    progress = progress or _quiet_step
-    lo, hi = RANGES["calibration_tokens"]
+    progress = progress or quiet_step
+    lo, hi = range_of("calibration_tokens")
     if isinstance(tokens, bool) or not isinstance(tokens, int) or not lo <= tokens <= hi:
         raise ConfigError(f"--tokens must be an integer in {lo}..{hi}, got {tokens!r}")
     build_dir = Path(build_dir)

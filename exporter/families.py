@@ -12,6 +12,7 @@ import numpy as np
 
 from kvexport.errors import ConfigError, UnsupportedModelError
 
+from . import mla
 from .moe import ExpertWeights, MoEFields, mlp_weights, read_moe
 from .spec import MLASpec, ModelSpec, RopeSpec
 
@@ -202,8 +203,6 @@ def deepseek_weights(sd: dict, spec: ModelSpec) -> ModelWeights:
     """DeepSeek-V2/V3 checkpoints: MLA attention (exporter/mla.py read_weights), llama-style
     norms, dense MLPs on the first first_k_dense_replace layers and routed + shared experts
     after (exporter/moe.py mlp_weights)."""
-    from . import mla
-
     layers = []
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."

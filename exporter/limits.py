@@ -1,26 +1,14 @@
-"""The values build options may take: one definition, light to import (no torch), checked by
-exporter/build.py `BuildOptions`, and used by the CLI's options (click choices and ranges) and
-the recipe schema (recipes/__init__.py).
-
-NOTE: max_seq_len sizes the RoPE tables stored in the graphs (2 x tokens x head_dim float32)
-and calibration_tokens the calibration run, so both are capped far above any real use but
-below an allocation failure.
-"""
+"""The value sets build options choose from, and the default weight form per precision: light to
+import (no torch), named by the `BuildOptions` fields (exporter/options.py, where each option's
+range and help live) and by the code that makes each form (exporter/quantize.py, plan.py)."""
 
 from __future__ import annotations
 
 from kvexport import io
 
-# inclusive ranges of the numeric options
-RANGES: dict[str, tuple[int, int]] = {
-    "block_size": (1, 1024),  # tokens per KV block
-    "max_seq_len": (2, 1 << 18),  # tokens
-    "calibration_tokens": (16, 1 << 20),  # tokens
-    "validate_steps": (1, 1024),  # decode steps
-}
 DTYPES = (io.DType.FP32, io.DType.FP16)  # weights/activations
 KV_DTYPES = (io.DType.FP32, io.DType.FP16, io.DType.INT8, io.DType.INT4)  # int4: docs/QUANTIZATION.md "int4 KV"
-BACKENDS = ("onnxruntime", "tensorrt")  # the runtime's --backend names ("onnx": the old name of onnxruntime)
+BACKENDS = io.BACKENDS  # the runtime's --backend names ("onnx": the old name of onnxruntime, options.py)
 # matmul weights (exporter/quantize.py): --weights, --weight-block-size (rows of K per scale), --quant-method
 WEIGHT_PRECISIONS = ("fp32", "fp16", "int8", "int4")
 WEIGHT_BLOCK_SIZES = (0, 32, 64, 128)  # 0: one scale per output channel (CLI `channel`)

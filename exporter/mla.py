@@ -31,7 +31,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvexport import io
+from kvexport.errors import ConfigError
 
+from .attention import from_kv, to_kv
+from .limits import CALIBRATED_METHODS
 from .onnx_builder import GraphBuilder
 from .spec import ModelSpec
 
@@ -190,8 +193,6 @@ def paged_attention(b: GraphBuilder, spec: ModelSpec, layer: int, ctx, query: st
         one softmax over both; out = p · row[:L]  ->  [T, H, L], new_latent [T, 1, W] in kv_dtype
     int8: rows are QuantizeLinear(x / scale) codes, read back as code * scale (`scale` [W])
     """
-    from .attention import from_kv, to_kv
-
     if kv_dtype not in ("float32", "float16", "bfloat16", "int8"):
         raise ValueError(f"MLA onnx attention: kv dtype {kv_dtype} not implemented")
     m = spec.mla
@@ -247,19 +248,13 @@ def plugin_attention(b: GraphBuilder, spec: ModelSpec, layer: int, query: str, l
     return out, pool
 
 
-def check_build(spec: ModelSpec, layout: io.KVLayout, kv_dtype: io.DType, weights) -> None:
+def check_build(spec: ModelSpec, layout: io.KVLayout, weights) -> None:
     """Refuse (ConfigError naming the option) what MLA builds do not implement; `weights`: the
-    build's exporter/quantize.py WeightQuantization."""
-    from kvexport.errors import ConfigError
-
-    from .limits import CALIBRATED_METHODS
-
+    build's exporter/quantize.py WeightQuantization. (Its KV dtypes: the latent entries of
+    exporter/kv_forms.py KV_FORMS.)"""
     if layout is not io.KVLayout.PAGED:
         raise ConfigError(f"--layout {layout.value} is not implemented for multi-head latent attention "
                           f"({spec.family}): its KV cache is a latent pool; use --layout paged")
-    if kv_dtype not in (io.DType.FP32, io.DType.FP16, io.DType.BF16, io.DType.INT8):
-        raise ConfigError(f"--kv-dtype {kv_dtype.value} is not implemented for multi-head latent attention "
-                          f"({spec.family}); use --kv-dtype fp32, fp16, bf16 or int8")
     if weights.quantized and weights.method in CALIBRATED_METHODS:
         # NOTE: awq.py captures and folds scales into llama-style modules (q_proj reading the input
         # norm, gate_proj, down_proj); MLA's q_a / kv_a projections and the experts are not covered
@@ -278,8 +273,6 @@ def calibrate_latent(model, ids: list[int], spec: ModelSpec, chunk: int = 512) -
     order. One sequence in chunks that continue the cache (the RoPE key's range moves with position)."""
     import torch
 
-    from .calibrate import QMAX
-
     m = spec.mla
     half = m.qk_rope_head_dim // 2
     absmax, cache = None, None
@@ -295,7 +288,7 @@ def calibrate_latent(model, ids: list[int], spec: ModelSpec, chunk: int = 512) -
                 rows.append(np.concatenate([c, pair, pair]))
             cur = np.stack(rows)
             absmax = cur if absmax is None else np.maximum(absmax, cur)
-    return np.maximum(absmax / QMAX, 1e-8).astype(np.float32)
+    return np.maximum(absmax / io.KV_INT8_QMAX, 1e-8).astype(np.float32)
 
 
 def _v3_order(model) -> bool:
@@ -308,9 +301,7 @@ def quantization_entry(scales: np.ndarray, text: str, ids: list[int]) -> dict:
     """The manifest's kv.quantization record of an int8 MLA build: scales [layers][L + R]."""
     import hashlib
 
-    from .calibrate import QMAX
-
-    return {"scheme": "static-per-channel-symmetric-latent", "qmax": QMAX,
+    return {"scheme": "static-per-channel-symmetric-latent", "qmax": io.KV_INT8_QMAX,
             "calibration": {"text": text, "tokens": len(ids),
                             "ids_sha256": hashlib.sha256(np.asarray(ids, np.int64).tobytes()).hexdigest()},
             "scales": scales.tolist()}

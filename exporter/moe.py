@@ -34,19 +34,19 @@ Each expert's matrices are their own initializers (model.layers.{i}.mlp.experts.
 so onnxruntime pre-packs them and a quantized build's DequantizeLinear ─> MatMul pairs fuse as for
 dense layers. "dense" (every expert on every token, weights 0 where not routed) is kept for
 measurement (bench/moe_speed.py) and for engines that want static shapes.
+
+The subgraph functions take `g`, the exporter/graph.py DecoderGraph being built (graph.py imports
+this module, so it is not imported here).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from kvexport.errors import ConfigError, UnsupportedModelError
-
-if TYPE_CHECKING:  # graph.py imports this module
-    from .graph import DecoderGraph
 
 SCORINGS = ("softmax", "sigmoid", "topk_softmax")
 GROUP_SCORES = ("max", "top2")  # deepseek_v2 group_limited_greedy, deepseek_v3 noaux_tc
@@ -312,7 +312,7 @@ def expert_name(layer: int, expert: int, which: str, part: str = "weight") -> st
 
 
 # ---- the graph ----------------------------------------------------------------------------
-def moe_block(g: "DecoderGraph", x: str, layer: int, ew: ExpertWeights, form: str = "grouped") -> str:
+def moe_block(g, x: str, layer: int, ew: ExpertWeights, form: str = "grouped") -> str:
     """The routed experts of `layer` on x [.., H] (activation dtype) -> [.., H]; the shared expert
     is the caller's dense MLP (graph.py adds both)."""
     b, moe = g.b, g.spec.moe
@@ -328,7 +328,7 @@ def moe_block(g: "DecoderGraph", x: str, layer: int, ew: ExpertWeights, form: st
     return b.op("Reshape", y, shape)
 
 
-def route(g: "DecoderGraph", x2: str, layer: int, ew: ExpertWeights) -> tuple[str, str]:
+def route(g, x2: str, layer: int, ew: ExpertWeights) -> tuple[str, str]:
     """x [N, H] -> (weights [N, k] float32, experts [N, k] int64), float32 as transformers routes."""
     b, moe = g.b, g.spec.moe
     p = f"model.layers.{layer}.mlp.router."
@@ -368,7 +368,7 @@ def route(g: "DecoderGraph", x2: str, layer: int, ew: ExpertWeights) -> tuple[st
     return vals, idx
 
 
-def _group_mask(g: "DecoderGraph", group_scores: str) -> str:
+def _group_mask(g, group_scores: str) -> str:
     """group scores [N, G] -> bool [N, E]: the expert's group is among the topk_group best."""
     b, moe = g.b, g.spec.moe
     gidx = b.op("TopK", group_scores, b.const([moe.topk_group]), axis=-1, outputs=2)[1]  # [N, tg]
@@ -379,13 +379,13 @@ def _group_mask(g: "DecoderGraph", group_scores: str) -> str:
     return b.op("Greater", b.op("Gather", chosen, b.const(of_expert), axis=1), b.const(0.5, "float32"))
 
 
-def _zeros(g: "DecoderGraph", shape: str, dtype: str, value: float = 0.0) -> str:
+def _zeros(g, shape: str, dtype: str, value: float = 0.0) -> str:
     from onnx import numpy_helper
 
     return g.b.op("ConstantOfShape", shape, value=numpy_helper.from_array(np.array([value], dtype)))
 
 
-def _expert(g: "DecoderGraph", x: str, layer: int, e: int, ew: ExpertWeights) -> str:
+def _expert(g, x: str, layer: int, e: int, ew: ExpertWeights) -> str:
     """One expert's MLP on its rows x [n, H] -> [n, H] (activation dtype)."""
     b, moe = g.b, g.spec.moe
     up = g.linear(x, g._mat(expert_name(layer, e, "up"), ew.up_w[e]),
@@ -397,7 +397,7 @@ def _expert(g: "DecoderGraph", x: str, layer: int, e: int, ew: ExpertWeights) ->
                     g._mat(expert_name(layer, e, "down", "bias"), None if ew.down_b is None else ew.down_b[e]))
 
 
-def _glu(g: "DecoderGraph", gate: str, up: str) -> str:
+def _glu(g, gate: str, up: str) -> str:
     b, moe = g.b, g.spec.moe
     if moe.expert_activation == "swiglu":
         return b.op("Mul", g.activation(gate), up)
@@ -408,7 +408,7 @@ def _glu(g: "DecoderGraph", gate: str, up: str) -> str:
     return b.op("Mul", b.op("Add", up, c(1.0)), glu)
 
 
-def _grouped_experts(g: "DecoderGraph", x2: str, layer: int, ew: ExpertWeights, weights: str, idx: str) -> str:
+def _grouped_experts(g, x2: str, layer: int, ew: ExpertWeights, weights: str, idx: str) -> str:
     """Each expert on the rows routed to it (see the module docstring's diagram).
     NOTE: 9 nodes per expert (a decode step's cost is mostly per node on the CPU): the rows are
     gathered from x repeated k times ([N*k, H], so a row index is also the token's), NonZero's
@@ -439,7 +439,7 @@ def _grouped_experts(g: "DecoderGraph", x2: str, layer: int, ew: ExpertWeights, 
     return b.op("ReduceSum", b.op("Reshape", out, b.const([-1, k, hid])), b.const([1]), keepdims=0)
 
 
-def _dense_experts(g: "DecoderGraph", x2: str, layer: int, ew: ExpertWeights, weights: str, idx: str) -> str:
+def _dense_experts(g, x2: str, layer: int, ew: ExpertWeights, weights: str, idx: str) -> str:
     """Every expert on every row, weighted by its routing weight (0 where not routed):
     x [N, H] @ up [E, H, 2I] -> [E, N, 2I] -> glu -> @ down [E, I, H] -> [E, N, H] -> Σ_E w."""
     b, moe = g.b, g.spec.moe

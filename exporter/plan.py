@@ -45,8 +45,9 @@ from kvexport.runtime.config import EngineConfig
 from kvexport.runtime.core.hybrid_kv_cache_manager import local_blocks_needed
 from kvexport.runtime.core.memory import PoolSizes, kv_pool_sizes, parse_budget
 
-from . import source
-from .limits import KV_DTYPES, RANGES, WEIGHT_PRECISIONS
+from . import kv_forms, source
+from .limits import KV_DTYPES, WEIGHT_PRECISIONS
+from .options import range_of
 from .plan_weights import WeightsEstimate, weights_estimate
 from .spec import ModelSpec
 
@@ -290,7 +291,7 @@ def plan(model: str, memory: str | int | None = None, *, weights: str | None = N
     engine (None: the build's / 16, EngineConfig's). Raises KvExportError subclasses naming the
     option or field."""
     engine = EngineConfig()
-    lo_bs, hi_bs = RANGES["block_size"]
+    lo_bs, hi_bs = range_of("block_size")
     m = read_model(model)
     spec, man = m.spec, m.manifest
     notes: list[str] = []
@@ -309,7 +310,7 @@ def plan(model: str, memory: str | int | None = None, *, weights: str | None = N
     cap = man.kv.max_seq_len if man is not None else spec.max_positions
     if max_model_len is None:
         max_model_len = cap if man is not None else min(spec.max_positions, MAX_DEFAULT_LEN)
-    _option_int("max_model_len", max_model_len, 2, RANGES["max_seq_len"][1])
+    _option_int("max_model_len", max_model_len, 2, range_of("max_seq_len")[1])
     if man is not None and max_model_len > cap:
         raise ConfigError(f"--max-model-len {max_model_len} exceeds the build's max_seq_len {cap} (the engine serves "
                           f"at most that): give <= {cap}, or rebuild with `kvexport build --max-seq-len`")
@@ -322,11 +323,9 @@ def plan(model: str, memory: str | int | None = None, *, weights: str | None = N
     build_weights = None
     if man is not None:
         build_weights = BuildWeights(man.weights.precision or man.dtype, man.weights.bytes, man.weights.parameters)
-    # int4 KV only where its groups of io.KV_INT4_GROUP channels fit the heads
-    # MLA: float or int8 latent pools (exporter/mla.py check_build)
-    kvs = tuple(kv_bytes(spec, d) for d in KV_DTYPES
-                if (d is not io.DType.INT4 or spec.head_dim % io.KV_INT4_GROUP == 0)
-                and (spec.mla is None or d is not io.DType.INT4))
+    # the KV forms the model can take (exporter/kv_forms.py: int4 only where its groups fit the heads;
+    # MLA: float or int8 latent pools)
+    kvs = tuple(kv_bytes(spec, d) for d in KV_DTYPES if kv_forms.allows(d, spec))
     mem: int | None = None
     fit_w: str | None = None
     fit_w_bytes: int | None = None

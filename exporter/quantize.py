@@ -28,6 +28,8 @@ from onnx import TensorProto
 from kvexport.errors import ConfigError
 from kvexport.manifest_weights import CalibrationEntry, QuantizedMatrices, QuantizedTable, WeightQuantizationEntry
 
+from .mla import linears as mla_linears
+from .moe import expert_linears
 from .limits import (CALIBRATED_METHODS, DEFAULT_WEIGHT_FORM, FALLBACK_WEIGHT_BLOCK, QUANT_METHODS, WEIGHT_BLOCK_SIZES,
                      WEIGHT_PRECISIONS)
 
@@ -199,9 +201,6 @@ def float_linears(weights) -> dict[str, np.ndarray]:
     """name -> float [K, N] of every decoder matmul of a ModelWeights: LINEARS, an MLA layer's
     projections (exporter/mla.py linears: W_UK / W_UV stay float32, its NOTE says why) and each
     expert's up / down."""
-    from .mla import linears as mla_linears
-    from .moe import expert_linears
-
     out = {}
     for i, lw in enumerate(weights.layers):
         if getattr(lw, "mla", None) is not None:  # q (or q_a, q_b) and kv_a; qkv_w is None, o is attn.o

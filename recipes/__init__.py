@@ -1,120 +1,101 @@
 """Build recipes: YAML files that carry any `kvexport build` option, loaded into a typed,
-validated dataclass. One recipe per supported family ships in this folder.
+validated Recipe. One recipe per supported family ships in this folder.
 
-The schema is the Recipe dataclass itself: its field types (and EngineBuildOptions' for the
-`engines` mapping), the choices of the enumerated options and the ranges of the numeric ones
-(exporter/limits.py) are checked when a Recipe is made; a wrong key or value raises
-ConfigError naming it (`engines.max_num_seqs`)."""
+The schema is generated from `BuildOptions` (exporter/options.py): a Recipe has `model`, `out` and
+every option whose spec allows a recipe to set it (not `allow_pickle`), as the YAML writes it
+("paged", not io.KVLayout.PAGED); its choices and ranges are the options' own, and the `engines`
+mapping is EngineBuildOptions'. Values are checked by the decoder the manifest uses too
+(kvexport/decode.py), so a wrong key or value raises ConfigError naming it (`engines.max_num_seqs`)."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import typing
-from dataclasses import dataclass
+import enum
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from kvexport import io
+from kvexport.decode import Words, decode, got
 from kvexport.errors import ConfigError
-from kvexport.exporter.limits import (BACKENDS, DTYPES, KV_DTYPES, QUANT_METHODS, RANGES, WEIGHT_BLOCK_SIZES,
-                                      WEIGHT_PRECISIONS)
+from kvexport.exporter.options import from_words, recipe_fields, spec_of, value_type
 from kvexport.manifest_engines import PRECISIONS, EngineBuildOptions
-from kvexport.manifest_weights import WEIGHT_MATMUL_ACCURACY
 
 RECIPE_DIR = Path(__file__).resolve().parent
 
 
-@dataclass(frozen=True, slots=True)
-class Recipe:
-    model: str | None = None  # model path or alias; the CLI argument wins when given
-    out: str | None = None  # build directory; --out wins when given
-    force: bool | None = None  # replace an existing build directory
-    layout: str | None = None  # "paged" | "contiguous"
-    dtype: str | None = None  # "fp32" | "fp16"
-    attention: str | None = None  # "onnx" | "plugin" (paged only)
-    kv_dtype: str | None = None  # "fp32" | "fp16" | "int8" (None: same as dtype)
-    calibration_text: str | None = None  # int8 KV: text file for the scales
-    calibration_tokens: int | None = None  # int8 KV: tokens of it used
-    backend: str | None = None  # "onnxruntime" | "tensorrt" (also build TensorRT engines)
-    engines: dict | None = None  # TensorRT engine options (exporter/tensorrt_build.EngineBuildOptions fields)
-    block_size: int | None = None  # tokens per KV block
-    max_seq_len: int | None = None  # tokens
-    all_logits: bool | None = None
-    validate: bool | None = None
-    validate_steps: int | None = None
-    weights: str | None = None  # matmul weights: "fp32" | "fp16" | "int8" | "int4" (None: dtype)
-    weight_block_size: int | None = None  # int8/int4: rows of K per scale (0 = per output channel | 32 | 64 | 128)
-    quant_method: str | None = None  # int8/int4 from float weights: "rtn" | "awq" | "smoothquant"
-    weight_matmul_accuracy: str | None = None  # int8/int4: the build's serving default: "auto" | "int8" | "float"
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            _check(f.name, getattr(self, f.name), _hints(Recipe)[f.name])
-
-    def options(self) -> dict:
-        """The fields that are set, as BuildOptions-style keyword arguments (the `engines`
-        mapping becomes a typed EngineBuildOptions)."""
-        kw = {k: v for k, v in dataclasses.asdict(self).items() if v is not None and k not in ("model", "out")}
-        if "engines" in kw:  # checked when the Recipe was made
-            kw["engines"] = EngineBuildOptions(**kw["engines"])
-        return kw
+def _yaml_type(f: dataclasses.Field) -> type:
+    """How a recipe writes the option: an enum by its value (a string), the engines as a mapping."""
+    t = value_type(f)
+    if isinstance(t, type) and issubclass(t, enum.Enum):
+        return str
+    return dict if t is EngineBuildOptions else t
 
 
-CHOICES = {"layout": tuple(e.value for e in io.KVLayout), "attention": tuple(e.value for e in io.Attention),
-           "dtype": tuple(d.value for d in DTYPES), "kv_dtype": tuple(d.value for d in KV_DTYPES),
-           "backend": (*BACKENDS, "onnx"), "engines.precision": PRECISIONS, "weights": WEIGHT_PRECISIONS,
-           "weight_block_size": WEIGHT_BLOCK_SIZES, "quant_method": QUANT_METHODS,
-           "weight_matmul_accuracy": WEIGHT_MATMUL_ACCURACY}
+_OPTIONS = recipe_fields()
+_BY_NAME = {f.name: f for f in _OPTIONS}
+# dotted key -> the values it may take, as YAML writes them
+CHOICES: dict[str, tuple] = {
+    **{f.name: tuple(v.value if isinstance(v, enum.Enum) else v for v in spec_of(f).choices)
+       for f in _OPTIONS if spec_of(f).choices},
+    "engines.precision": PRECISIONS}
+RANGES = {f.name: spec_of(f).range for f in _OPTIONS if spec_of(f).range is not None}
 
 
-@functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _check(key: str, value: Any, tp: Any) -> None:
-    """`value` of recipe key `key` against its declared type `tp`, choices and range."""
-    if value is None:
-        if type(None) in typing.get_args(tp):
-            return
-        raise ConfigError(f"{key} must not be empty")
-    base = next((a for a in typing.get_args(tp) if a is not type(None)), tp)  # X | None -> X
-    if base is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key} must be a mapping of option: value, got {_got(value)}")
-        known = _hints(EngineBuildOptions)
-        for k, v in value.items():
-            if k not in known:
-                raise ConfigError(f"{key}: unknown option {k!r}; known: {', '.join(known)}")
-            _check(f"{key}.{k}", v, known[k])
-        try:
-            EngineBuildOptions(**value)  # its own range checks
-        except ConfigError as e:
-            raise ConfigError(f"{key}: {e}") from None
-        return
-    names = {bool: "true or false", int: "an integer", str: "a string", float: "a number"}
-    ok = isinstance(value, base) and not (base is int and isinstance(value, bool))
-    if not ok:
-        raise ConfigError(f"{key} must be {names.get(base, base.__name__)}, got {_got(value)}")
-    if base is str and ("\0" in value or not value.strip()):
-        raise ConfigError(f"{key} must be a non-empty string without NUL characters, got {_got(value)}")
+def _value_problem(key: str, value: Any) -> str | None:
+    """A recipe value's problem beyond its type: an empty string, a choice, a range."""
+    if isinstance(value, str) and ("\0" in value or not value.strip()):
+        return f"must be a non-empty string without NUL characters, got {got(value)}"
     choices = CHOICES.get(key)
     if choices is not None and value not in choices:
-        raise ConfigError(f"{key} must be one of {', '.join(map(str, choices))}, got {_got(value)}")
+        return f"must be one of {', '.join(map(str, choices))}, got {got(value)}"
     if key in RANGES:
         lo, hi = RANGES[key]
         if not lo <= value <= hi:
-            raise ConfigError(f"{key} must be in {lo}..{hi}, got {value}")
-    elif base is int and value < 0:
-        raise ConfigError(f"{key} must be >= 0, got {value}")
+            return f"must be in {lo}..{hi}, got {value}"
+    elif isinstance(value, int) and not isinstance(value, bool) and value < 0:
+        return f"must be >= 0, got {value}"
+    return None
 
 
-def _got(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+# the recipe's words for the shared decoder: a person editing YAML
+_WORDS = Words(types={bool: "true or false", int: "an integer", str: "a string", float: "a number",
+                      dict: "a mapping of option: value", type(None): None},
+               unknown=lambda path, key, known: (f"{path.rsplit('.', 1)[0]}:",
+                                                 f"unknown option {key!r}; known: {', '.join(known)}"),
+               check=_value_problem, make=lambda path, what: ConfigError(f"{path} {what}"),
+               invalid=lambda path, e: (f"{path}:", str(e)))
+
+
+def _post_init(self) -> None:
+    for f in dataclasses.fields(self):
+        v = getattr(self, f.name)
+        if v is None:
+            continue
+        t = _yaml_type(_BY_NAME[f.name]) if f.name in _BY_NAME else str
+        decode(t, v, f.name, _WORDS)
+        if t is dict:  # checked as the typed options it becomes
+            decode(EngineBuildOptions, v, f.name, _WORDS)
+
+
+def _options(self) -> dict:
+    """The fields that are set, as BuildOptions keyword arguments (typed: enums, and the
+    `engines` mapping an EngineBuildOptions)."""
+    kw = {k: from_words(_BY_NAME[k], v) for k, v in dataclasses.asdict(self).items()
+          if v is not None and k not in ("model", "out")}
+    if "engines" in kw:  # checked when the Recipe was made
+        kw["engines"] = EngineBuildOptions(**kw["engines"])
+    return kw
+
+
+# Recipe(model=None, out=None, <every recipe option>=None): None = not set (BuildOptions' default)
+Recipe = dataclasses.make_dataclass(
+    "Recipe", [("model", str | None, None),  # model path or alias; the CLI argument wins when given
+               ("out", str | None, None),  # build directory; --out wins when given
+               *((f.name, _yaml_type(f) | None, None) for f in _OPTIONS)],
+    frozen=True, slots=True, namespace={"__post_init__": _post_init, "options": _options,
+                                        "__doc__": "A build recipe: model, out and BuildOptions as YAML writes them."})
+Recipe.__module__ = __name__
 
 
 MAX_DEPTH = 16  # YAML nesting a recipe may have (its deepest option, engines.X, is 2 levels)
@@ -149,7 +130,7 @@ class _RecipeLoader(yaml.SafeLoader):
             except TypeError:  # an unhashable key: SafeConstructor reports it
                 break
             if dup:
-                raise ConfigError(f"key {_got(key)} is given twice (line {key_node.start_mark.line + 1}); give each "
+                raise ConfigError(f"key {got(key)} is given twice (line {key_node.start_mark.line + 1}); give each "
                                   f"option once")
             seen.add(key)
         return super().construct_mapping(node, deep)

@@ -14,11 +14,11 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from kvexport.errors import ConfigError
+from kvexport.io import BACKENDS  # onnxruntime | tensorrt, as `kvexport build --backend` names them
 from kvexport.manifest_weights import WEIGHT_MATMUL_ACCURACY  # onnxruntime CPU, int8/int4 weights: session_plan.py
 
 from .core.memory import parse_budget, parse_size
 
-BACKENDS = ("onnxruntime", "tensorrt")
 KV_EVICTIONS = ("none", "streaming")  # core/streaming.py: attention sinks + a recent window
 CHOICES = {"backend": BACKENDS, "weight_matmul_accuracy": WEIGHT_MATMUL_ACCURACY,
            "kv_eviction": KV_EVICTIONS}  # settings with a fixed set of values

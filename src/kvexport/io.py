@@ -107,6 +107,9 @@ PLUGIN_DOMAIN = "kvexport"
 PLUGIN_OP = "PagedAttention"
 PLUGIN_VERSION = "1"
 MLA_PLUGIN_OP = "PagedMLA"  # MLA layers' node in PLUGIN_DOMAIN (plugins/paged_mla/spec.py)
+# what runs a build's graphs: the runtime's --backend, and the backend a build is made for
+# (`kvexport build --backend`; tensorrt builds also hold TensorRT engines)
+BACKENDS = ("onnxruntime", "tensorrt")
 
 
 class KVLayout(str, enum.Enum):
@@ -154,6 +157,7 @@ class DType(str, enum.Enum):
 # This form won the measurement (docs/QUANTIZATION.md "int4 KV"). plugins/paged_attention/spec.py
 # is the definition, reference.py the executable one.
 KV_INT4_GROUP = 32  # channels per scale
+KV_INT8_QMAX = 127.0  # int8 KV: codes in [-127, 127], scale = absmax / KV_INT8_QMAX (the manifest's "qmax")
 KV_INT4_FORMAT = "int4-q4_0-g32-f16-hadamard"  # the manifest's kv.quantization["scheme"]
 
 

@@ -19,18 +19,16 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 import hashlib
 import json
 import os
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from . import __version__, graph_check, io, outputs
-from .errors import ConfigError, ManifestError
+from .decode import Words, decode, got
+from .errors import ManifestError
 from .manifest_engines import (EngineBuildOptions, EngineFile, EngineLimits, EnginesEntry, GpuInfo, PluginInfo,
                                ShapeRange)
 from .manifest_weights import CalibrationEntry, QuantizedMatrices, QuantizedTable, WeightQuantizationEntry
@@ -47,7 +45,7 @@ REBUILD_ENGINES = "rebuild the engines with `kvexport engines BUILD_DIR`"
 VALIDATION_OPS = ("onnx", "native", "reference")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class KVSpec:
     layout: str  # io.KVLayout value
     attention: str  # io.Attention value
@@ -114,10 +112,10 @@ class ModelEntry:
         for name, tp in _MODEL_FIELDS.items():
             if name not in self.spec:
                 raise _FieldError(f"model.{name}", "is missing")
-            _decode(tp, self.spec[name], f"model.{name}")
+            decode(tp, self.spec[name], f"model.{name}", _WORDS)
         for name, tp in _OPTIONAL_MODEL_FIELDS.items():
             if name in self.spec:
-                _decode(tp, self.spec[name], f"model.{name}")
+                decode(tp, self.spec[name], f"model.{name}", _WORDS)
         windows = self.spec.get("layer_windows")
         if windows is not None and len(windows) != self.num_layers:
             raise _FieldError("model.layer_windows", f"must list {self.num_layers} layers, got {len(windows)}")
@@ -205,6 +203,9 @@ class WeightsEntry:
     precision: str | None = None  # matmul weights: fp32 | fp16 | int8 | int4 (None: builds before; = dtype)
     # int8/int4: what is quantized, how, and how it is served (exporter/quantize.py describe()); None: float weights
     quantization: WeightQuantizationEntry | None = None
+    # hex sha256 of the file, checked before serving and by `kvexport inspect --verify` (kvexport/verify.py);
+    # None: builds before it (left out of the JSON then, so their manifests stay as they were)
+    sha256: str | None = field(default=None, metadata={"omit_if_none": True})
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,7 +300,7 @@ class Manifest:
             raise ManifestError(f"manifest field 'schema_version' is {version!r}; this kvexport reads "
                                 f"{io.SCHEMA_VERSION}: rebuild with `kvexport build --force`")
         try:
-            m = _from_json(cls, d, "")
+            m = decode(cls, d, "", _WORDS)
             _check_values(m)
         except _FieldError as e:
             hint = REBUILD_ENGINES if e.path.startswith("engines") else REBUILD
@@ -457,7 +458,7 @@ def _check_values(m: Manifest) -> None:
                                                             f"graphs' kv.max_seq_len {kv.max_seq_len}")
 
 
-# ---- typed JSON: dataclass <-> parsed JSON, checked ---------------------------------------------
+# ---- typed JSON: dataclass <-> parsed JSON, checked (decoding: kvexport/decode.py) -----------
 
 
 class _FieldError(ManifestError):
@@ -469,93 +470,16 @@ class _FieldError(ManifestError):
         self.path, self.what = path, what
 
 
-def _type_name(tp: Any) -> str:
-    if tp is type(None):
-        return "null"
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in typing.get_args(tp))
-    if typing.get_origin(tp) in (tuple, list) or tp in (tuple, list):
-        args = typing.get_args(tp)
-        return f"a list of {_type_name(args[0]).split(' ', 1)[-1]}s" if args else "a list"
-    names = {int: "an int", float: "a number", str: "a string", bool: "a boolean", dict: "an object"}
-    return names.get(tp, "an object")
+def _model_entry(value: Any, path: str) -> ModelEntry:
+    if not isinstance(value, dict):
+        raise _FieldError(path, f"must be an object, got {got(value)}")
+    return ModelEntry(value)
 
 
-@functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _got(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _decode(tp: Any, value: Any, path: str) -> Any:
-    """`value` (parsed JSON) checked against type `tp`; JSON lists become tuples where `tp`
-    says tuple, objects become dataclasses where it names one."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if tp is Any:
-        return value
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        for a in args:
-            if a is not type(None):
-                try:
-                    return _decode(a, value, path)
-                except _FieldError as e:
-                    # wrong inside a nested object, or an object that is not a valid `a`: the error to report
-                    nested = isinstance(value, dict) and isinstance(a, type) and dataclasses.is_dataclass(a)
-                    if e.path != path or nested:
-                        raise
-        raise _FieldError(path, f"must be {_type_name(tp)}, got {_got(value)}")
-    if tp is ModelEntry:
-        if not isinstance(value, dict):
-            raise _FieldError(path, f"must be an object, got {_got(value)}")
-        return ModelEntry(value)
-    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
-        return _from_json(tp, value, path)
-    ok = {bool: lambda v: isinstance(v, bool), int: lambda v: isinstance(v, int) and not isinstance(v, bool),
-          float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), str: lambda v: isinstance(v, str)}
-    if tp in ok:
-        if not ok[tp](value):
-            raise _FieldError(path, f"must be {_type_name(tp)}, got {_got(value)}")
-        return value
-    container = origin or tp
-    if container in (tuple, list):
-        if not isinstance(value, list):
-            raise _FieldError(path, f"must be {_type_name(tp)}, got {_got(value)}")
-        item = args[0] if args else Any
-        items = [_decode(item, v, f"{path}[{i}]") for i, v in enumerate(value)]
-        return tuple(items) if container is tuple else items
-    if container is dict:
-        if not isinstance(value, dict):
-            raise _FieldError(path, f"must be an object, got {_got(value)}")
-        item = args[1] if args else Any
-        return {k: _decode(item, v, f"{path}.{k}") for k, v in value.items()}
-    raise TypeError(f"manifest type {tp!r} of {path!r} has no JSON decoding")  # a schema bug, not user input
-
-
-def _from_json(cls: type, data: Any, path: str) -> Any:
-    if not isinstance(data, dict):
-        raise _FieldError(path or "(top level)", f"must be an object, got {_got(data)}")
-    fields = dataclasses.fields(cls)
-    known = {f.name for f in fields}
-    sub = (lambda name: f"{path}.{name}") if path else (lambda name: name)
-    for name in data:
-        if name not in known:
-            raise _FieldError(sub(name), "is not a field this kvexport knows (written by another version?)")
-    hints, kwargs = _hints(cls), {}
-    for f in fields:
-        if f.name in data:
-            kwargs[f.name] = _decode(hints[f.name], data[f.name], sub(f.name))
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise _FieldError(sub(f.name), "is missing")
-    try:
-        return cls(**kwargs)
-    except ConfigError as e:  # a dataclass's own checks (EngineBuildOptions)
-        raise _FieldError(path, f"is invalid: {e}") from None
+# the manifest's words for the shared decoder (kvexport/decode.py): JSON's
+_WORDS = Words(types={int: "an int", float: "a number", str: "a string", bool: "a boolean", dict: "an object",
+                      type(None): "null"},
+               make=_FieldError, special={ModelEntry: _model_entry})
 
 
 def _to_json(x: Any) -> Any:

@@ -43,7 +43,7 @@ BUILD_OPTIONS = {
     "--dtype": st.one_of(st.sampled_from(["fp32", "fp16"]), ODD),
     "--attention": st.one_of(st.sampled_from(["onnx", "plugin"]), ODD),
     "--kv-dtype": st.one_of(st.sampled_from(["fp32", "fp16", "int8", "int4"]), ODD),
-    "--backend": st.one_of(st.sampled_from(["onnxruntime", "onnx"]), ODD),
+    "--backend": st.one_of(st.sampled_from(["onnxruntime", "tensorrt"]), ODD),
 }
 
 

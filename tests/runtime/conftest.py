@@ -5,7 +5,6 @@ the port bound."""
 
 import os
 import re
-import shutil
 import socket
 import subprocess
 import sys

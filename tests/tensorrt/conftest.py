@@ -43,8 +43,9 @@ def plugin_manifest(attention: io.Attention = io.Attention.PLUGIN, dtype: str = 
                           head_dim=HEAD_DIM, vocab_size=VOCAB, block_size=BLOCK, act_dtype="float32",
                           kv_dtype="float32", all_logits=False, attention=attention)
         graphs[phase.value] = GraphEntry(file, gio.inputs, gio.outputs, 1)
-    kv = KVSpec(io.KVLayout.PAGED.value, attention.value, dtype, BLOCK, LAYERS, KV_HEADS, HEAD_DIM,
-                io.kv_bytes_per_token(LAYERS, KV_HEADS, HEAD_DIM, io.DType(dtype)), MAX_LEN)
+    kv = KVSpec(layout=io.KVLayout.PAGED.value, attention=attention.value, dtype=dtype, block_size=BLOCK,
+                num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                bytes_per_token=io.kv_bytes_per_token(LAYERS, KV_HEADS, HEAD_DIM, io.DType(dtype)), max_seq_len=MAX_LEN)
     return Manifest(schema_version=io.SCHEMA_VERSION, kvexport_version="test", source={}, model=model_entry(),
                     dtype=dtype, kv=kv, graphs=graphs, weights=WeightsEntry(io.WEIGHTS_FILE, 0, 0), tokenizer=None,
                     all_logits=False, validation=None, tools={})

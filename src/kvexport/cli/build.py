@@ -7,59 +7,17 @@ import click
 from rich.console import Console
 from rich.markup import escape
 
-from kvexport.exporter.limits import (BACKENDS, DTYPES, KV_DTYPES, QUANT_METHODS, RANGES, WEIGHT_BLOCK_SIZES,
-                                      WEIGHT_PRECISIONS)
+from kvexport.exporter.limits import WEIGHT_PRECISIONS
 
-from .. import io
-from .options import SafePath, console, new_path, option_range, rich_progress
-from ..manifest_weights import WEIGHT_MATMUL_ACCURACY
+from .options import SafePath, build_options, build_settings, console, new_path, option_range, rich_progress
 
 
 @click.command()
 @click.argument("model", required=False)
 @click.option("--out", type=SafePath(), callback=new_path, help="Build directory (default: build/<model name>).")
-@click.option("--layout", type=click.Choice([l.value for l in io.KVLayout]), help="KV-cache layout [paged].")
-@click.option("--dtype", type=click.Choice([d.value for d in DTYPES]), help="Weights/activations dtype [fp32].")
-@click.option("--attention", type=click.Choice([a.value for a in io.Attention]),
-              help="Paged attention: kvexport::PagedAttention plugin nodes (served fastest: the native CPU op, "
-                   "TensorRT), or standard ONNX ops for tools without kvexport's op [plugin; onnx for contiguous "
-                   "builds, or with a warning when the native CPU op is not built].")
-@click.option("--kv-dtype", type=click.Choice([d.value for d in KV_DTYPES]),
-              help="KV-cache dtype [same as --dtype]; int8 uses calibrated per-channel scales.")
-@click.option("--calibration-text", type=SafePath(exists=True, dir_okay=False, readable=True),
-              help="int8 KV: text to calibrate the scales on (int4: the key offsets) [bundled Shakespeare: Hamlet].")
-@click.option("--calibration-tokens", type=option_range("calibration_tokens"),
-              help="int8 / int4 KV: tokens of the text to use [2048].")
-@click.option("--backend", type=click.Choice([*BACKENDS, "onnx"]),
-              help="The backend the build is for, as the runtime's --backend: onnxruntime (ONNX graphs), or tensorrt "
-                   "(also TensorRT engines; needs --attention plugin, TensorRT and a GPU); onnx = onnxruntime "
-                   "[onnxruntime].")
-@click.option("--block-size", type=option_range("block_size"), help="Tokens per KV block for the paged layout [16].")
-@click.option("--max-seq-len", type=option_range("max_seq_len"),
-              help="Longest context served [model's max positions, capped at 32768].")
-@click.option("--all-logits", is_flag=True, default=None, help="Prefill returns logits for every token (perplexity).")
+@build_options
 @click.option("--recipe", help="A recipe YAML file, or a shipped recipe name (llama, mistral, qwen2, phi3, gpt2).")
-@click.option("--allow-pickle", is_flag=True, help="Accept pickled *.bin weights (loaded with weights_only=True).")
-@click.option("--force", is_flag=True, help="Replace an earlier kvexport build at --out (never anything else).")
-@click.option("--no-validate", is_flag=True, help="Skip the comparison with transformers.")
-@click.option("--weights", type=click.Choice(WEIGHT_PRECISIONS),
-              help="Matmul weights: fp32/fp16, or int8/int4 QDQ in the fast CPU forms unless told otherwise "
-                   "(docs/QUANTIZATION.md) [--dtype].")
-@click.option("--weight-block-size", type=click.Choice([str(b) if b else "channel" for b in WEIGHT_BLOCK_SIZES]),
-              help="int8/int4 weights: input rows per scale, or one scale per output channel (int8 runs as "
-                   "int8 x int8 GEMMs with per-token activation scales) [int8: channel with smoothquant, or 32 "
-                   "with another --quant-method (32: exact, GGUF Q8_0 blocks kept); int4: 32].")
-@click.option("--quant-method", type=click.Choice(QUANT_METHODS),
-              help="int8/int4 from float weights: round-to-nearest, AWQ scales on --calibration-text, or "
-                   "smoothquant (scales that also spare the int8 activations: int8 per channel, int4 blocks) "
-                   "[int8: smoothquant per channel, rtn in blocks; int4: rtn].")
-@click.option("--weight-matmul-accuracy", type=click.Choice(WEIGHT_MATMUL_ACCURACY),
-              help="int8/int4: how onnxruntime's CPU serves the weights by default (the manifest records it; "
-                   "serving commands' --weight-matmul-accuracy overrides it): auto (int8 pairs, ~exact), int8 "
-                   "(fastest), float (exact) [int8 for smoothquant, else auto].")
-def build(model, out, layout, dtype, attention, kv_dtype, calibration_text, calibration_tokens, backend, block_size,
-          max_seq_len, all_logits, recipe, allow_pickle, force, no_validate, weights, weight_block_size, quant_method,
-          weight_matmul_accuracy):
+def build(model, out, recipe, **given):
     """Export a model (HF folder, .gguf file or alias) into a validated build directory."""
     from kvexport.exporter.build import BuildOptions, build as run_build
     from kvexport.exporter.source import DEFAULT_MODEL
@@ -69,25 +27,7 @@ def build(model, out, layout, dtype, attention, kv_dtype, calibration_text, cali
         raise click.BadParameter("is empty: give a model folder, a .gguf file or an alias (or leave it out for "
                                  f"the default, {DEFAULT_MODEL})", param_hint="MODEL")
     r = load_recipe(recipe) if recipe else Recipe()
-    kw = r.options()
-    given = {"layout": layout, "dtype": dtype, "attention": attention, "kv_dtype": kv_dtype,
-             "calibration_text": calibration_text, "calibration_tokens": calibration_tokens, "backend": backend,
-             "block_size": block_size, "max_seq_len": max_seq_len, "all_logits": all_logits, "weights": weights,
-             "weight_block_size": None if weight_block_size is None else int(weight_block_size.replace("channel", "0")),
-             "quant_method": quant_method, "weight_matmul_accuracy": weight_matmul_accuracy}
-    kw.update({k: v for k, v in given.items() if v is not None})
-    if no_validate:
-        kw["validate"] = False
-    if "layout" in kw:
-        kw["layout"] = io.KVLayout(kw["layout"])
-    if "dtype" in kw:
-        kw["dtype"] = io.DType(kw["dtype"])
-    if "kv_dtype" in kw:
-        kw["kv_dtype"] = io.DType(kw["kv_dtype"])
-    if "attention" in kw:
-        kw["attention"] = io.Attention(kw["attention"])
-    kw["force"] = force or kw.get("force", False)
-    opts = BuildOptions(allow_pickle=allow_pickle, **kw)
+    opts = BuildOptions(**(r.options() | build_settings(given)))  # the command line wins over the recipe
     model = model or r.model or DEFAULT_MODEL
     out = out or r.out
     path, manifest = run_build(model, out, opts, progress=rich_progress())
@@ -147,11 +87,19 @@ def calibrate(build_dir, text, tokens, model_source, no_validate):
 @click.argument("build_dir", type=SafePath(exists=True, file_okay=False))
 @click.option("--json", "as_json", is_flag=True,
               help="Print a machine-readable summary (JSON on stdout) instead of the tables.")
-def inspect(build_dir, as_json):
+@click.option("--verify", is_flag=True,
+              help="First hash the weights file (and TensorRT engines) and compare each with the sha256 the "
+                   "manifest records; exit 2 on a mismatch. Reads every byte (about 1.5 s per GiB).")
+def inspect(build_dir, as_json, verify):
     """Print a build's manifest: graph I/O, parameters, KV bytes per token, validation, and the
     polygraphy / trtexec command lines for it."""
     from kvexport.cli.inspect import render, summary
 
+    if verify:
+        from kvexport.verify import report
+
+        for line in report(build_dir):  # ChecksumError: exit 2 naming the file
+            click.echo(line, err=as_json)
     if as_json:
         import json
 
@@ -166,7 +114,7 @@ def inspect(build_dir, as_json):
               help="Memory for weights + KV cache: 24GiB, 80GB, bytes, or 30% of the memory available now.")
 @click.option("--weights", type=click.Choice(WEIGHT_PRECISIONS),
               help="Weights the fit subtracts [the build's; fp16 for a model].")
-@click.option("--max-model-len", type=click.IntRange(2, RANGES["max_seq_len"][1]),
+@click.option("--max-model-len", type=click.IntRange(2, option_range("max_seq_len").max),
               help="Tokens per sequence (prompt + output) [the build's max_seq_len; the model's max positions, "
                    "capped at 32768].")
 @click.option("--max-num-seqs", type=click.IntRange(min=1),

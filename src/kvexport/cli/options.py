@@ -1,6 +1,7 @@
 """What every `kvexport` command shares (kvexport/cli/__init__.py and its command modules build.py,
 serve.py, deploy.py): the stderr console and its error line, the option types and callbacks
-that refuse bad values naming the option, and the runtime settings as options (`engine_options`).
+that refuse bad values naming the option, the runtime settings as options (`engine_options`) and
+the build options as options (`build_options`), each generated from its one definition.
 
 NOTE: this module imports nothing heavy (no torch, onnx, transformers): `kvexport --help` imports it,
 and the commands import what they run inside their bodies.
@@ -9,6 +10,7 @@ and the commands import what they run inside their bodies.
 from __future__ import annotations
 
 import contextlib
+import enum
 import math
 import os
 import time
@@ -19,7 +21,7 @@ import click
 from rich.console import Console
 from rich.markup import escape
 
-from kvexport.exporter.limits import RANGES
+from kvexport.exporter import options as build_spec
 
 # NOTE: user text (paths, prompts, error messages) reaches this console only through escape()
 # or markup=False; emoji=False keeps ":name:" in a path or prompt as typed
@@ -122,9 +124,48 @@ class SafePath(click.Path):
 
 
 def option_range(name: str) -> click.IntRange:
-    """The click type of a numeric build option: its range from exporter/limits.py."""
-    lo, hi = RANGES[name]
+    """The click type of a numeric build option: its range from exporter/options.py BuildOptions."""
+    lo, hi = build_spec.range_of(name)
     return click.IntRange(lo, hi)
+
+
+def build_options(f):
+    """The build options as options, generated from their one definition (exporter/options.py
+    BuildOptions: each field's flag, choices or range and help, its default in the help). A
+    boolean is a flag that turns it from its default (--force, --no-validate); every option is
+    None when not given, so a recipe's value stands (`build_settings`)."""
+    opts = []
+    for fld in build_spec.cli_fields():
+        spec, default = build_spec.spec_of(fld), fld.default
+        shown = default.value if isinstance(default, enum.Enum) else default
+        kw = dict(help=spec.help.replace("{default}", str(shown)))
+        if isinstance(default, bool):
+            kw.update(is_flag=True, default=None)
+        elif spec.path:
+            kw.update(type=SafePath(exists=True, dir_okay=False, readable=True))
+        elif spec.range is not None:
+            kw.update(type=option_range(fld.name))
+        else:
+            kw.update(type=click.Choice(build_spec.choice_words(fld)))
+        opts.append(click.option(build_spec.flag(fld), fld.name, **kw))
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def build_settings(given: dict) -> dict:
+    """The build_options() values given on the command line, typed as BuildOptions takes them
+    (a flag given turns its option from the default: --no-validate is validate=False)."""
+    fields = {fld.name: fld for fld in build_spec.cli_fields()}
+    out = {}
+    for name, value in given.items():
+        fld = fields[name]
+        if isinstance(fld.default, bool):
+            if value:  # a flag only ever turns its option from the default
+                out[name] = not fld.default
+        elif value is not None:
+            out[name] = build_spec.from_words(fld, value)
+    return out
 
 
 def new_path(ctx, param, value: str | None) -> str | None:
