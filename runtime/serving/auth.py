@@ -30,19 +30,16 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import logging
 import os
 import secrets
-import stat
-from pathlib import Path
 
 from starlette.responses import JSONResponse
 
 from kvexport.errors import ConfigError
 
+from .key_files import load_key_file
 from .openai_protocol import ApiError
 
-log = logging.getLogger(__name__)
 
 KEYS_ENV = "KVEXPORT_API_KEYS"  # names the key file when --api-keys is not given
 OPTION = f"--api-keys (or ${KEYS_ENV})"  # how messages name the setting
@@ -126,26 +123,7 @@ class ApiKeys:
     def load(cls, path: str | os.PathLike) -> "ApiKeys":
         """Read and parse the key file at `path`; ApiKeyFileError if it is unreadable or wrong.
         Warns when other users may read it (it should be chmod 600)."""
-        p = Path(path)
-        try:
-            st = p.stat()
-            if stat.S_ISDIR(st.st_mode):
-                raise ApiKeyFileError(f"{OPTION} {p} is a directory; give the key file")
-            if st.st_size > MAX_FILE_BYTES:
-                raise ApiKeyFileError(f"{OPTION} {p} is {st.st_size} bytes, more than a key file "
-                                      f"({MAX_FILE_BYTES} bytes at most)")
-            raw = p.read_bytes()
-        except OSError as e:
-            raise ApiKeyFileError(f"{OPTION} {p}: cannot read it: {e.strerror or e}") from None
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            line_no = raw[: e.start].count(b"\n") + 1
-            raise ApiKeyFileError(f"{OPTION} {p}, line {line_no}: not UTF-8 text") from None
-        keys = cls.parse(text.removeprefix("\ufeff"), str(p))
-        if st.st_mode & 0o077:
-            log.warning("%s %s can be read by other users; restrict it: chmod 600 %s", OPTION, p, p)
-        return keys
+        return load_key_file(path, OPTION, ApiKeyFileError, MAX_FILE_BYTES, cls.parse)
 
 
 # ---- HTTP ----------------------------------------------------------------------------------

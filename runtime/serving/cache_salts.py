@@ -30,18 +30,15 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import logging
 import os
-import stat
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from kvexport.errors import ConfigError
 
+from .key_files import load_key_file
 from .requests import MAX_CACHE_SALT_CHARS, RequestError, check_cache_salt
 
-log = logging.getLogger(__name__)
 
 SALT_KEY_ENV = "KVEXPORT_CACHE_SALT_KEY"  # names the key file where --cache-salt-key is not given (Triton: only)
 OPTION = f"--cache-salt-key (or ${SALT_KEY_ENV})"  # how messages name the setting
@@ -133,26 +130,7 @@ class SaltKey:
     def load(cls, path: str | os.PathLike) -> "SaltKey":
         """Read and parse the key file at `path`; SaltKeyError if it is unreadable or wrong. Warns
         when other users may read it (it should be chmod 600)."""
-        p = Path(path)
-        try:
-            st = p.stat()
-            if stat.S_ISDIR(st.st_mode):
-                raise SaltKeyError(f"{OPTION} {p} is a directory; give the key file")
-            if st.st_size > MAX_FILE_BYTES:
-                raise SaltKeyError(f"{OPTION} {p} is {st.st_size} bytes, more than a key file "
-                                   f"({MAX_FILE_BYTES} bytes at most)")
-            raw = p.read_bytes()
-        except OSError as e:
-            raise SaltKeyError(f"{OPTION} {p}: cannot read it: {e.strerror or e}") from None
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            line_no = raw[:e.start].count(b"\n") + 1
-            raise SaltKeyError(f"{OPTION} {p}, line {line_no}: not UTF-8 text") from None
-        key = cls.parse(text.removeprefix("\ufeff"), str(p))
-        if st.st_mode & 0o077:
-            log.warning("%s %s can be read by other users; restrict it: chmod 600 %s", OPTION, p, p)
-        return key
+        return load_key_file(path, OPTION, SaltKeyError, MAX_FILE_BYTES, cls.parse)
 
     @classmethod
     def from_env(cls) -> "SaltKey | None":
