@@ -207,6 +207,15 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def stats(self):
+        """The scheduler's counts (core/scheduler.py SchedulerStats: running, waiting, tokens stored)."""
+        return self.scheduler.stats()
+
+    def free_seq_slots(self) -> int:
+        """How many more sequences add_request may queue now: max_num_seqs less those running and waiting."""
+        s = self.scheduler
+        return s.config.max_num_seqs - len(s.running) - len(s.waiting)
+
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns the outputs that changed (new tokens or finished)."""
         scheduled = self.scheduler.schedule()

@@ -134,7 +134,7 @@ def run_bench(build_dir: str | Path, config: EngineConfig, trace_name: str = "mi
         usage = engine.kv_connector.usage()
         used = usage.used_blocks
         util.append(used / usage.usable_blocks)
-        running = engine.scheduler.stats().running_computed_tokens  # (request id, tokens stored)
+        running = engine.stats().running_computed_tokens  # (request id, tokens stored)
         stored = sum(n for _, n in running)
         if used:
             waste.append(1.0 - stored / (used * engine.kv_connector.block_size))

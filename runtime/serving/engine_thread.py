@@ -215,7 +215,7 @@ class EngineThread:
     # ---- engine thread ----------------------------------------------------------------
     def _update_counters(self) -> None:
         c, eng = self.counters, self.engine
-        st = eng.scheduler.stats()
+        st = eng.stats()
         c.running, c.kv = st.num_running, eng.kv_stats()
         c.waiting = st.num_waiting + len(self._group_of)  # in the engine + queued here
 
@@ -271,8 +271,7 @@ class EngineThread:
     def _feed(self) -> None:
         """Move queued samples into the engine, one per group in turn, while the engine holds
         fewer than max_num_seqs sequences (running + waiting)."""
-        sched = self.engine.scheduler
-        while self._queued and len(sched.running) + len(sched.waiting) < sched.config.max_num_seqs:
+        while self._queued and self.engine.free_seq_slots() > 0:
             group, queue_ = next(iter(self._queued.items()))
             rid, q = queue_.popitem(last=False)
             if queue_:
