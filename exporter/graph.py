@@ -124,7 +124,7 @@ class DecoderGraph:
             self.b.opset = io.QDQ_OPSET
 
     # ---- weights -------------------------------------------------------------------
-    def _weight(self, name: str, arr: np.ndarray | None, dtype: str) -> str | None:
+    def weight(self, name: str, arr: np.ndarray | None, dtype: str) -> str | None:
         """A weight converted once to `dtype`, stored once per build and shared by both graphs."""
         if arr is None:
             return None
@@ -132,12 +132,12 @@ class DecoderGraph:
             self.b.weights.add(name, arr.astype(dtype, copy=False))
         return self.b.weight(name, self.b.weights.arrays[name])
 
-    def _mat(self, name: str, arr: np.ndarray | None) -> str | None:
+    def matrix(self, name: str, arr: np.ndarray | None) -> str | None:
         """Matmul weights and biases run in the activation dtype; a quantized weight is its
         block-wise DequantizeLinear's output (the portable QDQ form MatMul consumes)."""
         if name in self.qweights:
             return self._dequantized(name, self.qweights[name])
-        return self._weight(name, arr, self.act)
+        return self.weight(name, arr, self.act)
 
     def _dequantized(self, name: str, qm: QuantizedMatrix) -> str:
         """codes [K, N] int4/int8 ─> DequantizeLinear(axis=0, block_size=B) ─> [K, N] act dtype;
@@ -175,9 +175,9 @@ class DecoderGraph:
             ins.append(self.b.weight(name + ".zero_point", store.arrays[name + ".zero_point"]))
         return ins
 
-    def _f32(self, name: str, arr: np.ndarray | None) -> str | None:
+    def f32(self, name: str, arr: np.ndarray | None) -> str | None:
         """Norm weights and RoPE tables stay float32."""
-        return self._weight(name, arr, "float32")
+        return self.weight(name, arr, "float32")
 
     # ---- building blocks -------------------------------------------------------------
     def linear(self, x: str, w: str, bias: str | None) -> str:
@@ -201,12 +201,12 @@ class DecoderGraph:
 
     def norm(self, x: str, w: np.ndarray, bias: np.ndarray | None, name: str) -> str:
         """float32 normalization; returns the activation dtype."""
-        return self._to(self.norm_f32(self._to(x, self.act, "float32"), w, bias, name), "float32", self.act)
+        return self.cast(self.norm_f32(self.cast(x, self.act, "float32"), w, bias, name), "float32", self.act)
 
     def norm_f32(self, x: str, w: np.ndarray, bias: np.ndarray | None, name: str) -> str:
         """Normalization over the last axis, float32 in and out (w already holds norm_offset)."""
         b = self.b
-        wn, bn = self._f32(name + ".weight", w), self._f32(name + ".bias", bias)
+        wn, bn = self.f32(name + ".weight", w), self.f32(name + ".bias", bias)
         if self.spec.norm == "layernorm":
             return b.op("LayerNormalization", x, wn, bn, axis=-1, epsilon=self.spec.norm_eps)
         # x / sqrt(mean(x^2) + eps) * w — the pattern onnxruntime fuses to SimplifiedLayerNorm
@@ -234,7 +234,7 @@ class DecoderGraph:
         t = b.op("Tanh", b.op("Mul", inner, c(np.sqrt(2.0 / np.pi))))
         return b.op("Mul", b.op("Mul", x, c(0.5)), b.op("Add", t, c(1.0)))
 
-    def _to(self, x: str, src: str, dst: str) -> str:
+    def cast(self, x: str, src: str, dst: str) -> str:
         return x if src == dst else self.b.op("Cast", x, to=onnx_dtype(dst))
 
     def rope_rows(self, cos: str, sin: str) -> tuple[str, str]:
@@ -271,17 +271,17 @@ class DecoderGraph:
         if spec.embed_scale is not None:  # in the activation dtype, as transformers scales it
             h = b.op("Mul", h, b.const(spec.embed_scale, self.act))
         if spec.position == "learned":
-            h = b.op("Add", h, b.op("Gather", self._mat("model.embed_positions.weight", self.w.pos_embed), pos, axis=0))
+            h = b.op("Add", h, b.op("Gather", self.matrix("model.embed_positions.weight", self.w.pos_embed), pos, axis=0))
         # cos/sin [.., 1, D] per RoPE kind the layers use ("global" keeps the old weight names)
         rope: dict[str, tuple[str, str]] = {}
         for kind in sorted({spec.rope_kind(i) for i in range(spec.num_layers)} - {"none"}):
             pre = "rope" if kind == "global" else f"rope.{kind}"
-            cs = [b.op("Gather", self._f32(f"{pre}.{n}", t), pos, axis=0)
+            cs = [b.op("Gather", self.f32(f"{pre}.{n}", t), pos, axis=0)
                   for n, t in zip(("cos", "sin"), self.rope[kind])]  # [.., rot/2]
             if kind + "_long" in self.rope:  # longrope: per sequence, the short or the long set
                 omax = (spec.rope_local if kind == "local" else spec.rope).original_max_positions
                 use_long = self.longrope_select(omax)
-                cs = [b.op("Where", use_long, b.op("Gather", self._f32(f"{pre}.long.{n}", t), pos, axis=0), c)
+                cs = [b.op("Where", use_long, b.op("Gather", self.f32(f"{pre}.long.{n}", t), pos, axis=0), c)
                       for n, t, c in zip(("cos", "sin"), self.rope[kind + "_long"], cs)]
             rope[kind] = self.rope_rows(*cs)  # [.., 1, D]
         # masks per distinct window (the plugin node reads the step's metadata itself)
@@ -362,18 +362,18 @@ class DecoderGraph:
         routed = moe.moe_block(self, hn, i, lw.moe, self.opts.moe_form) if lw.moe is not None else None
         if lw.up_w is None:  # a sparse layer without shared experts
             return routed
-        up = self.linear(hn, self._mat(p + "mlp.up.weight", lw.up_w), self._mat(p + "mlp.up.bias", lw.up_b))
+        up = self.linear(hn, self.matrix(p + "mlp.up.weight", lw.up_w), self.matrix(p + "mlp.up.bias", lw.up_b))
         if spec.gated_mlp:
             inter = lw.up_w.shape[1] // 2  # NOTE: the weight's, not the spec's: a shared expert has its own width
             gate, up = b.op("Split", up, b.const([inter, inter]), axis=-1, outputs=2)
             m = b.op("Mul", self.activation(gate), up)
         else:
             m = self.activation(up)
-        m = self.linear(m, self._mat(p + "mlp.down.weight", lw.down_w), self._mat(p + "mlp.down.bias", lw.down_b))
+        m = self.linear(m, self.matrix(p + "mlp.down.weight", lw.down_w), self.matrix(p + "mlp.down.bias", lw.down_b))
         if routed is None:
             return m
         if lw.moe.shared_gate_w is not None:  # qwen2_moe: sigmoid(x @ gate [H, 1]) scales the shared expert
-            gate = b.op("MatMul", hn, self._mat(p + "mlp.shared_expert_gate.weight", lw.moe.shared_gate_w))
+            gate = b.op("MatMul", hn, self.matrix(p + "mlp.shared_expert_gate.weight", lw.moe.shared_gate_w))
             m = b.op("Mul", b.op("Sigmoid", gate), m)
         return b.op("Add", routed, m)
 
@@ -382,8 +382,8 @@ class DecoderGraph:
         its (key, value) outputs: this step's new rows, the updated pools, or the presents)."""
         b, spec = self.b, self.spec
         p = f"model.layers.{i}."
-        qkv = self.linear(hn, self._mat(p + "attn.qkv.weight", lw.qkv_w), self._mat(p + "attn.qkv.bias", lw.qkv_b))
-        qkv = self._to(qkv, self.act, "float32")
+        qkv = self.linear(hn, self.matrix(p + "attn.qkv.weight", lw.qkv_w), self.matrix(p + "attn.qkv.bias", lw.qkv_b))
+        qkv = self.cast(qkv, self.act, "float32")
         h, kvh, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
         lead = [0] if self.paged else [0, 0]  # [T] or [B, S] leading axes
         if spec.qk_norm is None:  # q and k as one [.., H + kvH, D] through RoPE: half the nodes
@@ -421,12 +421,12 @@ class DecoderGraph:
             sc = np.broadcast_to(self.opts.kv_scales[i].reshape(2, kvh, -1), (2, kvh, d)).astype(np.float32)
             scales = (b.named_const(io.k_scale(i), sc[0]), b.named_const(io.v_scale(i), sc[1]))
         if self.plugin:  # the node takes activation-dtype q/k/v, q unscaled (scale is an attribute)
-            q, k, v = (self._to(t, "float32", self.act) for t in (q, k, v))
+            q, k, v = (self.cast(t, "float32", self.act) for t in (q, k, v))
             a, k_out, v_out = attn.plugin_attention(b, spec, i, q, k, v, block_size=self.opts.block_size,
                                                     kv_dtype=self.kv, scales=scales, group=self.groups[i],
                                                     sinks=lw.attn_sinks)
             if rotated:  # [T, H, D]
-                a = self._to(kv_int4.rotate(b, self._to(a, self.act, "float32"), d), "float32", self.act)
+                a = self.cast(kv_int4.rotate(b, self.cast(a, self.act, "float32"), d), "float32", self.act)
             a = b.op("Reshape", a, b.const([0, h * d]))  # [T, H*D]
         else:
             q = b.op("Mul", q, b.const(spec.scale, "float32"))
@@ -440,8 +440,8 @@ class DecoderGraph:
             if rotated:  # [.., H*D] -> per head, rotated back
                 a = b.op("Reshape", kv_int4.rotate(b, b.op("Reshape", a, b.const(lead + [h, d])), d),
                          b.const(lead + [h * d]))
-            a = self._to(a, "float32", self.act)
-        a = self.linear(a, self._mat(p + "attn.o.weight", lw.o_w), self._mat(p + "attn.o.bias", lw.o_b))
+            a = self.cast(a, "float32", self.act)
+        a = self.linear(a, self.matrix(p + "attn.o.weight", lw.o_w), self.matrix(p + "attn.o.bias", lw.o_b))
         return a, (k_out, v_out)
 
     def select_logit_rows(self, h: str) -> str:
@@ -466,7 +466,7 @@ class DecoderGraph:
         b = self.b
         qm = self.qweights.get(QUANTIZED_HEAD if self.spec.tie_embeddings else QUANTIZED_EMBED)
         if qm is None:
-            return b.op("Gather", self._mat("model.embed_tokens.weight", self.w.embed), ids, axis=0)
+            return b.op("Gather", self.matrix("model.embed_tokens.weight", self.w.embed), ids, axis=0)
         # NOTE: the codes under a second name: onnxruntime fuses DQ -> MatMul into MatMulNBits only
         # when the codes feed nothing else (shared with this Gather, the head was dequantized in full
         # on every step). The alias shares the head's bytes in the weights file (WeightStore.alias):
@@ -480,7 +480,7 @@ class DecoderGraph:
         rank = 1 if self.paged else 2
         if qm.block_size == CHANNEL:
             s = b.op("Gather", scales, ids, axis=0)  # [...ids]
-            w = b.op("Mul", self._to(q, "int8", self.act), s)  # [hidden, ...ids]
+            w = b.op("Mul", self.cast(q, "int8", self.act), s)  # [hidden, ...ids]
         else:
             s = b.op("Gather", scales, ids, axis=1)  # [hidden / B, ...ids]
             w = b.op("DequantizeLinear", q, s, axis=0, block_size=qm.block_size)  # [hidden, ...ids]
@@ -491,9 +491,9 @@ class DecoderGraph:
         a quantized head (its own [hidden, vocab] codes, QUANTIZED_HEAD) is a linear."""
         b = self.b
         if QUANTIZED_HEAD in self.qweights:
-            return self.linear(h, self._mat(QUANTIZED_HEAD, None), None)
+            return self.linear(h, self.matrix(QUANTIZED_HEAD, None), None)
         name = "model.embed_tokens.weight" if self.spec.tie_embeddings else "lm_head.weight"
-        w = self._mat(name, self.w.lm_head)
+        w = self.matrix(name, self.w.lm_head)
         if self.paged:
             return b.op("Gemm", h, w, transB=1)
         flat = b.op("Reshape", h, b.const([-1, self.spec.hidden_size]))

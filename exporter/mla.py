@@ -147,17 +147,17 @@ def attention(dg, i: int, lw, hn: str, cos: str | None, sin: str | None, ctx) ->
     h, n, r, lat, v = spec.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank, m.v_head_dim
     p = f"model.layers.{i}.attn."
     if m.q_lora_rank is None:
-        q = dg.linear(hn, dg._mat(p + "q.weight", w.q_w), None)
+        q = dg.linear(hn, dg.matrix(p + "q.weight", w.q_w), None)
     else:
-        qa = dg.linear(hn, dg._mat(p + "q_a.weight", w.q_a_w), dg._mat(p + "q_a.bias", w.q_a_b))
+        qa = dg.linear(hn, dg.matrix(p + "q_a.weight", w.q_a_w), dg.matrix(p + "q_a.bias", w.q_a_b))
         qa = dg.norm(qa, w.q_a_norm_w, None, p + "q_a_norm")
-        q = dg.linear(qa, dg._mat(p + "q_b.weight", w.q_b_w), None)
-    q = b.op("Reshape", dg._to(q, dg.act, "float32"), b.const([0, h, n + r]))  # [T, H, N + R]
+        q = dg.linear(qa, dg.matrix(p + "q_b.weight", w.q_b_w), None)
+    q = b.op("Reshape", dg.cast(q, dg.act, "float32"), b.const([0, h, n + r]))  # [T, H, N + R]
     q_nope, q_rope = b.op("Split", q, b.const([n, r]), axis=-1, outputs=2)
     # absorbed: q_lat_h = q_nope_h @ W_UK_h, per head as one batched MatMul
-    q_lat = b.op("MatMul", b.op("Transpose", q_nope, perm=[1, 0, 2]), dg._f32(p + "w_uk", w.w_uk))  # [H, T, L]
-    ckv = dg.linear(hn, dg._mat(p + "kv_a.weight", w.kv_a_w), dg._mat(p + "kv_a.bias", w.kv_a_b))
-    c, k_rope = b.op("Split", dg._to(ckv, dg.act, "float32"), b.const([lat, r]), axis=-1, outputs=2)
+    q_lat = b.op("MatMul", b.op("Transpose", q_nope, perm=[1, 0, 2]), dg.f32(p + "w_uk", w.w_uk))  # [H, T, L]
+    ckv = dg.linear(hn, dg.matrix(p + "kv_a.weight", w.kv_a_w), dg.matrix(p + "kv_a.bias", w.kv_a_b))
+    c, k_rope = b.op("Split", dg.cast(ckv, dg.act, "float32"), b.const([lat, r]), axis=-1, outputs=2)
     c = dg.norm_f32(c, w.kv_norm_w, None, p + "kv_a_norm")  # [T, L]
     k_rope = b.op("Unsqueeze", k_rope, b.const([1]))  # [T, 1, R]
     if cos is not None:
@@ -168,17 +168,17 @@ def attention(dg, i: int, lw, hn: str, cos: str | None, sin: str | None, ctx) ->
     if dg.opts.kv_scales is not None:
         scale = b.named_const(io.latent_scale(i), np.asarray(dg.opts.kv_scales[i], np.float32).reshape(-1))
     if dg.plugin:
-        out, kv = plugin_attention(b, spec, i, dg._to(query, "float32", dg.act),
-                                   dg._to(b.op("Squeeze", latent, b.const([1])), "float32", dg.act),
+        out, kv = plugin_attention(b, spec, i, dg.cast(query, "float32", dg.act),
+                                   dg.cast(b.op("Squeeze", latent, b.const([1])), "float32", dg.act),
                                    block_size=dg.opts.block_size, kv_dtype=dg.kv, scale=scale)
-        out = dg._to(out, dg.act, "float32")  # [T, H, L]
+        out = dg.cast(out, dg.act, "float32")  # [T, H, L]
     else:
         query = b.op("Mul", query, b.const(spec.scale, "float32"))
         out, kv = paged_attention(b, spec, i, ctx, query, latent, kv_dtype=dg.kv, scale=scale)  # [T, H, L]
     # W_UV after attention: [H, T, L] @ [H, L, V] -> [T, H * V]
-    o = b.op("MatMul", b.op("Transpose", out, perm=[1, 0, 2]), dg._f32(p + "w_uv", w.w_uv))  # [H, T, V]
+    o = b.op("MatMul", b.op("Transpose", out, perm=[1, 0, 2]), dg.f32(p + "w_uv", w.w_uv))  # [H, T, V]
     o = b.op("Reshape", b.op("Transpose", o, perm=[1, 0, 2]), b.const([0, h * v]))  # [T, H*V]
-    o = dg.linear(dg._to(o, "float32", dg.act), dg._mat(p + "o.weight", lw.o_w), dg._mat(p + "o.bias", lw.o_b))
+    o = dg.linear(dg.cast(o, "float32", dg.act), dg.matrix(p + "o.weight", lw.o_w), dg.matrix(p + "o.bias", lw.o_b))
     return o, (kv,)
 
 

@@ -333,9 +333,9 @@ def route(g, x2: str, layer: int, ew: ExpertWeights) -> tuple[str, str]:
     b, moe = g.b, g.spec.moe
     p = f"model.layers.{layer}.mlp.router."
     e, k = moe.num_experts, moe.top_k
-    logits = b.op("MatMul", g._to(x2, g.act, "float32"), g._f32(p + "weight", ew.router_w))  # [N, E]
+    logits = b.op("MatMul", g.cast(x2, g.act, "float32"), g.f32(p + "weight", ew.router_w))  # [N, E]
     if ew.router_b is not None:
-        logits = b.op("Add", logits, g._f32(p + "bias", ew.router_b))
+        logits = b.op("Add", logits, g.f32(p + "bias", ew.router_b))
     kk = b.const([k])
     if moe.scoring == "topk_softmax":
         vals, idx = b.op("TopK", logits, kk, axis=-1, outputs=2)
@@ -349,7 +349,7 @@ def route(g, x2: str, layer: int, ew: ExpertWeights) -> tuple[str, str]:
         vals, idx = b.op("TopK", probs, kk, axis=-1, outputs=2)
     else:  # sigmoid: the corrected scores choose, the plain scores weigh
         scores = b.op("Sigmoid", logits)
-        choice = b.op("Add", scores, g._f32(p + "e_score_correction_bias", ew.score_bias)) \
+        choice = b.op("Add", scores, g.f32(p + "e_score_correction_bias", ew.score_bias)) \
             if ew.score_bias is not None else scores
         if moe.grouped_topk:  # v3: group score = its 2 best choices; other groups -inf
             grouped = b.op("Reshape", choice, b.const([0, moe.n_group, e // moe.n_group]))
@@ -388,13 +388,13 @@ def _zeros(g, shape: str, dtype: str, value: float = 0.0) -> str:
 def _expert(g, x: str, layer: int, e: int, ew: ExpertWeights) -> str:
     """One expert's MLP on its rows x [n, H] -> [n, H] (activation dtype)."""
     b, moe = g.b, g.spec.moe
-    up = g.linear(x, g._mat(expert_name(layer, e, "up"), ew.up_w[e]),
-                  g._mat(expert_name(layer, e, "up", "bias"), None if ew.up_b is None else ew.up_b[e]))
+    up = g.linear(x, g.matrix(expert_name(layer, e, "up"), ew.up_w[e]),
+                  g.matrix(expert_name(layer, e, "up", "bias"), None if ew.up_b is None else ew.up_b[e]))
     inter = moe.expert_intermediate_size
     gate, up = b.op("Split", up, b.const([inter, inter]), axis=-1, outputs=2)
     m = _glu(g, gate, up)
-    return g.linear(m, g._mat(expert_name(layer, e, "down"), ew.down_w[e]),
-                    g._mat(expert_name(layer, e, "down", "bias"), None if ew.down_b is None else ew.down_b[e]))
+    return g.linear(m, g.matrix(expert_name(layer, e, "down"), ew.down_w[e]),
+                    g.matrix(expert_name(layer, e, "down", "bias"), None if ew.down_b is None else ew.down_b[e]))
 
 
 def _glu(g, gate: str, up: str) -> str:
@@ -434,7 +434,7 @@ def _grouped_experts(g, x2: str, layer: int, ew: ExpertWeights, weights: str, id
     # NOTE: every row of [N*k] is written exactly once (each (token, slot) has one expert), so
     # ScatterND needs no reduction; the k slots of a token are summed in slot order
     zeros = _zeros(g, b.op("Shape", xr), g.act)
-    w = g._to(b.op("Reshape", weights, b.const([-1, 1])), "float32", g.act)  # [N*k, 1]
+    w = g.cast(b.op("Reshape", weights, b.const([-1, 1])), "float32", g.act)  # [N*k, 1]
     out = b.op("Mul", b.op("ScatterND", zeros, rows, y), w)  # [N*k, H]
     return b.op("ReduceSum", b.op("Reshape", out, b.const([-1, k, hid])), b.const([1]), keepdims=0)
 
@@ -444,16 +444,16 @@ def _dense_experts(g, x2: str, layer: int, ew: ExpertWeights, weights: str, idx:
     x [N, H] @ up [E, H, 2I] -> [E, N, 2I] -> glu -> @ down [E, I, H] -> [E, N, H] -> Σ_E w."""
     b, moe = g.b, g.spec.moe
     p = f"model.layers.{layer}.mlp.experts.stacked."
-    up = b.op("MatMul", x2, g._weight(p + "up.weight", ew.up_w, g.act))  # [E, N, 2I]
+    up = b.op("MatMul", x2, g.weight(p + "up.weight", ew.up_w, g.act))  # [E, N, 2I]
     if ew.up_b is not None:
-        up = b.op("Add", up, g._weight(p + "up.bias", ew.up_b[:, None, :], g.act))
+        up = b.op("Add", up, g.weight(p + "up.bias", ew.up_b[:, None, :], g.act))
     inter = moe.expert_intermediate_size
     gate, up = b.op("Split", up, b.const([inter, inter]), axis=-1, outputs=2)
-    y = b.op("MatMul", _glu(g, gate, up), g._weight(p + "down.weight", ew.down_w, g.act))  # [E, N, H]
+    y = b.op("MatMul", _glu(g, gate, up), g.weight(p + "down.weight", ew.down_w, g.act))  # [E, N, H]
     if ew.down_b is not None:
-        y = b.op("Add", y, g._weight(p + "down.bias", ew.down_b[:, None, :], g.act))
+        y = b.op("Add", y, g.weight(p + "down.bias", ew.down_b[:, None, :], g.act))
     n_e = b.op("Concat", b.op("Slice", b.op("Shape", x2), b.const([0]), b.const([1])), b.const([moe.num_experts]),
                axis=0)
-    full = b.op("ScatterElements", _zeros(g, n_e, g.act), idx, g._to(weights, "float32", g.act), axis=1)  # [N, E]
+    full = b.op("ScatterElements", _zeros(g, n_e, g.act), idx, g.cast(weights, "float32", g.act), axis=1)  # [N, E]
     wt = b.op("Unsqueeze", b.op("Transpose", full, perm=[1, 0]), b.const([2]))  # [E, N, 1]
     return b.op("ReduceSum", b.op("Mul", y, wt), b.const([0]), keepdims=0)  # [N, H]
