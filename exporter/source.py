@@ -15,6 +15,7 @@ from pathlib import Path
 from kvexport.errors import ConfigError, SourceError, UnsupportedModelError
 from kvexport.manifest import sha256
 
+from . import config_fields
 from .families import FAMILIES, family_for, supported_gguf_archs
 
 log = logging.getLogger(__name__)
@@ -139,16 +140,21 @@ def gguf_config_fields(path: Path) -> dict[str, int]:
 
 
 def config_json(cfg_path: Path) -> dict:
-    """A config.json parsed and checked: a JSON object whose model_type kvexport supports
-    (ConfigError / UnsupportedModelError naming the file or the field otherwise)."""
+    """A config.json parsed and checked: a JSON object whose model_type kvexport supports and whose
+    shape fields are integers in range (exporter/config_fields.py); ConfigError / UnsupportedModelError
+    naming the file or the field otherwise. The one reader of config.json for `plan` and `build`."""
     try:
-        cfg = json.loads(cfg_path.read_text())
+        cfg = json.loads(cfg_path.read_text(), parse_int=config_fields.parse_int)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{cfg_path} is not valid JSON ({e}); fix it or download the model again") from None
+    except RecursionError:  # json's C parser recurses per level: 100,000 nested lists
+        raise ConfigError(f"{cfg_path} is nested too deeply to be a model config (lists or objects inside each "
+                          f"other thousands of levels deep); fix it or download the model again") from None
     if not isinstance(cfg, dict):
         raise ConfigError(f"{cfg_path} must hold a JSON object, got {type(cfg).__name__}; fix it or "
                           f"download the model again")
     family_for(cfg.get("model_type"))  # unknown model_type fails here, before any loading
+    config_fields.check_shape_fields(cfg, str(cfg_path))  # NOTE: before transformers or any arithmetic sees them
     return cfg
 
 
@@ -189,7 +195,7 @@ def _check_hf_dir(d: Path, name: str, allow_pickle: bool) -> ModelSource:
     if index.is_file():
         try:
             shards = set(json.loads(index.read_text())["weight_map"].values())
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
             raise ConfigError(f"{index} is malformed ({type(e).__name__}: {e}); download it again") from None
         missing = sorted(s for s in shards if not (d / s).is_file())
         if missing:

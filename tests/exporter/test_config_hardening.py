@@ -44,11 +44,15 @@ def _patched(hf_folder, tmp_path, **fields):
 
 
 @pytest.mark.parametrize("fields, words", [
-    (dict(num_key_value_heads=0), "config field 'num_key_value_heads' of a llama model must be a positive integer, "
-                                  "got 0"),
-    (dict(head_dim=0), "config field 'head_dim' of a llama model must be a positive integer, got 0"),
-    (dict(num_hidden_layers=100_000), "config field 'num_hidden_layers' of {src} is 100000, but its weights hold 2 "
-                                      "decoder layer(s) (layer indices 0..1)"),
+    # read with config.json (exporter/config_fields.py): the field and its range
+    (dict(num_key_value_heads=0), "config field 'num_key_value_heads' of {src}/config.json must be an integer in "
+                                  "1..1,024, got 0"),
+    (dict(head_dim=0), "config field 'head_dim' of {src}/config.json must be an integer in 1..4,096, got 0"),
+    (dict(num_hidden_layers=100_000), "config field 'num_hidden_layers' of {src}/config.json must be an integer in "
+                                      "1..1,024, got 100000"),
+    # in range, but more than the safetensors headers hold
+    (dict(num_hidden_layers=1000), "config field 'num_hidden_layers' of {src} is 1000, but its weights hold 2 "
+                                   "decoder layer(s) (layer indices 0..1)"),
 ])
 def test_config_refusals_name_the_field_before_loading(hf_folder, tmp_path, monkeypatch, fields, words):
     from kvexport.exporter import source
