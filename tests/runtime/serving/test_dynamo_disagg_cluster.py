@@ -31,11 +31,6 @@ PROMPTS = [[100 + i for i in range(40)],  # 2 full blocks of 16 handed over, 8 t
            [200 + (i * 37) % 3000 for i in range(33)]]  # 2 blocks + 1 token
 
 
-def _bench():
-    """bench/dynamo_routing.py, whose `local_cluster` starts the frontend and the workers."""
-    return bench_script("dynamo_routing")
-
-
 @pytest.fixture(scope="module")
 def build_dir(hf_folder, tmp_path_factory):
     """chat_build's tiny llama with int8 KV."""
@@ -53,7 +48,7 @@ def build_dir(hf_folder, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster(build_dir, tmp_path_factory):
-    bench = _bench()
+    bench = bench_script("dynamo_routing")
     with bench.local_cluster(build_dir, tmp_path_factory.mktemp("disagg"), 2, "kv", ("--kv-cache-memory", "4MiB"),
                              namespace="kvxdisagg", model=MODEL,
                              each_worker_args=[("--mode", "prefill"), ("--mode", "decode")]) as c:
@@ -73,7 +68,7 @@ def test_prefill_and_decode_workers_give_aggregated_tokens(cluster, build_dir):
         choice = r.json()["choices"][0]
         got.append([int(t.removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]])
     assert got == [o.token_ids for o in ref] + [ref[0].token_ids]
-    bench = _bench()
+    bench = bench_script("dynamo_routing")
     bench.wait_until(lambda: cluster.worker_metrics(0)["kvexport_disagg_rooms_open"] == 0,
                      "every offer taken (the decode side's notifications)", cluster.log_text, timeout=20)
     prefill, decode = cluster.worker_metrics(0), cluster.worker_metrics(1)

@@ -27,14 +27,10 @@ from testkit.bench import script as bench_script  # noqa: E402
 
 
 
-def _bench():
-    """bench/dynamo_routing.py, whose `local_cluster` starts the frontend and the workers."""
-    return bench_script("dynamo_routing")
-
-
 @pytest.fixture(scope="module")
 def bench():
-    return _bench()
+    """bench/dynamo_routing.py, whose `local_cluster` starts the frontend and the workers."""
+    return bench_script("dynamo_routing")
 
 
 @pytest.fixture(scope="module")

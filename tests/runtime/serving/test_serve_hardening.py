@@ -22,6 +22,7 @@ import time
 
 import httpx
 import pytest
+from testkit.serving import health_while
 from click.testing import CliRunner
 
 from kvexport.cli import main
@@ -54,20 +55,6 @@ def base(spin_build, serve_module):
     return serve_module(spin_build, "--kv-cache-memory", "16MiB").base
 
 
-def _health_while(client: httpx.Client, base: str, threads: list[threading.Thread]) -> list[float]:
-    """/health latencies (s), one request after another, until every thread has finished."""
-    lat = []
-    for t in threads:
-        t.start()
-    while any(t.is_alive() for t in threads):
-        t0 = time.monotonic()
-        assert client.get(f"{base}/health").status_code == 200
-        lat.append(time.monotonic() - t0)
-    for t in threads:
-        t.join()
-    return lat
-
-
 def test_health_answers_while_big_requests_are_tokenized(base):
     client = httpx.Client(timeout=120)
     idle = [client.get(f"{base}/health").elapsed.total_seconds() for _ in range(5)]
@@ -80,7 +67,7 @@ def test_health_answers_while_big_requests_are_tokenized(base):
         answers.append(httpx.post(f"{base}/v1/completions", content=body, timeout=120,
                                   headers={"content-type": "application/json"}))
 
-    lat = _health_while(client, base, [threading.Thread(target=send) for _ in range(4)])
+    lat = health_while(client, base, [threading.Thread(target=send) for _ in range(4)])
     assert [r.status_code for r in answers] == [400] * 4
     assert {r.json()["error"]["code"] for r in answers} == {"context_length_exceeded"}  # they were tokenized
     print(f"/health while 4 big requests were tokenized: {len(lat)} answers, median {statistics.median(lat):.3f} s, "
@@ -104,7 +91,7 @@ def test_a_spinning_chat_template_is_stopped_and_others_are_served(base):
         while spin.is_alive() and len(others) < 3:
             others.append(client.post(f"{base}/v1/chat/completions", json=CHAT))
 
-    lat = _health_while(client, base, [spin, threading.Thread(target=chats)])
+    lat = health_while(client, base, [spin, threading.Thread(target=chats)])
     took = time.monotonic() - t0
     (r,) = spun
     err = r.json()["error"]

@@ -18,6 +18,7 @@ import time
 
 import httpx
 import pytest
+from testkit.serving import health_while
 
 # 130,000 one-token lists: 650 KB, under the 1 MiB body limit; refused by its count (64 at most)
 MANY_LISTS = json.dumps({"prompt": [[1]] * 130_000, "max_tokens": 1})
@@ -25,21 +26,6 @@ MANY_LISTS = json.dumps({"prompt": [[1]] * 130_000, "max_tokens": 1})
 # 48 ms at most; 0.18 s at most with the machine's load at 5; before the fix 1.25 s, as the parses ran one
 # after another on the event loop)
 HEALTH_BOUND_S = 0.5
-
-
-def _health_latencies(base: str, threads: list[threading.Thread]) -> list[float]:
-    """/health latencies (s), one after another, while `threads` run."""
-    client = httpx.Client(timeout=60)
-    lat = []
-    for t in threads:
-        t.start()
-    while any(t.is_alive() for t in threads):
-        t0 = time.monotonic()
-        assert client.get(f"{base}/health").status_code == 200
-        lat.append(time.monotonic() - t0)
-    for t in threads:
-        t.join()
-    return lat
 
 
 def test_health_answers_while_eight_max_size_bodies_are_parsed(chat_build, serve_process):
@@ -55,7 +41,7 @@ def test_health_answers_while_eight_max_size_bodies_are_parsed(chat_build, serve
                                   headers={"content-type": "application/json"}))
 
     idle = [httpx.get(f"{base}/health").elapsed.total_seconds() for _ in range(5)]
-    lat = _health_latencies(base, [threading.Thread(target=send) for _ in range(8)])
+    lat = health_while(httpx.Client(timeout=60), base, [threading.Thread(target=send) for _ in range(8)])
     assert [r.status_code for r in answers] == [400] * 8
     assert {r.json()["error"]["code"] for r in answers} == {"too_many_sequences"}
     print(f"\n/health while 8 max-size bodies were parsed: {len(lat)} answers, median "
