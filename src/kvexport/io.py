@@ -193,6 +193,19 @@ QUERY_START_LOC = "query_start_loc"
 SEQ_LENS = "seq_lens"
 BLOCK_TABLES = "block_tables"
 SLOT_MAPPING = "slot_mapping"
+# logits where they are asked for (speculative decoding, echo; paged builds that declare it):
+# the packed token rows (ascending indices into input_ids) whose logits the step returns, vLLM's
+# `logits_indices`. The runtime asks for each sequence's last token (plain decode), the 1 + k rows of
+# a verified draft, or the prompt rows of an echo / prompt_logprobs request.
+#   logits_indices [num_logits] int64  ->  logits [num_logits, vocab]
+LOGITS_INDICES = "logits_indices"
+# importance eviction (paged builds that declare it): each sequence's last `observation_lens[s]`
+# tokens of this step are observation queries (0: none); `attention_scores.{i}` is, per sequence and
+# KV head, the softmax attention mass those queries (all query heads of the KV head's group, summed)
+# give each KV position j of the sequence (block table entry j // block_size; positions the step
+# does not attend to are 0).
+#   observation_lens [num_seqs] int64  ->  attention_scores.{i} [num_seqs, kv_heads, score_len] float32
+OBSERVATION_LENS = "observation_lens"
 # KV cache groups (see the module docstring): the full group uses the names above
 FULL_GROUP = "full"
 LOCAL_GROUP = "local"
@@ -260,6 +273,11 @@ def key_cache_out(i: int) -> str:
 
 def value_cache_out(i: int) -> str:
     return f"value_cache_out.{i}"
+
+
+def attention_scores(i: int) -> str:
+    """Layer i's attention mass per KV position for the observation queries (OBSERVATION_LENS)."""
+    return f"attention_scores.{i}"
 
 
 def latent_cache(i: int) -> str:
@@ -337,6 +355,8 @@ NUM_SEQS = "num_seqs"
 NUM_SEQS_PLUS_1 = "num_seqs_plus_1"
 MAX_BLOCKS = "max_blocks_per_seq"
 NUM_BLOCKS = "num_blocks"
+NUM_LOGITS = "num_logits"  # rows of LOGITS_INDICES
+SCORE_LEN = "score_len"  # KV positions an attention_scores row covers (max_blocks_per_seq * block_size)
 
 
 @dataclass(frozen=True, slots=True)
