@@ -191,20 +191,26 @@ def library_for(manifest) -> tuple[Path | None, str]:
     return lib, ""
 
 
-def one_node_model(attrs, kv_dtype: str):
+def one_node_model(attrs, kv_dtype: str, scores: bool = False):
     """An ONNX model of one PagedAttention node (inputs/outputs named as in spec.py), to run
-    or measure the op on its own; float32 activations, `kv_dtype` float32, int8 or int4 (uint8) pools."""
+    or measure the op on its own; float32 activations, `kv_dtype` float32, int8 or int4 (uint8) pools.
+    `scores`: with the optional observation_lens input and attention_scores output (spec.py)."""
     from onnx import TensorProto, helper
 
     from kvexport import io
 
-    from .spec import INPUTS, OUTPUTS
+    from .spec import INPUTS, OUTPUTS, SCORE_INPUT, SCORE_OUTPUT
 
     pool = {"int8": TensorProto.INT8, "int4": TensorProto.UINT8}.get(kv_dtype, TensorProto.FLOAT)
     types = [TensorProto.FLOAT] * 3 + [pool] * 2 + [TensorProto.INT64] * 4 + [TensorProto.FLOAT] * 2
-    ins = [helper.make_tensor_value_info(n, t, None) for n, t in zip(INPUTS, types)]
-    outs = [helper.make_tensor_value_info(n, t, None) for n, t in zip(OUTPUTS, [TensorProto.FLOAT, pool, pool])]
-    node = helper.make_node(io.PLUGIN_OP, list(INPUTS), list(OUTPUTS), domain=io.PLUGIN_DOMAIN,
+    in_names, out_names = list(INPUTS), list(OUTPUTS)
+    out_types = [TensorProto.FLOAT, pool, pool]
+    if scores:
+        in_names, out_names = in_names + [SCORE_INPUT], out_names + [SCORE_OUTPUT]
+        types, out_types = types + [TensorProto.INT64], out_types + [TensorProto.FLOAT]
+    ins = [helper.make_tensor_value_info(n, t, None) for n, t in zip(in_names, types)]
+    outs = [helper.make_tensor_value_info(n, t, None) for n, t in zip(out_names, out_types)]
+    node = helper.make_node(io.PLUGIN_OP, in_names, out_names, domain=io.PLUGIN_DOMAIN,
                             **attrs.onnx_attributes())
     return helper.make_model(helper.make_graph([node], "paged_attention", ins, outs),
                              opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(io.PLUGIN_DOMAIN, 1)])

@@ -151,6 +151,44 @@ def paged_attention(query, key, value, key_cache, value_cache, block_tables, seq
     return out.to(query.dtype)
 
 
+def attention_scores(query, key_cache, block_tables, seq_lens, query_start_loc, observation_lens, k_scale=None,
+                     *, attrs: PagedAttentionAttrs) -> torch.Tensor:
+    """The optional output `attention_scores` (spec.py "Attention scores"), float64
+    [num_seqs, num_kv_heads, max_blocks * block_size]: for sequence s, its last
+    min(observation_lens[s], q_len) new tokens' softmax probabilities, summed over those queries
+    and over the query heads of each KV head, at each key position j (0 where nothing attends).
+    Call it after `paged_attention` (the pools then hold this step's keys)."""
+    num_seqs, max_blocks = block_tables.shape
+    out = torch.zeros(num_seqs, attrs.num_kv_heads, max_blocks * attrs.block_size, dtype=torch.float64,
+                      device=query.device)
+    g = attrs.group_size
+    for s in range(num_seqs):
+        start, end = int(query_start_loc[s]), int(query_start_loc[s + 1])
+        q_len, total = end - start, int(seq_lens[s])
+        obs = min(int(observation_lens[s]), q_len)
+        if obs <= 0:
+            continue
+        k = read_kv(key_cache, block_tables[s], total, attrs, k_scale).repeat_interleave(g, dim=0)  # [H, L, D]
+        q = query[end - obs:end].double().transpose(0, 1)  # [H, obs, D]
+        scores = attrs.scale * (q @ k.transpose(1, 2))  # [H, obs, L]
+        if attrs.logit_softcap:
+            scores = attrs.logit_softcap * torch.tanh(scores / attrs.logit_softcap)
+        qpos = total - obs + torch.arange(obs, device=query.device)[:, None]
+        kpos = torch.arange(total, device=query.device)[None, :]
+        visible = kpos <= qpos
+        if attrs.sliding_window:
+            visible &= (qpos - kpos) < attrs.sliding_window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        if attrs.attention_sinks:
+            sink = torch.tensor(attrs.attention_sinks, dtype=torch.float64, device=query.device)
+            scores = torch.cat([scores, sink[:, None, None].expand(-1, obs, 1)], dim=-1)
+            probs = torch.softmax(scores, dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)  # [H, obs, L]
+        out[s, :, :total] = probs.sum(1).reshape(attrs.num_kv_heads, g, total).sum(1)
+    return out
+
+
 def make_case(*, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, q_lens: list[int],
               ctx_lens: list[int], num_blocks: int | None = None, kv_dtype: str = "float32",
               act_dtype: str = "float32", sliding_window: int = 0, shared_prefix_blocks: int = 0,

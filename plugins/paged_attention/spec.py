@@ -56,6 +56,25 @@ Outputs::
     1 key_cache       aliased to input 3 (updated in place)
     2 value_cache     aliased to input 4 (updated in place)
 
+Attention scores (optional; importance eviction, runtime/core/importance.py): a node of a build
+that declares scoring (manifest kv.attention_scores) has a 12th input and a 4th output::
+
+   11 observation_lens [num_seqs] int64    each sequence's last min(observation_lens[s], q_len) new
+                                           tokens are observation queries (0: none)
+    3 attention_scores [num_seqs, num_kv_heads, max_blocks * block_size] float32
+        scores[s, h, j] = sum over the observation queries i of s and the query heads h' of KV head h
+                          of softmax_j(s_{h', i, j}), the probabilities `attend` uses (soft-cap,
+                          window and sinks included); 0 at positions nothing attends to
+
+    NOTE (why an input, and not "the last w tokens" as an attribute): the runtime asks only the step
+    in which a prompt completes (chunked prefill: its last chunk), so which sequences observe changes
+    per step. The op computes the probabilities in a second pass over the observed rows' keys, after
+    the attention: the online softmax never holds all p_j of a row, and keeping them for every row
+    would cost O(rows x keys) memory for the few rows observed. Implemented by the reference
+    (`reference.attention_scores`, float64), the native CPU op and the `onnx` attention form
+    (exporter/attention.py); the Triton kernels and the TensorRT plugin do not score yet (a
+    scoring build is refused by `kvexport build --backend tensorrt`, see trt.py).
+
 INT8 KV: static symmetric scales per KV head *and channel* (from `kvexport calibrate`: the
 calibration text's absmax of each key / value channel, / 127); stored value
 code = saturate_int8(round_half_even(x / scale)), x / scale computed in float32 with IEEE
@@ -111,6 +130,9 @@ PLUGIN_ID = f"{NAMESPACE}::{OP_TYPE}"  # tensorrt.plugin id
 INPUTS = ("query", "key", "value", "key_cache", "value_cache", "block_tables", "seq_lens",
           "query_start_loc", "slot_mapping", "k_scale", "v_scale")
 OUTPUTS = ("output", "key_cache_out", "value_cache_out")
+SCORE_INPUT = io.OBSERVATION_LENS  # optional input 11 ("Attention scores" above)
+SCORE_OUTPUT = "attention_scores"  # optional output 3; the graph names it io.attention_scores(layer)
+SCORE_TOLERANCE = 1e-5  # max |native op - reference| of attention_scores (float32 sums of probabilities)
 ALIASES = {1: 3, 2: 4}  # output index -> the input index it aliases (in-place pool update)
 NUM_INPUTS = 11  # scales included for every kv dtype (see the NOTE above)
 

@@ -43,7 +43,7 @@
 
 namespace {
 
-constexpr int kInputs = 11;
+constexpr int kInputs = 11;  // + observation_lens (optional input 11: scoring builds, spec.py)
 constexpr int64_t kTileTokens = 16;  // query tokens per task (x G query heads = rows)
 constexpr int W = 16;                // keys scored at once (one vector of scores)
 
@@ -364,6 +364,74 @@ void attend_rows(const Step& st, const Task& t) {
                     tl.head(t, r));
 }
 
+// Importance scores (optional input 11 / output 3, spec.py "Attention scores"): the last obs tokens of
+// sequence s are observation queries; scores[s, h, j] = sum over them and over the G query heads of KV
+// head h of softmax(q · k)_j. Run after the attention (the pools hold this step's keys), one task per
+// (sequence, KV head): each writes only its own row, so the tasks need no synchronisation.
+// NOTE: a second pass over the observed rows' keys, inside the op: the online softmax above ends
+// with m and l but never holds every p_j, and keeping them for all rows would cost O(rows x keys) for
+// the few rows that are observed. Accumulated in double (sums of up to obs x G probabilities).
+struct ScoreTask {
+  int64_t seq, kv_head;
+};
+
+struct ScoreStep {
+  const Step* st;
+  const int64_t* obs;  // [S] observation_lens
+  float* scores;       // [S, kvH, score_len]
+  int64_t score_len;
+  std::vector<ScoreTask> tasks;
+};
+
+template <typename KV>
+void score_task(void* user, size_t i) {
+  const ScoreStep& sc = *static_cast<const ScoreStep*>(user);
+  const Step& st = *sc.st;
+  const Attrs& a = st.a;
+  const ScoreTask& t = sc.tasks[i];
+  const int64_t d = a.head_dim, g = a.num_heads / a.num_kv_heads, bs = a.block_size, rs = a.row;
+  const int64_t q_start = st.qsl[t.seq], q_len = st.qsl[t.seq + 1] - q_start, total = st.seq_lens[t.seq];
+  const int64_t ctx = total - q_len, obs = std::min(sc.obs[t.seq], q_len);
+  const int64_t* table = st.tables + t.seq * st.max_blocks;
+  const KV* kpool = static_cast<const KV*>(st.key_cache);
+  const float* k_scale = a.int8 ? st.k_scale + t.kv_head * d : nullptr;
+  std::vector<float> keys(static_cast<size_t>(total * d));  // this head's keys [total, d] as float32
+  for (int64_t j = 0; j < total; ++j) {
+    const KV* row = kpool + static_cast<size_t>(((t.kv_head * st.num_blocks + table[j / bs]) * bs + j % bs) * rs);
+    float* dst = keys.data() + j * d;
+    if constexpr (std::is_same_v<KV, Int4>) {
+      kvexport_int4::dequantize_rows(row, 1, d, rs, dst);
+    } else {
+      for (int64_t c = 0; c < d; ++c) dst[c] = to_f(row[c]) * (k_scale ? k_scale[c] : 1.f);
+    }
+  }
+  std::vector<double> p(static_cast<size_t>(total)), acc(static_cast<size_t>(total), 0.0);
+  for (int64_t qi = q_len - obs; qi < q_len; ++qi) {
+    const int64_t pos = ctx + qi;
+    const int64_t first = a.sliding_window > 0 ? std::max<int64_t>(0, pos - a.sliding_window + 1) : 0;
+    for (int64_t hq = t.kv_head * g; hq < (t.kv_head + 1) * g; ++hq) {
+      const float* q = st.query + ((q_start + qi) * a.num_heads + hq) * d;
+      double m = -std::numeric_limits<double>::infinity();
+      for (int64_t j = first; j <= pos; ++j) {
+        double s = 0.0;
+        const float* k = keys.data() + j * d;
+        for (int64_t c = 0; c < d; ++c) s += static_cast<double>(q[c]) * k[c];
+        s *= a.scale;
+        if (a.logit_softcap > 0.f) s = a.logit_softcap * std::tanh(s / a.logit_softcap);
+        p[j] = s;
+        m = std::max(m, s);
+      }
+      const double sink = a.sinks ? static_cast<double>(a.sinks[hq]) : -std::numeric_limits<double>::infinity();
+      m = std::max(m, sink);
+      double l = a.sinks ? std::exp(sink - m) : 0.0;
+      for (int64_t j = first; j <= pos; ++j) l += (p[j] = std::exp(p[j] - m));
+      for (int64_t j = first; j <= pos; ++j) acc[j] += p[j] / l;
+    }
+  }
+  float* out = sc.scores + (t.seq * a.num_kv_heads + t.kv_head) * sc.score_len;
+  for (int64_t j = 0; j < total; ++j) out[j] = static_cast<float>(acc[j]);
+}
+
 constexpr int64_t kRowsMin = 8;  // tasks with fewer rows take the dot-product path
 static_assert(kRowsMin - 1 <= kvexport_int4::kMaxRows, "int4 decode tasks: attend_chunk's row count");
 
@@ -439,7 +507,10 @@ struct Kernel {
 
   void Compute(OrtKernelContext* context) {
     Ort::KernelContext ctx(context);
-    if (ctx.GetInputCount() != kInputs) fail("expects 11 inputs");
+    const size_t n_in = ctx.GetInputCount();
+    if (n_in != kInputs && n_in != kInputs + 1) fail("expects 11 inputs (12 with observation_lens)");
+    // scoring (spec.py "Attention scores"): observation_lens given and attention_scores asked for
+    const bool scoring = n_in == kInputs + 1 && ctx.GetInput(kInputs) != nullptr && ctx.GetOutputCount() > 3;
     Ort::ConstValue query = ctx.GetInput(0), key = ctx.GetInput(1), value = ctx.GetInput(2);
     Ort::ConstValue kc = ctx.GetInput(3), vc = ctx.GetInput(4);
     const auto qs = shape_of(query), ks = shape_of(key), vs = shape_of(value), ps = shape_of(kc);
@@ -489,6 +560,13 @@ struct Kernel {
 
     // validate the step's metadata before anything is written
     kvexport_paged::check_step(kOp, st.qsl, st.seq_lens, st.tables, slots, S, T, MB, NB, bs);
+    const int64_t* obs = nullptr;
+    if (scoring) {
+      if (shape_of(ctx.GetInput(kInputs)) != std::vector<int64_t>{S}) fail("observation_lens must be [num_seqs]");
+      obs = ctx.GetInput(kInputs).GetTensorData<int64_t>();
+      for (int64_t s = 0; s < S; ++s)
+        if (obs[s] < 0) fail("observation_lens must be >= 0");
+    }
     if (a.int8)
       for (int64_t i = 0; i < kvH * D; ++i)
         if (!(st.k_scale[i] > 0.f) || !(st.v_scale[i] > 0.f)) fail("int8 scales must be > 0");
@@ -538,17 +616,33 @@ struct Kernel {
       for (int64_t i0 = 0; i0 < q_len; i0 += kTileTokens)
         for (int64_t h = 0; h < kvH; ++h) st.tasks.push_back({s, h, i0, std::min(q_len, i0 + kTileTokens)});
     }
-    if (st.tasks.empty()) return;
     // longest context first, so the thread pool ends together
     std::sort(st.tasks.begin(), st.tasks.end(), [&](const Task& x, const Task& y) {
       return st.seq_lens[x.seq] - (st.qsl[x.seq + 1] - st.qsl[x.seq]) + x.i1 >
              st.seq_lens[y.seq] - (st.qsl[y.seq + 1] - st.qsl[y.seq]) + y.i1;
     });
-    ctx.ParallelFor(a.int4 ? task_fn<Int4>(D) : a.int8 ? task_fn<int8_t>(D) : task_fn<float>(D), st.tasks.size(), 0, &st);
+    if (!st.tasks.empty())
+      ctx.ParallelFor(a.int4 ? task_fn<Int4>(D) : a.int8 ? task_fn<int8_t>(D) : task_fn<float>(D), st.tasks.size(), 0,
+                      &st);
+
+    // 3. attention scores of the observation queries: [S, kvH, max_blocks * block_size], 0 where unobserved
+    if (ctx.GetOutputCount() > 3) {
+      ScoreStep sc{&st, obs, nullptr, MB * bs, {}};
+      Ort::UnownedValue scores = ctx.GetOutput(3, std::vector<int64_t>{S, kvH, sc.score_len});
+      sc.scores = scores.GetTensorMutableData<float>();
+      std::fill(sc.scores, sc.scores + S * kvH * sc.score_len, 0.f);
+      for (int64_t s = 0; obs != nullptr && s < S; ++s)
+        if (obs[s] > 0 && st.qsl[s + 1] > st.qsl[s])
+          for (int64_t h = 0; h < kvH; ++h) sc.tasks.push_back({s, h});
+      if (!sc.tasks.empty())
+        ctx.ParallelFor(a.int4 ? score_task<Int4> : a.int8 ? score_task<int8_t> : score_task<float>, sc.tasks.size(), 0,
+                        &sc);
+    }
   }
 };
 
-// Output 0 has the query's type and shape, outputs 1 and 2 the pools' (float32, int8 or uint8).
+// Output 0 has the query's type and shape, outputs 1 and 2 the pools' (float32, int8 or uint8);
+// output 3 (attention_scores, float32 [S, kvH, score_len]) is left to the graph's declared shape.
 OrtStatusPtr infer_types(const OrtCustomOp*, OrtShapeInferContext* ctx) {
   const size_t from[3] = {0, 3, 4};
   for (size_t i = 0; i < 3; ++i)
@@ -563,15 +657,22 @@ struct Op : Ort::CustomOpBase<Op, Kernel, true> {
   }
   const char* GetName() const { return "PagedAttention"; }
   const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
-  size_t GetInputTypeCount() const { return kInputs; }
+  size_t GetInputTypeCount() const { return kInputs + 1; }
   ONNXTensorElementDataType GetInputType(size_t i) const {
+    if (i == kInputs) return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;  // observation_lens
     if (i <= 2 || i >= 9) return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
     if (i <= 4) return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;  // float32, int8 or int4 (uint8) pools
     return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
   }
-  size_t GetOutputTypeCount() const { return 3; }
+  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
+    return i == kInputs ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+  }
+  size_t GetOutputTypeCount() const { return 4; }
   ONNXTensorElementDataType GetOutputType(size_t i) const {
-    return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+    return i == 0 || i == 3 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  }
+  OrtCustomOpInputOutputCharacteristic GetOutputCharacteristic(size_t i) const {
+    return i == 3 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;  // attention_scores
   }
 };
 
