@@ -36,6 +36,8 @@ from typing import AsyncIterator, Callable, Iterator
 
 import httpx
 
+from kvexport.runtime.serving.dynamo_events import EventBroker
+
 HERE = Path(__file__).resolve().parent
 READY = re.compile(r"dynamo worker: model '.*' on dyn://")
 MODEL = "bench"
@@ -103,9 +105,12 @@ def local_cluster(build_dir: str | Path, tmp: Path, workers: int = 2, router_mod
     after `worker_args` (e.g. its --mode prefill / decode: bench/dynamo_disagg.py)."""
     tmp.mkdir(parents=True, exist_ok=True)
     http = low_free_ports(1 + workers)
+    # the event plane through a broker on loopback (docs/DEPLOYMENT.md): nothing listens beyond 127.0.0.1
+    broker = None if "DYN_ZMQ_BROKER_URL" in os.environ else EventBroker().start()
     env = dict(os.environ, DYN_DISCOVERY_BACKEND="file", DYN_FILE_KV=str(tmp / "kv"), DYN_TCP_RPC_HOST="127.0.0.1",
-               DYN_EVENT_PLANE_HOST="127.0.0.1", DYN_SYSTEM_HOST="127.0.0.1", DYN_LOG="warn", COLUMNS="400",
-               HF_HUB_OFFLINE="1", ORT_DISABLE_TELEMETRY="1")
+               DYN_TCP_RESPONSE_STREAM_HOST="127.0.0.1", DYN_SYSTEM_HOST="127.0.0.1", DYN_LOG="warn",
+               COLUMNS="400", HF_HUB_OFFLINE="1", ORT_DISABLE_TELEMETRY="1",
+               **({"DYN_ZMQ_BROKER_URL": broker.url} if broker is not None else {}))
     procs: list[subprocess.Popen] = []
     logs: list[Path] = []
 
@@ -166,6 +171,8 @@ def local_cluster(build_dir: str | Path, tmp: Path, workers: int = 2, router_mod
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(timeout=10)
+        if broker is not None:
+            broker.close()
 
 
 # ---- the workload ------------------------------------------------------------------------------

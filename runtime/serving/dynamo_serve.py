@@ -25,8 +25,9 @@ from kvexport.errors import ConfigError, KvExportError
 
 from ..engine import LLMEngine
 from .dynamo_disagg import DecodeWorker, PrefillWorker
+from .dynamo_events import check_event_plane, loopback_defaults
 from .cache_salts import SaltKey
-from .dynamo_worker import DynamoWorker, DynamoWorkerOptions, import_dynamo, model_folder
+from .dynamo_worker import DynamoWorker, DynamoWorkerOptions, check_model_files, import_dynamo, model_folder
 
 log = logging.getLogger(__name__)
 
@@ -177,11 +178,16 @@ def serve_dynamo(build_dir: str | Path, opts: DynamoWorkerOptions = DynamoWorker
     path)` is called once the model is registered and the endpoint is about to serve."""
     import_dynamo()  # before loading the engine: a missing extra fails in a second, not after the load
     salt_key = opts.load_salt_key()  # likewise a bad key file
+    discovery = opts.discovery_backend or os.environ.get("DYN_DISCOVERY_BACKEND", "etcd")
+    loopback_defaults(discovery)  # one machine: listen on loopback unless told otherwise
+    log.info("event plane: %s", check_event_plane(discovery, opts.public_event_plane).where)  # or refuse
     if opts.mode != "agg" and opts.kv_transfer == "nixl":
         from .kv_transfer import import_nixl
 
         import_nixl()
     build_dir = Path(build_dir)
+    if (build_dir / "kvexport.json").is_file():  # without one, LLMEngine says what the folder is not
+        check_model_files(build_dir)  # before the load: a build the frontend cannot read fails in a second
     engine = LLMEngine(build_dir, opts.engine)
     model_folder(build_dir, engine)
     asyncio.run(_serve(build_dir, engine, opts, on_ready, salt_key))

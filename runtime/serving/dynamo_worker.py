@@ -71,6 +71,9 @@ class DynamoWorkerOptions:
     # a file of salt keys (cache_salts.py): only salts a gateway signed with one are taken, and every request
     # needs one; None: $KVEXPORT_CACHE_SALT_KEY if set, else salts are taken as sent
     cache_salt_key: str | None = None
+    # let Dynamo's direct ZMQ event plane bind its PUB sockets on every interface (dynamo_events.py); False:
+    # the worker refuses to start on it unless $KVEXPORT_DYNAMO_PUBLIC_EVENT_PLANE is set (use a broker or NATS)
+    public_event_plane: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -117,6 +120,15 @@ def import_dynamo():
     return llm, runtime, exceptions
 
 
+def check_model_files(build_dir: Path) -> None:
+    """Refuse a build without the side files Dynamo's frontend reads at its root (config.json and the
+    tokenizer files: exporter/interop.py). Cheap: called before the engine loads, too."""
+    missing = [n for n in ("config.json", "tokenizer.json", "tokenizer_config.json") if not (build_dir / n).is_file()]
+    if missing:
+        raise ConfigError(f"{build_dir} lacks {', '.join(missing)} at its root (Dynamo's frontend reads them): "
+                          "rebuild it with this kvexport (`kvexport build ... --force`)")
+
+
 def model_folder(build_dir: Path, engine: LLMEngine) -> Path:
     """The folder Dynamo's frontend loads the model card from: the build's root, which holds
     config.json, generation_config.json and the tokenizer files (exporter/interop.py). Refuses
@@ -124,10 +136,7 @@ def model_folder(build_dir: Path, engine: LLMEngine) -> Path:
     if engine.tokenizer is None:
         raise ConfigError(f"{build_dir} has no tokenizer: Dynamo's frontend tokenizes the prompts, so build "
                           "from a model that has one")
-    missing = [n for n in ("config.json", "tokenizer.json", "tokenizer_config.json") if not (build_dir / n).is_file()]
-    if missing:
-        raise ConfigError(f"{build_dir} lacks {', '.join(missing)} at its root (Dynamo's frontend reads them): "
-                          "rebuild it with this kvexport (`kvexport build ... --force`)")
+    check_model_files(build_dir)
     return build_dir
 
 

@@ -1,6 +1,6 @@
 """`kvexport` commands that deploy a build behind other servers: triton (write a Triton
 Inference Server model repository), triton-serve (run one on the local tritonserver), dynamo
-(an NVIDIA Dynamo worker). docs/DEPLOYMENT.md tells how they fit together."""
+(an NVIDIA Dynamo worker), dynamo-broker (the workers' event plane on one address). docs/DEPLOYMENT.md tells how they fit together."""
 
 from __future__ import annotations
 
@@ -59,9 +59,13 @@ def triton(build_dir, out, name, copy_build, instances, execution_env, force, **
               help="Take only prefix-cache salts a gateway signed with a key in FILE, and refuse requests without "
                    "one (tenants behind a gateway; docs/DEPLOYMENT.md) "
                    "[$KVEXPORT_CACHE_SALT_KEY; none: salts as sent].")
+@click.option("--public-event-plane", is_flag=True, envvar="KVEXPORT_DYNAMO_PUBLIC_EVENT_PLANE",
+              help="Accept Dynamo's direct ZMQ event plane, whose sockets listen on every interface (a trusted "
+                   "network only); without it the worker refuses it: use `kvexport dynamo-broker` or NATS "
+                   "(docs/DEPLOYMENT.md) [$KVEXPORT_DYNAMO_PUBLIC_EVENT_PLANE].")
 @engine_options
 def dynamo(build_dir, mode, namespace, component, endpoint, served_model_name, discovery_backend, request_plane,
-           kv_transfer, kv_transfer_timeout, cache_salt_key, **settings):
+           kv_transfer, kv_transfer_timeout, cache_salt_key, public_event_plane, **settings):
     """Serve a paged build as an NVIDIA Dynamo worker (behind `python -m dynamo.frontend`; KV-aware routing)."""
     from kvexport.runtime.serving.dynamo_serve import serve_dynamo
     from kvexport.runtime.serving.dynamo_worker import DynamoWorkerOptions
@@ -70,9 +74,29 @@ def dynamo(build_dir, mode, namespace, component, endpoint, served_model_name, d
                                endpoint=endpoint, served_model_name=served_model_name,
                                discovery_backend=discovery_backend, request_plane=request_plane,
                                kv_transfer=kv_transfer, kv_transfer_timeout_s=kv_transfer_timeout,
-                               cache_salt_key=cache_salt_key)
+                               cache_salt_key=cache_salt_key, public_event_plane=public_event_plane)
     serve_dynamo(build_dir, opts, on_ready=lambda name, path: console.print(
         f"dynamo worker: model {escape(repr(name))} on {escape(path)}", highlight=False))
+
+
+@click.command("dynamo-broker")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="The address both sockets listen on: one the frontend and the workers reach, nobody else.")
+@click.option("--xsub-port", type=click.IntRange(0, 65535), default=0, show_default=True,
+              help="Port the workers publish to (0: a free one).")
+@click.option("--xpub-port", type=click.IntRange(0, 65535), default=0, show_default=True,
+              help="Port the frontends subscribe to (0: a free one).")
+def dynamo_broker(host, xsub_port, xpub_port):
+    """Forward the Dynamo workers' KV events and load to the frontends, listening on --host only, until
+    SIGTERM/Ctrl-C; prints the DYN_ZMQ_BROKER_URL to export to the frontend and every worker."""
+    import time
+
+    from kvexport.runtime.serving.dynamo_events import EventBroker
+
+    with EventBroker(host, xsub_port, xpub_port) as broker:
+        console.print(f"DYN_ZMQ_BROKER_URL='{escape(broker.url)}'", highlight=False, soft_wrap=True)
+        while True:  # SIGTERM/Ctrl-C end it (the CLI raises them here); the broker forwards on its thread
+            time.sleep(3600)
 
 
 @click.command("triton-serve")
@@ -100,4 +124,4 @@ def triton_serve(repo, triton_env, host, http_port, grpc_port, metrics_port, shu
     sys.exit(code)
 
 
-COMMANDS = (triton, triton_serve, dynamo)
+COMMANDS = (triton, triton_serve, dynamo, dynamo_broker)
