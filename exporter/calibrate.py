@@ -55,6 +55,7 @@ import codecs
 import hashlib
 import logging
 import os
+import stat
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -94,39 +95,73 @@ def default_text(name: str = CALIBRATION_TEXT, why: str | None = None) -> Path:
     return path
 
 
-def read_text(path: Path, skip: float = 0.05) -> str:
-    """The text without its first `skip` fraction (title pages and cast lists)."""
-    text = Path(path).read_text(encoding="utf-8", errors="replace")
+def read_text(path: Path, skip: float = 0.05, option: str = "--calibration-text") -> str:
+    """The text without its first `skip` fraction (title pages and cast lists). A path that is not
+    a readable regular file is a ConfigError naming `option` (open_text)."""
+    with open(open_text(path, option), encoding="utf-8", errors="replace") as f:  # universal newlines, as before
+        text = f.read()
     return text[int(len(text) * skip):]
 
 
-def calibration_ids(tokenizer, vocab_size: int, text_path: Path | None, tokens: int, seed: int = 0) -> list[int]:
+_OPEN_TEXT = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC  # NOTE: O_NONBLOCK: opening a FIFO never waits for a writer
+
+
+def open_text(path: Path, option: str = "--calibration-text") -> int:
+    """A descriptor of the text at `path` (symlinks followed), checked on the open file to be a
+    regular file: a FIFO, a device (/dev/zero: endless) or a directory, a missing or unreadable
+    path is a ConfigError naming `option` (--calibration-text for build, --text for calibrate)."""
+    try:
+        fd = os.open(path, _OPEN_TEXT)
+    except OSError as e:
+        raise ConfigError(f"{option} {path} cannot be read ({e.strerror}); give a readable UTF-8 text "
+                          f"file") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
+                "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else
+                "not a regular file")
+        raise ConfigError(f"{option} {path} is {kind}, not a text file (it is read whole, so it must be a regular "
+                          f"file); give a UTF-8 text file")
+    return fd
+
+
+def calibration_ids(tokenizer, vocab_size: int, text_path: Path | None, tokens: int, seed: int = 0,
+                    option: str = "--calibration-text") -> list[int]:
     """`tokens` token ids of the calibration text; seeded random ids for models without a
-    tokenizer (tiny test models)."""
+    tokenizer (tiny test models). `option`: the text's option in messages (calibrate's is --text)."""
     if tokenizer is None:
         return np.random.default_rng(seed).integers(3, vocab_size, size=tokens).tolist()
-    ids = leading_ids(tokenizer, Path(text_path or default_text()), tokens)
+    path = Path(text_path or default_text())
+    ids = leading_ids(tokenizer, path, tokens, option=option)
     if len(ids) < tokens:
-        raise ConfigError(f"calibration text has {len(ids)} tokens, fewer than the {tokens} requested")
+        tokens_option = "--tokens" if option == "--text" else "--calibration-tokens"
+        raise ConfigError(f"{option} {path} has {len(ids)} tokens (after its first 5%, skipped as title pages), "
+                          f"fewer than the {tokens} {tokens_option} asks for: give a longer text"
+                          + (f", or lower {tokens_option} to <= {len(ids)}" if ids else ""))
     return ids[:tokens]
 
 
 READ_CHARS = 1 << 20  # bytes of a text tokenized whole, as before (the bundled texts); longer ones are read in pieces
 
 
-def leading_ids(tokenizer, path: Path, tokens: int, skip: float = 0.05) -> list[int]:
+def leading_ids(tokenizer, path: Path, tokens: int, skip: float = 0.05, option: str = "--calibration-text") -> list[int]:
     """At least `tokens` token ids of the text at `path` after its first `skip` fraction (as
     read_text), or all of its ids when it has fewer: read and tokenized piece by piece, so a
     huge (or sparse) file costs what the budget needs, not its size.
     NOTE: a file of at most READ_CHARS bytes is read_text() tokenized whole, exactly as before
     (the same ids, so the same scales); a longer one is cut after its first `skip` of bytes,
-    and tokenized up to the last line break read, so only ids past the budget can differ."""
-    size = path.stat().st_size
+    and tokenized up to the last line break read, so only ids past the budget can differ.
+    A path that is not a readable regular file: ConfigError naming `option` (open_text)."""
+    fd = open_text(path, option)
+    size = os.fstat(fd).st_size
     if size <= READ_CHARS:
-        return tokenizer(read_text(path, skip), add_special_tokens=False)["input_ids"]
+        with open(fd, encoding="utf-8", errors="replace") as f:  # universal newlines, as read_text
+            text = f.read()
+        return tokenizer(text[int(len(text) * skip):], add_special_tokens=False)["input_ids"]
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     text, want = "", max(1 << 16, 16 * tokens)  # NOTE: ~4 characters a token in English: a few reads at most
-    with open(path, "rb") as f:
+    with open(fd, "rb") as f:
         f.seek(int(size * skip))
         while True:
             piece = f.read(want - len(text))
@@ -336,6 +371,18 @@ def _int4_constants(build_dir: Path, manifest: mf.Manifest, model, spec, ids: li
     return Constants(what_is_calibrated(kv), arrays, {**kv.quantization, "key_transform": entry})
 
 
+def check_finite(arrays: dict[str, np.ndarray], what: str, text: str, option: str = "--calibration-text") -> None:
+    """KvExportError unless every calibrated constant is finite: a source model whose activations
+    overflow on the text (inf / NaN keys) would otherwise write NaN scales that turn every
+    attention output to NaN. Raised before anything is written."""
+    bad = [name for name, v in arrays.items() if v is not None and not np.isfinite(v).all()]
+    if bad:
+        raise KvExportError(f"the {what} calibrated on {text} are not finite ({', '.join(bad[:3])}"
+                            f"{', ...' if len(bad) > 3 else ''} hold NaN or inf): the source model's activations "
+                            f"overflow on this text (check its weights: --model), or give another {option}; nothing "
+                            f"was written")
+
+
 def _check_shape(values: np.ndarray, expected: tuple[int, ...]) -> None:
     if values.shape != expected:
         raise KvExportError(f"calibrated constants of shape {values.shape} do not fit the build ({expected}): "
@@ -387,7 +434,7 @@ def calibrate(build_dir: str | Path, text: str | Path | None = None, tokens: int
         tokenizer = source.load_tokenizer(src)
     with progress(f"calibrating {what}"):
         text_path = Path(text) if text else (default_text() if tokenizer is not None else None)
-        ids = calibration_ids(tokenizer, manifest.model.vocab_size, text_path, tokens)
+        ids = calibration_ids(tokenizer, manifest.model.vocab_size, text_path, tokens, option="--text")
         name = text_path.name if text_path else "random-ids"
         if manifest.kv.latent:
             constants = _latent_constants(manifest, model, spec, ids, name)
@@ -395,6 +442,7 @@ def calibrate(build_dir: str | Path, text: str | Path | None = None, tokens: int
             constants = _int4_constants(build_dir, manifest, model, spec, ids, name)
         else:
             constants = _int8_constants(build_dir, manifest, model, ids, name)
+        check_finite(constants.arrays, what, name, "--text")
     dropped = manifest.engines is not None
     kv = replace(manifest.kv, quantization=constants.quantization)
     # NOTE: the constants are baked into TensorRT engines: the new build has none

@@ -135,4 +135,7 @@ def kv_constants(form: KVForm, model, spec: ModelSpec, tokenizer, text: str | No
         path = calibrate.default_text(why=f"--kv-dtype {form.dtype.value} calibrates on a text")
     ids = calibrate.calibration_ids(tokenizer, spec.vocab_size, path, tokens)
     with progress(form.step):
-        return form.calibrate(Calibration(model=model, spec=spec, ids=ids, text=path.name if path else "random-ids"))
+        out = form.calibrate(Calibration(model=model, spec=spec, ids=ids, text=path.name if path else "random-ids"))
+    calibrate.check_finite({"scales": out.scales, "offsets": out.offsets}, f"{form.dtype.value} KV constants",
+                           path.name if path else "random-ids")
+    return out

@@ -166,6 +166,19 @@ def streaming_window(*, sink_tokens: int, recent_tokens: int | None, block_size:
     if recent < block_size:
         raise ConfigError(f"--kv-recent-tokens {recent} is smaller than one KV block ({block_size} tokens): the "
                           f"recent window is kept and released in whole blocks; give at least {block_size}")
+    if max_model_len < 2 * block_size:
+        raise ConfigError(f"--kv-eviction streaming needs max_model_len >= two KV blocks ({2 * block_size} tokens: a "
+                          f"recent window of one block and the next block), got {max_model_len}: raise "
+                          f"--max-model-len or serve it with --kv-eviction none")
+    if w.sink_tokens + 2 * block_size > max_model_len:  # NOTE: no recent window fits: the sinks are at fault
+        fit = (max_model_len - recent - block_size) // block_size * block_size  # the most sinks the window allows
+        fix = (f"lower --kv-sink-tokens to <= {fit}" if fit >= 0 else
+               f"lower --kv-sink-tokens to <= {max_model_len - 2 * block_size} and --kv-recent-tokens to <= "
+               f"{block_size}, or --kv-sink-tokens to 0 and --kv-recent-tokens to <= {max_model_len - block_size}")
+        raise ConfigError(
+            f"--kv-eviction streaming: --kv-sink-tokens {sink_tokens} ({w.sink_tokens} tokens in whole blocks of "
+            f"{block_size}) leaves no room in max_model_len {max_model_len} for --kv-recent-tokens {recent} and "
+            f"the next block: {fix}")
     if w.kept_after_shift + block_size > max_model_len:
         raise ConfigError(
             f"--kv-eviction streaming: sinks ({w.sink_tokens} tokens: --kv-sink-tokens {sink_tokens} in whole "

@@ -58,6 +58,7 @@ _GROUP_BYTES = 16
 _HEADER = struct.Struct(f"<8s32s{_GROUP_BYTES}s32sQ32s")  # magic, identity, group, key, payload bytes, sha256
 _NAME = re.compile(r"([a-z]{1,16})-([0-9a-f]{64})\.kvb")
 _TMP_PREFIX = ".tmp-"
+_TMP_NAME = re.compile(r"\.tmp-[0-9]+-[0-9]+")  # _write_atomic's temporary names: .tmp-<pid>-<sequence>
 _OPTION = "kv_offload_dir (--kv-offload-dir)"
 _OPEN_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # never a symlink, never a FIFO's wait
 
@@ -114,6 +115,7 @@ class DiskTier:
         self.blocks = self.root / BLOCKS
         self._lock_fd: int | None = None
         self.bad_entries = 0  # entries of blocks/ refused at `scan` (not regular files): disk errors
+        self.torn_files = 0  # temporary files a killed process left (half-written blocks or marker), removed
         self._check_folder(describe)
         self._tmp_seq = 0
 
@@ -154,13 +156,16 @@ class DiskTier:
                 raise ConfigError(f"{_OPTION} {root} holds files kvexport did not write ({', '.join(other[:3]) or BLOCKS}"
                                   f"{'' if other else ' is not a folder'}); give a folder that holds only kvexport's "
                                   f"KV blocks")
-        elif entries:
+        elif entries and not self._aborted_first_start(entries):
             raise ConfigError(f"{_OPTION} {root} is not empty and not a kvexport KV offload folder (it holds "
                               f"{', '.join(entries[:3])}{', ...' if len(entries) > 3 else ''}); give an empty "
                               f"or new folder: kvexport never deletes files it did not write")
         self._lock()  # NOTE: only now: nothing of a folder refused above is touched
         try:
             if not os.path.lexists(marker):
+                for name in entries:  # NOTE: only kvexport's temporary marker files (_aborted_first_start)
+                    self.torn_files += 1
+                    self._unlink(root / name)
                 self._write_atomic(marker, json.dumps({"format": FORMAT, "version": VERSION,
                                                        "identity": self.identity.hex(), **describe}, indent=1).encode())
             self.blocks.mkdir(exist_ok=True)
@@ -172,6 +177,12 @@ class DiskTier:
         except BaseException:
             self.close()  # the lock goes with the refusal
             raise
+
+    def _aborted_first_start(self, entries: list[str]) -> bool:
+        """Whether a folder without a marker is one a kvexport process was killed in while writing its
+        marker (kill -9 between `_lock` and the marker's rename): it holds kvexport's lock file and
+        nothing but temporary files under kvexport's temporary names, which are then removed."""
+        return os.path.lexists(self.root / LOCK) and all(_TMP_NAME.fullmatch(n) for n in entries)
 
     def _lock(self) -> None:
         """Take the folder's exclusive lock (module NOTE), or ConfigError naming --kv-offload-dir.
@@ -219,7 +230,8 @@ class DiskTier:
 
     def scan(self) -> list[tuple[str, bytes, int]]:
         """(group, key, bytes) of every block file, least recently written first (the index after
-        a restart). Temporary files a killed run left are removed; entries under a block's name
+        a restart). Temporary files a killed run left are removed and counted in `torn_files`
+        (logged once); entries under a block's name
         that are not regular files (lstat: a symlink, a FIFO, a device, a directory) are removed
         (a directory is left) and counted in `bad_entries`, never followed or opened."""
         found = []
@@ -231,6 +243,7 @@ class DiskTier:
                     continue
                 m = _NAME.fullmatch(e.name)
                 if e.name.startswith(_TMP_PREFIX) and not stat.S_ISDIR(st.st_mode):
+                    self.torn_files += 1  # NOTE: a write a killed process never finished (never a block)
                     self._unlink(Path(e.path))
                 elif m and stat.S_ISREG(st.st_mode):
                     found.append((st.st_mtime_ns, m.group(1), bytes.fromhex(m.group(2)), st.st_size))
@@ -240,6 +253,9 @@ class DiskTier:
                                 "skipped" if stat.S_ISDIR(st.st_mode) else "removed")
                     if not stat.S_ISDIR(st.st_mode):
                         self._unlink(Path(e.path))
+        if self.torn_files:
+            log.warning("disk KV tier: removed %d temporary files a killed kvexport process left in %s (writes it "
+                        "never finished; those blocks are recomputed)", self.torn_files, self.root)
         found.sort()
         return [(g, k, n) for _, g, k, n in found]
 

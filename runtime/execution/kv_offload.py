@@ -191,7 +191,8 @@ class OffloadStats:
     disk_read_bytes: int = 0  # disk files -> staging (verified)
     load_seconds: float = 0.0  # copying tier hits into the pool + reading them from disk
     loads: int = 0  # blocks loaded into the pool
-    disk_errors: int = 0  # corrupt, truncated or foreign block files, entries not regular files, reads too slow
+    disk_errors: int = 0  # corrupt, truncated or foreign block files, entries not regular files, torn temporary
+    # files a killed process left (counted at start), reads too slow
 
 
 class KVOffload:
@@ -232,11 +233,12 @@ class KVOffload:
 
     def disk_blocks(self) -> list[TierKey]:
         """The blocks on disk at start, least recently written first (TierIndex.add_disk_blocks);
-        entries that are not block files are counted as disk errors."""
+        entries that are not block files, and the temporary files of writes a killed process never
+        finished (torn files), are counted as disk errors."""
         if self.disk is None:
             return []
         found = [(g, k) for g, k, n in self.disk.scan() if g in self.block_bytes]
-        self.stats.disk_errors += self.disk.bad_entries
+        self.stats.disk_errors += self.disk.bad_entries + self.disk.torn_files
         return found
 
     def close_disk(self, timeout_s: float = 10.0) -> None:
