@@ -2,8 +2,8 @@
 sink / window settings, `kvexport calibrate` (int4 and int8 KV) on hostile texts, and `kill -9`
 during disk-tier writes (and during the shutdown persist of the host tier) followed by a restart.
 
-    .venv/bin/python bench/hostile_trial.py [--sections streaming,calibrate,kill9] [--kills 6]
-        [--out bench/results/hostile_trial.json]
+    .venv/bin/python bench/hostile_trial.py [--sections streaming,calibrate,kill9] [--kills 2]
+        [--workdir DIR] [--out bench/results/hostile_trial.json]
 
 Every case is a real run on tiny random llama builds (context 64, KV blocks of 16, smollm2-135m's
 tokenizer) and gets one outcome:
@@ -110,12 +110,19 @@ def hf_folder(directory: Path, family: str = "llama", **over) -> Path:
 
 
 def make_builds(tmp: Path) -> dict[str, Path]:
+    """The tiny builds, made once per --workdir (later runs reuse them)."""
     from kvexport import io
     from kvexport.exporter.build import BuildOptions, build
 
-    src = hf_folder(tmp / "hf-llama")
+    src = tmp / "hf-llama"
+    if not (src / "tokenizer.json").is_file():
+        shutil.rmtree(src, ignore_errors=True)
+        hf_folder(src)
     out = {"src": src}
     for name, kv in (("fp32", None), ("int8", io.DType.INT8), ("int4", io.DType.INT4)):
+        if (tmp / f"b-{name}" / io.MANIFEST_NAME).is_file():
+            out[name] = tmp / f"b-{name}"
+            continue
         quant = dict(kv_dtype=kv, calibration_tokens=256) if kv else {}
         opts = BuildOptions(max_seq_len=CTX, validate=False, attention=io.Attention.ONNX, **quant)
         out[name], _ = build(str(src), tmp / f"b-{name}", opts)
@@ -183,7 +190,8 @@ def generate(build, prompts, max_tokens, n=1, **settings):
     return [e.output(r) for r in rids], e, used
 
 
-def streaming(trial: Trial, b: dict) -> None:
+def streaming(trial: Trial, b: dict, quick: bool = False) -> None:
+    """quick: only the settings that must be refused (no generation runs, no windowed builds)."""
     from kvexport.runtime.config import EngineConfig
 
     S = "streaming"
@@ -192,6 +200,8 @@ def streaming(trial: Trial, b: dict) -> None:
 
     def stream_case(case, sinks, recent, max_tokens=120, build="fp32", prompts=(prompt,), n=1, oracle="ref",
                     max_blocks=None, **extra):
+        if quick:
+            return
         try:
             outs, e, used = generate(b[build], list(prompts), max_tokens, n=n, kv_eviction="streaming",
                                      kv_sink_tokens=sinks, kv_recent_tokens=recent, **extra)
@@ -237,7 +247,7 @@ def streaming(trial: Trial, b: dict) -> None:
     stream_case("host tier on (--kv-offload-memory 1MiB)", 4, 16, kv_offload_memory="1MiB")
     stream_case("n = 3 sharing the prompt's blocks", 4, 16, n=3)
     stream_case("host + disk tiers (--kv-offload-dir)", 4, 16, kv_offload_memory="64KiB",
-                kv_offload_dir=str(Path(b["fp32"]).parent / "stream-disk"))
+                kv_offload_dir=tempfile.mkdtemp(prefix="stream-disk-", dir=Path(b["fp32"]).parent))
     stream_case("sinks 0, recent 16, --max-model-len 32 (a shift every 16 tokens)", 0, 16, max_tokens=100,
                 max_model_len=32, oracle=None)
     stream_case("8 requests, one shared 40-token prefix, pool of 40 blocks (preemption)", 4, 16, max_tokens=100,
@@ -250,11 +260,15 @@ def streaming(trial: Trial, b: dict) -> None:
 
     # prompts the context cannot hold: refused (an error output), never a crash
     try:
+        if quick:
+            raise StopIteration
         outs, _, _ = generate(b["fp32"], [list(range(300, 300 + CTX + 5))], 10, kv_eviction="streaming",
                               kv_sink_tokens=4, kv_recent_tokens=16)
         o = outs[0]
         ok = o.error and "max_model_len" in str(o.error) or "context" in str(o.error)
         trial.record(S, "prompt longer than the context", "ok" if ok else "wrong_output", str(o.error)[:200])
+    except StopIteration:
+        pass
     except Exception as ex:  # noqa: BLE001
         trial.record(S, "prompt longer than the context", "internal", f"{type(ex).__name__}: {ex}")
 
@@ -270,10 +284,11 @@ def streaming(trial: Trial, b: dict) -> None:
     expect_error(trial, S, "recent 10**30", engine(kv_recent_tokens=10**30), "--kv-recent-tokens", "<= 32")
     expect_error(trial, S, "recent 64 (= context)", engine(kv_recent_tokens=64), "--kv-recent-tokens", "<= 32")
     expect_error(trial, S, "sinks 48 + recent 16 (= context)", engine(kv_sink_tokens=48, kv_recent_tokens=16),
-                 "--kv-sink-tokens")
+                 "lower --kv-sink-tokens to <= 32")
     expect_error(trial, S, "sinks 10**6, recent 16", engine(kv_sink_tokens=10**6, kv_recent_tokens=16),
                  "--kv-sink-tokens", "<= 32")
-    expect_error(trial, S, "sinks 10**30, recent unset", engine(kv_sink_tokens=10**30), "--kv-sink-tokens")
+    expect_error(trial, S, "sinks 10**30, recent unset (32)", engine(kv_sink_tokens=10**30),
+                 "lower --kv-sink-tokens to <= 16")
     expect_error(trial, S, "sinks 64 (= context), recent 16", engine(kv_sink_tokens=64, kv_recent_tokens=16),
                  "--kv-sink-tokens", "<= 32")
     expect_error(trial, S, "sinks -1", engine(kv_sink_tokens=-1), "kv_sink_tokens", ">= 0")
@@ -294,11 +309,13 @@ def streaming(trial: Trial, b: dict) -> None:
     expect_error(trial, S, "from_strings kv_recent_tokens '1e400'",
                  lambda: EngineConfig.from_strings({"kv_recent_tokens": "1e400"}), "kv_recent_tokens")
 
+    if quick:
+        return
     # hybrid / windowed builds
     from kvexport import io
     from kvexport.exporter.build import BuildOptions, build
 
-    tmp = Path(b["fp32"]).parent
+    tmp = Path(tempfile.mkdtemp(prefix="streaming-", dir=Path(b["fp32"]).parent))  # fresh on each run
     for fam, over in (("mistral", {"sliding_window": 8}), ("gemma2", {})):
         try:
             hf = hf_folder(tmp / f"hf-{fam}", fam, **over)
@@ -332,6 +349,7 @@ def calibrate_cases(trial: Trial, b: dict, tmp: Path) -> None:
 
     S = "calibrate"
     texts = tmp / "texts"
+    shutil.rmtree(texts, ignore_errors=True)
     texts.mkdir()
     good = "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer. " * 40
 
@@ -429,6 +447,7 @@ def calibrate_cases(trial: Trial, b: dict, tmp: Path) -> None:
     from safetensors.torch import load_file, save_file
 
     poisoned = tmp / "hf-poisoned"
+    shutil.rmtree(poisoned, ignore_errors=True)
     shutil.copytree(b["src"], poisoned)
     f = poisoned / "model.safetensors"
     w = load_file(str(f))
@@ -470,15 +489,15 @@ print("ACCEPTED")
 
 
 def _endless_text_case(build, path, src) -> tuple[str, str]:
-    """calibrate on an endless text (/dev/zero) in a child process limited to 3 GiB and 120 s."""
+    """calibrate on an endless text (/dev/zero) in a child process limited to 3 GiB and 300 s."""
     p = subprocess.Popen([sys.executable, "-c", _ENDLESS, str(build), str(path), str(src)], stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)
     try:
-        out, _ = p.communicate(timeout=120)
+        out, _ = p.communicate(timeout=300)
     except subprocess.TimeoutExpired:
         p.kill()
         p.wait()
-        return "hang", "no answer in 120 s"
+        return "hang", "no answer in 300 s"
     if p.returncode == 2 and "--text" in out:
         return "ok", out.strip().splitlines()[-1][:200]
     if p.returncode == 2:
@@ -545,6 +564,9 @@ def kill9(trial: Trial, b: dict, tmp: Path, kills: int) -> None:
 
     S = "kill -9"
     rng = random.Random(0)
+    tmp = tmp / "kill9"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
     # 24 prompts of 3 blocks (48 tokens) + a few tokens: a 16-block pool evicts to the tiers all the time
     prompts = [[1000 + 7 * i + j for j in range(48)] + [5, 6] for i in range(24)]
     rc, out = _worker(b["fp32"], "", "plain", prompts)
@@ -565,12 +587,13 @@ def kill9(trial: Trial, b: dict, tmp: Path, kills: int) -> None:
             trial.record(S, label, "wrong_output", "outputs after the restart differ from a run without tiers")
         elif leftovers:
             trial.record(S, label, "wrong_output", f"temporary files left: {leftovers[:3]}")
-        elif started["offload_disk_errors"] < planted:
-            trial.record(S, label, "wrong_output", f"{planted} torn files removed, {started['offload_disk_errors']} "
+        elif stats["offload_disk_errors"] < planted:  # NOTE: temp files count at start, damaged blocks when read
+            trial.record(S, label, "wrong_output", f"{planted} torn files removed, {stats['offload_disk_errors']} "
                                                    f"counted (offload_disk_errors)")
         else:
             trial.record(S, label, "ok", f"disk blocks at start {started['offload_disk_blocks']}, disk hits "
-                                         f"{stats['offload_disk_hits']}, errors counted {started['offload_disk_errors']}")
+                                         f"{stats['offload_disk_hits']}, errors counted {stats['offload_disk_errors']} "
+                                         f"({started['offload_disk_errors']} at start)")
 
     # kill -9 while writes are in flight: when a temporary file shows in blocks/
     for k in range(kills):
@@ -619,7 +642,7 @@ def kill9(trial: Trial, b: dict, tmp: Path, kills: int) -> None:
     restart_case("kill -9 during the marker's first write (lock + a half temporary marker)", folder)
 
     # kill -9 during the shutdown persist of the host tier
-    for k in range(max(2, kills // 2)):
+    for k in range(max(1, kills // 2)):
         folder = tmp / f"persist-{k}"
         p = _worker(b["fp32"], folder, "persist", prompts, "1MiB", wait=False)
         seen = ""
@@ -650,7 +673,10 @@ def kill9(trial: Trial, b: dict, tmp: Path, kills: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sections", default="streaming,calibrate,kill9")
-    ap.add_argument("--kills", type=int, default=6)
+    ap.add_argument("--kills", type=int, default=2, help="kill -9 runs during disk writes (half as many during "
+                                                                 "the shutdown persist)")
+    ap.add_argument("--quick", action="store_true", help="streaming: only the settings that must be refused")
+    ap.add_argument("--workdir", help="keep the builds here and reuse them [a temporary folder]")
     ap.add_argument("--out", default="bench/results/hostile_trial.json")
     a = ap.parse_args()
     import torch
@@ -658,11 +684,12 @@ def main() -> None:
     torch.set_num_threads(1)
     trial = Trial()
     with tempfile.TemporaryDirectory(prefix="kvexport-hostile-") as d:
-        tmp = Path(d)
+        tmp = Path(a.workdir or d)
+        tmp.mkdir(parents=True, exist_ok=True)
         builds = make_builds(tmp)
         sections = a.sections.split(",")
         if "streaming" in sections:
-            streaming(trial, builds)
+            streaming(trial, builds, a.quick)
         if "calibrate" in sections:
             calibrate_cases(trial, builds, tmp)
         if "kill9" in sections:

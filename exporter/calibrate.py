@@ -27,7 +27,9 @@ it writes a hard-linked copy of the build (new graphs and manifest, the rest lin
 that, and swaps it in whole, as builds are (kvexport/outputs.py rewrite_dir), so an interrupted
 calibrate leaves the build as it was. Without validation the manifest says it was not run
 (`validation` null and a note), never the verdict of the old scales. A `--text` is read only as
-far as the token budget needs (leading_ids).
+far as the token budget needs (leading_ids), and only if it is a regular file (open_text: a FIFO
+or a device would wait or never end); constants that are not finite (a source model whose
+activations overflow) are refused before anything is written (check_finite).
 The other calibrated KV constants take the same path (`Constants`):
 
     int8 KV          kv_scales.{i}.key/value     compute_scales            kv.quantization
@@ -416,6 +418,8 @@ def calibrate(build_dir: str | Path, text: str | Path | None = None, tokens: int
                           f"has no key_transform): it has nothing calibrated; rebuild it with `kvexport build MODEL "
                           f"--kv-dtype int4 --force` for the transform (docs/QUANTIZATION.md \"int4 KV\")")
     what = what_is_calibrated(manifest.kv)
+    if text:
+        os.close(open_text(Path(text), "--text"))  # NOTE: a text that cannot be read fails before the model loads
     if model_source is not None:
         try:
             src = source.resolve(model_source)

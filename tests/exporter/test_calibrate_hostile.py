@@ -124,3 +124,13 @@ def test_a_source_whose_activations_overflow_is_refused_before_writing(int8_buil
     g = onnx.load(str(out / io.PREFILL_GRAPH), load_external_data=False)
     scales = [onnx.numpy_helper.to_array(t) for t in g.graph.initializer if t.name.startswith("kv_scales.")]
     assert scales and all(np.isfinite(s).all() for s in scales)
+
+
+def test_calibrate_checks_the_text_before_loading_the_model(int8_build, tmp_path):
+    """A --text that cannot be read fails at once: the source named here does not exist, so reaching
+    the model load would raise a different error."""
+    _, out = int8_build
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match=r"^--text .*fifo is a FIFO"):
+        cal.calibrate(out, fifo, tokens=64, model_source=str(tmp_path / "no-such-model"), validate=False)
