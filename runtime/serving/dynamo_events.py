@@ -15,8 +15,8 @@ with their hashes) and its load (KV blocks in use). Dynamo 1.6.1 carries them ov
     NATS: publishers and subscribers connect to the NATS server
 
 `check_event_plane` reads the environment the worker's Dynamo runtime will read and refuses direct
-ZMQ unless the operator opted into it (`--public-event-plane`): docs/DEPLOYMENT.md, "What the
-event plane exposes, and where".
+ZMQ on one machine (file or mem discovery) unless the operator opted into it (`--public-event-plane`);
+across machines it warns: docs/DEPLOYMENT.md, "What the event plane exposes, and where".
 """
 
 from __future__ import annotations
@@ -82,9 +82,9 @@ def parse_broker_url(url: str) -> tuple[list[str], list[str]]:
 
 def check_event_plane(discovery: str, public_ok: bool, env: Mapping[str, str] | None = None) -> EventPlane:
     """The event plane the worker's Dynamo runtime will use, read from `env` (default: os.environ)
-    as Dynamo 1.6.1 reads it. Direct ZMQ (its PUB sockets on every interface) is refused with a
-    ConfigError saying what to do, unless `public_ok` (--public-event-plane, or $KVEXPORT_DYNAMO_
-    PUBLIC_EVENT_PLANE set); then it is logged as a warning."""
+    as Dynamo 1.6.1 reads it. Direct ZMQ (its PUB sockets on every interface) with single-machine
+    discovery is refused with a ConfigError saying what to do, unless `public_ok` (--public-event-plane,
+    or $KVEXPORT_DYNAMO_PUBLIC_EVENT_PLANE set); otherwise it is logged as a warning."""
     env = os.environ if env is None else env
     kind = (env.get("DYN_EVENT_PLANE") or "").strip().lower() or ("zmq" if discovery in ("file", "mem") else "nats")
     if kind not in ("zmq", "nats"):
@@ -100,7 +100,10 @@ def check_event_plane(discovery: str, public_ok: bool, env: Mapping[str, str] | 
     plane = EventPlane("zmq-direct", "Dynamo binds one ZMQ PUB socket per event stream on tcp://0.0.0.0 "
                                      "(every interface), random ports")
     said = env.get("DYN_EVENT_PLANE_HOST")
-    if not (public_ok or _truthy(env.get(PUBLIC_ENV))):
+    # NOTE: refused on one machine only (file/mem discovery), where loopback is the right answer and a broker
+    # costs one process; across machines (etcd, Kubernetes) direct ZMQ is how Dynamo reaches other hosts'
+    # frontends: there it is the operator's network policy, so it is served with the warning below
+    if discovery in SINGLE_MACHINE and not (public_ok or _truthy(env.get(PUBLIC_ENV))):
         raise ConfigError(
             "this worker's KV events and load would be published on every network interface: Dynamo 1.6.1's "
             "direct ZMQ event plane binds tcp://0.0.0.0 on random ports"
@@ -108,7 +111,8 @@ def check_event_plane(discovery: str, public_ok: bool, env: Mapping[str, str] | 
             + f", where anyone who reaches this machine can subscribe without a password. Either {BROKER_HINT}; "
             "or use NATS (DYN_EVENT_PLANE=nats); or, on a network you trust, pass --public-event-plane "
             f"(or set {PUBLIC_ENV}=1). docs/DEPLOYMENT.md, \"What the event plane exposes, and where\"")
-    log.warning("event plane: %s (--public-event-plane)%s", plane.where,
+    log.warning("event plane: %s: anyone who reaches this host can subscribe (restrict it with a firewall or "
+                "network policy, or use a broker or NATS: docs/DEPLOYMENT.md)%s", plane.where,
                 f"; DYN_EVENT_PLANE_HOST={said} only sets the address advertised in discovery" if said else "")
     return plane
 

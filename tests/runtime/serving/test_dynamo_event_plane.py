@@ -29,13 +29,16 @@ def test_direct_zmq_is_refused_unless_the_operator_opts_in(caplog):
     msg = str(e.value)
     assert "tcp://0.0.0.0" in msg and "kvexport dynamo-broker" in msg and "--public-event-plane" in msg
     assert "DYN_EVENT_PLANE_HOST says (it is '127.0.0.1')" in msg
-    with pytest.raises(ConfigError):  # DYN_EVENT_PLANE=zmq picks it with any discovery
-        check_event_plane("etcd", False, {"DYN_EVENT_PLANE": "zmq"})
-    # opted in (the flag or the variable): served, with a warning saying where it listens
+    with pytest.raises(ConfigError):  # DYN_EVENT_PLANE=zmq picks it with file discovery too
+        check_event_plane("file", False, {"DYN_EVENT_PLANE": "zmq"})
+    # opted in (the flag or the variable), or across machines (etcd, Kubernetes: the operator's network
+    # policy): served, with a warning saying where it listens
     assert check_event_plane("file", True, {}).binds_all_interfaces
+    caplog.clear()
     with caplog.at_level("WARNING"):
         assert check_event_plane("mem", False, {"KVEXPORT_DYNAMO_PUBLIC_EVENT_PLANE": "1"}).transport == "zmq-direct"
-    assert "tcp://0.0.0.0" in caplog.text
+        assert check_event_plane("kubernetes", False, {"DYN_EVENT_PLANE": "zmq"}).binds_all_interfaces
+    assert caplog.text.count("tcp://0.0.0.0") == 2
 
 
 def test_a_broker_or_nats_is_taken_and_a_bad_broker_url_named():
@@ -93,6 +96,40 @@ def test_the_broker_forwards_and_binds_only_its_host():
             ctx.term()
 
 
+def test_echo_is_refused_naming_what_the_client_sent():
+    """Dynamo 1.6.1's frontend turns `echo: true` into output_options.prompt_logprobs=1 (seen on the
+    wire, docs/BAD_INPUTS.md): the refusal names both, so a client that sent `echo` knows it is meant."""
+    from kvexport.runtime.serving.dynamo_protocol import request_to_params
+    from kvexport.runtime.serving.requests import RequestError, RequestParser
+
+    r = {"token_ids": [5, 6], "stop_conditions": {}, "sampling_options": {}, "output_options": {"prompt_logprobs": 1}}
+    with pytest.raises(RequestError, match="`echo`") as e:
+        request_to_params(r, RequestParser(None, 100, 32))
+    assert e.value.param == "output_options.prompt_logprobs"
+
+
+def test_a_build_the_frontend_cannot_read_is_refused_before_the_engine_loads(chat_build, tmp_path, monkeypatch):
+    """A build without the tokenizer files at its root is refused before the (slow) engine load.
+    LLMEngine is replaced by a stand-in that fails the test if it is made: the order is what is checked."""
+    pytest.importorskip("dynamo.llm", reason="the dynamo extra is not installed")
+    import shutil
+
+    from kvexport.runtime.serving import dynamo_serve
+    from kvexport.runtime.serving.dynamo_worker import DynamoWorkerOptions
+
+    build = tmp_path / "no-tokenizer"
+    shutil.copytree(chat_build, build, ignore=shutil.ignore_patterns("weights.data", "*.onnx"))
+    (build / "tokenizer.json").unlink()
+
+    def engine(*a, **kw):
+        raise AssertionError("the engine was loaded before the build's files were checked")
+
+    monkeypatch.setattr(dynamo_serve, "LLMEngine", engine)
+    monkeypatch.setenv("DYN_ZMQ_BROKER_URL", URL)
+    with pytest.raises(ConfigError, match="lacks tokenizer.json at its root"):
+        dynamo_serve.serve_dynamo(build, DynamoWorkerOptions(discovery_backend="file"))
+
+
 # ---- real processes -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def dynamo_env():
@@ -138,8 +175,10 @@ def brokered_cluster(dynamo_env, chat_build, tmp_path_factory):
         line = broker.stdout.readline()
         m = re.fullmatch(r"DYN_ZMQ_BROKER_URL='(.*)'\n", line)
         assert m, line
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("DYN_ZMQ_BROKER_URL", m.group(1))  # local_cluster passes it to the frontend and the worker
+        with pytest.MonkeyPatch.context() as mp:  # local_cluster passes them to the frontend and the worker
+            mp.setenv("DYN_ZMQ_BROKER_URL", m.group(1))
+            mp.setenv("DYN_HTTP_PRE_COMMIT_ERROR_PEEK_MS", "500")  # the recipe's frontend settings
+            mp.setenv("DYN_HTTP_BODY_LIMIT_MB", "1")
             with bench.local_cluster(chat_build, tmp, 1, "kv", ("--kv-cache-memory", "4MiB"), namespace="kvxev",
                                      model="tiny") as c:
                 yield c, broker
@@ -180,3 +219,19 @@ def test_nothing_listens_beyond_loopback_and_events_flow_through_the_broker(brok
     r = httpx.post(f"{cluster.base}/v1/completions", timeout=30,
                    json={"model": "tiny", "prompt": [300 + i for i in range(33)] + [9], "max_tokens": 2})
     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
+
+
+def test_the_recipes_frontend_refuses_streamed_requests_with_a_400(brokered_cluster):
+    """With the recipe's DYN_HTTP_PRE_COMMIT_ERROR_PEEK_MS a streamed request the worker refuses is a
+    400 naming the field, as the same request unstreamed (without it: a 200 whose first SSE event is
+    the error), and DYN_HTTP_BODY_LIMIT_MB refuses a 30 MB prompt in seconds (without it Dynamo's
+    frontend tokenizes it for minutes, holding up every request: docs/BAD_INPUTS.md)."""
+    import httpx
+
+    cluster, _ = brokered_cluster
+    for stream in (False, True):
+        r = httpx.post(f"{cluster.base}/v1/completions", timeout=30,
+                       json={"model": "tiny", "prompt": [5, 6], "n": 2, "stream": stream})
+        assert r.status_code == 400 and "sampling_options.n" in r.text, (stream, r.status_code, r.text)
+    r = httpx.post(f"{cluster.base}/v1/completions", timeout=30, json={"model": "tiny", "prompt": "x" * 30_000_000})
+    assert r.status_code == 413 and "DYN_HTTP_BODY_LIMIT_MB" in r.text, r.text

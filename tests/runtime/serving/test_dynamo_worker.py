@@ -130,7 +130,7 @@ def test_kv_events_reach_dynamos_router_and_shared_prefixes_go_back_to_their_wor
         # the KV router the frontend runs, in this process, fed by the workers' KV events only
         from dynamo.runtime import DistributedRuntime
 
-        env = {k: cluster.env[k] for k in ("DYN_FILE_KV", "DYN_TCP_RPC_HOST", "DYN_EVENT_PLANE_HOST")}
+        env = {k: cluster.env[k] for k in ("DYN_FILE_KV", "DYN_TCP_RPC_HOST", "DYN_TCP_RESPONSE_STREAM_HOST", "DYN_ZMQ_BROKER_URL")}
         old = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
@@ -171,7 +171,7 @@ async def _router_scores(cluster, prompts: list[list[int]], namespaces: list[str
     process, fed by the workers' KV events only."""
     from dynamo.runtime import DistributedRuntime
 
-    env = {k: cluster.env[k] for k in ("DYN_FILE_KV", "DYN_TCP_RPC_HOST", "DYN_EVENT_PLANE_HOST")}
+    env = {k: cluster.env[k] for k in ("DYN_FILE_KV", "DYN_TCP_RPC_HOST", "DYN_TCP_RESPONSE_STREAM_HOST", "DYN_ZMQ_BROKER_URL")}
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
