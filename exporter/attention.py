@@ -210,10 +210,11 @@ def contiguous_attention(b: GraphBuilder, spec: ModelSpec, layer: int, ctx: Attn
 def paged_attention(b: GraphBuilder, spec: ModelSpec, layer: int, ctx: AttnContext,
                     q: str, k: str, v: str, *, kv_dtype: str,
                     scales: tuple[str, str] | None = None,
-                    sinks: np.ndarray | None = None) -> tuple[str, str, str]:
+                    sinks: np.ndarray | None = None, scores: list[str] | None = None) -> tuple[str, str, str]:
     """q [T, H, D], k/v [T, kvH, D] (float32, rotated) -> (out [T, H*D], new key, new value
     [T, kvH, D] in kv_dtype for the runtime to store at slot_mapping). sinks: the layer's [H]
     sink logits (GPT-OSS): m also covers them, and exp(sink - m) joins the denominator.
+    scores: the layer's attention_scores output (`_attention_scores`) is appended to this list.
 
     Keys come in two parts that share one softmax: what earlier steps stored in the pool
     (gathered per head in token order, see io.paged_pool_shape) and this step's keys:
@@ -276,13 +277,55 @@ def paged_attention(b: GraphBuilder, spec: ModelSpec, layer: int, ctx: AttnConte
     out = b.op("Transpose", out, perm=[1, 3, 0, 2, 4])  # [S, Qmax, kvH, G, D]
     out = b.op("Reshape", out, b.const([-1, spec.num_heads * d]))  # [S*Qmax, H*D]
     out = b.op("Compress", out, ctx.valid, axis=0)  # [T, H*D]
+    if scores is not None:
+        scores.append(_attention_scores(b, spec, ctx, ec, en, denom))
     return out, new_k, new_v
+
+
+def _attention_scores(b: GraphBuilder, spec: ModelSpec, ctx: AttnContext, ec: str, en: str, denom: str) -> str:
+    """io.attention_scores(i) of the `onnx` form: the probabilities `paged_attention` computed, summed over
+    each sequence's last min(observation_lens[s], q_len) queries and the G query heads of each KV head
+    (plugins/paged_attention/spec.py "Attention scores"):
+
+        obs[s, i] = q_len[s] - min(observation_lens[s], q_len[s]) <= i < q_len[s]      [S, Qmax]
+        pool keys  ec / denom [kvH, S, Lc, G, Qmax] * obs ─ReduceSum(G, Q)─▶ [kvH, S, Lc]
+        step keys  en / denom [kvH, S, G, Qmax, Qmax'] * obs ─ReduceSum(G, Q)─▶ [kvH, S, Qmax'],
+                   added at positions ctx_len[s] + j' (ScatterElements)
+        ─▶ [S, kvH, Lc + Qmax]: position j of the sequence at j (score_len = Lc + Qmax: this form's
+           tables cover only earlier steps' blocks, kvexport/io.py)
+    """
+    kvh, g = spec.num_kv_heads, spec.group_size
+    q_start = b.op("Slice", io.QUERY_START_LOC, b.const([0]), b.const([-1]))  # [S]
+    q_end = b.op("Slice", io.QUERY_START_LOC, b.const([1]), b.const([np.iinfo(np.int64).max]))
+    q_len = b.op("Sub", q_end, q_start)  # [S]
+    ctx_len = b.op("Sub", io.SEQ_LENS, q_len)  # [S]
+    first = b.op("Sub", q_len, b.op("Min", io.OBSERVATION_LENS, q_len))  # [S]
+    q_max = b.op("ReduceMax", q_len, keepdims=0)
+    i = b.op("Range", b.const(0), q_max, b.const(1))  # [Qmax]
+    obs = b.op("And", b.op("GreaterOrEqual", i, b.op("Unsqueeze", first, b.const([1]))),
+               b.op("Less", i, b.op("Unsqueeze", q_len, b.const([1]))))  # [S, Qmax]
+    obs = b.op("Cast", obs, to=onnx_dtype("float32"))
+    den_row = b.op("Reshape", denom, b.const([kvh, 0, 1, g, -1]))  # [kvH, S, 1, G, Qmax]
+    pc = b.op("Mul", b.op("Div", ec, den_row), b.op("Unsqueeze", obs, b.const([0, 2, 3])))  # [kvH, S, Lc, G, Qmax]
+    sc = b.op("ReduceSum", pc, b.const([3, 4]), keepdims=0)  # [kvH, S, Lc]
+    pn = b.op("Mul", b.op("Div", en, denom), b.op("Unsqueeze", obs, b.const([0, 2, 4])))  # [kvH, S, G, Qmax, Qmax']
+    sn = b.op("ReduceSum", pn, b.const([2, 3]), keepdims=0)  # [kvH, S, Qmax']
+    sc = b.op("Transpose", sc, perm=[1, 0, 2])  # [S, kvH, Lc]
+    sn = b.op("Transpose", sn, perm=[1, 0, 2])  # [S, kvH, Qmax']
+    data = b.op("Concat", sc, b.op("Mul", sn, b.const(0.0, "float32")), axis=2)  # [S, kvH, Lc + Qmax]
+    at = b.op("Add", b.op("Unsqueeze", ctx_len, b.const([1, 2])), b.op("Unsqueeze", i, b.const([0, 1])))  # [S, 1, Qmax]
+    at = b.op("Expand", at, b.op("Shape", sn))  # [S, kvH, Qmax']
+    return b.op("ScatterElements", data, at, sn, axis=2, reduction="add")  # [S, kvH, Lc + Qmax]
 
 
 def plugin_attention(b: GraphBuilder, spec: ModelSpec, layer: int, q: str, k: str, v: str, *,
                      block_size: int, kv_dtype: str, scales: tuple[str, str] | None = None,
-                     group: str = io.FULL_GROUP, sinks: np.ndarray | None = None) -> tuple[str, str, str]:
-    """One kvexport::PagedAttention node (plugins/paged_attention/spec.py):
+                     group: str = io.FULL_GROUP, sinks: np.ndarray | None = None,
+                     reads: int | None = None, scores: list[str] | None = None) -> tuple[str, str, str]:
+    """One kvexport::PagedAttention node (plugins/paged_attention/spec.py); `reads`: the layer whose
+    pools it takes (Gemma 4's shared KV: its source's, with the source's k/v, rewriting the same rows);
+    `scores`: the node also takes io.OBSERVATION_LENS and its attention_scores output (spec.py
+    "Attention scores") is appended to this list:
 
         q [T, H, D], k/v [T, kvH, D] (activation dtype, rotated, q NOT scaled)
         key_cache.{i}, value_cache.{i}, block_tables, seq_lens, query_start_loc, slot_mapping
@@ -298,10 +341,15 @@ def plugin_attention(b: GraphBuilder, spec: ModelSpec, layer: int, q: str, k: st
                                 attention_sinks=() if sinks is None else tuple(np.asarray(sinks, np.float32).tolist()))
     # NOTE: float pools get ignored unit scales: the plugin has one 11-input signature (spec.py)
     ones = b.const(np.ones(spec.num_kv_heads), "float32")
-    inputs = [q, k, v, io.key_cache(layer), io.value_cache(layer), io.block_tables(group), io.SEQ_LENS,
+    pools = layer if reads is None else reads
+    inputs = [q, k, v, io.key_cache(pools), io.value_cache(pools), io.block_tables(group), io.SEQ_LENS,
               io.QUERY_START_LOC, io.slot_mapping(group), *(scales or (ones, ones))]
-    out, kc, vc = b.op(io.PLUGIN_OP, *inputs, outputs=3, domain=io.PLUGIN_DOMAIN,
-                       name=f"/layers.{layer}/attn/{io.PLUGIN_OP}", **attrs.onnx_attributes())
+    if scores is not None:
+        inputs.append(io.OBSERVATION_LENS)
+    out, kc, vc, *sc = b.op(io.PLUGIN_OP, *inputs, outputs=3 if scores is None else 4, domain=io.PLUGIN_DOMAIN,
+                            name=f"/layers.{layer}/attn/{io.PLUGIN_OP}", **attrs.onnx_attributes())
+    if scores is not None:
+        scores.extend(sc)  # [S, kvH, max_blocks * block_size] float32
     return out, kc, vc
 
 

@@ -30,7 +30,7 @@ from kvexport import __version__, io, outputs
 from kvexport.errors import ConfigError, ValidationError
 from kvexport.manifest import GraphEntry, KVSpec, Manifest, ModelEntry, WeightsEntry, sha256, versions
 
-from . import end_tokens, interop, mla, source
+from . import end_tokens, interop, linear_attention, mla, source
 from .families import FAMILIES, read_spec
 from .graph import DecoderGraph, GraphOptions, model_rope_tables
 from .kv_forms import KVConstants, KVForm, kv_constants, kv_form
@@ -172,7 +172,9 @@ def read_model(src: source.ModelSource, opts: BuildOptions, progress: Progress) 
         spec = read_spec(config)
         source.check_weights_hold(src, spec.num_layers)  # NOTE: before transformers builds the model
         spec = end_tokens.with_generation_eos(spec, src)
+    opts, hybrid_note = linear_attention.build_options(spec, opts)  # hybrids: `onnx` attention; refusals
     opts, attention_note = default_attention(opts, mla=spec.mla is not None)
+    attention_note = attention_note or hybrid_note
     max_len = opts.max_seq_len or min(spec.max_positions, MAX_ROPE_TABLE)
     if spec.position == "learned" and max_len > spec.max_positions:
         raise ConfigError(f"--max-seq-len {max_len} exceeds the {spec.max_positions} learned positions "
@@ -194,6 +196,14 @@ def load(src: source.ModelSource, plan: Plan, progress: Progress) -> Loaded:
     return Loaded(model=model, weights=weights, rope=rope, tokenizer=tokenizer)
 
 
+def scores_declared(opts, spec) -> bool:
+    """Whether the build's graphs return attention scores (io.OBSERVATION_LENS; importance eviction,
+    runtime/core/importance.py): paged builds for onnxruntime (`plugin` and `onnx` attention), not MLA.
+    NOTE: the TensorRT plugin and the MLA op take no observation_lens yet (plugins/paged_attention/spec.py
+    "Attention scores")."""
+    return opts.layout is io.KVLayout.PAGED and opts.backend == "onnxruntime" and spec.mla is None
+
+
 def write_graphs(d: Path, plan: Plan, loaded: Loaded, kv: KVConstants, wf: WeightForm,
                  progress: Progress) -> Graphs:
     """The "graphs" stage: prefill and decode graphs sharing one weights file, and the tokenizer."""
@@ -209,7 +219,8 @@ def write_graphs(d: Path, plan: Plan, loaded: Loaded, kv: KVConstants, wf: Weigh
     for phase in (io.Phase.PREFILL, io.Phase.DECODE):
         with progress(f"exporting {phase.value} graph"):
             g = GraphOptions(opts.layout, phase, opts.dtype, opts.kv, opts.block_size, plan.max_len, opts.all_logits,
-                             opts.attention, kv.scales, kv.offsets, qweights=wf.qweights, layer_groups=layer_groups)
+                             opts.attention, kv.scales, kv.offsets, qweights=wf.qweights, layer_groups=layer_groups,
+                             logits_indices=opts.layout is io.KVLayout.PAGED, scores=scores_declared(opts, spec))
             dg = DecoderGraph(spec, wf.weights, loaded.rope, g, store)
             graphs[phase] = (dg.build(), dg.io)
     with progress("writing graphs and weights"):
@@ -254,7 +265,8 @@ def make_manifest(src: source.ModelSource, plan: Plan, kv: KVConstants, wf: Weig
                      num_layers=spec.num_layers, num_kv_heads=heads, head_dim=width,
                      bytes_per_token=io.kv_bytes_per_token(spec.num_layers, heads, width, opts.kv, latent),
                      max_seq_len=plan.max_len, quantization=kv.quantization, local_window=graphs.local_window,
-                     latent_rank=spec.mla.kv_lora_rank if latent else None)
+                     latent_rank=spec.mla.kv_lora_rank if latent else None,
+                     attention_scores=True if scores_declared(opts, spec) else None)
     return Manifest(
         schema_version=io.SCHEMA_VERSION, kvexport_version=__version__, source=src.to_json(),
         model=ModelEntry(spec.to_json()), dtype=opts.dtype.value, kv=kv_spec, graphs=graphs.entries,

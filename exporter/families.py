@@ -12,7 +12,7 @@ import numpy as np
 
 from kvexport.errors import ConfigError, UnsupportedModelError
 
-from . import mla
+from . import gemma4, linear_attention, mla
 from .moe import ExpertWeights, MoEFields, mlp_weights, read_moe
 from .spec import MLASpec, ModelSpec, RopeSpec
 
@@ -43,6 +43,11 @@ class LayerWeights:
     mla: Any = None  # MLA layers (exporter/mla.py MLAWeights); qkv_w / qkv_b are then None
     moe: ExpertWeights | None = None  # a sparse layer's routed experts (exporter/moe.py), stacked
     attn_sinks: np.ndarray | None = None  # [heads] float32 learned sink logits (GPT-OSS self_attn.sinks)
+    extra: Any = None  # a family's own layer weights (exporter/gemma4.py LayerExtras); None: none
+    # gated DeltaNet hybrids (exporter/linear_attention.py): a linear layer's weights (qkv_w / o_w are
+    # then None); an attention layer's output gate [hidden, heads * head_dim] (Qwen3.5's q_proj second half)
+    linear: Any = None
+    attn_gate_w: np.ndarray | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +82,7 @@ class ModelWeights:
     final_norm_w: np.ndarray  # [hidden]
     final_norm_b: np.ndarray | None
     lm_head: np.ndarray  # [vocab, hidden]; the same array as `embed` when tied
+    extra: Any = None  # a family's own model weights (exporter/gemma4.py ModelExtras); None: none
 
 
 Flag = bool | str  # a constant, or the name of a boolean config attribute
@@ -115,6 +121,10 @@ class Family:
     mla: Flag | None = None
     moe: MoEFields | None = None  # mixture of experts: the config fields of its routing (exporter/moe.py)
     attention_sinks: bool = False  # learned per-head sink logits: the checkpoint's self_attn.sinks (gpt_oss)
+    # config -> spec fields a family reads beyond the ones above (they win over them; gemma4.read_fields)
+    extra_fields: Callable[[Any], dict[str, Any]] | None = None
+    # config -> the config read_spec reads (a heterogeneous config's global view: gemma4.global_view)
+    config_view: Callable[[Any], Any] | None = None
 
 
 def _np(t) -> np.ndarray:
@@ -215,6 +225,42 @@ def deepseek_weights(sd: dict, spec: ModelSpec) -> ModelWeights:
     return _final(sd, spec, _np(sd["model.embed_tokens.weight"]), "model.norm", "lm_head.weight", None, layers)
 
 
+def hybrid_weights(sd: dict, spec: ModelSpec) -> ModelWeights:
+    """Gated DeltaNet hybrids (Qwen3.5, Qwen3-Next): linear layers' weights (exporter/linear_attention.py
+    read_weights; Qwen3-Next's grouped in_proj_qkvz / in_proj_ba re-laid out), attention layers' q_proj
+    [heads x (query | gate) per head] split into the query (qkv_w) and the output gate (attn_gate_w);
+    (1 + w) norms, dense or routed MLPs (exporter/moe.py mlp_weights)."""
+    la = spec.linear_attn
+    fam = FAMILIES[spec.family]
+    h, d = spec.num_heads, spec.head_dim
+    layers = []
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        n = lambda name: _norm_w(sd, p + name + ".weight", spec)  # noqa: E731
+        up_w, up_b, down_w, down_b, experts = mlp_weights(sd, i, spec, fam.moe)
+        lw = LayerWeights(n("input_layernorm"), None, None, None, None, None, n("post_attention_layernorm"), None,
+                          up_w, up_b, down_w, down_b, moe=experts)
+        if la is not None and i in la.layers:
+            lw.linear = linear_attention.read_weights(sd, p + "linear_attn.", la, _np,
+                                                      fused=p + "linear_attn.in_proj_qkvz.weight" in sd)
+        else:
+            qg = _np(sd[a + "q_proj.weight"]).reshape(h, 2, d, -1)  # [H, query | gate, D, hidden]
+            q, gate = qg[:, 0].reshape(h * d, -1), qg[:, 1].reshape(h * d, -1)
+            lw.qkv_w = np.ascontiguousarray(np.concatenate([q, _np(sd[a + "k_proj.weight"]),
+                                                            _np(sd[a + "v_proj.weight"])]).T)
+            lw.qkv_b = (np.concatenate([_np(sd[a + "q_proj.bias"]).reshape(h, 2, d)[:, 0].reshape(-1)]
+                                       + [_np(sd[a + f"{x}_proj.bias"]) for x in "kv"]) if spec.qkv_bias else None)
+            lw.attn_gate_w = np.ascontiguousarray(gate.T)
+            lw.o_w = np.ascontiguousarray(_np(sd[a + "o_proj.weight"]).T)
+            lw.o_b = _opt(sd, a + "o_proj.bias")
+            lw.q_norm_w, lw.k_norm_w = n("self_attn.q_norm"), n("self_attn.k_norm")
+        layers.append(lw)
+    weights = _final(sd, spec, _np(sd["model.embed_tokens.weight"]), "model.norm", "lm_head.weight", None, layers)
+    weights.final_norm_w = _norm_w(sd, "model.norm.weight", spec)
+    return weights
+
+
 FAMILIES: dict[str, Family] = {}
 
 
@@ -272,6 +318,16 @@ register(Family(
     activation_field="hidden_activation", norms=SANDWICH_NORMS, norm_offset=1.0, embed_scale=True,
     qk_norm="head", local_rope=True, required={"use_bidirectional_attention": (False, None)},
     recipe="gemma3_text.yaml"))
+# Gemma 4 (exporter/gemma4.py): Gemma 3's layers with plain-weight norms, KV shared by the last
+# num_kv_shared_layers layers, per-layer input embeddings, global layers with their own head_dim / KV
+# heads and "proportional" RoPE, attention scale 1, values RMS-normed; no GGUF (transformers reads none)
+register(Family(
+    name="gemma4_text", model_types=("gemma4_text",), gguf_archs=(), norm="rmsnorm", position="rope",
+    gated_mlp=True, qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias=False,
+    weights=gemma4.weights, sliding_window_field="sliding_window", windowed_layer_types=True,
+    activation_field="hidden_activation", norms=SANDWICH_NORMS, embed_scale=True, qk_norm="head", local_rope=True,
+    rope_types=("default", "linear", "proportional"), required={"use_bidirectional_attention": (None,)},
+    extra_fields=gemma4.read_fields, config_view=gemma4.global_view, recipe="gemma4_text.yaml"))
 register(Family(
     name="smollm3", model_types=("smollm3",), gguf_archs=(), norm="rmsnorm", position="rope",
     gated_mlp=True, qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias="mlp_bias",
@@ -338,6 +394,26 @@ register(Family(
                   expert_layout="gate_up_interleaved"),
     recipe="gpt_oss.yaml"))
 
+# ---- gated DeltaNet + gated attention hybrids (exporter/linear_attention.py): per config.layer_types,
+# linear_attention layers (short conv, gated delta rule, gated RMSNorm; recurrent state as graph I/O)
+# and full_attention layers (q/k norms, partial RoPE, the output gated by sigmoid of q_proj's second
+# half); (1 + w) norms. qwen3_5_text: dense MLPs; qwen3_next: Qwen2-MoE-style experts (shared expert
+# with a sigmoid gate) and grouped in_proj_qkvz / in_proj_ba. Paged layout only; no GGUF here.
+# NOTE: partial rotary: Qwen3.5's interleaved multimodal RoPE (mrope_section) equals plain RoPE for
+# text, whose three position rows are the same
+register(Family(
+    name="qwen3_5_text", model_types=("qwen3_5_text",), gguf_archs=(), norm="rmsnorm", position="rope",
+    gated_mlp=True, qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias=False,
+    weights=hybrid_weights, qk_norm="head", norm_offset=1.0, extra_fields=linear_attention.read_fields,
+    rope_types=("default",)))
+register(Family(
+    name="qwen3_next", model_types=("qwen3_next",), gguf_archs=(), norm="rmsnorm", position="rope",
+    gated_mlp=True, qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias=False,
+    weights=hybrid_weights, qk_norm="head", norm_offset=1.0, extra_fields=linear_attention.read_fields,
+    rope_types=("default",),
+    moe=MoEFields(experts="num_experts", norm_topk_prob="norm_topk_prob", layers="qwen",
+                  shared_size="shared_expert_intermediate_size", shared_gate=True, shared="shared_expert")))
+
 # transformers layer_types entries kvexport implements (anything else is refused by name)
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -375,6 +451,7 @@ def _int(config, name: str) -> int | None:
 def read_spec(config) -> ModelSpec:
     """transformers PretrainedConfig -> validated ModelSpec, or a clear error."""
     fam = family_for(getattr(config, "model_type", None))
+    config = fam.config_view(config) if fam.config_view is not None else config
     for name, allowed in fam.required.items():
         value = getattr(config, name, None)
         if value not in allowed:
@@ -430,7 +507,7 @@ def read_spec(config) -> ModelSpec:
         layer_rope = None
     eos = getattr(config, "eos_token_id", None)
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
-    return ModelSpec(
+    fields = dict(
         family=fam.name, model_type=config.model_type,
         num_layers=_int(config, "num_hidden_layers") or 0, hidden_size=hidden, num_heads=heads,
         num_kv_heads=kv_heads, head_dim=head_dim, intermediate_size=inter,
@@ -450,6 +527,8 @@ def read_spec(config) -> ModelSpec:
         final_softcap=_float(config, "final_logit_softcapping"), mla=_mla(config, fam),
         moe=read_moe(config, fam.moe, _int(config, "num_hidden_layers") or 0) if fam.moe is not None else None,
         attn_sinks=fam.attention_sinks)
+    fields.update(fam.extra_fields(config) if fam.extra_fields is not None else {})
+    return ModelSpec(**fields)
 
 
 def _mla(config, fam: Family) -> MLASpec | None:
@@ -486,12 +565,13 @@ def _rope(params: dict, config) -> RopeSpec:
         params["rope_theta"] = config.rope_theta
     rope_type = params.get("rope_type", params.get("type", "default"))
     omax = None
+    partial = float(params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0)
+    if rope_type == "proportional":  # NOTE: rotates the whole head, zero frequencies past the fraction (spec.py)
+        partial = 1.0
     if rope_type == "longrope":  # the factors themselves are read from transformers' rotary embedding
         omax = params.get("original_max_position_embeddings", getattr(config, "original_max_position_embeddings", None))
     return RopeSpec(theta=float(params.get("rope_theta", 10000.0)), rope_type=rope_type, factor=params.get("factor"),
-                    partial_rotary_factor=float(params.get("partial_rotary_factor",
-                                                           getattr(config, "partial_rotary_factor", 1.0)) or 1.0),
-                    original_max_positions=omax)
+                    partial_rotary_factor=partial, original_max_positions=omax)
 
 
 def _layer_types(config, fam: Family) -> tuple[str, ...]:

@@ -21,7 +21,7 @@ import torch
 from kvexport import io
 
 from . import attention as attn
-from . import kv_int4, mla, moe
+from . import gemma4, kv_int4, linear_attention, mla, moe
 from .families import LayerWeights, ModelWeights
 from .onnx_builder import GraphBuilder, WeightStore, onnx_dtype
 from .quantize import CHANNEL, QUANTIZED_EMBED, QUANTIZED_HEAD, QuantizedMatrix, stored_codes
@@ -49,6 +49,12 @@ class GraphOptions:
     # MoE layers (exporter/moe.py MOE_FORMS): "grouped" runs each expert on its tokens; "dense" every
     # expert on every token (measurement: bench/moe_speed.py)
     moe_form: str = "grouped"
+    # paged: the prefill graph takes io.LOGITS_INDICES and returns the logits of those rows only
+    # (speculative decoding's 1 + k rows, echo's prompt rows); False: builds made before it
+    logits_indices: bool = False
+    # paged: the graphs take io.OBSERVATION_LENS and return io.attention_scores(i) per KV layer
+    # (importance eviction, runtime/core/importance.py); False: builds made before it
+    scores: bool = False
 
 
 RopeTables = dict[str, tuple[np.ndarray, np.ndarray]]  # spec.ROPE_KINDS kind -> (cos, sin) [max_len, rot/2]
@@ -111,7 +117,12 @@ class DecoderGraph:
                               num_kv_heads=1 if mla_row else spec.num_kv_heads, head_dim=mla_row or spec.head_dim,
                               vocab_size=spec.vocab_size, block_size=opts.block_size,
                               act_dtype=self.act, kv_dtype=self.kv, all_logits=opts.all_logits,
-                              attention=opts.attention, layer_groups=opts.layer_groups, latent=mla_row is not None)
+                              attention=opts.attention, layer_groups=opts.layer_groups, latent=mla_row is not None,
+                              logits_indices=opts.logits_indices, **gemma4.graph_io_fields(spec, opts.kv_dtype),
+                              **linear_attention.graph_io_fields(spec, opts),
+                              scores=opts.scores)
+        self.score_out: list[str] = []  # attention_scores of each KV layer, in graph_io's order
+        self.kv_rows: dict[int, tuple[str, str]] = {}  # layer -> this step's float32 (k, v), for layers sharing it
         self.groups = opts.layer_groups or (io.FULL_GROUP,) * spec.num_layers
         self.plugin = self.paged and opts.attention is io.Attention.PLUGIN
         if (opts.kv_dtype is io.DType.INT8) != (opts.kv_scales is not None):
@@ -237,10 +248,12 @@ class DecoderGraph:
     def cast(self, x: str, src: str, dst: str) -> str:
         return x if src == dst else self.b.op("Cast", x, to=onnx_dtype(dst))
 
-    def rope_rows(self, cos: str, sin: str) -> tuple[str, str]:
-        """A step's cos/sin [.., rot/2] as apply_rope takes them, once for every layer:
+    def rope_rows(self, cos: str, sin: str, spec: ModelSpec | None = None) -> tuple[str, str]:
+        """A step's cos/sin [.., rot/2] as apply_rope takes them, once for every layer (of a
+        kind: `spec` its layers' spec.layer_view where heads differ per layer):
         [.., 1, D] = [cos, cos, 1..] and [-sin, sin, 0..] (the dims past rot pass through)."""
-        b, rot, d = self.b, self.spec.rotary_dim, self.spec.head_dim
+        spec = spec or self.spec
+        b, rot, d = self.b, spec.rotary_dim, spec.head_dim
         cos2 = b.op("Concat", cos, cos, axis=-1)
         sin2 = b.op("Concat", b.op("Neg", sin), sin, axis=-1)
         if rot < d:
@@ -250,11 +263,12 @@ class DecoderGraph:
             sin2 = b.op("Pad", sin2, pads, b.const(0.0, "float32"))
         return tuple(b.op("Unsqueeze", c, b.const([-2])) for c in (cos2, sin2))
 
-    def apply_rope(self, x: str, cos: str, sin: str) -> str:
+    def apply_rope(self, x: str, cos: str, sin: str, spec: ModelSpec | None = None) -> str:
         """x [..., heads, D] float32 rotated by rope_rows' cos/sin [..., 1, D]:
         x * cos + [x2, x1, x_pass] * sin, which is [x1 cos - x2 sin, x2 cos + x1 sin, x_pass]
         exactly (the same products and sums as rotate_half's form, in five nodes instead of eight)."""
-        b, rot, d = self.b, self.spec.rotary_dim, self.spec.head_dim
+        spec = spec or self.spec
+        b, rot, d = self.b, spec.rotary_dim, spec.head_dim
         parts = b.op("Split", x, b.const([rot // 2, rot // 2] + ([d - rot] if rot < d else [])), axis=-1,
                      outputs=2 if rot == d else 3)
         swapped = b.op("Concat", parts[1], parts[0], *parts[2:], axis=-1)
@@ -270,6 +284,7 @@ class DecoderGraph:
         h = self.embed(io.INPUT_IDS)
         if spec.embed_scale is not None:  # in the activation dtype, as transformers scales it
             h = b.op("Mul", h, b.const(spec.embed_scale, self.act))
+        ple = gemma4.per_layer_inputs(self, io.INPUT_IDS, h) if spec.per_layer_input else None  # [.., L, P]
         if spec.position == "learned":
             h = b.op("Add", h, b.op("Gather", self.matrix("model.embed_positions.weight", self.w.pos_embed), pos, axis=0))
         # cos/sin [.., 1, D] per RoPE kind the layers use ("global" keeps the old weight names)
@@ -283,20 +298,28 @@ class DecoderGraph:
                 use_long = self.longrope_select(omax)
                 cs = [b.op("Where", use_long, b.op("Gather", self.f32(f"{pre}.long.{n}", t), pos, axis=0), c)
                       for n, t, c in zip(("cos", "sin"), self.rope[kind + "_long"], cs)]
-            rope[kind] = self.rope_rows(*cs)  # [.., 1, D]
+            first = next(i for i in range(spec.num_layers) if spec.rope_kind(i) == kind)
+            rope[kind] = self.rope_rows(*cs, spec=spec.layer_view(first))  # [.., 1, D]
         # masks per distinct window (the plugin node reads the step's metadata itself)
         ctxs: dict[int | None, attn.AttnContext] = {}
         if not self.plugin:
             group_of = {spec.window(i): self.groups[i] for i in range(spec.num_layers)}  # one group per window
             for w in sorted(group_of, key=lambda w: w or 0):
-                shape = mla.context_shape(spec) if spec.mla is not None else spec  # MLA: one latent "KV head"
+                first = next(i for i in range(spec.num_layers) if spec.window(i) == w)
+                # MLA: one latent "KV head"; else the window's layers' heads (Gemma 4: per layer type)
+                shape = mla.context_shape(spec) if spec.mla is not None else spec.layer_view(first)
                 ctxs[w] = (attn.paged_context(b, shape, o.block_size, w, group_of[w], kv_dtype=self.kv) if self.paged
                            else attn.contiguous_context(b, spec, w))
 
         kv_out: list[tuple[str, ...]] = []  # per layer its KV outputs, in graph_io's order
+        # gated DeltaNet layers (exporter/linear_attention.py): their index tensors, their new states
+        self.linear_ctx = linear_attention.context(self, spec.linear_attn) if spec.linear_attn is not None else None
+        self.state_out: list[tuple[str, str]] = []
         for i, lw in enumerate(self.w.layers):
             cos, sin = rope.get(spec.rope_kind(i), (None, None))
             h, kv = self.layer(i, lw, h, cos, sin, ctxs.get(spec.window(i)))
+            if lw.extra is not None:  # Gemma 4: per-layer input, layer scalar
+                h = gemma4.layer_tail(self, i, lw, h, ple)
             kv_out.append(kv)
 
         b.scope = "/lm_head"
@@ -308,6 +331,11 @@ class DecoderGraph:
         for kv in kv_out:
             for t in kv:
                 b.output(t, next(outputs))
+        for st in self.state_out:  # after the KV outputs (kvexport/io.py "Recurrent state")
+            for t in st:
+                b.output(t, next(outputs))
+        for t in self.score_out:  # importance eviction (GraphOptions.scores): the last outputs
+            b.output(t, next(outputs))
         return b
 
     def longrope_select(self, original_max: int) -> str:
@@ -343,6 +371,11 @@ class DecoderGraph:
         hn = self.norm(x, lw.ln1_w, lw.ln1_b, p + "input_layernorm") if pre else x
         if spec.mla is not None:  # multi-head latent attention: one latent pool (exporter/mla.py)
             a, kv = mla.attention(self, i, lw, hn, cos, sin, ctx)
+        elif lw.linear is not None:  # gated DeltaNet: recurrent state, no KV (exporter/linear_attention.py)
+            a, state = linear_attention.layer(self, i, len(self.state_out), lw.linear, hn, self.linear_ctx,
+                                              spec.linear_attn)
+            self.state_out.append(state)
+            kv = ()
         else:
             a, kv = self.attention(i, lw, hn, cos, sin, ctx)
         if lw.post_attn_w is not None:
@@ -379,18 +412,23 @@ class DecoderGraph:
 
     def attention(self, i: int, lw: LayerWeights, hn: str, cos, sin, ctx) -> tuple[str, tuple[str, str]]:
         """The layer's attention on its normed input, through o_proj: (output [.., hidden],
-        its (key, value) outputs: this step's new rows, the updated pools, or the presents)."""
-        b, spec = self.b, self.spec
+        its (key, value) outputs: this step's new rows, the updated pools, or the presents; none for
+        a layer that reads another layer's KV, src (Gemma 4: exporter/gemma4.py, kvexport/io.py "Shared KV"))."""
+        b, spec, src = self.b, self.spec.layer_view(i), self.spec.kv_source(i)
         p = f"model.layers.{i}."
         qkv = self.linear(hn, self.matrix(p + "attn.qkv.weight", lw.qkv_w), self.matrix(p + "attn.qkv.bias", lw.qkv_b))
         qkv = self.cast(qkv, self.act, "float32")
         h, kvh, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
         lead = [0] if self.paged else [0, 0]  # [T] or [B, S] leading axes
-        if spec.qk_norm is None:  # q and k as one [.., H + kvH, D] through RoPE: half the nodes
+        if src != i:  # only q: k and v are those layer src made in this step (and its pools the cache)
+            q = self.norm_f32(b.op("Reshape", qkv, b.const(lead + [h, d])), lw.q_norm_w, None, p + "attn.q_norm")
+            q = self.apply_rope(q, cos, sin, spec) if cos is not None else q
+            k, v = self.kv_rows[src]
+        elif spec.qk_norm is None:  # q and k as one [.., H + kvH, D] through RoPE: half the nodes
             qk, v = b.op("Split", qkv, b.const([(h + kvh) * d, kvh * d]), axis=-1, outputs=2)
             qk = b.op("Reshape", qk, b.const(lead + [h + kvh, d]))
             if cos is not None:
-                qk = self.apply_rope(qk, cos, sin)
+                qk = self.apply_rope(qk, cos, sin, spec)
             q, k = b.op("Split", qk, b.const([h, kvh]), axis=-2, outputs=2)
         else:
             q, k, v = b.op("Split", qkv, b.const([h * d, kvh * d, kvh * d]), axis=-1, outputs=3)
@@ -403,8 +441,11 @@ class DecoderGraph:
                 q = self.norm_f32(q, lw.q_norm_w, None, p + "attn.q_norm")  # [.., H, D]
                 k = self.norm_f32(k, lw.k_norm_w, None, p + "attn.k_norm")  # [.., kvH, D]
             if cos is not None:
-                q, k = self.apply_rope(q, cos, sin), self.apply_rope(k, cos, sin)
-        v = b.op("Reshape", v, b.const(lead + [kvh, d]))
+                q, k = self.apply_rope(q, cos, sin, spec), self.apply_rope(k, cos, sin, spec)
+        if src == i:
+            v = b.op("Reshape", v, b.const(lead + [kvh, d]))
+            v = gemma4.rms(self, v, None, "") if spec.v_norm else v  # Gemma 4: per head, no weight
+            self.kv_rows[i] = (k, v)
         if self.opts.kv_offsets is not None:  # int4: (k - μ) / s and q * s, exact (kv_int4.py calibrate_transform)
             mu, sc = self.opts.kv_offsets[i].astype(np.float32)
             if mu.any():
@@ -424,30 +465,40 @@ class DecoderGraph:
             q, k, v = (self.cast(t, "float32", self.act) for t in (q, k, v))
             a, k_out, v_out = attn.plugin_attention(b, spec, i, q, k, v, block_size=self.opts.block_size,
                                                     kv_dtype=self.kv, scales=scales, group=self.groups[i],
-                                                    sinks=lw.attn_sinks)
+                                                    sinks=lw.attn_sinks, reads=src,
+                                                    scores=self.score_out if self.opts.scores and src == i else None)
             if rotated:  # [T, H, D]
                 a = self.cast(kv_int4.rotate(b, self.cast(a, self.act, "float32"), d), "float32", self.act)
             a = b.op("Reshape", a, b.const([0, h * d]))  # [T, H*D]
         else:
             q = b.op("Mul", q, b.const(spec.scale, "float32"))
             if self.paged:
-                a, k_out, v_out = attn.paged_attention(b, spec, i, ctx, q, k, v, kv_dtype=self.kv, scales=scales,
-                                                     sinks=lw.attn_sinks)
+                a, k_out, v_out = attn.paged_attention(b, spec, src, ctx, q, k, v, kv_dtype=self.kv, scales=scales,
+                                                     sinks=lw.attn_sinks,
+                                                     scores=self.score_out if self.opts.scores and src == i else None)
             else:
-                a, k_out, v_out = attn.contiguous_attention(b, spec, i, ctx, q, k, v,
+                a, k_out, v_out = attn.contiguous_attention(b, spec, src, ctx, q, k, v,
                                                             has_past=self.opts.phase is io.Phase.DECODE,
                                                             kv_dtype=self.kv, scales=scales, sinks=lw.attn_sinks)
             if rotated:  # [.., H*D] -> per head, rotated back
                 a = b.op("Reshape", kv_int4.rotate(b, b.op("Reshape", a, b.const(lead + [h, d])), d),
                          b.const(lead + [h * d]))
             a = self.cast(a, "float32", self.act)
+        if lw.attn_gate_w is not None:  # Qwen3.5 / Qwen3-Next: the output × sigmoid(x @ gate) [.., H*D]
+            a = b.op("Mul", a, b.op("Sigmoid", self.linear(hn, self.matrix(p + "attn.gate.weight", lw.attn_gate_w), None)))
         a = self.linear(a, self.matrix(p + "attn.o.weight", lw.o_w), self.matrix(p + "attn.o.bias", lw.o_b))
-        return a, (k_out, v_out)
+        return a, ((k_out, v_out) if src == i else ())
 
     def select_logit_rows(self, h: str) -> str:
-        """Keep only the rows whose logits are returned (the last token of each sequence
-        unless all_logits, or the decode graph where every row is a last token)."""
+        """Keep only the rows whose logits are returned: those io.LOGITS_INDICES asks for (a
+        paged prefill graph that takes it), else the last token of each sequence unless
+        all_logits, or the decode graph where every row is a last token.
+
+            h [T, hidden] ─> Gather(logits_indices [L]) ─> [L, hidden] ─> norm ─> lm_head ─> [L, vocab]
+        """
         b = self.b
+        if any(t.name == io.LOGITS_INDICES for t in self.io.inputs):
+            return b.op("Gather", h, io.LOGITS_INDICES, axis=0)  # [L, hidden]
         if self.opts.all_logits or self.opts.phase is io.Phase.DECODE:
             return h
         if self.paged:

@@ -20,7 +20,7 @@ import numpy as np
 from kvexport import io
 from kvexport.errors import ConfigError
 
-from . import calibrate, mla
+from . import calibrate, gemma4, mla
 from .progress import Progress
 from .spec import ModelSpec
 
@@ -92,8 +92,10 @@ _INT4_NOTE = (f"int4 KV: {io.KV_INT4_FORMAT} (kv.quantization): 4-bit codes with
 KV_FORMS: tuple[KVForm, ...] = (
     KVForm(dtype=io.DType.FP32),
     KVForm(dtype=io.DType.FP16),
-    KVForm(dtype=io.DType.INT8, step="calibrating int8 KV scales", calibrate=_int8, note=_INT8_NOTE),
-    KVForm(dtype=io.DType.INT4, refusal=_int4_head_dim, step="calibrating the int4 KV key transform",
+    KVForm(dtype=io.DType.INT8, refusal=lambda s: gemma4.kv_refusal(s, "int8"), step="calibrating int8 KV scales",
+           calibrate=_int8, note=_INT8_NOTE),
+    KVForm(dtype=io.DType.INT4, refusal=lambda s: gemma4.kv_refusal(s, "int4") or _int4_head_dim(s),
+           step="calibrating the int4 KV key transform",
            calibrate=_int4, note=_INT4_NOTE),
     KVForm(dtype=io.DType.FP32, latent=True),
     KVForm(dtype=io.DType.FP16, latent=True),

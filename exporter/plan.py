@@ -128,6 +128,10 @@ class Plan:
     weights_fit: bool | None  # the weights alone fit in memory_bytes
     fits: tuple[Fit, ...]  # per KV dtype and layout; () without memory_bytes
     notes: tuple[str, ...]  # what the numbers assume
+    # hybrids (gated DeltaNet layers, exporter/linear_attention.py): the recurrent state one sequence holds
+    # whatever its length (io.state_bytes_per_sequence), bytes; 0: no linear layers
+    state_bytes_per_seq: int = 0
+    linear_layers: int = 0  # layers with recurrent state instead of KV
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -172,13 +176,18 @@ def kv_bytes(spec: ModelSpec, kv_dtype: io.DType) -> KVBytes:
     groups = io.kv_groups(windows)
     heads, row = (1, spec.mla.row_width) if spec.mla is not None else (spec.num_kv_heads, spec.head_dim)
     latent = spec.mla is not None  # MLA: one latent pool per layer, layers x (kv_lora_rank + rope dim) x bytes
-    per_group = io.kv_bytes_per_token_by_group(groups, heads, row, kv_dtype, latent)
+    # NOTE: per layer its own KV shape, and a cache shared by several layers (Gemma 4) once: only
+    # spec.kv_layers hold pools (io.kv_bytes_per_token_layers, the runtime's sizing too)
+    dims = tuple((heads, row) if latent else spec.layer_kv_shape(i) for i in range(spec.num_layers))
+    per_group = io.kv_bytes_per_token_layers(groups, dims, spec.kv_layers, kv_dtype, latent)
     entries = []
     for g, b in per_group.items():
-        ws = [w for w, gg in zip(windows, groups) if gg == g]
+        ws = [w for i, (w, gg) in enumerate(zip(windows, groups)) if gg == g and i in spec.kv_layers]
         entries.append(KVGroupBytes(g, len(ws), None if None in ws else max(w for w in ws if w is not None), b))
-    total = io.kv_bytes_per_token(spec.num_layers, heads, row, kv_dtype, latent)
-    assert total == sum(per_group.values())
+    total = sum(per_group.values())
+    if spec.kv_sources is None and spec.layer_head_dims is None and spec.layer_kv_heads is None \
+            and spec.linear_attn is None:
+        assert total == io.kv_bytes_per_token(spec.num_layers, heads, row, kv_dtype, latent)
     return KVBytes(kv_dtype.value, total, io.kv_static_bytes(spec.num_layers, heads, row, kv_dtype, latent,
                                                                  num_heads=spec.num_heads),
                    tuple(entries))
@@ -353,12 +362,27 @@ def plan(model: str, memory: str | int | None = None, *, weights: str | None = N
         notes.append("activations, workspace and the runtime itself are not counted: leave headroom")
     if note := _window_note(spec):
         notes.append(note)
+    if spec.kv_sources is not None and len(spec.kv_layers) < spec.num_layers:  # Gemma 4's num_kv_shared_layers
+        notes.append(f"{spec.num_layers - len(spec.kv_layers)} of the {spec.num_layers} layers read an earlier "
+                     f"layer's KV cache: their KV is counted once, with the layer that writes it")
+    if spec.layer_head_dims is not None or spec.layer_kv_heads is not None:
+        shapes = sorted({spec.layer_kv_shape(i) for i in range(spec.num_layers)})
+        notes.append("KV heads × head_dim differ per layer: " + ", ".join(f"{h} × {d}" for h, d in shapes)
+                     + " (the header gives the first layer's)")
+    state = 0
+    if (la := spec.linear_attn) is not None:  # hybrids: constant state per sequence beside the attention layers' KV
+        state = io.state_bytes_per_sequence(len(la.layers), la.state_dims())
+        notes.append(f"{len(la.layers)} of the {spec.num_layers} layers are gated DeltaNet (linear attention): no KV, "
+                     f"{state:,} bytes ({_size(state)}) of recurrent state per running sequence whatever its length; "
+                     f"the fit counts only the KV of the {len(spec.kv_layers)} attention layers, add the state of "
+                     f"max_num_seqs sequences (and of --state-checkpoints) to the budget; hybrids build paged "
+                     f"with float KV only")
     windows = tuple(spec.window(i) for i in range(spec.num_layers))
     heads, row = (1, spec.mla.row_width) if spec.mla is not None else (spec.num_kv_heads, spec.head_dim)
     return Plan(model, m.kind, spec.family, spec.model_type, spec.num_layers, spec.hidden_size, spec.num_heads,
                 heads, row, _attention(spec), windows, spec.max_positions, estimates,
                 build_weights, kvs, block_size, max_model_len, max_num_seqs, mnbt, mem, fit_w, fit_w_bytes, weights_fit,
-                fits, tuple(notes))
+                fits, tuple(notes), state, len(spec.linear_attn.layers) if spec.linear_attn is not None else 0)
 
 
 def _attention(spec: ModelSpec) -> str:
@@ -438,6 +462,9 @@ def render(p: Plan, console) -> None:
             t.add_row(kv.kv_dtype, g.group, str(g.layers), str(g.window or "-"),
                       f"{g.bytes_per_token:,} ({_size(g.bytes_per_token)})", static)
     console.print(t)
+    if p.state_bytes_per_seq:
+        console.print(f"recurrent state ({p.linear_layers} linear-attention layers): {p.state_bytes_per_seq:,} bytes "
+                      f"({_size(p.state_bytes_per_seq)}) per sequence, whatever its length")
     if p.memory_bytes is None:
         console.print("give --memory (e.g. 24GiB) for what fits", style="dim")
     else:

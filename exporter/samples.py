@@ -41,6 +41,10 @@ def sample_feeds(manifest, phase: io.Phase, seed: int = 0) -> dict[str, np.ndarr
     # a build with a local KV cache group: its tables mirror the full group's (pools of equal size)
     groups = sorted(set(manifest.layer_groups or ()) - {io.FULL_GROUP})
     feeds = pack(chunks, bs, full_tables=kv.attention == io.Attention.PLUGIN.value, groups=groups).feeds()
+    if io.LOGITS_INDICES not in {t.name for t in manifest.graphs[phase.value].inputs}:
+        del feeds[io.LOGITS_INDICES]  # the decode graph, builds made before it
+    if io.OBSERVATION_LENS not in {t.name for t in manifest.graphs[phase.value].inputs}:
+        del feeds[io.OBSERVATION_LENS]  # builds without attention scores
     shape = io.paged_pool_shape(1 + 2 * per_seq, kv.num_kv_heads, bs, kv.head_dim, io.DType(kv.dtype).numpy_name)
     for name in io.pool_names(kv.num_layers, kv.latent):  # K/V pools, or MLA's latent pools
         feeds[name] = rng.standard_normal(shape).astype(kv_np)

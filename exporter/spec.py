@@ -5,16 +5,19 @@ read it; nothing downstream looks at a HF config again."""
 from __future__ import annotations
 
 import math
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 
 from kvexport.errors import ConfigError, KvExportError, UnsupportedModelError
 
+from .linear_attention import LinearAttnSpec
 from .moe import MoESpec
 
 NORMS = ("rmsnorm", "layernorm")
 ACTIVATIONS = ("silu", "gelu_new", "gelu_pytorch_tanh", "gelu")
 POSITIONS = ("rope", "learned")
-ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+# "proportional" (Gemma 4's global layers): rotate-half over the whole head with zero frequencies past
+# partial_rotary_factor, read as partial_rotary_factor 1.0 (transformers' tables are head_dim / 2 wide)
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "proportional")
 ACTIVATION_FIELD = {"gpt2": "activation_function"}  # family -> config field; default "hidden_act"
 LAYER_NORMS = ("pre", "post", "sandwich")  # norms before / after / around attention and MLP
 QK_NORMS = ("head", "all")  # RMSNorm of q and k per head (qwen3, gemma3) or over all heads (olmo2)
@@ -107,6 +110,21 @@ class ModelSpec:
     # learned attention sinks (GPT-OSS): one logit per query head and layer joins the softmax's
     # denominator (plugins/paged_attention/spec.py); the values are weights (LayerWeights.attn_sinks)
     attn_sinks: bool = False
+    # ---- Gemma 4 (exporter/gemma4.py); defaults: uniform layers, each with its own KV cache
+    # per layer head_dim / KV heads where layers differ (Gemma 4's full-attention layers: global_head_dim,
+    # num_global_key_value_heads); None: head_dim / num_kv_heads for every layer
+    layer_head_dims: tuple[int, ...] | None = None
+    layer_kv_heads: tuple[int, ...] | None = None
+    # per layer the layer whose KV cache it attends over: itself, or an earlier layer of the same window
+    # and shape (Gemma 4's num_kv_shared_layers); a shared cache is written once, by its own layer, and
+    # only that layer has pools (kvexport/io.py "Shared KV"). None: every layer its own
+    kv_sources: tuple[int, ...] | None = None
+    v_norm: bool = False  # values RMS-normed per head, without a weight, before the cache (Gemma 4)
+    per_layer_input: int | None = None  # per-layer input embedding width (Gemma 4's hidden_size_per_layer_input)
+    # ---- gated DeltaNet hybrids (Qwen3.5, Qwen3-Next; exporter/linear_attention.py): the linear layers and
+    # their state dims (they hold recurrent state, no KV); None: every layer attention
+    linear_attn: LinearAttnSpec | None = None
+    attn_output_gate: bool = False  # attention output × sigmoid(x @ gate) before o_proj (q_proj holds the gate)
 
     def __post_init__(self) -> None:
         # ConfigError: a malformed value; UnsupportedModelError: a valid option kvexport lacks
@@ -169,10 +187,37 @@ class ModelSpec:
         if self.moe is not None:  # exporter/moe.py read_moe checked the config's fields by name
             need(all(0 <= i < self.num_layers for i in self.moe.sparse_layers), "mlp_only_layers",
                  f"leaves MoE layers {self.moe.sparse_layers} outside the {self.num_layers} layers")
+        _check_layers(self, need)
+        if self.linear_attn is not None:
+            need(all(0 <= i < self.num_layers for i in self.linear_attn.layers), "layer_types",
+                 f"puts linear-attention layers {self.linear_attn.layers} outside the {self.num_layers} layers")
         for field, value in (("attn_logit_softcapping", self.attn_softcap),
                              ("final_logit_softcapping", self.final_softcap),
                              ("query_pre_attn_scalar", self.attn_scale), ("embed scale", self.embed_scale)):
             need(value is None or value > 0, field, f"must be > 0 or null, got {value!r}")
+
+    def layer_view(self, i: int) -> "ModelSpec":
+        """The spec as layer i's attention sees it: its head_dim and KV heads as the model's
+        (the spec itself when the layers are uniform)."""
+        if self.layer_head_dims is None and self.layer_kv_heads is None:
+            return self
+        return replace(self, head_dim=self.layer_kv_shape(i)[1], num_kv_heads=self.layer_kv_shape(i)[0],
+                       layer_head_dims=None, layer_kv_heads=None)
+
+    def layer_kv_shape(self, i: int) -> tuple[int, int]:
+        """(KV heads, head_dim) of layer i."""
+        return (self.layer_kv_heads[i] if self.layer_kv_heads is not None else self.num_kv_heads,
+                self.layer_head_dims[i] if self.layer_head_dims is not None else self.head_dim)
+
+    def kv_source(self, i: int) -> int:
+        """The layer whose KV cache layer i reads (i itself unless it shares an earlier layer's)."""
+        return self.kv_sources[i] if self.kv_sources is not None else i
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers that hold a KV cache (pools), ascending: every layer but those sharing another's."""
+        linear = set(self.linear_attn.layers) if self.linear_attn is not None else set()
+        return tuple(i for i in range(self.num_layers) if self.kv_source(i) == i and i not in linear)
 
     @property
     def group_size(self) -> int:
@@ -213,11 +258,13 @@ class ModelSpec:
         for f in _OPTIONAL:  # see the NOTE on the fields
             if getattr(self, f.name) == f.default:
                 del d[f.name]
-        for name in ("layer_windows", "layer_rope"):
+        for name in ("layer_windows", "layer_rope") + _LAYER_TUPLES:
             if name in d:
                 d[name] = list(d[name])
         if "moe" in d:
             d["moe"] = self.moe.to_json()
+        if "linear_attn" in d:
+            d["linear_attn"] = self.linear_attn.to_json()
         for name in ("rope", "rope_local"):
             if isinstance(d.get(name), dict) and d[name]["original_max_positions"] is None:
                 del d[name]["original_max_positions"]
@@ -239,10 +286,47 @@ class ModelSpec:
             kw["mla"] = MLASpec(**kw["mla"])
         if isinstance(kw.get("moe"), dict):
             kw["moe"] = MoESpec.from_json(kw["moe"])
-        for name in ("eos_token_ids", "generation_eos_token_ids", "layer_windows", "layer_rope"):
+        if isinstance(kw.get("linear_attn"), dict):
+            kw["linear_attn"] = LinearAttnSpec.from_json(kw["linear_attn"])
+        for name in ("eos_token_ids", "generation_eos_token_ids", "layer_windows", "layer_rope") + _LAYER_TUPLES:
             if kw.get(name) is not None:
                 kw[name] = tuple(kw[name])
         return cls(**kw)
 
 
 _OPTIONAL = [f for f in fields(ModelSpec) if f.default is not MISSING]
+_LAYER_TUPLES = ("layer_head_dims", "layer_kv_heads", "kv_sources")
+
+
+def _check_layers(spec: ModelSpec, need) -> None:
+    """The per-layer shapes and KV sharing (Gemma 4): one entry per layer; a layer reads its own
+    cache or that of an earlier layer which reads its own, with the same window and KV shape
+    (the sharing layers then attend exactly as their source's KV was written)."""
+    n = spec.num_layers
+    for field, per_layer in (("per_layer_config.head_dim", spec.layer_head_dims),
+                             ("per_layer_config.num_key_value_heads", spec.layer_kv_heads),
+                             ("num_kv_shared_layers", spec.kv_sources)):
+        if per_layer is not None:
+            need(len(per_layer) == n, field, f"must give {n} layers (num_hidden_layers), got {len(per_layer)}")
+    for i in range(n):
+        kvh, d = spec.layer_kv_shape(i)
+        need(isinstance(d, int) and d > 0, "per_layer_config.head_dim", f"must be a positive integer, got {d!r}")
+        need(isinstance(kvh, int) and kvh > 0 and spec.num_heads % kvh == 0, "per_layer_config.num_key_value_heads",
+             f"must divide num_attention_heads ({spec.num_heads}), got {kvh!r} (layer {i})")
+        src = spec.kv_source(i)
+        if src != i:
+            need(isinstance(src, int) and 0 <= src < i and spec.kv_source(src) == src, "num_kv_shared_layers",
+                 f"makes layer {i} read layer {src}'s KV cache, which is not an earlier layer with its own")
+            need(spec.window(src) == spec.window(i) and spec.layer_kv_shape(src) == (kvh, d)
+                 and spec.rope_kind(src) == spec.rope_kind(i), "layer_types",
+                 f"makes layer {i} share layer {src}'s KV cache across different windows, RoPE or KV shapes")
+    if spec.layer_head_dims is not None or spec.layer_kv_heads is not None:  # the graph builds per window / RoPE kind
+        for what, key in (("window", spec.window), ("RoPE", spec.rope_kind)):
+            shapes: dict = {}
+            for i in range(n):
+                need(shapes.setdefault(key(i), spec.layer_kv_shape(i)) == spec.layer_kv_shape(i), "per_layer_config",
+                     f"gives layers of the same {what} different KV heads / head_dim (layer {i}); kvexport needs "
+                     f"one shape per layer type")
+    if spec.per_layer_input is not None:
+        need(isinstance(spec.per_layer_input, int) and spec.per_layer_input > 0, "hidden_size_per_layer_input",
+             f"must be a positive integer or 0, got {spec.per_layer_input!r}")

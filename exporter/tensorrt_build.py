@@ -99,6 +99,9 @@ def axis_ranges(manifest: Manifest, opts: EngineBuildOptions, phase: io.Phase) -
         ranges[io.num_blocks_axis(io.LOCAL_GROUP)] = (2, opts.max_num_blocks, opts.max_num_blocks)
     if phase is io.Phase.PREFILL:
         ranges[io.NUM_TOKENS] = (1, tokens, tokens)
+        # io.LOGITS_INDICES (builds that take it): a row per sequence usually, up to every token
+        # (a verified draft's 1 + k rows, an echo's prompt rows)
+        ranges[io.NUM_LOGITS] = (1, seqs, tokens)
     return ranges
 
 

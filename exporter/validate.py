@@ -211,7 +211,8 @@ class ContiguousDriver:
     def __init__(self, build_dir: Path, manifest):
         self.prefill = session(build_dir / manifest.graphs["prefill"].file)
         self.decode = session(build_dir / manifest.graphs["decode"].file)
-        self.layers = manifest.kv.num_layers
+        # past_key_values.{i}.* per present.{i}.* output, in order (layers sharing KV have none: io.py "Shared KV")
+        self.past = [o.name.replace("present.", "past_key_values.", 1) for o in self.decode.get_outputs()[1:]]
 
     def run(self, prompts: list[list[int]], forced: list[list[int]], steps: int) -> list[np.ndarray]:
         n, longest = len(prompts), max(len(p) for p in prompts)
@@ -229,8 +230,7 @@ class ContiguousDriver:
             mask = np.concatenate([mask, np.ones((n, 1), np.int64)], axis=1)
             pos = pos[:, -1:] + 1
             feeds = {io.INPUT_IDS: tok, io.ATTENTION_MASK: mask, io.POSITION_IDS: pos}
-            for i in range(self.layers):
-                feeds[io.past_key(i)], feeds[io.past_value(i)] = past[2 * i], past[2 * i + 1]
+            feeds.update(zip(self.past, past))
             outs = self.decode.run(None, feeds)
             logits.append(outs[0][:, -1])
             past = outs[1:]

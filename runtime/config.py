@@ -19,9 +19,13 @@ from kvexport.manifest_weights import WEIGHT_MATMUL_ACCURACY  # onnxruntime CPU,
 
 from .core.memory import parse_budget, parse_size
 
-KV_EVICTIONS = ("none", "streaming")  # core/streaming.py: attention sinks + a recent window
+# core/streaming.py: attention sinks + a recent window; core/importance.py: attention-scored (snapkv at the
+# prompt, h2o also while decoding) within a per-sequence budget
+KV_EVICTIONS = ("none", "streaming", "snapkv", "h2o")
+SPECULATIVE = ("none", "ngram", "draft")  # core/speculation.py: speculative decoding's proposer
+FLOAT_SETTINGS = ("kv_budget_fraction",)  # settings that take a number with a fraction (the CLI's type)
 CHOICES = {"backend": BACKENDS, "weight_matmul_accuracy": WEIGHT_MATMUL_ACCURACY,
-           "kv_eviction": KV_EVICTIONS}  # settings with a fixed set of values
+           "kv_eviction": KV_EVICTIONS, "speculative": SPECULATIVE}  # settings with a fixed set of values
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +52,19 @@ class EngineConfig:
     kv_eviction: str = "none"
     kv_sink_tokens: int = 4  # streaming: tokens kept at the start (rounded up to whole blocks)
     kv_recent_tokens: int | None = None  # streaming: tokens kept at the end; None: half of max_model_len
+    # snapkv / h2o (runtime/core/importance.py): KV tokens a sequence keeps, at most; and/or a share of its prompt
+    kv_budget_tokens: int | None = None
+    kv_budget_fraction: float | None = None
+    kv_observation_tokens: int = 32  # snapkv / h2o: the prompt's last tokens whose attention scores its KV
+    # speculative decoding (core/speculation.py): "ngram" (prompt lookup), "draft" (draft_model), "none"
+    speculative: str = "none"
+    draft_model: str = ""  # speculative "draft": the draft build's folder (same vocabulary)
+    num_speculative_tokens: int = 4  # drafts per decoding step, at most (1..16)
+    speculative_max_batch: int = 8  # sequences running above which nobody drafts (decode turns compute-bound)
+    # hybrid (gated DeltaNet) builds' prefix caching (core/state_pool.py): a recurrent-state checkpoint every this
+    # many KV blocks (prompt chunks end on those boundaries); 0: hybrids recompute every prompt
+    state_checkpoint_blocks: int = 32
+    state_checkpoints: int = 64  # hybrids: checkpoint slots (each one sequence's recurrent state), least recently used evicted
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -63,7 +80,28 @@ class EngineConfig:
         v = self.kv_recent_tokens
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise ConfigError(f"kv_recent_tokens must be an integer >= 1 (or unset: half of max_model_len), got {v!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_sequences_per_request"):
+        for name in ("kv_budget_tokens", "kv_observation_tokens"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ConfigError(f"{name} must be an integer >= 1, got {v!r}")
+        v = self.kv_budget_fraction
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1):
+            raise ConfigError(f"kv_budget_fraction must be a number in (0, 1) (the share of a prompt's KV kept), "
+                              f"got {v!r}")
+        if (self.kv_budget_tokens is not None or self.kv_budget_fraction is not None) \
+                and self.kv_eviction not in ("snapkv", "h2o"):
+            raise ConfigError(f"kv_budget_tokens / kv_budget_fraction are budgets of --kv-eviction snapkv or h2o, "
+                              f"not of {self.kv_eviction!r}: set --kv-eviction snapkv, or leave the budget unset")
+        if self.speculative not in SPECULATIVE:
+            raise ConfigError(f"speculative must be one of {', '.join(SPECULATIVE)}, got {self.speculative!r}")
+        if not isinstance(self.draft_model, str) or bool(self.draft_model) != (self.speculative == "draft"):
+            raise ConfigError(f"draft_model is the draft build of speculative 'draft' and only of it: got "
+                              f"speculative {self.speculative!r} with draft_model {self.draft_model!r}; give "
+                              f"--speculative draft --draft-model BUILD, or neither")
+        v = self.num_speculative_tokens
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 16:
+            raise ConfigError(f"num_speculative_tokens must be an integer in [1, 16] (drafts per step), got {v!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_sequences_per_request", "speculative_max_batch"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {v!r}")
@@ -74,6 +112,10 @@ class EngineConfig:
         if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
                                          or self.threads < 1):
             raise ConfigError(f"threads must be an integer >= 1 (or unset: all cores), got {self.threads!r}")
+        for name in ("state_checkpoint_blocks", "state_checkpoints"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ConfigError(f"{name} must be an integer >= 0 (0: no hybrid prefix caching), got {v!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ConfigError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         sizes = self.cuda_graph_batch_sizes
@@ -89,7 +131,7 @@ class EngineConfig:
             raise ConfigError(f"kv_offload_dir must be a folder path (or empty: no disk tier), got {self.kv_offload_dir!r}")
         if self.kv_offload_dir and parse_size(self.kv_offload_disk) < 1:
             raise ConfigError(f"kv_offload_disk is 0 bytes but kv_offload_dir is set: give the disk tier a size such "
-                              f"as 8GiB, or leave kv_offload_dir empty")
+                              "as 8GiB, or leave kv_offload_dir empty")
         if (self.kv_offload_dir or parse_size(self.kv_offload_memory)) and not self.enable_prefix_caching:
             raise ConfigError("kv_offload_memory / kv_offload_dir keep prefix-cache blocks, so they need "
                               "enable_prefix_caching; turn prefix caching on or the offload off")
@@ -124,8 +166,12 @@ class EngineConfig:
                 continue
             try:
                 if name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "threads",
-                            "max_sequences_per_request", "kv_sink_tokens", "kv_recent_tokens"):
+                            "max_sequences_per_request", "kv_sink_tokens", "kv_recent_tokens",
+                            "num_speculative_tokens", "speculative_max_batch", "kv_budget_tokens",
+                            "kv_observation_tokens", "state_checkpoint_blocks", "state_checkpoints"):
                     kw[name] = int(text)
+                elif name in FLOAT_SETTINGS:
+                    kw[name] = float(text)
                 elif name == "enable_prefix_caching":
                     if text.lower() not in ("true", "false", "1", "0"):
                         raise ValueError(text)
@@ -159,18 +205,41 @@ SETTINGS: dict[str, str] = {
                               "int8 x int8 GEMMs (fastest; smollm2 rtn int4 perplexity +1.9% with VNNI, +13% on "
                               "AVX2-only CPUs, whose int8 activations get 7 bits). float: exact everywhere (slow "
                               "decode).",
-    "kv_eviction": "KV eviction: none (a sequence stops at max_model_len), or streaming (attention sinks: keep "
+    "kv_eviction": "KV eviction: none (a sequence stops at max_model_len), streaming (attention sinks: keep "
                    "the first --kv-sink-tokens and the last --kv-recent-tokens tokens' KV, free the blocks between; "
-                   "max_tokens may exceed max_model_len; docs/ARCHITECTURE.md \"Streaming\").",
+                   "max_tokens may exceed max_model_len; docs/ARCHITECTURE.md \"Streaming\"), snapkv (when a prompt "
+                   "completes, keep the KV blocks its last --kv-observation-tokens attend to most, within "
+                   "--kv-budget-tokens / --kv-budget-fraction; sinks and recent tokens always kept) or h2o (snapkv, "
+                   "and while decoding the blocks with the most accumulated attention, so a generation stays within "
+                   "the budget).",
     "kv_sink_tokens": "streaming: tokens kept at the start of each sequence (rounded up to whole KV blocks; 0: a "
                       "plain sliding window).",
     "kv_recent_tokens": "streaming: most recent tokens kept [half of max_model_len]; at least one KV block, and "
                         "sinks + recent + one block within max_model_len and the KV pool.",
+    "kv_budget_tokens": "snapkv / h2o: KV tokens each sequence keeps, at most (at least sinks + recent + one block; "
+                        "a request may ask for fewer: kv_budget_tokens).",
+    "kv_budget_fraction": "snapkv / h2o: the share of each prompt's KV kept (0-1, e.g. 0.25); with "
+                          "--kv-budget-tokens the smaller wins.",
+    "kv_observation_tokens": "snapkv / h2o: the prompt's last tokens whose attention scores the rest (the observation "
+                             "window; always kept).",
     "kv_offload_memory": "Host-memory tier for prefix-cache blocks evicted from the KV pool, a size (4GiB); 0: off. "
                          "A prefix found there is copied back instead of recomputed.",
     "kv_offload_dir": "Disk tier folder for evicted prefix-cache blocks (below the host tier; survives restarts). "
                       "It holds only kvexport's block files, marked; a folder with other files is refused.",
     "kv_offload_disk": "Disk tier budget, a size (used with --kv-offload-dir); a full disk turns the tier off.",
+    "speculative": "Speculative decoding: none, ngram (prompt lookup: drafts copied from the request's own tokens), "
+                   "or draft (a smaller build's drafts, --draft-model). Outputs are distributed exactly as without "
+                   "it (greedy: identical); a request may turn it off (speculative: false).",
+    "draft_model": "speculative draft: the draft model's build folder (same tokenizer and vocabulary).",
+    "num_speculative_tokens": "speculative: tokens drafted per decoding step, at most (1-16; backed off per "
+                              "sequence when its drafts are rejected).",
+    "speculative_max_batch": "speculative: with more sequences running than this, nobody drafts (a large batch's "
+                             "decode is no longer memory-bound).",
+    "state_checkpoint_blocks": "Hybrid (gated DeltaNet) builds: save the linear layers' recurrent state every this "
+                               "many KV blocks, so prompts sharing a prefix resume from the nearest checkpoint (prompt "
+                               "chunks end on those boundaries); 0: no prefix caching for hybrids.",
+    "state_checkpoints": "Hybrid builds: recurrent-state checkpoints kept (each one sequence's state: kvexport plan "
+                         "shows its bytes); the least recently used is dropped for a new one.",
     "max_sequences_per_request": "Sequences one request may ask for (prompts x n), max; more is refused with 400. "
                                  "Requests share the engine in turn, so a large one cannot starve the others.",
 }

@@ -29,6 +29,7 @@ from .config import EngineConfig
 from .core.hybrid_kv_cache_manager import HybridKVCacheManager
 from .core.kv_cache_interface import KVCacheManagerProtocol
 from .core.kv_cache_manager import KVCacheManager
+from .core import state_pool
 from .core.kv_connector import KVConnectorScheduler
 from .core.kv_tiers import TierIndex
 from .core.memory import kv_pool_sizes, parse_budget, parse_size, physical_memory
@@ -37,12 +38,15 @@ from .execution.kv_offload import KVOffload
 from .execution.model_input import Backend
 from .execution.model_runner import ModelRunner
 from .execution.output_processor import OutputProcessor, RequestOutput
+from .execution.structured import StructuredOutputManager
 from .kv_connector import KVConnector
 from .request_checks import RequestError, check_token_ids, prompt_logprobs_refusal
 from .sampling_params import SamplerState, SamplingParams
 from .tokenizer import load_build_tokenizer
+from .core.importance import check_request_budget, importance_policy
 from .core.scheduler import Scheduler, SchedulerConfig, Status
 from .core.streaming import StreamingWindow, check_model, streaming_window
+from .speculative import speculation_policy
 
 __all__ = ["EngineConfig", "LLMEngine", "RequestOutput"]
 
@@ -66,8 +70,10 @@ class LLMEngine:
         groups = self.manifest.layer_groups  # None: one KV cache group
         # NOTE: the one pool sizing (`kvexport plan` calls it too): with a local group, the windowed
         # layers' group gets what its window needs, the full group the rest
-        per_token = io.kv_bytes_per_token_by_group(groups or (io.FULL_GROUP,) * kv.num_layers, kv.num_kv_heads,
-                                                   kv.head_dim, io.DType(kv.dtype), kv.latent)
+        # Gemma 4: layers sharing KV hold no pools, layers may differ in KV shape (io.py "Shared KV")
+        kv_layers, dims = io.kv_layout(self.manifest.model.spec, kv.num_kv_heads, kv.head_dim)
+        per_token = io.kv_bytes_per_token_layers(groups or (io.FULL_GROUP,) * kv.num_layers, dims, kv_layers,
+                                                 io.DType(kv.dtype), kv.latent)
         sizes = kv_pool_sizes(budget, kv.block_size, per_token, kv.local_window, config.max_num_seqs,
                               config.max_num_batched_tokens)
         num_blocks, local_blocks = sizes.num_blocks, sizes.local_num_blocks
@@ -96,19 +102,26 @@ class LLMEngine:
             window = kv.local_window
             self.kv = HybridKVCacheManager(self.pool, local, window, self.tiers)
             pools[io.LOCAL_GROUP] = local
+        self.kv = state_pool.for_build(self.kv, self.manifest.model.spec, config)  # hybrids: + state slots
         # the one seam for moving KV blocks in or out (runtime/kv_connector.py): serving code uses only it
         self.kv_connector = KVConnector(
             KVConnectorScheduler(pools, self.tiers, kv.local_window if groups is not None else None),
             KVConnectorWorker(backend, self.manifest, offload))
         max_model_len = min(config.max_model_len or kv.max_seq_len, kv.max_seq_len)
         streaming = self._streaming(config, max_model_len) if config.kv_eviction == "streaming" else None
+        self.speculation = speculation_policy(self.build_dir, self.manifest, config)  # None: off (core/speculation.py)
+        # importance eviction (core/importance.py); None: the one SchedulerConfig asks for
+        self.importance = importance_policy(self.build_dir, self.manifest, config, max_model_len)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len,
-                                                   None if streaming else window, eos, streaming=streaming), self.kv)
+                                                   None if streaming else window, eos, streaming=streaming), self.kv,
+                                   speculation=self.speculation, eviction=self.importance)
         self.runner = ModelRunner(backend, kv.block_size, eos, offload=offload)
         self.tokenizer = None
         if self.manifest.tokenizer:
             self.tokenizer = load_build_tokenizer(self.build_dir, self.manifest.tokenizer)
         self.outputs = OutputProcessor(self.tokenizer)
+        # structured output's grammars (execution/structured.py): compiled once per spec, one matcher per sequence
+        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, eos)
         self._ids = 0
 
     def _kv_tiers(self, config: EngineConfig, backend: Backend) -> tuple[TierIndex | None, KVOffload | None]:
@@ -187,13 +200,21 @@ class LLMEngine:
             raise KvExportError("params must be a SamplingParams")
         prompt = check_token_ids(prompt, self.vocab_size)
         check_token_ids(list(params.stop_token_ids), self.vocab_size, "stop_token_ids")
-        if params.prompt_logprobs is not None and not self.manifest.all_logits:
+        if params.prompt_logprobs is not None and not self.manifest.scores_prompts:
             raise RequestError(prompt_logprobs_refusal(self.build_dir), "prompt_logprobs")
+        if params.speculative and self.speculation is None:
+            raise RequestError("speculative: this engine runs without speculative decoding; start it with "
+                               "--speculative ngram (or draft --draft-model BUILD), or leave speculative unset",
+                               "speculative")
+        check_request_budget(params.kv_budget_tokens, self.importance.b if self.importance else None,
+                             self.max_model_len)
         rid = request_id or f"req-{self._ids}"
         self._ids += 1
         if rid in self.outputs:
             raise RequestError(f"request id {rid!r} is already in use; pick a unique id", "request_id")
-        req = self.scheduler.new_request(rid, prompt, params, SamplerState.create(params, sample_index, prompt),
+        grammar = self.structured.matcher(params.structured)  # GrammarError (400) before anything is queued
+        req = self.scheduler.new_request(rid, prompt, params, SamplerState.create(params, sample_index, prompt,
+                                                                                  grammar),
                                          salt=salt, share_prompt_with=share_prompt_with)
         self.outputs.add_request(rid, prompt, params)
         if req.status is Status.FINISHED:  # refused at admission (too long, empty)
@@ -238,12 +259,22 @@ class LLMEngine:
         self.scheduler.remove(request_id)
         return self.outputs.pop(request_id)
 
+    def spec_stats(self):
+        """Speculative decoding's counts (core/speculation.py SpecStats), or None when it is off."""
+        return self.speculation.stats() if self.speculation is not None else None
+
     def kv_stats(self) -> dict:
         st = self.pool.stats
         return {"blocks_total": self.pool.num_usable_blocks, "blocks_used": self.pool.num_used_blocks,
                 "usage": self.pool.usage, "prefix_queries": st.queries, "prefix_hits": st.hits,
                 "preemptions": self.scheduler.num_preemptions, "context_shifts": self.scheduler.num_context_shifts,
-                **self.tier_stats()}
+                **self.tier_stats(), **self._spec_counts()}
+
+    def _spec_counts(self) -> dict:
+        """Speculative decoding's counters for kv_stats (all 0 when it is off; core/speculation.py)."""
+        st = self.spec_stats()
+        return {"spec_drafts": st.num_drafts if st else 0, "spec_draft_tokens": st.num_draft_tokens if st else 0,
+                "spec_accepted_tokens": st.num_accepted_tokens if st else 0}
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Before the process ends (a server stopping; call it from the thread that owns the engine,

@@ -47,8 +47,9 @@ def prompt_logprobs_refusal(build_dir, what: str = "prompt_logprobs") -> str:
     """Why a build cannot score prompts (SamplingParams.prompt_logprobs), and what to do. `build_dir`:
     how to name the build: its folder for the engine's own callers, "this build" where a client of a
     server reads it (a server's paths are never shown to its clients)."""
-    return (f"{what}: prompt log-probabilities need a build whose prefill returns every token's logits; "
-            f"{build_dir} returns the last token's only: rebuild it with `kvexport build MODEL --all-logits`")
+    return (f"{what}: prompt log-probabilities need a build whose prefill returns the prompt rows' logits; "
+            f"{build_dir} (made before logits_indices) returns the last token's only: rebuild it with this "
+            f"kvexport (`kvexport build MODEL --force`)")
 
 
 __all__ = ["RequestError", "check_token_ids", "prompt_logprobs_refusal"]

@@ -9,8 +9,9 @@ its batch.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -24,6 +25,72 @@ class SamplingError(KvExportError):
 # NOTE: vLLM's rule (_SAMPLING_EPS): a temperature below this samples greedily; a smaller one
 # would only push every logit but the largest to -inf and the largest to overflow.
 GREEDY_BELOW = 1e-5
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputs:
+    """What a request's output must match (exactly one field set), enforced token by token by
+    runtime/execution/structured.py: vLLM's `structured_outputs` (json, regex, choice, grammar)
+    and OpenAI's response_format (json_schema -> json, json_object)."""
+
+    json: str | None = None  # a JSON schema (its JSON text; a dict or a pydantic model class is converted)
+    json_object: bool = False  # any JSON object (response_format {"type": "json_object"})
+    regex: str | None = None  # the whole output matches this regular expression
+    choice: tuple[str, ...] | None = None  # the output is exactly one of these strings
+    grammar: str | None = None  # an EBNF grammar (GBNF style, `root ::= ...`)
+
+    def __post_init__(self) -> None:
+        def bad(msg: str) -> None:
+            raise SamplingError(f"invalid structured output: {msg}")
+
+        j = self.json
+        if isinstance(j, type) and hasattr(j, "model_json_schema"):  # a pydantic model class
+            j = j.model_json_schema()
+        if isinstance(j, (dict, bool)):
+            j = json.dumps(j)
+        if j is not None and not isinstance(j, str):
+            bad(f"json must be a JSON schema (its text, a dict or a pydantic model), got {type(j).__name__}")
+        if j is not None:
+            try:
+                json.loads(j)
+            except ValueError as e:
+                bad(f"json is not valid JSON: {e}")
+        object.__setattr__(self, "json", j)
+        if isinstance(self.choice, str) or (self.choice is not None and not isinstance(self.choice, (list, tuple))):
+            bad(f"choice must be a list of strings, got {type(self.choice).__name__}")
+        if self.choice is not None:
+            if not self.choice or any(not isinstance(c, str) or not c for c in self.choice):
+                bad("choice must be a non-empty list of non-empty strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                bad(f"{name} must be a non-empty string")
+        if not isinstance(self.json_object, (bool, np.bool_)):
+            bad(f"json_object must be true or false, got {self.json_object!r}")
+        object.__setattr__(self, "json_object", bool(self.json_object))
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            bad(f"set exactly one of json, json_object, regex, choice, grammar; got {', '.join(given) or 'none'}")
+
+    @property
+    def field(self) -> str:
+        """The one field set."""
+        return next(k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None) \
+            if not self.json_object else "json_object"
+
+    @property
+    def kind(self) -> str:
+        """What it is, in words (error messages)."""
+        return {"json": "JSON schema", "json_object": "JSON object", "regex": "regular expression",
+                "choice": "choice", "grammar": "grammar"}[self.field]
+
+    @property
+    def key(self) -> tuple:
+        """The compiled grammar cache's key."""
+        return (self.field, getattr(self, self.field))
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -45,6 +112,14 @@ class SamplingParams:
     # return the log-probability of each prompt token (and its rank, and the top-k at its position; 0 = the
     # prompt token's only). Needs a build whose prefill returns every token's logits (`--all-logits`)
     prompt_logprobs: int | None = None
+    # speculative decoding (the server's --speculative): None: as the server is set; False: off for this
+    # request; True: this request needs it (refused by a server without it)
+    speculative: bool | None = None
+    # importance eviction (the server's --kv-eviction snapkv / h2o): this request's KV budget in tokens, when
+    # smaller than the server's (runtime/core/importance.py); None: the server's
+    kv_budget_tokens: int | None = None
+    # constrain the output to a JSON schema, regex, choice or grammar (runtime/execution/structured.py)
+    structured: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -99,12 +174,21 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 20):
                 bad(f"{name} must be an integer in [0, 20], got {v!r}")
+        if self.speculative is not None and not isinstance(self.speculative, (bool, np.bool_)):
+            bad(f"speculative must be true, false or unset (the server's setting), got {self.speculative!r}")
+        if self.speculative is not None:
+            object.__setattr__(self, "speculative", bool(self.speculative))
+        v = self.kv_budget_tokens  # NOTE: its range depends on the server's settings: checked by the engine
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            bad(f"kv_budget_tokens must be an integer >= 1 (or unset: the server's budget), got {v!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
             bad(f"seed must be a non-negative integer, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop strings must be non-empty strings")
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if self.structured is not None and not isinstance(self.structured, StructuredOutputs):
+            bad(f"structured must be a StructuredOutputs, got {type(self.structured).__name__}")
 
     @property
     def greedy(self) -> bool:
@@ -121,9 +205,13 @@ class SamplerState:
     rng: np.random.Generator
     counts: dict[int, int] = field(default_factory=dict)
     prompt_tokens: frozenset[int] = frozenset()  # kept only when a repetition penalty needs it
+    # the sequence's grammar matcher (runtime/execution/structured.py Matcher) when params.structured is set
+    grammar: Any = None
 
     @classmethod
-    def create(cls, params: SamplingParams, sample_index: int = 0, prompt: Sequence[int] = ()) -> "SamplerState":
+    def create(cls, params: SamplingParams, sample_index: int = 0, prompt: Sequence[int] = (),
+               grammar: Any = None) -> "SamplerState":
         seed = params.seed if params.seed is not None else np.random.SeedSequence().entropy
         prompt_tokens = frozenset(prompt) if params.repetition_penalty != 1.0 else frozenset()
-        return cls(params, np.random.default_rng([int(seed), sample_index]), prompt_tokens=prompt_tokens)
+        return cls(params, np.random.default_rng([int(seed), sample_index]), prompt_tokens=prompt_tokens,
+                   grammar=grammar)

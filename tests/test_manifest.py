@@ -296,7 +296,7 @@ def claim(**kv):
     (claim(dtype="fp16"), "manifest field 'kv.dtype' says float16, but prefill.onnx's input 'key_cache.0'"),
     (lambda d: d.update(dtype="fp16"), "manifest field 'dtype' says float16, but prefill.onnx's output 'logits'"),
     (lambda d: d["model"].update(vocab_size=100), "manifest field 'model.vocab_size' is 100, but prefill.onnx's "
-                                                  "output 'logits' float32 [num_seqs, 128] has 128 on that axis (1)"),
+                                                  "output 'logits' float32 [num_logits, 128] has 128 on that axis (1)"),
     (claim(layout="contiguous", block_size=0), "prefill.onnx has no input 'attention_mask', which a contiguous build"),
     (lambda d: d["kv"].update(attention="plugin"), "prefill.onnx has no output 'key_cache_out.0', which a paged "
                                                    "build with plugin attention has"),
@@ -304,7 +304,8 @@ def claim(**kv):
      "manifest field 'graphs.decode.inputs' disagrees with decode.onnx at input 3: the graph has 'seq_lens' int64 "
      "[num_seqs], the manifest lists 'seq_lens' int64 [num_tokens]"),
     (lambda d: d["graphs"]["prefill"]["outputs"].pop(),
-     "manifest field 'graphs.prefill.outputs' disagrees with prefill.onnx at output 4: the graph has 'new_value.1'"),
+     "manifest field 'graphs.prefill.outputs' disagrees with prefill.onnx at output 6: the graph has "
+     "'attention_scores.1'"),  # the last output: a paged build's attention scores (kvexport/io.py)
 ], ids=["3-layers", "1-layer", "4-kv-heads", "head-dim", "block-size", "kv-dtype", "act-dtype", "vocab",
         "layout", "attention", "listed-shape", "listed-missing"])
 def test_manifest_that_does_not_describe_its_graphs_is_refused(build_copy, edit, what):

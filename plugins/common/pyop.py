@@ -109,7 +109,7 @@ def cast_wide(node: onnx.NodeProto, inputs: dict[int, str], outputs: dict[int, s
     return before, after
 
 
-def rewrite_nodes(model: onnx.ModelProto, op_type: str, num_inputs: int,
+def rewrite_nodes(model: onnx.ModelProto, op_type: str, num_inputs: int | tuple[int, ...],
                   rewrite: Callable[[onnx.NodeProto, Callable[[str], str]], tuple[str, list, list]]
                   ) -> onnx.ModelProto:
     """A copy of `model` whose `kvexport::<op_type>` nodes call PyOps: rewrite(node, dtype) edits
@@ -133,8 +133,10 @@ def rewrite_nodes(model: onnx.ModelProto, op_type: str, num_inputs: int,
         if node.domain != io.PLUGIN_DOMAIN or node.op_type != op_type:
             nodes.append(node)
             continue
-        if len(node.input) != num_inputs:
-            raise KvExportError(f"{node.name}: {op_type} takes {num_inputs} inputs, got {len(node.input)}")
+        allowed = (num_inputs,) if isinstance(num_inputs, int) else tuple(num_inputs)  # optional inputs: several
+        if len(node.input) not in allowed:
+            raise KvExportError(f"{node.name}: {op_type} takes {' or '.join(map(str, allowed))} inputs, got "
+                                f"{len(node.input)}")
         node.op_type, before, after = rewrite(node, dtype)
         node.domain = ortx.default_opset_domain()
         nodes += before + [node] + after

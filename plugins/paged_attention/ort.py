@@ -17,7 +17,7 @@ import onnx
 from kvexport import io
 
 from ..common.pyop import add_exact, cast_wide, plugin_session, pyop_dtype, read_exact, register, rewrite_nodes
-from .reference import paged_attention
+from .reference import attention_scores, paged_attention
 from .spec import NUM_INPUTS, PagedAttentionAttrs
 
 __all__ = ["plugin_session", "rewrite_for_reference"]
@@ -33,16 +33,21 @@ def _register(act: str, kv: str, n_inputs: int) -> str:
     """Register (once per process) the reference as a PyOp for these element types (uint8: int4 KV rows)."""
     import torch
 
+    scoring = n_inputs == NUM_INPUTS + 1  # + observation_lens -> + attention_scores (spec.py)
+
     def run(*args, **kw):
         attrs_ = PagedAttentionAttrs.from_onnx_attributes(read_exact(kw, _EXACT))
         t = [torch.from_numpy(np.array(a)) for a in args]
         kc, vc = t[3].clone(), t[4].clone()
         out = paged_attention(*t[:3], kc, vc, *t[5:11], attrs=attrs_)
+        if scoring:
+            sc = attention_scores(t[0], kc, t[5], t[6], t[7], t[11], t[9], attrs=attrs_)
+            return out.numpy(), kc.numpy(), vc.numpy(), sc.float().numpy()
         return out.numpy(), kc.numpy(), vc.numpy()
 
-    return register(f"KvexportPagedAttention_{act}_{kv}_{n_inputs}",
-                    [act] * 3 + [kv] * 2 + ["int64"] * 4 + ["float32"] * (n_inputs - 9), [act, kv, kv],
-                    _ATTR_TYPES, _EXACT, run)
+    ins = [act] * 3 + [kv] * 2 + ["int64"] * 4 + ["float32"] * 2 + (["int64"] if scoring else [])
+    return register(f"KvexportPagedAttention_{act}_{kv}_{n_inputs}", ins,
+                    [act, kv, kv] + (["float32"] if scoring else []), _ATTR_TYPES, _EXACT, run)
 
 
 def _rewrite_node(node: onnx.NodeProto, dtype: Callable[[str], str]) -> tuple[str, list, list]:
@@ -60,4 +65,4 @@ def _rewrite_node(node: onnx.NodeProto, dtype: Callable[[str], str]) -> tuple[st
 
 def rewrite_for_reference(model: onnx.ModelProto) -> onnx.ModelProto:
     """A copy of `model` whose PagedAttention nodes call the registered reference PyOps."""
-    return rewrite_nodes(model, io.PLUGIN_OP, NUM_INPUTS, _rewrite_node)
+    return rewrite_nodes(model, io.PLUGIN_OP, (NUM_INPUTS, NUM_INPUTS + 1), _rewrite_node)

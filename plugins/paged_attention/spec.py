@@ -72,8 +72,10 @@ that declares scoring (manifest kv.attention_scores) has a 12th input and a 4th 
     the attention: the online softmax never holds all p_j of a row, and keeping them for every row
     would cost O(rows x keys) memory for the few rows observed. Implemented by the reference
     (`reference.attention_scores`, float64), the native CPU op and the `onnx` attention form
-    (exporter/attention.py); the Triton kernels and the TensorRT plugin do not score yet (a
-    scoring build is refused by `kvexport build --backend tensorrt`, see trt.py).
+    (exporter/attention.py); the Triton kernels and the TensorRT plugin do not score yet, so builds
+    for `--backend tensorrt` do not declare scores (exporter/build.py scores_declared: their nodes keep
+    11 inputs and 3 outputs, the one tensorrt.plugin signature) and the runtime refuses importance
+    eviction on them, saying so.
 
 INT8 KV: static symmetric scales per KV head *and channel* (from `kvexport calibrate`: the
 calibration text's absmax of each key / value channel, / 127); stored value

@@ -31,6 +31,7 @@ from kvexport.errors import ConfigError
 
 from .block_hash import hash_full_blocks
 from .block_pool import BlockPool
+from .errors import KVCacheError
 from .kv_cache_manager import TIER_BLOCK, ComputedBlocks, GroupBlocks, KVCacheManager, tier_tokens
 from .kv_tiers import TierEvents, TierIndex, TierOp
 
@@ -245,6 +246,12 @@ class HybridKVCacheManager:
     def free(self, request_id: str) -> None:
         self.full.free(request_id)
         self.local.free(request_id)
+
+    def release_blocks(self, request_id: str, indices: Sequence[int]) -> list[int]:
+        """Importance eviction is not served on hybrid (local + full group) builds: the engine refuses
+        `--kv-eviction snapkv` for them (runtime/core/importance.py)."""
+        raise KVCacheError("release_blocks: importance eviction is not served on builds with a windowed-layer "
+                           "KV cache group")
 
     def free_outside_window(self, request_id: str, num_computed_tokens: int, window: int) -> list[int]:
         """Release the local group's blocks behind `window` (the full group keeps all);

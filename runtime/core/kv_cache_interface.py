@@ -61,3 +61,5 @@ class KVCacheManagerProtocol(Protocol[C]):
 
     def free_outside_window(self, request_id: str, num_computed_tokens: int, window: int,
                             keep_first: int = 0) -> list[int]: ...
+
+    def release_blocks(self, request_id: str, indices: Sequence[int]) -> list[int]: ...  # importance eviction

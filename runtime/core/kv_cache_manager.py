@@ -359,6 +359,25 @@ class KVCacheManager:
         self.pool.free_blocks(reversed(released))
         return released
 
+    def release_blocks(self, request_id: str, indices: Sequence[int]) -> list[int]:
+        """Importance eviction (runtime/core/importance.py): release the request's blocks at table
+        indices `indices` (each a full block before the one the next token is written to), replacing
+        them by ``PAD_BLOCK_ID`` as `free_outside_window` does. Returns the released block ids.
+        NOTE: a block another sequence shares (a prefix-cache hit) only loses this reference: its
+        contents never change, and a cached block stays a valid prefix-cache entry (it holds what its
+        hash chain says) until the pool evicts it, which tiers and KV events see as usual."""
+        req = self._get(request_id, "release_blocks")
+        released = []
+        for i in sorted(set(indices)):
+            if not 0 <= i < len(req.block_ids) or (i + 1) * self.block_size > req.num_slots:
+                raise KVCacheError(f"release_blocks({request_id!r}): index {i} is not a full block of the table "
+                                   f"({len(req.block_ids)} blocks, {req.num_slots} slots)")
+            if req.block_ids[i] != PAD_BLOCK_ID:
+                released.append(req.block_ids[i])
+                req.block_ids[i] = PAD_BLOCK_ID
+        self.pool.free_blocks(reversed(released))
+        return released
+
     def extra_groups(self, request_id: str, start_pos: int, num_tokens: int) -> tuple[GroupBlocks, ...]:
         """The request's blocks in other KV cache groups: none (one group; see
         runtime/core/hybrid_kv_cache_manager.py)."""

@@ -13,10 +13,12 @@ read them while the scheduler moves on.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..sampling_params import SamplerState
 from .kv_cache_manager import GroupBlocks
 from .kv_tiers import TierEvents, TierOp
+from .state_pool import StateStep
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +74,13 @@ class ScheduledRequest:
     # speculation (core/policies.py SpeculationPolicy): the last num_draft_tokens of token_ids are drafts
     # proposed after the sequence's next token; 0 for every step until a speculation policy proposes some
     num_draft_tokens: int = 0
+    # importance eviction (core/importance.py): the chunk's last observation_len tokens are observation
+    # queries whose attention the runner returns (ModelRunnerOutput.attention_scores); 0: none
+    observation_len: int = 0
+    # hybrid builds (kvexport/io.py "Recurrent state"): the state-pool slot the sequence's linear layers
+    # read and write, and the checkpoint copies around the chunk (core/state_pool.py); None: no recurrent
+    # state (or a caller without a scheduler: the model runner then gives row r of each step slot r)
+    state: StateStep | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +96,9 @@ class EngineCoreOutput:
     num_cached_prompt_tokens: int = 0
     # every prompt token's log-probability (from position 1), once: with the request's first output
     prompt_logprobs: PromptLogprobs | None = None
+    # speculation: every token of new_token_ids with its log-probabilities, when the step emitted more
+    # than one (accepted drafts, then the sampled token; `logprob` / `top_logprobs` are the last's)
+    tokens: tuple["SampledToken", ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,3 +125,10 @@ class ModelRunnerOutput:
     # request id -> the log-probabilities of its chunk's prompt_targets (chunks that have some)
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
     tier_events: TierEvents | None = None  # the KV tiers' reads finished or failed (kv_tiers.py); None: no tiers
+    # speculation: request id -> its drafts the target accepted this step, in order, before its `sampled`
+    # token (the target's own next token); absent: no draft accepted
+    accepted: dict[str, tuple[SampledToken, ...]] = field(default_factory=dict)
+    # importance eviction: request id -> the attention its chunk's observation queries gave each KV
+    # position the chunk's table covers, summed over layers: [kv_heads, seq_len] float32 (numpy),
+    # indexed like the table the runner got (ScheduledRequest.block_table, released blocks left out)
+    attention_scores: dict[str, Any] = field(default_factory=dict)

@@ -94,6 +94,11 @@ class EvictionPolicy(Policy):
         (`ScheduledRequest.kv_gap`)."""
         return table, 0
 
+    def observation_len(self, req: Request, start: int, n: int) -> int:
+        """Tokens at the end of the chunk start..start+n-1 whose attention the step is to return
+        (`ScheduledRequest.observation_len`; importance eviction, core/importance.py); 0: none."""
+        return 0
+
     def after_step(self, req: Request, kv: KVCacheManagerProtocol[Any], result: ModelRunnerOutput) -> None:
         """The step stored KV of `req`, which runs on: free what no future token reads. `result`
         is the step's runner output (what an attention-scored policy reads its scores from)."""
@@ -134,12 +139,15 @@ class SpeculationPolicy(Policy):
     After the step stored their KV, `verify` says how many of the step's tokens to roll back:
     `num_computed_tokens` moves back by that many before anything is published, so a rejected
     draft never becomes a prefix-cache or tier block and its slots are written again by a later
-    step. `verify` appends the accepted drafts to `req.token_ids` itself; the token the runner
-    sampled (`result.sampled`) is appended after them by the scheduler, which then applies the
-    stop rules to it.
+    step. The scheduler then appends the drafts the runner accepted (`result.accepted`, whose KV
+    is stored) and the token it sampled (`result.sampled`), applying the stop rules to each in
+    turn. Speculative decoding itself (proposers, adaptive back-off) is core/speculation.py.
     """
 
     key = "speculation"
+
+    def begin_step(self, num_running: int) -> None:
+        """A step is being scheduled with `num_running` sequences running."""
 
     def propose(self, req: Request, max_tokens: int) -> tuple[int, ...]:
         """Draft tokens to follow `req`'s next token in this step (at most max_tokens >= 1)."""

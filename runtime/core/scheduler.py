@@ -36,10 +36,11 @@ from kvexport.errors import KvExportError
 
 from ..sampling_params import SamplerState, SamplingParams
 from .kv_cache_interface import KVCacheManagerProtocol
-from .outputs import EngineCoreOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from .outputs import EngineCoreOutput, ModelRunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput
 from .policies import EvictionPolicy, KeepAll, SharedPrompt, SlidingWindowEviction, SpeculationPolicy, TierPrefetch
 from .prompt_scores import PromptLogprobsPolicy
 from .request import Request, Status
+from .state_pool import clip_chunk, state_step
 from .streaming import StreamingEviction, StreamingWindow
 
 
@@ -153,12 +154,14 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         self.prefetch.begin_step()
+        self.speculation.begin_step(len(self.running))
         chunks: list[tuple[Request, int, tuple[int, ...]]] = []  # (request, KV tokens, drafts)
         preempted: list[str] = []
         for req in list(self.running):
             if req.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
             n = min(self.eviction.num_kv_tokens(req) - req.num_computed_tokens, budget)
+            n = clip_chunk(self.kv, req.num_computed_tokens, n, req.num_prompt_tokens)  # hybrids' checkpoints
             if n <= 0:
                 continue
             drafts = self._drafts(req, n, budget)
@@ -166,6 +169,9 @@ class Scheduler:
                 extra = req.num_computed_tokens + n + len(drafts) - self.kv.num_slots(req.request_id)
                 if extra <= 0 or self.kv.allocate_slots(req.request_id, extra) is not None:
                     break
+                if drafts:  # NOTE: drafts never preempt anyone: without blocks for them, the step decodes plainly
+                    drafts = ()
+                    continue
                 victim = self.running[-1]  # newest
                 self._preempt(victim)
                 preempted.append(victim.request_id)
@@ -189,6 +195,7 @@ class Scheduler:
                     # step): the running requests go on; it is looked up again next step
                     break
                 n = min(self.eviction.num_kv_tokens(req) - computed.num_computed_tokens, budget)
+                n = clip_chunk(self.kv, computed.num_computed_tokens, n, req.num_prompt_tokens)
                 if self.kv.allocate_slots(req.request_id, n, computed) is None:
                     break  # FCFS: nobody overtakes the head of the queue
                 self.waiting.popleft()
@@ -222,6 +229,8 @@ class Scheduler:
             req.num_computed_tokens += len(s.token_ids)
             # rejected drafts: their KV is dropped before anything is published (policies.py)
             req.num_computed_tokens -= self.speculation.verify(req, s, result)
+            accepted = result.accepted.get(s.request_id, ()) if s.num_draft_tokens else ()
+            req.token_ids.extend(t.token_id for t in accepted)  # NOTE: their KV is stored (the sampled token's is not)
             published = self.eviction.publish_tokens(req)
             if published is not None:
                 self.kv.cache_blocks(req.request_id, published, req.num_computed_tokens)
@@ -237,7 +246,7 @@ class Scheduler:
                     self.eviction.after_step(req, self.kv, result)
                 continue
             req.token_ids.append(tok.token_id)
-            reason = self._stop_reason(req, tok.token_id)
+            emitted, reason = self._stop_emitted(req, (*accepted, tok))
             if reason:
                 self._finish(req, reason)
             elif self.eviction.shift_context(req, self.max_model_len):
@@ -245,9 +254,11 @@ class Scheduler:
                 self.num_context_shifts += 1
             else:
                 self.eviction.after_step(req, self.kv, result)
-            outs.append(EngineCoreOutput(req.request_id, (tok.token_id,), reason, None, tok.logprob, tok.top_logprobs,
-                                         req.num_cached_prompt_tokens,
-                                         self.prompt_logprobs.result(req) if req.num_output_tokens == 1 else None))
+            tok = emitted[-1]
+            outs.append(EngineCoreOutput(req.request_id, tuple(t.token_id for t in emitted), reason, None, tok.logprob,
+                                         tok.top_logprobs, req.num_cached_prompt_tokens,
+                                         self.prompt_logprobs.result(req) if req.num_output_tokens == 1 else None,
+                                         tokens=emitted if len(emitted) > 1 else ()))
         return outs
 
     def finish_requests(self, request_ids, reason: str) -> None:
@@ -259,20 +270,38 @@ class Scheduler:
                     self.waiting.remove(req)
                 self._finish(req, reason)
 
-    def _stop_reason(self, req: Request, token: int) -> str | None:
-        p, n = req.params, req.num_output_tokens
+    def _stop_reason(self, req: Request, token: int, n: int | None = None) -> str | None:
+        """The stop rule for `token`, the sequence's n-th output token (default: its last)."""
+        p = req.params
+        n = req.num_output_tokens if n is None else n
         if n >= p.min_tokens and ((token in self.config.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids):
             return "stop"
-        if n >= p.max_tokens or (not self.eviction.outlives_context and req.num_tokens >= self.max_model_len):
+        if n >= p.max_tokens or (not self.eviction.outlives_context and req.num_prompt_tokens + n >= self.max_model_len):
             return "length"
         return None
+
+    def _stop_emitted(self, req: Request, emitted: tuple[SampledToken, ...]) -> tuple[tuple[SampledToken, ...], str | None]:
+        """The stop rules on a step's emitted tokens (the last len(emitted) of req.token_ids: accepted
+        drafts, then the sampled token): those up to the first that stops (the rest are dropped from
+        token_ids), and its reason."""
+        n0 = req.num_output_tokens - len(emitted)
+        for i, t in enumerate(emitted):
+            reason = self._stop_reason(req, t.token_id, n0 + i + 1)
+            if reason:
+                if i + 1 < len(emitted):
+                    del req.token_ids[i + 1 - len(emitted):]
+                return emitted[:i + 1], reason
+        return emitted, None
 
     # ---- internals -------------------------------------------------------------------
     def _drafts(self, req: Request, n: int, budget: int) -> tuple[int, ...]:
         """Speculation's drafts for a request whose step is its next token (it decodes), within the budget."""
-        if n != 1 or budget < 2 or req.num_output_tokens == 0:
+        # NOTE: never past max_tokens or the context: the last draft's successor is the step's last token
+        room = min(budget - 1, req.params.max_tokens - req.num_output_tokens - 1,
+                   self.max_model_len - self.eviction.num_kv_tokens(req) - 1)
+        if n != 1 or room < 1 or req.num_output_tokens == 0:
             return ()
-        return tuple(self.speculation.propose(req, budget - 1))[:budget - 1]
+        return tuple(self.speculation.propose(req, room))[:room]
 
     def _scheduled(self, req: Request, n: int, drafts: tuple[int, ...]) -> ScheduledRequest:
         """The runner's view of a request's chunk: n tokens of its KV token list from
@@ -287,7 +316,9 @@ class Scheduler:
             tuple(self.kv.slot_mapping(req.request_id, start, total)),
             samples, req.sampler if samples else None, req.num_output_tokens,
             self.kv.extra_groups(req.request_id, start, total),
-            targets, first, top_k, kv_gap=gap, num_draft_tokens=len(drafts))
+            targets, first, top_k, kv_gap=gap, num_draft_tokens=len(drafts),
+            observation_len=self.eviction.observation_len(req, start, n),
+            state=state_step(self.kv, req.request_id, start, n, req.token_ids, req.num_prompt_tokens))
 
     def _requeue(self, req: Request) -> None:
         """Back to the front of the queue to be computed again (a preemption by recompute, or a

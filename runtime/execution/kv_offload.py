@@ -63,7 +63,9 @@ def block_tensors(backend, manifest: Manifest) -> list[tuple[str, Any]]:
     if hook is not None:
         return list(hook())
     groups = manifest.layer_groups or (io.FULL_GROUP,) * manifest.kv.num_layers
-    layers = io.pool_layers(manifest.kv.num_layers, manifest.kv.latent)  # K, V per layer; MLA: one latent pool
+    # Gemma 4: a KV cache shared by several layers is one layer's pools (io.py "Shared KV")
+    kv_layers = io.kv_layout(manifest.model.spec, manifest.kv.num_kv_heads, manifest.kv.head_dim)[0]
+    layers = io.pool_layers(manifest.kv.num_layers, manifest.kv.latent, kv_layers)  # K, V per layer; MLA: one latent pool
     return [(groups[layer], t) for layer, t in zip(layers, backend.pools)]
 
 
@@ -99,8 +101,11 @@ def build_identity(manifest: Manifest, lay: dict) -> bytes:
                     "num_layers": kv.num_layers, "num_kv_heads": kv.num_kv_heads, "head_dim": kv.head_dim,
                     "local_window": kv.local_window,
                     "scales": hashlib.sha256(json.dumps(kv.quantization, sort_keys=True).encode()).hexdigest()},
+             # NOTE: the weights file's own checksum too: two builds of one source with the same sizes (another
+             # kvexport's weight transform, a re-export) would otherwise swap KV blocks (a Dynamo prefill worker
+             # of the other build: bench/dynamo_trial.py)
              "weights": {"bytes": manifest.weights.bytes, "precision": manifest.weights.precision,
-                         "quantization": repr(manifest.weights.quantization)},
+                         "quantization": repr(manifest.weights.quantization), "sha256": manifest.weights.sha256},
              "graphs": {p: g.bytes for p, g in sorted(manifest.graphs.items())},
              "layout": {g: [[d, list(s)] for d, s in ts] for g, ts in sorted(lay.items())}}
     return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).digest()

@@ -15,6 +15,7 @@ draws from each request's `SamplerState` (the RNG and penalty counts it owns for
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Sequence
 
@@ -23,10 +24,14 @@ import numpy as np
 from kvexport import io
 
 from ..core.outputs import ModelRunnerOutput, SampledToken, ScheduledRequest, SchedulerOutput
+from ..core.state_pool import StateStep
+from .attention_scores import take_scores
 from .kv_offload import KVOffload
 from .model_input import Backend, ModelInput
+from .state_store import restore_checkpoints, save_checkpoints
 from .prompt_logprobs import score
-from .sampling import sample
+from .sampling import mask_grammars, sample
+from .spec_sampling import verify_drafts
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +90,11 @@ def pack(chunks: Sequence[ScheduledRequest], block_size: int, full_tables: bool,
             g_tables[r, :used] = table[:used]
             g_slots.extend(slot)
         extra.append((g, g_tables, a(g_slots)))
-    return ModelInput(a(ids), a(pos), a(qsl), a(lens), tables, a(slots), tuple(extra))
+    obs = [s.observation_len for s in chunks]  # importance eviction (core/importance.py)
+    states = [s.state.slot if s.state is not None else None for s in chunks]  # hybrids (core/state_pool.py)
+    return ModelInput(a(ids), a(pos), a(qsl), a(lens), tables, a(slots), tuple(extra),
+                      observation_lens=a(obs) if any(obs) else None,
+                      state_slots=a(states) if None not in states else None)
 
 
 def _groups(q_len: list[int], slack: float) -> list[list[int]]:
@@ -110,6 +119,7 @@ class ModelRunner:
                  offload: KVOffload | None = None):
         self.backend, self.block_size, self.eos_token_ids = backend, block_size, tuple(eos_token_ids)
         self.offload = offload  # the KV tiers' copier (kv_offload.py); None: no tiers
+        self._scores: dict[str, np.ndarray] = {}  # this step's attention scores by request (take_scores)
 
     def logits(self, chunks: Sequence[ScheduledRequest], all_tokens: bool = False) -> np.ndarray:
         """Run the chunks (storing their K/V in the pool); logits [len(chunks), vocab] float32,
@@ -124,17 +134,27 @@ class ModelRunner:
         extra tokens; on the mixed-64 trace this cut prefill time from 32.6 s to ~25-29 s.
         Splitting decodes by context length the same way measured no better."""
         b = self.backend
+        if getattr(b, "state", None) is not None and any(s.state is None for s in chunks):
+            # NOTE: callers without a scheduler (validation, benches) run the same sequences in the same
+            # order every step: row r keeps slot r (a scheduler gives each request its own: core/state_pool.py)
+            chunks = [s if s.state is not None else dataclasses.replace(s, state=StateStep(r))
+                      for r, s in enumerate(chunks)]
         kv_groups = b.groups
         groups = _groups([len(s.token_ids) for s in chunks], QUERY_PAD_SLACK) if b.pads_queries else []
+
+        def packed(part: Sequence[ScheduledRequest]):
+            return _with_rows(pack(part, self.block_size, b.full_block_tables, kv_groups), part, all_tokens)
+
         if len(groups) <= 1:
-            out = b.execute(pack(chunks, self.block_size, b.full_block_tables, kv_groups), all_tokens=all_tokens)
+            out = b.execute(packed(chunks), all_tokens=all_tokens)
+            self._scores.update(take_scores(b, chunks))
             assert out.shape[0] == _rows(chunks, all_tokens)[-1], "the backend returned one row per chunk/token"
             return out
         spans = _rows(chunks, all_tokens)  # chunk i's rows are out[spans[i]:spans[i + 1]]
         out = None
         for g in groups:
-            part = b.execute(pack([chunks[i] for i in g], self.block_size, b.full_block_tables, kv_groups),
-                             all_tokens=all_tokens)
+            part = b.execute(packed([chunks[i] for i in g]), all_tokens=all_tokens)
+            self._scores.update(take_scores(b, [chunks[i] for i in g]))
             if out is None:
                 out = np.empty((spans[-1], part.shape[1]), part.dtype)
             at = 0
@@ -153,29 +173,43 @@ class ModelRunner:
         if self.offload is not None:  # NOTE: before the compute: evicted blocks are saved, tier hits loaded
             self.offload.run(out.kv_ops)
         rows = list(out.scheduled)
+        self._scores = {}  # request id -> attention scores of its observation queries (importance eviction)
         if not rows:  # only transfers (a request waits for a disk read): wait a little for it
             events = self.offload.poll(wait_s=0.005) if self.offload is not None else None
             return ModelRunnerOutput({}, {}, tier_events=events)
-        all_tokens = any(s.prompt_targets for s in rows)
+        all_tokens = False  # NOTE: each chunk's rows are `wanted_rows` (io.LOGITS_INDICES, or cut from all rows)
+        state = getattr(self.backend, "state", None)  # hybrids: prefix-cache checkpoints (execution/state_store.py)
+        restore_checkpoints(state, rows)
         logits, failed = self._isolating(rows, all_tokens)
+        save_checkpoints(state, rows, failed)
         spans = _rows(rows, all_tokens)
         scored = {}
         for r, s in enumerate(rows):
             if not s.prompt_targets or s.request_id in failed:
                 continue
             try:
-                lo = spans[r] + s.prompt_target_start - 1 - s.start_pos  # the row predicting the first target
+                first = spans[r + 1] - len(s.token_ids)  # where the chunk's token 0 would be (its rows are the last)
+                lo = first + s.prompt_target_start - 1 - s.start_pos  # the row predicting the first target
                 scored[s.request_id] = score(logits[lo:lo + len(s.prompt_targets)], s.prompt_targets,
                                              s.prompt_target_start, s.prompt_top_k)
             except Exception as e:  # noqa: BLE001 - this request fails alone
                 log.exception("scoring the prompt of request %s failed", s.request_id)
                 failed[s.request_id] = f"computing prompt logprobs failed: {e}"
-        sampled = {}
+        sampled: dict[str, SampledToken] = {}
+        accepted: dict[str, tuple[SampledToken, ...]] = {}
+        self._mask_grammars(logits, rows, spans, failed)
         for r, s in enumerate(rows):
             if not s.samples or s.request_id in failed:
                 continue
             try:
                 assert s.sampler is not None, "a sampling chunk carries its sampler"
+                if s.num_draft_tokens:  # the target's verdict on the drafts (spec_sampling.py)
+                    k = s.num_draft_tokens
+                    toks = verify_drafts(logits[spans[r + 1] - 1 - k:spans[r + 1]], s.token_ids[-k:], s.sampler,
+                                         s.num_output_tokens, self.eos_token_ids)
+                    accepted[s.request_id] = tuple(toks[:-1])
+                    sampled[s.request_id] = toks[-1]
+                    continue
                 tok, lp, top = sample(logits[spans[r + 1] - 1], s.sampler, s.sampler.prompt_tokens,
                                       s.num_output_tokens, self.eos_token_ids)
             except Exception as e:  # noqa: BLE001 - this request fails alone
@@ -183,7 +217,24 @@ class ModelRunner:
                 failed[s.request_id] = f"sampling failed: {e}"
                 continue
             sampled[s.request_id] = SampledToken(tok, lp, tuple(top) if top is not None else None)
-        return ModelRunnerOutput(sampled, failed, scored, self.offload.poll() if self.offload is not None else None)
+        return ModelRunnerOutput(sampled, failed, scored, self.offload.poll() if self.offload is not None else None,
+                                 accepted=accepted, attention_scores=self._scores)
+
+    @staticmethod
+    def _mask_grammars(logits: np.ndarray | None, rows: list[ScheduledRequest], spans: list[int],
+                       failed: dict[str, str]) -> None:
+        """Structured output: the grammar masks of every sampling row without drafts, in one pass
+        (sampling.mask_grammars); a failure fails those requests alone."""
+        at = [(spans[r + 1] - 1, s) for r, s in enumerate(rows)
+              if s.samples and s.sampler is not None and s.sampler.grammar is not None and not s.num_draft_tokens
+              and s.request_id not in failed]
+        if not at or logits is None:
+            return
+        try:
+            mask_grammars(logits, [r for r, _ in at], [s.sampler for _, s in at])
+        except Exception as e:  # noqa: BLE001 - the grammar's requests fail, the rest go on
+            log.exception("filling grammar masks failed")
+            failed.update({s.request_id: f"structured output failed: {e}" for _, s in at})
 
     def _isolating(self, rows: list[ScheduledRequest],
                    all_tokens: bool = False) -> tuple[np.ndarray | None, dict[str, str]]:
@@ -214,10 +265,29 @@ class ModelRunner:
         return out, failed
 
 
+def wanted_rows(s: ScheduledRequest) -> int:
+    """How many of a chunk's last tokens the step needs logits of: 1 (its last token), 1 + k for
+    a chunk carrying k drafts (the target's verdict on each), or from the row predicting its first
+    prompt target (prompt logprobs) to its end."""
+    n = 1 + s.num_draft_tokens
+    if s.prompt_targets:
+        n = max(n, len(s.token_ids) - (s.prompt_target_start - 1 - s.start_pos))
+    return n
+
+
+def _with_rows(inp: ModelInput, chunks: Sequence[ScheduledRequest], all_tokens: bool) -> ModelInput:
+    """`inp` asking for each chunk's `wanted_rows` (io.LOGITS_INDICES; every row with all_tokens)."""
+    if all_tokens:
+        return inp
+    ends = inp.query_start_loc[1:]
+    idx = np.concatenate([np.arange(e - wanted_rows(s), e, dtype=np.int64) for e, s in zip(ends, chunks)])
+    return dataclasses.replace(inp, logits_indices=idx)
+
+
 def _rows(chunks: Sequence[ScheduledRequest], all_tokens: bool) -> list[int]:
     """Where each chunk's logits rows start in a step's output (and, last, how many rows):
-    one row per chunk, or with `all_tokens` one per token."""
+    `wanted_rows` per chunk, or with `all_tokens` one per token."""
     offsets = [0]
     for s in chunks:
-        offsets.append(offsets[-1] + (len(s.token_ids) if all_tokens else 1))
+        offsets.append(offsets[-1] + (len(s.token_ids) if all_tokens else wanted_rows(s)))
     return offsets

@@ -40,7 +40,8 @@ from kvexport import io
 from kvexport.errors import KvExportError
 from kvexport.manifest import Manifest
 
-from .model_input import ModelInput
+from .model_input import ModelInput, select_rows
+from .state_store import StateStore
 from .session_plan import ACCURACY_LEVELS, LARGE_STEP_TOKENS, Rewrite, SessionPlan, plan_sessions, resolve_accuracy
 
 if TYPE_CHECKING:
@@ -163,6 +164,7 @@ class _OrtBackend:
         if num_blocks < 2:
             raise KvExportError(f"the KV pool needs at least 2 blocks (one is the pad block), got {num_blocks}")
         self.build_dir, self.manifest, self.num_blocks = Path(build_dir), manifest, num_blocks
+        self._takes: dict[int, bool] = {}  # id(session) -> its graph takes io.LOGITS_INDICES
         self.kv = kv = manifest.kv
         self.threads = threads
         # "auto" | "int8" | "float": the setting, else the build's recorded one (session_plan.resolve_accuracy)
@@ -180,13 +182,16 @@ class _OrtBackend:
                                 f"{self.local_num_blocks}")
         self.layer_groups = layer_groups
         blocks = {io.FULL_GROUP: num_blocks, io.LOCAL_GROUP: self.local_num_blocks}
-        shapes = [io.paged_pool_shape(blocks[g], kv.num_kv_heads, kv.block_size, kv.head_dim,
-                                      io.DType(kv.dtype).numpy_name) for g in layer_groups]
+        # Gemma 4: only the layers holding a KV cache have pools, each of its layer's shape (io.py "Shared KV")
+        self.kv_layers, dims = io.kv_layout(manifest.model.spec, kv.num_kv_heads, kv.head_dim)
+        shapes = [io.paged_pool_shape(blocks[g], dims[i][0], kv.block_size, dims[i][1],
+                                      io.DType(kv.dtype).numpy_name) for i, g in enumerate(layer_groups)]
         # [K_0, V_0, K_1, V_1, ...], each [kv_heads, num_blocks (of the layer's group), block_size, head_dim];
         # MLA: [latent_0, latent_1, ...], each [1, num_blocks, block_size, row] (io.pool_names)
-        self.pool_layers = io.pool_layers(kv.num_layers, kv.latent)
+        self.pool_layers = io.pool_layers(kv.num_layers, kv.latent, self.kv_layers)
         self.pools = [_zeros_small_pages(shapes[i], dtype) for i in self.pool_layers]
-        self._pool_names = io.pool_names(kv.num_layers, kv.latent)
+        self.state = StateStore.for_model(manifest.model.spec)  # hybrids' recurrent state pools; None: none
+        self._pool_names = io.pool_names(kv.num_layers, kv.latent, self.kv_layers)
         prefill, decode = io.Phase.PREFILL.value, io.Phase.DECODE.value
         # the sessions and what each derives (session_plan.py); only onnxruntime's CPU provider
         # runs the derived forms, and only backends that open derived graphs (step_split_ok)
@@ -320,10 +325,52 @@ class _OrtBackend:
         [T, vocab] with `all_tokens` (an --all-logits build's prefill)."""
         n = len(inp.token_ids)
         sessions = next(s for p, s in zip(self.plans, self.session_sets) if p.runs(n))
-        logits = self._run(sessions[inp.phase.value], inp)
-        if self.manifest.all_logits and not inp.is_decode and not all_tokens:
-            logits = logits[inp.query_start_loc[1:] - 1]
-        return logits.astype(np.float32, copy=False)
+        sess = sessions[inp.phase.value]
+        takes = self._takes_indices(sess)
+        logits = self._run(sess, self._with_rows(inp, all_tokens) if takes else inp)
+        graph_rows = "indices" if takes else "tokens" if self.manifest.all_logits and not inp.is_decode else "last"
+        return select_rows(logits, inp, all_tokens, graph_rows).astype(np.float32, copy=False)
+
+    def _takes_indices(self, sess) -> bool:
+        """The session's graph takes io.LOGITS_INDICES (a prefill graph of a build made with it)."""
+        takes = self._takes
+        if id(sess) not in takes:
+            takes[id(sess)] = any(i.name == io.LOGITS_INDICES for i in sess.get_inputs())
+        return takes[id(sess)]
+
+    @staticmethod
+    def _with_rows(inp: ModelInput, all_tokens: bool) -> ModelInput:
+        """`inp` with its logits rows spelled out (`ModelInput.rows`)."""
+        import dataclasses
+
+        return dataclasses.replace(inp, logits_indices=inp.rows(all_tokens))
+
+    def _feeds(self, sess, inp: ModelInput) -> dict[str, np.ndarray]:
+        """The step's metadata inputs for `sess` (io.LOGITS_INDICES only where its graph takes it)."""
+        feeds = inp.feeds()
+        if not self._takes_indices(sess):
+            del feeds[io.LOGITS_INDICES]
+        if not self.scores:  # importance eviction: only graphs that declare it take observation_lens
+            del feeds[io.OBSERVATION_LENS]
+        return feeds
+
+    @property
+    def scores(self) -> bool:
+        """The build's graphs take io.OBSERVATION_LENS and return attention scores (manifest
+        kv.attention_scores; runtime/core/importance.py)."""
+        return bool(self.manifest.kv.attention_scores)
+
+    def _score_names(self, inp: ModelInput) -> list[str]:
+        """The attention_scores outputs to fetch for `inp`: every KV layer's when a sequence observes."""
+        if not self.scores or inp.observation_lens is None:
+            return []
+        return [io.attention_scores(i) for i in (self.kv_layers or range(self.kv.num_layers))]
+
+    def take_scores(self) -> list[np.ndarray] | None:
+        """The last step's attention_scores outputs ([S, kv_heads, score_len] per KV layer), once;
+        None when it had no observation queries (execution/attention_scores.py)."""
+        out, self._last_scores = getattr(self, "_last_scores", None), None
+        return out
 
     def _run(self, sess, inp: ModelInput) -> np.ndarray:
         raise NotImplementedError
@@ -339,12 +386,22 @@ class OnnxAttentionBackend(_OrtBackend):
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
-        self._out_names = [io.LOGITS] + io.new_kv_names(self.kv.num_layers, self.kv.latent)
+        self._out_names = [io.LOGITS] + io.new_kv_names(self.kv.num_layers, self.kv.latent, self.kv_layers)
+        if self.state is not None:  # hybrids: the new recurrent states, after the KV (kvexport/io.py)
+            self._out_names += self.state.out_names
 
     def _run(self, sess, inp: ModelInput) -> np.ndarray:
-        feeds = inp.feeds()
+        feeds = self._feeds(sess, inp)
         feeds.update(zip(self._pool_names, self.pools))
-        outs = sess.run(self._out_names, feeds)
+        if self.state is not None:
+            feeds.update(self.state.feeds(inp.state_slots))
+        score_names = self._score_names(inp)  # importance eviction: fetched only by steps that observe
+        outs = sess.run(self._out_names + score_names, feeds)
+        if score_names:
+            self._last_scores, outs = outs[len(self._out_names):], outs[:len(self._out_names)]
+        if self.state is not None:  # NOTE: after the run succeeded (execution/state_store.py)
+            first = 1 + len(self.pools)
+            self.state.store(inp.state_slots, outs[first:first + len(self.state.out_names)])
         slots = {g: inp.group_slots(g) for g in set(self.layer_groups)}
         for layer, pool, new in zip(self.pool_layers, self.pools, outs[1:]):
             io.store_paged_kv(pool, slots[self.layer_groups[layer]], new)
@@ -356,7 +413,7 @@ class _PluginBackend(_OrtBackend):
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
-        self._out_names = [io.LOGITS] + io.pool_out_names(self.kv.num_layers, self.kv.latent)
+        self._out_names = [io.LOGITS] + io.pool_out_names(self.kv.num_layers, self.kv.latent, self.kv_layers)
 
 
 class NativeOpBackend(_PluginBackend):
@@ -394,11 +451,25 @@ class NativeOpBackend(_PluginBackend):
 
     def _run(self, sess, inp: ModelInput) -> np.ndarray:
         binding = self._bindings[id(sess)]
-        for name, arr in inp.feeds().items():
+        for name, arr in self._feeds(sess, inp).items():
             binding.bind_cpu_input(name, np.ascontiguousarray(arr, dtype=np.int64))
         binding.bind_output(io.LOGITS)  # rebound (still output 0): allocated at this step's shape
+        score_names = self._score_names(inp)
+        for name in score_names:  # NOTE: bound only for steps that observe; unbound, onnxruntime drops them
+            binding.bind_output(name)
         sess.run_with_iobinding(binding)
-        return binding.get_outputs()[0].numpy()
+        outs = binding.get_outputs()
+        if score_names:  # the last bound outputs
+            self._last_scores = [o.numpy() for o in outs[len(outs) - len(score_names):]]
+            binding.clear_binding_outputs()
+            self._rebind_pools(binding)
+        return outs[0].numpy()
+
+    def _rebind_pools(self, binding) -> None:
+        """The pools as aliased outputs again, after the score outputs were unbound."""
+        binding.bind_output(io.LOGITS)
+        for out_name, value in zip(self._out_names[1:], self._pool_values):
+            binding.bind_ortvalue_output(out_name, value)
 
 
 class ReferenceOpBackend(_PluginBackend):
@@ -414,10 +485,13 @@ class ReferenceOpBackend(_PluginBackend):
         return plugin_session(path, options=self.session_options(plan))  # a CPU op: CPU provider only
 
     def _run(self, sess, inp: ModelInput) -> np.ndarray:
-        feeds = inp.feeds()
+        feeds = self._feeds(sess, inp)
         feeds.update(zip(self._pool_names, self.pools))
-        outs = sess.run(self._out_names, feeds)
-        self.pools = list(outs[1:])
+        score_names = self._score_names(inp)
+        outs = sess.run(self._out_names + score_names, feeds)
+        self.pools = list(outs[1:len(self._out_names)])
+        if score_names:
+            self._last_scores = list(outs[len(self._out_names):])
         return outs[0]
 
 

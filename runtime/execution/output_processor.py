@@ -100,23 +100,28 @@ class OutputProcessor:
             if o.prompt_logprobs is not None:
                 st.prompt_logprobs = o.prompt_logprobs
             st.num_cached_prompt_tokens = o.num_cached_prompt_tokens or st.num_cached_prompt_tokens
-            for tok in o.new_token_ids:
+            new_ids = []
+            for j, tok in enumerate(o.new_token_ids):
                 st.first_token_time = st.first_token_time or now
                 st.token_ids.append(tok)
-                if st.logprobs is not None and o.logprob is not None:
-                    st.logprobs.append(o.logprob)
+                new_ids.append(tok)
+                # speculation: a step of several tokens carries each one's logprobs (EngineCoreOutput.tokens)
+                lp, top = (o.tokens[j].logprob, o.tokens[j].top_logprobs) if o.tokens else (o.logprob, o.top_logprobs)
+                if st.logprobs is not None and lp is not None:
+                    st.logprobs.append(lp)
                     if st.top_logprobs is not None:
-                        st.top_logprobs.append(tuple(o.top_logprobs or ()))
+                        st.top_logprobs.append(tuple(top or ()))
                 piece, hit = st.detok.add(tok)
                 new_text += piece
                 if hit:
                     if reason is None:
                         stopped.append(o.request_id)
                     reason = "stop"
+                    break  # NOTE: nothing after a stop string (a step may carry several tokens)
             if reason is not None and reason != "error":
                 new_text += st.detok.flush()  # held-back text is final now (nothing after a stop string)
             st.text += new_text
-            changed.append(st.snapshot(new_text, list(o.new_token_ids), reason, o.error,
+            changed.append(st.snapshot(new_text, new_ids, reason, o.error,
                                        now if reason is not None else None))
         return changed, stopped
 

@@ -14,9 +14,21 @@ all (NaN weights) fails the request, naming the cause, rather than returning an 
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 
 from ..sampling_params import SamplerState
+from .structured import mask_logits
+
+
+def mask_grammars(logits: np.ndarray, rows: Sequence[int], states: Sequence[SamplerState | None]) -> None:
+    """Structured output's hook: every logit row whose sequence has a grammar (SamplerState.grammar)
+    gets the tokens its grammar disallows set to -inf, in place, for the whole step at once
+    (runtime/execution/structured.py). rows[i]: the row of states[i]; None states are skipped."""
+    keep = [(r, s.grammar) for r, s in zip(rows, states) if s is not None and s.grammar is not None]
+    if keep:
+        mask_logits(logits, [r for r, _ in keep], [g for _, g in keep])
 
 
 LOGPROB_FLOOR = -9999.0  # the log-probability reported for -inf (vLLM's OpenAI server: max(logprob, -9999.0))
@@ -54,9 +66,12 @@ def sample(logits: np.ndarray, state: SamplerState, prompt_tokens: set[int], num
     p = state.params
     x = logits.astype(np.float64, copy=True)
     if num_generated < p.min_tokens:
+        before = x.copy() if state.grammar is not None else None
         for t in (*eos_ids, *p.stop_token_ids):
             if 0 <= t < x.size:
                 x[t] = -np.inf
+        if before is not None and not x.max() > -np.inf:  # NOTE: the grammar allows only the end: it wins
+            x = before
     if p.repetition_penalty != 1.0:
         seen = np.fromiter(prompt_tokens | state.counts.keys(), dtype=np.int64)
         if seen.size:
@@ -94,6 +109,8 @@ def sample(logits: np.ndarray, state: SamplerState, prompt_tokens: set[int], num
         while probs[token] == 0.0:  # guard against float edges landing on a dropped token
             token -= 1
     state.counts[token] = state.counts.get(token, 0) + 1
+    if state.grammar is not None and not state.grammar.accept(token):
+        raise RuntimeError(f"the grammar refused token {token}, which its mask allowed")  # an internal error
     if logprobs_src is None:
         return token, None, None
     top = []

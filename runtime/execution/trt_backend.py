@@ -22,6 +22,7 @@ NOTE: written against the documented TensorRT Python API and type-checked with
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
@@ -33,7 +34,7 @@ from kvexport.errors import KvExportError
 from kvexport.manifest import EngineLimits, EnginesEntry, GpuInfo, Manifest, ShapeRange, sha256
 from kvexport.tensorrt_env import cuda_device, register_plugins, require_tensorrt, trt_logger
 
-from .model_input import ModelInput
+from .model_input import ModelInput, select_rows
 
 if TYPE_CHECKING:  # typed by tensorrt-stubs; imported for real only inside functions
     import tensorrt as trt
@@ -168,6 +169,8 @@ class _Phase:
         import torch
 
         for name, arr in inp.feeds().items():  # the metadata of every KV cache group (kvexport/io.py)
+            if name in (io.LOGITS_INDICES, io.OBSERVATION_LENS) and name not in self.buffers:
+                continue  # an engine of a graph without it (the decode graph, builds made before it)
             self.buffers[name][:arr.size].copy_(torch.from_numpy(np.ascontiguousarray(arr).reshape(-1)),
                                                 non_blocking=True)
             ctx.set_input_shape(name, arr.shape)
@@ -223,13 +226,14 @@ class TensorRTBackend:
         pool_dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
                       "int8": torch.int8, "int4": torch.uint8}[kv.dtype]  # int4: rows of codes + scales
         blocks = {io.FULL_GROUP: num_blocks, io.LOCAL_GROUP: self.local_num_blocks or num_blocks}
-        shapes = [io.paged_pool_shape(blocks[g], kv.num_kv_heads, kv.block_size, kv.head_dim,
-                                      io.DType(kv.dtype).numpy_name) for g in layer_groups]
+        kv_layers, dims = io.kv_layout(manifest.model.spec, kv.num_kv_heads, kv.head_dim)  # Gemma 4: io.py "Shared KV"
+        shapes = [io.paged_pool_shape(blocks[g], dims[i][0], kv.block_size, dims[i][1],
+                                      io.DType(kv.dtype).numpy_name) for i, g in enumerate(layer_groups)]
         # [K_0, V_0, K_1, V_1, ...], each [kv_heads, num_blocks (of the layer's group), block_size, head_dim]
         # K, V per layer; MLA: one latent pool per layer (io.pool_names)
         self.pools = [torch.zeros(shapes[i], dtype=pool_dtype, device="cuda")
-                      for i in io.pool_layers(kv.num_layers, kv.latent)]
-        pool_names = io.pool_names(kv.num_layers, kv.latent)
+                      for i in io.pool_layers(kv.num_layers, kv.latent, kv_layers)]
+        pool_names = io.pool_names(kv.num_layers, kv.latent, kv_layers)
         self.stream = torch.cuda.Stream()
         self.phases = {p: _Phase(self._runtime, self.build_dir / e.file, e.profile, pool_names, self.pools,
                                  self.stream)
@@ -288,6 +292,9 @@ class TensorRTBackend:
         self._check_limits(inp)
         s = len(inp.seq_lens)
         phase = self.phases[(io.Phase.DECODE if inp.is_decode else io.Phase.PREFILL).value]
+        takes = io.LOGITS_INDICES in phase.buffers
+        if takes:  # the step's logits rows spelled out (ModelInput.rows)
+            inp = dataclasses.replace(inp, logits_indices=inp.rows(all_tokens))
         graph_b = next((b for b in self._graph_sizes if b >= s), None) if inp.is_decode else None
         with torch.cuda.stream(self.stream):
             if graph_b is not None:
@@ -298,8 +305,7 @@ class TensorRTBackend:
                 assert phase.context is not None  # created in __init__
                 phase.load(inp, phase.context)
                 phase.run(phase.context)
-            rows = len(inp.token_ids) if (self.manifest.all_logits and not inp.is_decode) else s
+            graph_rows = "indices" if takes else "tokens" if self.manifest.all_logits and not inp.is_decode else "last"
+            rows = {"indices": len(inp.rows()), "tokens": len(inp.token_ids), "last": s}[graph_rows]
             logits = phase.logits[:rows * phase.vocab].view(rows, phase.vocab).float().cpu().numpy()
-        if self.manifest.all_logits and not inp.is_decode and not all_tokens:
-            logits = logits[inp.query_start_loc[1:] - 1]
-        return logits
+        return select_rows(logits, inp, all_tokens, graph_rows)

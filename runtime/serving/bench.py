@@ -178,6 +178,9 @@ def run_bench(build_dir: str | Path, config: EngineConfig, trace_name: str = "mi
                "contiguous_exact_mean_waste": round(float(np.mean(waste_exact)) if waste_exact else 0.0, 3),
                "prefix_hits": stats["prefix_hits"], "prefix_queries": stats["prefix_queries"]},
         "preemptions": stats["preemptions"], "errors": errors,
+        # speculative decoding (--speculative): drafted / accepted tokens, acceptance rate, mean accepted length
+        "speculative": ({"mode": config.speculative, "num_speculative_tokens": config.num_speculative_tokens,
+                         **engine.spec_stats().to_json()} if engine.spec_stats() is not None else None),
         "time_s": {"steps": round(step_s, 2), "model": round(timed.seconds, 2),
                    "outside_model_share_of_step": round(1.0 - timed.seconds / step_s, 4) if step_s else 0.0},
     }

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ValidationError
 from . import openai_protocol as proto
 from .openai_protocol import ApiError
 from .requests import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, RequestError, RequestParser
+from .tools import MAX_TOOLS
 
 
 # magic bytes of compressed bodies sent without (or with a wrong) Content-Encoding
@@ -77,7 +78,7 @@ def _is_json(content_type: str | None) -> bool:
 def check_sizes(obj: Any, limits: SizeLimits) -> None:
     """Refuse, by list lengths only, what a later check would refuse after pydantic walked every
     item: more prompts than max_sequences_per_request, a token-id prompt (or more messages) than
-    the context holds, more stop strings or stop_token_ids than taken, any tools or functions, a
+    the context holds, more stop strings or stop_token_ids than taken, more tools than taken, any functions, a
     logit_bias that is not all zeros.
     Items are not looked at (their types are pydantic's, later). ApiError 400 naming the field."""
     if not isinstance(obj, dict):
@@ -104,9 +105,10 @@ def check_sizes(obj: Any, limits: SizeLimits) -> None:
     ids = obj.get("stop_token_ids")
     if isinstance(ids, list) and len(ids) > MAX_STOP_TOKEN_IDS:
         proto.check_stops(None, ids)
-    for name in ("tools", "functions"):  # only [] is taken (check_inert): refused before each item is read
-        if isinstance(obj.get(name), list) and len(obj[name]) > 0:
-            proto.refuse_inert(name, obj[name])
+    if isinstance(obj.get("functions"), list) and len(obj["functions"]) > 0:  # only [] is taken (check_inert)
+        proto.refuse_inert("functions", obj["functions"])
+    if isinstance(obj.get("tools"), list) and len(obj["tools"]) > MAX_TOOLS:
+        raise ApiError(400, f"tools: at most {MAX_TOOLS} tools per request, got {len(obj['tools'])}", param="tools")
     bias = obj.get("logit_bias")  # only zero biases are taken: any other value is refused, not each one reported
     if isinstance(bias, dict) and any(type(v) not in (int, float) or v != 0 for v in bias.values()):
         proto.refuse_inert("logit_bias", bias)

@@ -42,10 +42,10 @@ from typing import Any
 
 from ..core.block_hash import BlockHash, split_salt
 from ..core.block_pool import BlockRemoved, BlockStored
-from ..sampling_params import SamplingParams
+from ..sampling_params import SamplingParams, StructuredOutputs
 from .engine_thread import Event
 from .cache_salts import SaltKey, accept_salt
-from .requests import RequestError, RequestParser
+from .requests import RequestError, RequestParser, structured_outputs
 
 # kvexport finish reasons -> Dynamo's (FinishReason in its LLMEngineOutput; "error" is raised, never sent)
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "cancelled"}
@@ -62,6 +62,22 @@ def _refuse_set(group: Mapping[str, Any], where: str, names: Sequence[str], why:
             raise RequestError(f"{where}.{k}={v!r}: {why}", f"{where}.{k}")
 
 
+def guided_decoding(value: Any, param: str = "sampling_options.guided_decoding") -> StructuredOutputs | None:
+    """The frontend's guided decoding ({json | regex | choice | grammar, backend?, whitespace_pattern?}: what
+    it makes of response_format, structured_outputs, guided_* and tool_choice required/named) ->
+    StructuredOutputs. `backend` names a library and is ignored (kvexport uses xgrammar);
+    whitespace_pattern and structural_tag are refused by name."""
+    if value in (None, {}):
+        return None
+    if not isinstance(value, Mapping):
+        raise RequestError(f"{param} must be an object, got {type(value).__name__}", param)
+    for k in ("whitespace_pattern", "structural_tag"):
+        if value.get(k) is not None:
+            raise RequestError(f"{param}.{k}: not supported by kvexport's engine", f"{param}.{k}")
+    return structured_outputs({k: v for k, v in value.items() if k not in ("backend", "whitespace_pattern",
+                                                                            "structural_tag")}, param)
+
+
 def request_to_params(request: Any, parser: RequestParser) -> tuple[list[int], SamplingParams]:
     """A Dynamo PreprocessedRequest -> (checked prompt token ids, SamplingParams). Raises
     RequestError naming the field for what kvexport cannot do (beam search, guided decoding,
@@ -75,14 +91,15 @@ def request_to_params(request: Any, parser: RequestParser) -> tuple[list[int], S
     for where, group in (("stop_conditions", stop), ("sampling_options", samp), ("output_options", out)):
         if not isinstance(group, Mapping):
             raise RequestError(f"{where} must be an object, got {type(group).__name__}", where)
-    _refuse_set(samp, "sampling_options", ("use_beam_search", "guided_decoding"),
-                "not supported by kvexport's engine")
+    _refuse_set(samp, "sampling_options", ("use_beam_search",), "not supported by kvexport's engine")
     for k in ("n", "best_of"):
         if samp.get(k) not in (None, 1):
             raise RequestError(f"sampling_options.{k}={samp[k]!r}: a kvexport Dynamo worker returns one "
                                f"choice per request; send {k}=1 (or several requests)", f"sampling_options.{k}")
-    _refuse_set(out, "output_options", ("prompt_logprobs",), "prompt log-probabilities are served by "
-                "`kvexport serve` (on --all-logits builds), not by the Dynamo worker")
+    # NOTE: Dynamo 1.6.1's frontend turns a client's `echo: true` into prompt_logprobs=1 too: say both
+    _refuse_set(out, "output_options", ("prompt_logprobs",), "prompt log-probabilities (`prompt_logprobs`, or "
+                "`echo`, which the frontend asks them for) are served by `kvexport serve` (on --all-logits "
+                "builds), not by the Dynamo worker")
     _refuse_set(stop, "stop_conditions", ("max_thinking_tokens",), "not supported by kvexport's engine")
     values: dict[str, Any] = {k: samp.get(k) for k in _SAMPLING}
     if isinstance(values["top_k"], int) and not isinstance(values["top_k"], bool) and values["top_k"] < 0:
@@ -102,6 +119,7 @@ def request_to_params(request: Any, parser: RequestParser) -> tuple[list[int], S
     if values["ignore_eos"]:  # the frontend lists the EOS ids among the hidden stop ids: drop them too
         eos = set(request.get("eos_token_ids") or ())
         values["stop_token_ids"] = [t for t in ids if t not in eos] or None
+    values["structured"] = guided_decoding(samp.get("guided_decoding"))
     names = {k: f"sampling_options.{k}" for k in _SAMPLING}
     names.update(max_tokens="stop_conditions.max_tokens", min_tokens="stop_conditions.min_tokens",
                  ignore_eos="stop_conditions.ignore_eos", stop_token_ids="stop_conditions.stop_token_ids",

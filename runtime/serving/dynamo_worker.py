@@ -41,6 +41,7 @@ from ..core.block_hash import request_salt
 from .cache_salts import SaltKey
 from .dynamo_protocol import chunk, completion_usage, kv_event_batch, request_cache_salt, request_to_params
 from .engine_thread import EngineThread, Event
+from ..execution.structured import GrammarError
 from .requests import RequestError, RequestParser
 
 log = logging.getLogger(__name__)
@@ -155,6 +156,49 @@ class _Refusal:
         return fut
 
 
+class _AfterCompile:
+    """An async iterator that first compiles a request's output grammar in a thread (neither on the
+    event loop nor on the engine thread: a large schema takes seconds; the engine then finds it
+    cached), then streams `start()`. A spec that cannot be served fails the first step with
+    `refuse(message)` set on a future, as `refusal` does: one log line, no traceback."""
+
+    def __init__(self, compile_, start, refuse, loop: asyncio.AbstractEventLoop):
+        self.compile, self.start, self.refuse, self.loop = compile_, start, refuse, loop
+        self.inner: AsyncIterator[dict] | None = None
+        self.task: asyncio.Task | None = None  # NOTE: held, so the loop does not drop it half-way
+
+    def __aiter__(self) -> "_AfterCompile":
+        return self
+
+    def __anext__(self):
+        if self.inner is not None:
+            return self.inner.__anext__()
+        fut = self.loop.create_future()
+        self.task = self.loop.create_task(self._first(fut))
+        return fut
+
+    async def _first(self, fut: asyncio.Future) -> None:
+        try:
+            await asyncio.to_thread(self.compile)
+        except GrammarError as e:
+            if not fut.done():
+                fut.set_exception(self.refuse(str(e)))
+            return
+        except BaseException as e:  # noqa: BLE001 - an internal error: the stream fails with it
+            if not fut.done():
+                fut.set_exception(e)
+            return
+        self.inner = self.start()
+        try:
+            item = await self.inner.__anext__()
+        except BaseException as e:  # noqa: BLE001 - StopAsyncIteration and the stream's own errors
+            if not fut.done():
+                fut.set_exception(e)
+            return
+        if not fut.done():
+            fut.set_result(item)
+
+
 def refusal(exc: BaseException, loop: asyncio.AbstractEventLoop | None) -> AsyncIterator[dict]:
     """A handler's stream for a request the worker refuses: its first step fails with `exc`.
     NOTE: Dynamo's binding prints every exception a handler's stream raises, with its traceback
@@ -241,6 +285,11 @@ class DynamoWorker:
             salt = self.request_salt(request)
         except RequestError as e:
             return refusal(self.errors.InvalidArgument(str(e)), self._loop)
+        structured = getattr(params, "structured", None)
+        if structured is not None and self._loop is not None:
+            return _AfterCompile(lambda: self.engine.structured.compile(structured),
+                                 lambda: self._generate(prompt, params, salt, context),
+                                 self.errors.InvalidArgument, self._loop)
         return self._generate(prompt, params, salt, context)
 
     async def _generate(self, prompt: list[int], params, salt: str | None, context) -> AsyncIterator[dict]:

@@ -37,6 +37,15 @@ def _hit_rate(c: Counters) -> float:
     return c.kv.get("prefix_hits", 0) / queries if queries else 0.0
 
 
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else 0.0
+
+
+def _mean_accepted_length(c: Counters) -> float:
+    steps = c.kv.get("spec_drafts", 0)
+    return 1.0 + c.kv.get("spec_accepted_tokens", 0) / steps if steps else 0.0
+
+
 METRICS: tuple[Metric, ...] = (
     Metric("requests_running", GAUGE, "Sequences being computed", lambda c, _: c.running),
     Metric("requests_waiting", GAUGE, "Sequences waiting for KV blocks or a batch slot", lambda c, _: c.waiting),
@@ -74,6 +83,17 @@ METRICS: tuple[Metric, ...] = (
            lambda c, _: c.kv.get("offload_loads", 0)),
     Metric("kv_offload_disk_errors_total", COUNTER, "Corrupt, truncated or foreign block files refused (recomputed)",
            lambda c, _: c.kv.get("offload_disk_errors", 0)),
+    # speculative decoding (--speculative; runtime/core/speculation.py): all 0 when it is off
+    Metric("spec_decode_drafts_total", COUNTER, "Speculative decoding: decode steps that verified drafts",
+           lambda c, _: c.kv.get("spec_drafts", 0)),
+    Metric("spec_decode_draft_tokens_total", COUNTER, "Speculative decoding: tokens drafted",
+           lambda c, _: c.kv.get("spec_draft_tokens", 0)),
+    Metric("spec_decode_accepted_tokens_total", COUNTER, "Speculative decoding: drafted tokens the model accepted",
+           lambda c, _: c.kv.get("spec_accepted_tokens", 0)),
+    Metric("spec_decode_acceptance_rate", GAUGE, "Speculative decoding: accepted / drafted tokens since the start",
+           lambda c, _: _ratio(c.kv.get("spec_accepted_tokens", 0), c.kv.get("spec_draft_tokens", 0))),
+    Metric("spec_decode_mean_accepted_length", GAUGE, "Speculative decoding: tokens per verifying step (accepted "
+           "drafts + 1) since the start", lambda c, _: _mean_accepted_length(c)),
     Metric("generation_tokens_total", COUNTER, "Tokens generated", lambda c, _: c.generation_tokens),
     Metric("prompt_tokens_total", COUNTER, "Prompt tokens received", lambda c, _: c.prompt_tokens),
     Metric("requests_total", COUNTER, "Sequences admitted (n samples count n)", lambda c, _: c.requests),

@@ -19,8 +19,9 @@ from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from . import requests as req
 from .requests import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, RequestError, RequestParser
-from ..sampling_params import SamplingParams
+from ..sampling_params import SamplingParams, StructuredOutputs
 
 
 # ---- errors ---------------------------------------------------------------------------------
@@ -66,7 +67,8 @@ class ChatMessage(_Body):
     name: str | None = None
     # accepted when null: what an SDK sends back of an earlier assistant message
     refusal: None = None
-    tool_calls: None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls (runtime/serving/tools.py)
+    tool_call_id: str | None = None  # a tool result's call
     function_call: None = None
     audio: None = None
     annotations: None = None
@@ -88,6 +90,8 @@ class _SamplingBody(_Body):
     stop_token_ids: list[int] | None = None  # extension
     min_tokens: int | None = None  # extension
     ignore_eos: bool | None = None  # extension
+    speculative: bool | None = None  # extension: false turns the server's --speculative off for this request
+    kv_budget_tokens: int | None = None  # extension: a smaller KV budget (--kv-eviction snapkv / h2o)
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     # extension (vLLM): prefix-cache blocks are shared only with requests of the same salt (and tenant);
@@ -95,6 +99,10 @@ class _SamplingBody(_Body):
     # only one a gateway signed (cache_salts.py). The only place serve reads a salt from (`nvext` is refused)
     cache_salt: str | None = None
     logit_bias: dict[str, float] | None = None  # not implemented: only null, {} or zero biases (check_inert)
+    # structured output (runtime/execution/structured.py): OpenAI's {"type": "text" | "json_object" |
+    # "json_schema", "json_schema": {...}}, or vLLM's extra {"json" | "regex" | "choice" | "grammar" | "json_object"}
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
     # accepted and ignored: they change nothing in the output
     user: str | None = None  # the end user's id
     store: bool | None = None
@@ -121,13 +129,13 @@ class ChatCompletionRequest(_SamplingBody):
     max_completion_tokens: int | None = None  # the newer name of max_tokens
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    # not implemented, taken at their defaults only (check_inert): no tools, no structured output
-    tools: list[dict[str, Any]] | None = None  # only null or []
-    tool_choice: str | dict[str, Any] | None = None  # only "none" or "auto" (with no tools, the same)
-    functions: list[dict[str, Any]] | None = None  # the older name of tools: only null or []
-    function_call: str | dict[str, Any] | None = None  # the older name of tool_choice
-    response_format: dict[str, Any] | None = None  # only {"type": "text"}
-    parallel_tool_calls: bool | None = None  # accepted and ignored: there are no tools to call
+    # tool calling (runtime/serving/tools.py)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # "none" | "auto" | "required" | {"type": "function", ...}
+    parallel_tool_calls: bool | None = None  # false: at most one call
+    # not implemented, taken at their defaults only (check_inert): the older names of tools and tool_choice
+    functions: list[dict[str, Any]] | None = None  # only null or [] (use tools)
+    function_call: str | dict[str, Any] | None = None  # only "none" or "auto" (use tool_choice)
 
 
 def _field_names(*models: type[BaseModel]) -> frozenset[str]:
@@ -332,11 +340,8 @@ _INERT: dict[str, tuple[Callable[[Any, Any], bool], str]] = {
     "best_of": (lambda v, body: v == (body.n or 1), "best_of equal to n (1 by default)"),
     "logit_bias": (lambda v, body: all(b == 0 for b in v.values()), "{} (no bias)"),
     "suffix": (lambda v, body: v == "", '""'),
-    "tools": (lambda v, body: v == [], "[] (no tools)"),
-    "functions": (lambda v, body: v == [], "[] (no functions)"),
-    "tool_choice": (lambda v, body: v in ("none", "auto"), '"none" or "auto" (there are no tools)'),
-    "function_call": (lambda v, body: v in ("none", "auto"), '"none" or "auto" (there are no functions)'),
-    "response_format": (lambda v, body: v == {"type": "text"}, '{"type": "text"} (plain text)'),
+    "functions": (lambda v, body: v == [], "[] (no functions; send tools)"),
+    "function_call": (lambda v, body: v in ("none", "auto"), '"none" or "auto" (send tool_choice)'),
 }
 
 
@@ -371,12 +376,13 @@ def samples_asked(body: CompletionRequest | ChatCompletionRequest) -> int:
     return body.n if body.n is not None and body.n >= 1 else 1
 
 
-def prompts(body: CompletionRequest | ChatCompletionRequest, parser: RequestParser) -> list[list[int]]:
+def prompts(body: CompletionRequest | ChatCompletionRequest, parser: RequestParser,
+            prepare: Callable | None = None) -> list[list[int]]:
     """The request's prompts as checked token ids (one for chat, one or more for completions),
     each non-empty and leaving room for an output token. Tokenizes and renders the chat
-    template: call it off the event loop."""
+    template (`prepare`: a tool plan's, tools.ToolPlan.prepare): call it off the event loop."""
     if isinstance(body, ChatCompletionRequest):
-        out = [parser.chat([m.model_dump(exclude_none=True) for m in body.messages])]
+        out = [parser.chat([m.model_dump(exclude_none=True) for m in body.messages], prepare=prepare)]
     else:
         p = body.prompt
         raw, names = (p, [f"prompt[{i}]" for i in range(len(p))]) if _several(p) else ([p], ["prompt"])
@@ -417,11 +423,23 @@ def check_stops(stop: str | list | None, stop_token_ids: list | None) -> None:
         raise ApiError(400, f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} token ids", param="stop_token_ids")
 
 
+def structured(body: CompletionRequest | ChatCompletionRequest) -> tuple[StructuredOutputs | None, str]:
+    """The body's structured output (response_format or structured_outputs, not both) and the field
+    a compile error names."""
+    if body.structured_outputs is not None:
+        if body.response_format is not None and body.response_format.get("type") != "text":
+            raise ApiError(400, "structured_outputs: give either response_format or structured_outputs, not both",
+                           param="structured_outputs")
+        spec = req.structured_outputs(body.structured_outputs)
+        return spec, f"structured_outputs.{spec.field}" if spec is not None else "structured_outputs"
+    return req.response_format(body.response_format)
+
+
 def sampling_params(body: CompletionRequest | ChatCompletionRequest, parser: RequestParser,
-                    prompt_len: int) -> SamplingParams:
+                    prompt_len: int, structured: StructuredOutputs | None = None) -> SamplingParams:
     """The body's sampling fields -> SamplingParams (max_tokens capped by the context left
     after the longest prompt, `prompt_len`). Completions default to 16 tokens, chat to all
-    the room left, as OpenAI does."""
+    the room left, as OpenAI does. `structured`: the output's grammar (structured(), or a tool plan's)."""
     chat = isinstance(body, ChatCompletionRequest)
     names: dict[str, str] = {}
     check_stops(body.stop, body.stop_token_ids)
@@ -436,9 +454,9 @@ def sampling_params(body: CompletionRequest | ChatCompletionRequest, parser: Req
     else:
         logprobs, max_tokens = body.logprobs, body.max_tokens
     values = {"max_tokens": max_tokens, "n": body.n, "logprobs": logprobs, "stop": body.stop,
-              "stop_token_ids": body.stop_token_ids}
+              "stop_token_ids": body.stop_token_ids, "structured": structured}
     for k in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-              "repetition_penalty", "min_tokens", "ignore_eos"):
+              "repetition_penalty", "min_tokens", "ignore_eos", "speculative", "kv_budget_tokens"):
         values[k] = getattr(body, k)
     zero = (False, "")
     if not chat:  # echo with logprobs scores the prompt with top-`logprobs`; prompt_logprobs with its own k
@@ -516,10 +534,11 @@ def merge_logprobs(acc: dict | None, new: dict | None, chat: bool) -> dict | Non
 
 
 def choice(chat: bool, index: int, text: str, logprobs: dict | None, finish_reason: str | None,
-           prompt_logprobs: list | None = None) -> dict:
-    """One choice of a whole response (`prompt_logprobs`: vLLM's, when the request asked)."""
+           prompt_logprobs: list | None = None, message: dict | None = None) -> dict:
+    """One choice of a whole response (`prompt_logprobs`: vLLM's, when the request asked; `message`:
+    a chat message other than the text, e.g. with tool_calls)."""
     if chat:
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+        return {"index": index, "message": message or {"role": "assistant", "content": text}, "logprobs": logprobs,
                 "finish_reason": finish_reason}
     out = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     if prompt_logprobs is not None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields as dc_fields
 from typing import Any, Mapping, Sequence
 
 from ..request_checks import RequestError, check_token_ids, prompt_logprobs_refusal
-from ..sampling_params import SamplingError, SamplingParams
+from ..sampling_params import SamplingError, SamplingParams, StructuredOutputs
 from .time_limit import TimeLimitExceeded, time_limit
 
 SAMPLING_FIELDS = frozenset(f.name for f in dc_fields(SamplingParams))
@@ -63,7 +63,12 @@ def chat_messages(messages: Any, param: str = "messages") -> list[dict[str, str]
             content = "".join(texts)
         elif not isinstance(content, str):
             raise RequestError(f"{where}.content must be a string or a list of text parts", f"{where}.content")
-        out.append({"role": m["role"], "content": content})
+        msg = {"role": m["role"], "content": content}
+        # tool calling (runtime/serving/tools.py): an assistant's calls, a tool result's call id and name
+        msg.update({k: m[k] for k in ("tool_calls", "tool_call_id") if m.get(k) is not None})
+        if m["role"] == "tool" and isinstance(m.get("name"), str):
+            msg["name"] = m["name"]
+        out.append(msg)
     return out
 
 
@@ -106,7 +111,7 @@ class RequestParser:
     def for_engine(cls, engine) -> "RequestParser":
         # NOTE: "this build", not its folder: the refusal goes to HTTP clients, who never see the server's paths
         return cls(engine.tokenizer, engine.vocab_size, engine.max_model_len,
-                   None if engine.manifest.all_logits else "this build", engine.streaming)
+                   None if engine.manifest.scores_prompts else "this build", engine.streaming)
 
     # ---- prompts ----------------------------------------------------------------------
     def text(self, text: str, param: str = "prompt") -> list[int]:
@@ -124,9 +129,10 @@ class RequestParser:
             return check_token_ids(ids, self.vocab_size, param)
         raise RequestError(f"{param} must be a string or a list of token ids, got {type(prompt).__name__}", param)
 
-    def chat(self, messages: Any, param: str = "messages") -> list[int]:
+    def chat(self, messages: Any, param: str = "messages", prepare: Any = None) -> list[int]:
         """Chat messages -> token ids through the build's chat template, with the
-        assistant's generation prompt appended."""
+        assistant's generation prompt appended. `prepare(messages) -> (messages, tools or None)`:
+        tool calling's rendering (runtime/serving/tools.py ToolPlan.prepare), inside the time limit."""
         tok = self.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise RequestError(f"{param}: this build's tokenizer has no chat template; send a plain prompt "
@@ -134,12 +140,16 @@ class RequestParser:
         msgs = chat_messages(messages, param)
         try:
             with time_limit(self.template_timeout):  # NOTE: a template that loops for minutes is stopped
-                ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+                msgs, tools = prepare(msgs) if prepare is not None else (msgs, None)
+                extra = {"tools": tools} if tools is not None else {}
+                ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, **extra)
         except TimeLimitExceeded:
             raise RequestError(f"{param}: rendering this build's chat template (in its tokenizer/ folder) took longer "
                                f"than {self.template_timeout:g} s on these messages, so it was stopped; fix the "
                                f"template, or send a plain prompt (text or token ids) instead", param,
                                code="chat_template_timeout") from None
+        except RequestError:  # prepare()'s, naming its field
+            raise
         except Exception as e:  # noqa: BLE001 - templates raise on e.g. unsupported roles
             raise RequestError(f"{param}: the chat template refused the messages: {e}", param) from None
         ids = ids["input_ids"] if isinstance(ids, Mapping) or hasattr(ids, "keys") else ids
@@ -212,3 +222,68 @@ class RequestParser:
             raise RequestError(msg, name(field) if field in SAMPLING_FIELDS else None) from None
         except (TypeError, ValueError) as e:
             raise RequestError(f"invalid sampling parameters: {e}") from None
+
+
+# ---- structured output ------------------------------------------------------------------------
+_STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def structured_outputs(value: Any, param: str = "structured_outputs") -> StructuredOutputs | None:
+    """vLLM's `structured_outputs` extra ({"json": schema} | {"regex": ...} | {"choice": [...]} |
+    {"grammar": EBNF} | {"json_object": true}) -> StructuredOutputs; None when absent. Other keys
+    (vLLM's structural_tag, whitespace_pattern, ...) are refused by name."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise RequestError(f"{param} must be an object such as {{\"json\": SCHEMA}}, got {type(value).__name__}", param)
+    unknown = sorted(set(value) - set(_STRUCTURED_KEYS))
+    if unknown:
+        raise RequestError(f"{param}: {', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} not supported; "
+                           f"give one of {', '.join(_STRUCTURED_KEYS)}", f"{param}.{unknown[0]}")
+    given = {k: v for k, v in value.items() if v is not None and v is not False}
+    if len(given) != 1:
+        raise RequestError(f"{param}: give exactly one of {', '.join(_STRUCTURED_KEYS)}, got "
+                           f"{', '.join(given) or 'none'}", param)
+    (k, v), = given.items()
+    if k == "json" and not isinstance(v, (Mapping, str)):
+        raise RequestError(f"{param}.json must be a JSON schema (an object, or its JSON text)", f"{param}.json")
+    try:
+        return StructuredOutputs(**{k: dict(v) if isinstance(v, Mapping) else v})
+    except SamplingError as e:
+        raise RequestError(f"{param}.{k}: {str(e).split(': ', 1)[-1]}", f"{param}.{k}") from None
+
+
+def response_format(value: Any, param: str = "response_format") -> tuple[StructuredOutputs | None, str]:
+    """OpenAI's `response_format` -> (StructuredOutputs or None for plain text, the field a compile
+    error names): {"type": "text"}, {"type": "json_object"}, or {"type": "json_schema",
+    "json_schema": {"name", "schema", "strict", "description"}}."""
+    if value is None:
+        return None, param
+    if not isinstance(value, Mapping) or value.get("type") not in ("text", "json_object", "json_schema"):
+        got = value.get("type") if isinstance(value, Mapping) else type(value).__name__
+        raise RequestError(f'{param}.type must be "text", "json_object" or "json_schema", got {got!r}',
+                           f"{param}.type")
+    kind = value["type"]
+    extra = sorted(set(value) - {"type", "json_schema"})
+    if extra or (kind != "json_schema" and "json_schema" in value):
+        raise RequestError(f"{param}: unexpected field {(extra or ['json_schema'])[0]!r} for type {kind!r}",
+                           f"{param}.{(extra or ['json_schema'])[0]}")
+    if kind == "text":
+        return None, param
+    if kind == "json_object":
+        return StructuredOutputs(json_object=True), param
+    js = value.get("json_schema")
+    where = f"{param}.json_schema"
+    if not isinstance(js, Mapping):
+        raise RequestError(f"{where} must be an object with name and schema", where)
+    unknown = sorted(set(js) - {"name", "schema", "strict", "description"})
+    if unknown:
+        raise RequestError(f"{where}: unexpected field {unknown[0]!r}", f"{where}.{unknown[0]}")
+    if not isinstance(js.get("name"), str) or not js["name"]:
+        raise RequestError(f"{where}.name must be a non-empty string", f"{where}.name")
+    if js.get("strict") not in (None, True, False):
+        raise RequestError(f"{where}.strict must be true or false", f"{where}.strict")
+    schema = js.get("schema", {"type": "object"})  # OpenAI: absent means any object
+    if not isinstance(schema, Mapping):
+        raise RequestError(f"{where}.schema must be a JSON schema (an object)", f"{where}.schema")
+    return StructuredOutputs(json=dict(schema)), f"{where}.schema"

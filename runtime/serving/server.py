@@ -41,7 +41,7 @@ from starlette.exceptions import HTTPException
 
 from kvexport.errors import ConfigError, KvExportError
 
-from . import auth, bodies, echo
+from . import auth, bodies, echo, tools
 from . import openapi as oas
 from . import metrics as mx
 from . import openai_protocol as proto
@@ -214,11 +214,12 @@ class OpenAIServer:
         # NOTE: the cheap limits first, on the event loop (counts as sent); tokenizing and the chat
         # template run in a worker thread, so a big request never holds up /health or other clients
         proto.check_fanout(body, proto.num_prompts(body), proto.samples_asked(body), self.max_sequences)
-        prompts, params = await asyncio.to_thread(self.prepare, body)
+        prompts, params, plan = await asyncio.to_thread(self.prepare, body)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         now = int(time.time())
         prompt_tokens = sum(len(p) for p in prompts)  # counted once per prompt, as OpenAI does
         prompt = _PromptPart.of(body, prompts, params.n)
+        prompt.tool_plan = plan
         if prompt.echo:  # NOTE: decoding token-id prompts is not for the event loop
             prompt.texts = await asyncio.to_thread(self.echo_texts, body, prompts)
         if body.stream:
@@ -253,17 +254,36 @@ class OpenAIServer:
             for i, (echo_lp, vllm[i]) in enumerate(parts):
                 lps[i] = proto.merge_logprobs(echo_lp, lps[i], chat)  # the prompt's first
         choices = [proto.choice(chat, i, texts[i], lps[i], reasons[i], vllm[i]) for i in range(n)]
+        if plan is not None:  # tool calls parsed from the text (tools.py)
+            for c in choices:
+                c["message"], called = tools.response_message(plan, c["message"]["content"])
+                c["finish_reason"] = "tool_calls" if called and c["finish_reason"] == "stop" else c["finish_reason"]
         return proto.response(chat, rid, now, self.model_name, choices,
                               proto.usage(prompt_tokens, sum(ntok), proto.cached_tokens(cached, len(prompts), params.n)))
 
-    def prepare(self, body: CompletionRequest | ChatCompletionRequest) -> tuple[list[list[int]], SamplingParams]:
-        """The body's checked prompts (token ids) and SamplingParams: walks every string, tokenizes,
-        renders the chat template (within RequestParser.template_timeout): call it off the loop."""
+    def prepare(self, body: CompletionRequest | ChatCompletionRequest
+                ) -> tuple[list[list[int]], SamplingParams, tools.ToolPlan | None]:
+        """The body's checked prompts (token ids), SamplingParams and tool plan (tools.py): walks every
+        string, tokenizes, renders the chat template (within RequestParser.template_timeout), compiles
+        the output's grammar (cached; the engine then finds it): call it off the loop."""
         proto.check_unicode(body)
-        prompts = proto.prompts(body, self.parser)
-        params = proto.sampling_params(body, self.parser, max(len(p) for p in prompts))
+        plan = None
+        if isinstance(body, ChatCompletionRequest):
+            tools.check_messages([m.model_dump(exclude_none=True) for m in body.messages])
+            plan = tools.plan(body.tools, body.tool_choice, body.parallel_tool_calls,
+                              getattr(self.engine.tokenizer, "chat_template", None))
+        prompts = proto.prompts(body, self.parser, plan.prepare if plan is not None else None)
+        spec, field_ = proto.structured(body)
+        if plan is not None and plan.structured is not None:
+            if spec is not None:
+                raise ApiError(400, f"tool_choice: {plan.choice!r} constrains the output to a tool call; leave "
+                                    f"response_format / structured_outputs unset", param="tool_choice")
+            spec, field_ = plan.structured, "tools"
+        params = proto.sampling_params(body, self.parser, max(len(p) for p in prompts), spec)
         proto.check_fanout(body, len(prompts), params.n, self.max_sequences)
-        return prompts, params
+        if spec is not None:
+            self.engine.structured.compile(spec, field_)  # GrammarError: a 400 naming the field
+        return prompts, params, plan
 
     def echo_texts(self, body: CompletionRequest, prompts: list[list[int]]) -> list[str]:
         """What `echo` repeats of each prompt (echo.prompt_text)."""
@@ -276,6 +296,9 @@ class OpenAIServer:
         n = len(prompts) * params.n
         offsets, ntok, cached = [0] * n, [0] * n, [0] * n
         started = [not (prompt.echo or prompt.scored)] * n  # the prompt's part went out (or there is none)
+        plan = prompt.tool_plan
+        calls = [plan.stream() for _ in range(n)] if plan is not None else []  # content / tool_call deltas
+        so_far = [""] * n
 
         def chunk(choices: list[dict], usage: dict | None = None) -> str:
             return proto.chunk(chat, rid, now, self.model_name, choices, include_usage, usage)
@@ -304,6 +327,10 @@ class OpenAIServer:
                 ntok[i] = ev.num_tokens
                 cached[i] = max(cached[i], ev.num_cached_prompt_tokens)
                 reason = ev.finish_reason if ev.finished else None
+                if calls:  # chat with tools (tools.py)
+                    so_far[i] += ev.new_text
+                    yield chunk([tools.stream_choice(i, calls[i], so_far[i], reason, lp)])
+                    continue
                 yield chunk([proto.chunk_choice(chat, i, head + ev.new_text, proto.merge_logprobs(head_lp, lp, chat),
                                                 reason, vllm)])
             if include_usage:
@@ -326,6 +353,7 @@ class _PromptPart:
     echo_k: int | None
     vllm_k: int | None
     texts: list[str] = field(default_factory=list)  # each prompt's echoed text (when echo)
+    tool_plan: tools.ToolPlan | None = None  # chat with tools: the output's calls are parsed (tools.py)
 
     @classmethod
     def of(cls, body: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]], n: int) -> "_PromptPart":

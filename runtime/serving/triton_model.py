@@ -63,7 +63,7 @@ from ..config import EngineConfig
 from ..core.block_hash import request_salt
 from .cache_salts import SaltKey, accept_salt
 from .requests import (MAX_BODY_BYTES, MAX_CACHE_SALT_CHARS, MAX_STOP_CHARS, MAX_STOP_STRINGS, RequestError,
-                       RequestParser)
+                       RequestParser, response_format, structured_outputs)
 from ..sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,10 @@ INPUTS = (
     ("seed", "TYPE_INT64", [1], True, "per-request RNG seed, >= 0"),
     ("stop", "TYPE_STRING", [-1], True, "stop strings (not included in the output)"),
     ("ignore_eos", "TYPE_BOOL", [1], True, "keep generating past EOS [false]"),
+    ("speculative", "TYPE_BOOL", [1], True, "false: no speculative decoding for this request [the model's setting]"),
     ("cache_salt", "TYPE_STRING", [1], True, "prefix-cache salt: KV is shared only with requests of the same salt"),
+    ("response_format", "TYPE_STRING", [1], True, 'OpenAI response_format as JSON text: {"type": "json_schema", ...}'),
+    ("structured_outputs", "TYPE_STRING", [1], True, 'vLLM structured_outputs as JSON text: {"regex": ...}'),
 )
 OUTPUTS = (
     ("text_output", "TYPE_STRING", [1], "text added by this response (streaming) or the whole completion"),
@@ -164,6 +167,23 @@ def _stop_strings(stop: np.ndarray | None) -> list[str]:
     return out
 
 
+def _structured(arrays: dict[str, np.ndarray]):
+    """The inputs response_format / structured_outputs (JSON text, as the OpenAI fields) -> StructuredOutputs."""
+    got = {}
+    for name in ("response_format", "structured_outputs"):
+        if name in arrays:
+            raw = _scalar(arrays, name, b"")
+            try:
+                got[name] = json.loads(raw.decode("utf-8") if isinstance(raw, bytes) else str(raw))
+            except ValueError as e:
+                raise RequestError(f"{name} must be JSON text: {e}", name) from None
+    if len(got) > 1:
+        raise RequestError("send either response_format or structured_outputs, not both", "structured_outputs")
+    if "structured_outputs" in got:
+        return structured_outputs(got["structured_outputs"])
+    return response_format(got.get("response_format"))[0]
+
+
 def parse_request(arrays: dict[str, np.ndarray], parser: RequestParser,
                   parameters: dict | None = None) -> tuple[list[int], SamplingParams, bool]:
     """Input tensors (name -> numpy array, absent inputs left out) -> (prompt token ids,
@@ -187,8 +207,9 @@ def parse_request(arrays: dict[str, np.ndarray], parser: RequestParser,
     if ("text_input" in arrays) == ("input_ids" in arrays):
         raise RequestError("send exactly one of the inputs 'text_input' (BYTES) or 'input_ids' (INT64)")
     values = {k: _scalar(arrays, k, None) for k in ("max_tokens", "temperature", "top_p", "top_k", "seed",
-                                                    "ignore_eos")}
+                                                    "ignore_eos", "speculative")}
     values["stop"] = _stop_strings(arrays.get("stop"))
+    values["structured"] = _structured(arrays)
     stream = bool(_scalar(arrays, "stream", False))
     if "text_input" in arrays:
         text = _scalar(arrays, "text_input", b"")
@@ -291,6 +312,8 @@ class TritonPythonModel:
                     if t is not None:
                         arrays[name] = t.as_numpy()
                 prompt, params, stream = parse_request(arrays, self.parser, json.loads(request.parameters() or "{}"))
+                if params.structured is not None:  # compiled here, not in the engine's step (structured.py)
+                    self.engine.structured.compile(params.structured)
                 salt = parse_cache_salt(arrays, self.salt_key)
             except Exception as e:  # noqa: BLE001 - a bad request gets an error, the model keeps serving
                 msg = str(e) if isinstance(e, KvExportError) else f"invalid request: {e}"

@@ -101,10 +101,16 @@ def check_graph_io(m, phase: io.Phase, inputs: tuple[io.TensorSpec, ...],
     if io.INPUT_IDS not in names:
         raise ManifestError(f"{name} is not a kvexport graph (no input {io.INPUT_IDS!r}; inputs "
                             f"{[t.name for t in inputs][:6]}): corrupt or replaced? {_REBUILD}")
-    layers = 0
-    while any(f(layers) in names for f in _LAYER_NAMES):
-        layers += 1
-    if layers != kv.num_layers:
+    # the layers holding KV pools: all, or (hybrids' linear layers, shared KV) those io.kv_layout gives
+    kv_layers, dims = io.kv_layout(m.model.spec, kv.num_kv_heads, kv.head_dim)
+    # layers of another KV shape than kv.num_kv_heads x kv.head_dim (Gemma 4's global layers): checked as given
+    layer_dims = None if len(set(dims)) == 1 else tuple(
+        (_HEADS if h == kv.num_kv_heads else h, _HEAD_DIM if d == kv.head_dim else d) for h, d in dims)
+    want_layers = list(kv_layers) if kv_layers is not None else list(range(kv.num_layers))
+    have_layers = [i for i in range(max(kv.num_layers, 1) + 1) if any(f(i) in names for f in _LAYER_NAMES)]
+    if have_layers != want_layers:
+        layers = len(have_layers) if kv_layers is not None else next(
+            (n for n in range(len(have_layers) + 1) if n not in have_layers), len(have_layers))
         raise ManifestError(f"manifest field 'kv.num_layers' is {kv.num_layers}, but {name} has KV tensors of "
                             f"{layers} layers; the manifest does not describe this build: {_REBUILD}")
 
@@ -116,7 +122,9 @@ def check_graph_io(m, phase: io.Phase, inputs: tuple[io.TensorSpec, ...],
     template = io.graph_io(layout=io.KVLayout(kv.layout), phase=phase, num_layers=kv.num_layers,
                            num_kv_heads=_HEADS, head_dim=_HEAD_DIM, vocab_size=_VOCAB, block_size=_BLOCK,
                            act_dtype=_ACT, kv_dtype=_KV, all_logits=m.all_logits, attention=io.Attention(kv.attention),
-                           layer_groups=m.layer_groups, latent=kv.latent and kv.layout == io.KVLayout.PAGED.value)
+                           layer_groups=m.layer_groups, latent=kv.latent and kv.layout == io.KVLayout.PAGED.value,
+                           logits_indices=m.logits_indices, scores=bool(kv.attention_scores),
+                           kv_layers=kv_layers, layer_dims=layer_dims, state=io.state_dims(m.model.spec))
     build = f"a {kv.layout} build with {kv.attention} attention{' and all logits' if m.all_logits else ''}"
     pairs = (("input", template.inputs, inputs), ("output", template.outputs, outputs))
     for kind, want, got in pairs:  # names first: a wrong layout or attention shows as a missing tensor
@@ -194,7 +202,10 @@ def check_tables(m, dims: dict[str, tuple[int, ...]], name: str) -> None:
                                     f"has {shape[0]} rows: the graphs serve positions 0..{shape[0] - 1}, a context "
                                     f"of {shape[0]} tokens; {redo}")
             half = m.model.rotary_dim // 2
-            if match.group(1) is None and shape[1] != half:
+            # Gemma 4: layers of another head_dim (model.layer_head_dims) have their RoPE table's width
+            halves = {int(d * m.model.rotary_dim / m.model.head_dim) // 2
+                      for d in m.model.spec.get("layer_head_dims") or (m.model.head_dim,)}
+            if match.group(1) is None and shape[1] not in halves:
                 raise ManifestError(f"manifest fields 'model.head_dim' / 'model.rope.partial_rotary_factor' give "
                                     f"{half} rotated channel pairs, but {name}'s RoPE table {table!r} has "
                                     f"{shape[1]}; {_REBUILD}")

@@ -29,7 +29,8 @@ Layouts
     block_tables [num_seqs, max_blocks] int64   physical block ids, padded with PAD_BLOCK_ID
     slot_mapping [num_tokens] int64    block_id * block_size + offset for each new token
     key_cache.{i}/value_cache.{i} [kv_heads, num_blocks, block_size, head_dim]
-    -> logits [num_seqs|num_tokens, vocab],
+    logits_indices [num_logits] int64  (prefill graph of builds made with it: the rows to return)
+    -> logits [num_seqs|num_tokens|num_logits, vocab],
        new_key.{i}/new_value.{i} [num_tokens, kv_heads, head_dim]
 
     NOTE: with the ``onnx`` attention the graph reads the pool but never writes it
@@ -56,6 +57,12 @@ keep every block::
     Block ``j`` of a local table still means positions ``j*block_size..``; blocks the window
     released are PAD_BLOCK_ID. seq_lens, query_start_loc and positions are shared. Builds whose
     layers all have the same window (or none) have one group and exactly the I/O above.
+
+Shared KV (Gemma 4's num_kv_shared_layers; `graph_io`'s kv_layers and layer_dims): a layer that
+attends over an earlier layer's KV cache has no pools and no KV inputs or outputs of its own (no
+key_cache.{i} / new_key.{i} / past_key_values.{i}); its attention reads its source layer's, which
+the source alone writes, so the cache is held (and counted: `kv_bytes_per_token_layers`) once.
+Layers may differ in KV heads and head_dim (Gemma 4's global layers): each pool has its layer's.
 
 MLA (multi-head latent attention, DeepSeek-V2/V3; paged only): a layer's KV cache is ONE latent pool
 (no value pool), one row per token of kv_lora_rank + qk_rope_head_dim elements (the normed KV
@@ -293,26 +300,59 @@ def latent_cache_out(i: int) -> str:
     return f"latent_cache_out.{i}"
 
 
-def pool_names(num_layers: int, latent: bool = False) -> list[str]:
+def pool_names(num_layers: int, latent: bool = False, kv_layers=None) -> list[str]:
     """Every layer's pool inputs, in graph order: key_cache.{i}, value_cache.{i} per layer, or an
-    MLA build's latent_cache.{i}. The runtime allocates, binds and copies exactly these."""
-    return [n for i in range(num_layers) for n in ((latent_cache(i),) if latent else (key_cache(i), value_cache(i)))]
+    MLA build's latent_cache.{i}. The runtime allocates, binds and copies exactly these.
+    `kv_layers`: the layers holding pools where some share another's (`kv_layout`); None: all."""
+    return [n for i in _kv_layers(num_layers, kv_layers)
+            for n in ((latent_cache(i),) if latent else (key_cache(i), value_cache(i)))]
 
 
-def pool_layers(num_layers: int, latent: bool = False) -> list[int]:
+def pool_layers(num_layers: int, latent: bool = False, kv_layers=None) -> list[int]:
     """The layer of each of `pool_names`' pools."""
-    return [i for i in range(num_layers) for _ in range(1 if latent else 2)]
+    return [i for i in _kv_layers(num_layers, kv_layers) for _ in range(1 if latent else 2)]
 
 
-def new_kv_names(num_layers: int, latent: bool = False) -> list[str]:
+def new_kv_names(num_layers: int, latent: bool = False, kv_layers=None) -> list[str]:
     """The `onnx` attention's per-step KV outputs, one per pool of `pool_names` (same order)."""
-    return [n for i in range(num_layers) for n in ((new_latent(i),) if latent else (new_key(i), new_value(i)))]
+    return [n for i in _kv_layers(num_layers, kv_layers)
+            for n in ((new_latent(i),) if latent else (new_key(i), new_value(i)))]
 
 
-def pool_out_names(num_layers: int, latent: bool = False) -> list[str]:
+def pool_out_names(num_layers: int, latent: bool = False, kv_layers=None) -> list[str]:
     """The plugin attention's updated-pool outputs, one per pool of `pool_names` (same order)."""
-    return [n for i in range(num_layers)
+    return [n for i in _kv_layers(num_layers, kv_layers)
             for n in ((latent_cache_out(i),) if latent else (key_cache_out(i), value_cache_out(i)))]
+
+
+def _kv_layers(num_layers: int, kv_layers) -> tuple[int, ...]:
+    return tuple(range(num_layers)) if kv_layers is None else tuple(kv_layers)
+
+
+def kv_layout(model: dict, num_kv_heads: int,
+              head_dim: int) -> tuple[tuple[int, ...] | None, tuple[tuple[int, int], ...]]:
+    """(the layers holding pools, None: all; each layer's (KV heads, head_dim)) of a build, from
+    its manifest's model spec (exporter/spec.py kv_sources, layer_kv_heads, layer_head_dims; see
+    "Shared KV" above); `num_kv_heads` / `head_dim`: the manifest kv entry's, for uniform layers."""
+    n = model["num_layers"]
+    sources = model.get("kv_sources")
+    kv_layers = None if sources is None else tuple(i for i in range(n) if sources[i] == i)
+    if (la := model.get("linear_attn")) is not None:  # a hybrid's linear layers hold state, no KV ("Recurrent state")
+        kv_layers = tuple(i for i in (kv_layers or range(n)) if i not in set(la["layers"]))
+    heads, dims = model.get("layer_kv_heads"), model.get("layer_head_dims")
+    return kv_layers, tuple((heads[i] if heads else num_kv_heads, dims[i] if dims else head_dim) for i in range(n))
+
+
+def kv_bytes_per_token_layers(layer_groups: tuple[str, ...], layer_dims, kv_layers, kv_dtype: "DType",
+                              latent: bool = False) -> dict[str, int]:
+    """`kv_bytes_per_token_by_group` for layers of differing KV shapes (`kv_layout`), a shared
+    cache counted once (only `kv_layers` hold pools; None: all): per group, the sum over its
+    pool-holding layers of `kv_bytes_per_token` of one layer (equal to `kv_bytes_per_token_by_group`
+    for uniform layers)."""
+    out = dict.fromkeys(layer_groups, 0)
+    for i in _kv_layers(len(layer_groups), kv_layers):
+        out[layer_groups[i]] += kv_bytes_per_token(1, layer_dims[i][0], layer_dims[i][1], kv_dtype, latent)
+    return out
 
 
 def latent_scale(i: int) -> str:
@@ -345,6 +385,90 @@ def q_channel_scale(i: int) -> str:
     return f"kv_offsets.{i}.query_scale"
 
 
+# ---- recurrent state (hybrid linear-attention models: Qwen3.5, Qwen3-Next; paged only) -------
+# Each gated DeltaNet layer keeps a fixed-size state per sequence instead of a growing KV cache: the
+# causal short conv's last K-1 inputs and the delta rule's matrix per value head. The runtime holds
+# them in a STATE POOL of slots (runtime/core/state_pool.py: one per running sequence, plus prefix-
+# cache checkpoints) beside the KV pool; `state_slots` says which slot each sequence of the step
+# reads. Like the `onnx` attention's KV, the graphs read the pools and return the sequences' new
+# states, which the runtime stores back at those slots. A sequence whose first token in the step is
+# at position 0 starts from a zero state whatever its slot holds (fresh prompts, preemption by
+# recompute). The state pools are numbered j = 0.. over the linear layers (the manifest's
+# model.linear_attn.layers); only the other (attention) layers hold KV pools (`kv_layout`)::
+#
+#   state_slots [num_seqs] int64
+#   conv_state.{j} [num_state_slots, K-1, conv_dim] float32
+#   recurrent_state.{j} [num_state_slots, Hv, Dk, Dv] float32
+#   -> new_conv_state.{j} [num_seqs, K-1, conv_dim], new_recurrent_state.{j} [num_seqs, Hv, Dk, Dv]
+STATE_SLOTS = "state_slots"
+NUM_STATE_SLOTS = "num_state_slots"
+
+
+@dataclass(frozen=True, slots=True)
+class StateDims:
+    """One linear layer's state shapes (from the manifest's model.linear_attn: `state_dims`)."""
+
+    conv_width: int  # K - 1: conv inputs kept
+    conv_dim: int  # channels of the short conv (q, k and v)
+    num_v_heads: int  # Hv
+    k_head_dim: int  # Dk
+    v_head_dim: int  # Dv
+
+    @property
+    def conv_shape(self) -> tuple[int, int]:
+        return (self.conv_width, self.conv_dim)
+
+    @property
+    def recurrent_shape(self) -> tuple[int, int, int]:
+        return (self.num_v_heads, self.k_head_dim, self.v_head_dim)
+
+
+def state_dims(model: dict) -> tuple[int, StateDims] | None:
+    """(linear layers, their state shapes) of a build from its manifest's model spec
+    (exporter/linear_attention.py LinearAttnSpec.to_json), or None: no recurrent state."""
+    la = model.get("linear_attn")
+    if la is None:
+        return None
+    hk, dk, hv, dv = la["num_k_heads"], la["k_head_dim"], la["num_v_heads"], la["v_head_dim"]
+    return len(la["layers"]), StateDims(la["conv_kernel"] - 1, 2 * hk * dk + hv * dv, hv, dk, dv)
+
+
+def conv_state(j: int) -> str:
+    """Linear layer j's conv-state pool [num_state_slots, K-1, conv_dim] (graph input)."""
+    return f"conv_state.{j}"
+
+
+def recurrent_state(j: int) -> str:
+    """Linear layer j's delta-rule state pool [num_state_slots, Hv, Dk, Dv] (graph input)."""
+    return f"recurrent_state.{j}"
+
+
+def new_conv_state(j: int) -> str:
+    return f"new_conv_state.{j}"
+
+
+def new_recurrent_state(j: int) -> str:
+    return f"new_recurrent_state.{j}"
+
+
+def state_names(num_linear_layers: int) -> list[str]:
+    """Every state pool input, in graph order: conv_state.{j}, recurrent_state.{j} per linear layer."""
+    return [n for j in range(num_linear_layers) for n in (conv_state(j), recurrent_state(j))]
+
+
+def new_state_names(num_linear_layers: int) -> list[str]:
+    """The graphs' new-state outputs, one per pool of `state_names` (same order)."""
+    return [n for j in range(num_linear_layers) for n in (new_conv_state(j), new_recurrent_state(j))]
+
+
+def state_bytes_per_sequence(num_linear_layers: int, dims: StateDims) -> int:
+    """Memory one sequence's recurrent state occupies whatever its length (float32): layers x
+    (conv_width x conv_dim + Hv x Dk x Dv) x 4 (a Qwen3.5-0.8B-shaped model, 18 linear layers of 16 x 128 x 128
+    and conv_dim 6144: 18 x (3 x 6144 + 262,144) x 4 = 20,201,472). `kvexport plan` shows exactly this."""
+    per = dims.conv_width * dims.conv_dim + dims.num_v_heads * dims.k_head_dim * dims.v_head_dim
+    return num_linear_layers * per * 4
+
+
 # ---- dynamic axis names ---------------------------------------------------------------
 BATCH = "batch"
 SEQ = "seq"
@@ -356,7 +480,9 @@ NUM_SEQS_PLUS_1 = "num_seqs_plus_1"
 MAX_BLOCKS = "max_blocks_per_seq"
 NUM_BLOCKS = "num_blocks"
 NUM_LOGITS = "num_logits"  # rows of LOGITS_INDICES
-SCORE_LEN = "score_len"  # KV positions an attention_scores row covers (max_blocks_per_seq * block_size)
+# KV positions an attention_scores row covers: max_blocks_per_seq * block_size (plugin attention); the
+# `onnx` form, whose tables cover only earlier steps' blocks, adds the step's longest chunk
+SCORE_LEN = "score_len"
 
 
 @dataclass(frozen=True, slots=True)
@@ -393,14 +519,28 @@ def graph_io(
     attention: Attention = Attention.ONNX,
     layer_groups: tuple[str, ...] | None = None,
     latent: bool = False,
+    logits_indices: bool = False,
+    kv_layers: tuple[int, ...] | None = None,
+    layer_dims: tuple[tuple[int, int], ...] | None = None,
+    state: tuple[int, StateDims] | None = None,
+    scores: bool = False,
 ) -> GraphIO:
     """Every input and output of one graph, in order. The exporter declares exactly
     these; the runtime feeds exactly these. `layer_groups`: each layer's KV cache group
     (`kv_groups`; paged only); None: every layer in FULL_GROUP. `latent`: an MLA build
-    (paged only; num_kv_heads 1 and head_dim the latent row width)."""
+    (paged only; num_kv_heads 1 and head_dim the latent row width). `logits_indices`: the
+    paged prefill graph takes LOGITS_INDICES (last input) and returns logits [NUM_LOGITS, vocab]
+    (rows where asked; then all_logits changes nothing in the graph). NOTE: the paged decode
+    graph never takes it: each of its rows is a sequence's last token, and a step of 1 + k
+    tokens per sequence (a verified draft) runs through the prefill graph like a prompt chunk.
+    `state`: a hybrid's (linear layers, state shapes) (`state_dims`; paged only): the recurrent
+    state I/O ("Recurrent state" above), after the pools. `scores`: the paged graphs take
+    OBSERVATION_LENS (last input) and return attention_scores.{i} per KV layer (last outputs;
+    importance eviction, not for MLA builds)."""
+    dims = layer_dims or ((num_kv_heads, head_dim),) * num_layers  # per layer (KV heads, head_dim)
     if layout is KVLayout.CONTIGUOUS:
-        if latent:
-            raise ValueError("MLA builds are paged only")
+        if latent or state is not None:
+            raise ValueError("MLA and recurrent-state (hybrid) builds are paged only")
         # NOTE: decode's sequence axis is dynamic too (one token per step in the runtime): the decode
         # graph is then also a single "decoder with past" that optimum's ORTModelForCausalLM and
         # onnxruntime-genai's `decoder` type run on the prompt (empty past) and every step; its
@@ -411,16 +551,17 @@ def graph_io(
             TensorSpec(ATTENTION_MASK, "int64", (BATCH, TOTAL_SEQ)),
             TensorSpec(POSITION_IDS, "int64", (BATCH, seq)),
         ]
-        elem, row = kv_element_type(kv_dtype), kv_row_width(head_dim, kv_dtype)
+        elem = kv_element_type(kv_dtype)
+        rows = [kv_row_width(d, kv_dtype) for _, d in dims]
         if phase is Phase.DECODE:
-            for i in range(num_layers):
+            for i in _kv_layers(num_layers, kv_layers):
                 for name in (past_key(i), past_value(i)):
-                    inputs.append(TensorSpec(name, elem, (BATCH, num_kv_heads, PAST_SEQ, row)))
+                    inputs.append(TensorSpec(name, elem, (BATCH, dims[i][0], PAST_SEQ, rows[i])))
         logits_seq = seq if (all_logits or phase is Phase.DECODE) else 1
         outputs = [TensorSpec(LOGITS, act_dtype, (BATCH, logits_seq, vocab_size))]
-        for i in range(num_layers):
+        for i in _kv_layers(num_layers, kv_layers):
             for name in (present_key(i), present_value(i)):
-                outputs.append(TensorSpec(name, elem, (BATCH, num_kv_heads, TOTAL_SEQ, row)))
+                outputs.append(TensorSpec(name, elem, (BATCH, dims[i][0], TOTAL_SEQ, rows[i])))
         return GraphIO(tuple(inputs), tuple(outputs))
 
     ntok = NUM_TOKENS if phase is Phase.PREFILL else NUM_SEQS
@@ -437,18 +578,43 @@ def graph_io(
         raise ValueError(f"layer_groups lists {len(groups)} layers, the graph has {num_layers}")
     for g in sorted(set(groups) - {FULL_GROUP}):
         inputs += [TensorSpec(block_tables(g), "int64", (NUM_SEQS, MAX_BLOCKS)), TensorSpec(slot_mapping(g), "int64", (ntok,))]
-    pools = [paged_pool_shape(num_blocks_axis(g), num_kv_heads, block_size, head_dim, kv_dtype) for g in groups]
-    elem, row = kv_element_type(kv_dtype), kv_row_width(head_dim, kv_dtype)
-    layers = pool_layers(num_layers, latent)
-    for i, name in zip(layers, pool_names(num_layers, latent)):
+    pools = [paged_pool_shape(num_blocks_axis(g), dims[i][0], block_size, dims[i][1], kv_dtype)
+             for i, g in enumerate(groups)]
+    elem = kv_element_type(kv_dtype)
+    layers = pool_layers(num_layers, latent, kv_layers)
+    for i, name in zip(layers, pool_names(num_layers, latent, kv_layers)):
         inputs.append(TensorSpec(name, elem, pools[i]))
+    if state is not None:
+        inputs += _state_io(*state, rows=NUM_STATE_SLOTS, inputs=True)
     logits_rows = ntok if all_logits else NUM_SEQS
+    if logits_indices and phase is Phase.PREFILL:
+        inputs.append(TensorSpec(LOGITS_INDICES, "int64", (NUM_LOGITS,)))
+        logits_rows = NUM_LOGITS
     outputs = [TensorSpec(LOGITS, act_dtype, (logits_rows, vocab_size))]
     if attention is Attention.PLUGIN:
-        outputs += [TensorSpec(n, elem, pools[i]) for i, n in zip(layers, pool_out_names(num_layers, latent))]
+        outputs += [TensorSpec(n, elem, pools[i]) for i, n in zip(layers, pool_out_names(num_layers, latent, kv_layers))]
     else:
-        outputs += [TensorSpec(n, elem, (ntok, num_kv_heads, row)) for n in new_kv_names(num_layers, latent)]
+        outputs += [TensorSpec(n, elem, (ntok, dims[i][0], kv_row_width(dims[i][1], kv_dtype)))
+                    for i, n in zip(layers, new_kv_names(num_layers, latent, kv_layers))]
+    if state is not None:
+        outputs += _state_io(*state, rows=NUM_SEQS, inputs=False)
+    if scores:
+        if latent:
+            raise ValueError("MLA builds do not return attention scores (scores=True)")
+        inputs.append(TensorSpec(OBSERVATION_LENS, "int64", (NUM_SEQS,)))
+        outputs += [TensorSpec(attention_scores(i), "float32", (NUM_SEQS, dims[i][0], SCORE_LEN))
+                    for i in _kv_layers(num_layers, kv_layers)]
     return GraphIO(tuple(inputs), tuple(outputs))
+
+
+def _state_io(num_linear: int, dims: StateDims, rows: str, inputs: bool) -> list[TensorSpec]:
+    """The recurrent-state inputs (state_slots, then the pools) or outputs (the new states)."""
+    out = [TensorSpec(STATE_SLOTS, "int64", (NUM_SEQS,))] if inputs else []
+    names = state_names(num_linear) if inputs else new_state_names(num_linear)
+    for j in range(num_linear):
+        out += [TensorSpec(names[2 * j], "float32", (rows, *dims.conv_shape)),
+                TensorSpec(names[2 * j + 1], "float32", (rows, *dims.recurrent_shape))]
+    return out
 
 
 def paged_pool_shape(num_blocks, num_kv_heads: int, block_size: int, head_dim: int, kv_dtype: str = "float32") -> tuple:

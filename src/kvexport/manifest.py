@@ -67,6 +67,10 @@ class KVSpec:
     # latent pool, num_kv_heads is 1 and head_dim the row width kv_lora_rank + qk_rope_head_dim.
     # None: K and V pools. NOTE: left out of the JSON when None (older manifests stay as they were)
     latent_rank: int | None = field(default=None, metadata={"omit_if_none": True})
+    # True: the paged graphs take io.OBSERVATION_LENS and return io.attention_scores(i) (importance
+    # eviction, `--kv-eviction snapkv`); None (left out of the JSON): builds made before it, or forms
+    # that do not score (exporter/build.py scores_declared)
+    attention_scores: bool | None = field(default=None, metadata={"omit_if_none": True})
 
     @property
     def latent(self) -> bool:
@@ -277,6 +281,20 @@ class Manifest:
         """Each layer's KV cache group (io.kv_groups) in a build with a local group, else None
         (one group: every layer's KV in the pools of `kv.block_size` blocks named as before)."""
         return io.kv_groups(self.model.layer_windows) if self.kv.local_window is not None else None
+
+    @property
+    def logits_indices(self) -> bool:
+        """The prefill graph takes io.LOGITS_INDICES (logits of the rows a step asks for: speculative
+        decoding's 1 + k rows, echo's prompt rows); False for builds made before it (last token,
+        or every token's with all_logits). Read from the graph entry's recorded inputs."""
+        g = self.graphs.get(io.Phase.PREFILL.value)
+        return g is not None and any(t.name == io.LOGITS_INDICES for t in g.inputs)
+
+    @property
+    def scores_prompts(self) -> bool:
+        """Prompt rows' logits are available (echo, prompt_logprobs): an all_logits or a
+        logits_indices build."""
+        return self.all_logits or self.logits_indices
 
     def save(self, build_dir: Path) -> None:
         """Write kvexport.json atomically (temp file + rename: never half-written, and a

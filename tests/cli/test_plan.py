@@ -40,7 +40,7 @@ def test_json_is_the_plan(invoke, tmp_path):
                                   "num_kv_heads", "head_dim", "attention", "layer_windows", "max_positions",
                                   "weights", "build_weights", "kv", "block_size", "max_model_len", "max_num_seqs",
                                   "max_num_batched_tokens", "memory_bytes", "fit_weights", "fit_weights_bytes",
-                                  "weights_fit", "fits", "notes"])
+                                  "weights_fit", "fits", "notes", "state_bytes_per_seq", "linear_layers"])
 
 
 def test_tables(invoke, tmp_path):

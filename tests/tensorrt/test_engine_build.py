@@ -27,7 +27,8 @@ def test_axis_ranges_prefill_and_decode(make_manifest):
     m = make_manifest()  # block 16, max_seq_len 256
     assert tb.axis_ranges(m, OPTS, io.Phase.PREFILL) == {
         io.NUM_TOKENS: (1, 64, 64), io.NUM_SEQS: (1, 8, 8), io.NUM_SEQS_PLUS_1: (2, 9, 9),
-        io.MAX_BLOCKS: (1, 8, 16), io.NUM_BLOCKS: (2, 100, 100)}
+        io.MAX_BLOCKS: (1, 8, 16), io.NUM_BLOCKS: (2, 100, 100),
+        io.NUM_LOGITS: (1, 8, 64)}  # logits_indices: a row per sequence usually, every token at most
     assert tb.axis_ranges(m, OPTS, io.Phase.DECODE) == {
         io.NUM_SEQS: (1, 8, 8), io.NUM_SEQS_PLUS_1: (2, 9, 9), io.MAX_BLOCKS: (1, 8, 16),
         io.NUM_BLOCKS: (2, 100, 100)}

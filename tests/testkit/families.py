@@ -70,6 +70,35 @@ CASES_MOE = {
                       shared_expert_intermediate_size=40, decoder_sparse_step=2),
 }
 
+# ---- Gemma 4 (tests/exporter/test_gemma4.py): every feature on. 6 layers, 2 local : 1 global; the last 3
+# share KV (layers 3, 4 read layer 1's cache, layer 5 reads layer 2's); global layers: head_dim 32 and one KV
+# head (local: 16 and 2), proportional RoPE, keys as values (attention_k_eq_v); per-layer inputs of width 8;
+# shared layers' MLPs double wide; layer scalars and every norm weight random (_init)
+TINY_GEMMA4 = dict(vocab_size=128, hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=16, global_head_dim=32, num_global_key_value_heads=1, intermediate_size=96,
+                   max_position_embeddings=256, sliding_window=8, layer_types=[SLIDING, SLIDING, FULL] * 2,
+                   num_kv_shared_layers=3, attention_k_eq_v=True, hidden_size_per_layer_input=8,
+                   vocab_size_per_layer_input=128, use_double_wide_mlp=True, final_logit_softcapping=5.0,
+                   pad_token_id=0, bos_token_id=1, eos_token_id=2)
+CASES_GEMMA4 = {"gemma4_text": {}}
+
+# ---- gated DeltaNet hybrids (tests/exporter/test_qwen3_5.py): 3 linear : 1 full attention (the default
+# full_attention_interval 4); GQA in both kinds (2 key heads : 4 value heads; 4 query : 2 KV heads), partial
+# RoPE 0.25; qwen3_next: experts (a gated shared expert) on every layer, its grouped in_proj_qkvz / in_proj_ba
+TINY_HYBRID = dict(vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=16, intermediate_size=96, max_position_embeddings=256, linear_num_key_heads=2,
+                   linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
+                   pad_token_id=0, bos_token_id=1, eos_token_id=2)
+CASES_HYBRID = {
+    "qwen3_5_text": {},
+    "qwen3_next": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=40),
+}
+BUILDS_PAGED_ONNX = [("paged", "onnx")]
+# parity modules whose families refuse `--attention plugin` by name (no native op for their layers yet; the
+# refusal is tested there): module -> why
+PLUGIN_REFUSED = {"test_qwen3_5": "gated DeltaNet layers have no native op yet (exporter/linear_attention.py)"}
+
 # (layout, attention) of the builds each family module validates
 BUILDS_ALL = [("paged", "onnx"), ("contiguous", "onnx"), ("paged", "plugin")]
 BUILDS_GPT_OSS = [("paged", "onnx"), ("paged", "plugin"), ("contiguous", "onnx")]
@@ -80,6 +109,8 @@ PARITY_MODULES = {
     "test_moe": (CASES_MOE, BUILDS_ALL),
     "test_deepseek_mla": (CASES_MLA, BUILDS_ALL),
     "test_gpt_oss": (CASES_GPT_OSS, BUILDS_GPT_OSS),
+    "test_gemma4": (CASES_GEMMA4, BUILDS_ALL),
+    "test_qwen3_5": (CASES_HYBRID, BUILDS_PAGED_ONNX),  # hybrids: paged `onnx` only (linear_attention.py)
 }
 
 
@@ -100,6 +131,15 @@ def tiny_config(family: str, **overrides):
         from transformers import GptOssConfig
 
         return GptOssConfig(**{**TINY_GPT_OSS, **overrides})
+    if family in CASES_HYBRID:
+        from transformers import Qwen3_5TextConfig, Qwen3NextConfig
+
+        cls = Qwen3_5TextConfig if family == "qwen3_5_text" else Qwen3NextConfig
+        return cls(**{**TINY_HYBRID, **CASES_HYBRID[family], **overrides})
+    if family == "gemma4_text":
+        from transformers import Gemma4TextConfig
+
+        return Gemma4TextConfig(**{**TINY_GEMMA4, **overrides})
     from transformers import (Gemma2Config, Gemma3TextConfig, MixtralConfig, Olmo2Config, Qwen2MoeConfig, Qwen3Config,
                               Qwen3MoeConfig, SmolLM3Config)
 
@@ -137,6 +177,14 @@ def _init(family: str, model) -> None:
                 p.copy_(torch.randn_like(p) * 0.5)
             if family in CASES_MLA and name.endswith("e_score_correction_bias"):
                 p.copy_(torch.rand_like(p) * 0.5)
+        if family in CASES_HYBRID:  # (1 + w) norms init to 0, the gated norm to 1: random, so a missed one shows
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.copy_(torch.rand_like(p) * 0.5 + (0.75 if name.endswith("linear_attn.norm.weight") else 0.0))
+        if family == "gemma4_text":  # norms init to 1 and scalars to 1 would hide a swapped or missed weight
+            for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+                if name.endswith("norm.weight") or name.endswith("layer_scalar"):
+                    p.copy_(0.5 + torch.rand_like(p))
 
 
 def make_hf_folder(family: str, directory: Path, seed: int = 0, **overrides) -> Path:

@@ -140,7 +140,8 @@ def plan(model, memory, weights, max_model_len, max_num_seqs, block_size, max_nu
       block_size, max_model_len, max_num_seqs, max_num_batched_tokens, memory_bytes, fit_weights,
       fit_weights_bytes, weights_fit;
       fits [{kv_dtype, layout (paged|contiguous), kv_budget_bytes, num_blocks, local_num_blocks,
-      max_seqs, max_context, context_limit (memory|model), build}]; notes [text]."""
+      max_seqs, max_context, context_limit (memory|model), build}]; notes [text];
+      state_bytes_per_seq, linear_layers (hybrids' recurrent state per sequence; 0, 0 otherwise)."""
     from kvexport.exporter.plan import plan as run_plan, render
 
     p = run_plan(model, memory, weights=weights, max_model_len=max_model_len, max_num_seqs=max_num_seqs,

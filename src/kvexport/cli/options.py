@@ -49,7 +49,7 @@ def engine_options(f):
     every command that runs an engine. Values are checked by EngineConfig itself."""
     from dataclasses import fields
 
-    from kvexport.runtime.config import CHOICES, SETTINGS, EngineConfig
+    from kvexport.runtime.config import CHOICES, FLOAT_SETTINGS, SETTINGS, EngineConfig
 
     d = EngineConfig()
     opts = []
@@ -63,7 +63,8 @@ def engine_options(f):
             opts.append(click.option(flag, fld.name, default=",".join(map(str, default)), callback=_int_list,
                                      help=SETTINGS[fld.name]))
         else:
-            typ = click.Choice(CHOICES[fld.name]) if fld.name in CHOICES else (str if isinstance(default, str) else int)
+            typ = (click.Choice(CHOICES[fld.name]) if fld.name in CHOICES else float if fld.name in FLOAT_SETTINGS
+                   else str if isinstance(default, str) else int)
             opts.append(click.option(flag, fld.name, type=typ, default=default, show_default=default is not None,
                                      help=SETTINGS[fld.name]))
     for o in reversed(opts):

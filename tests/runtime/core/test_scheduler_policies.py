@@ -35,7 +35,10 @@ def _step(sched):
     scores = {s.request_id: PromptLogprobs(s.prompt_target_start, s.prompt_targets, (-1.0,) * len(s.prompt_targets),
                                            (1,) * len(s.prompt_targets), None)
               for s in out.scheduled if s.prompt_targets}
-    sched.update_from_output(out, ModelRunnerOutput(sampled, {}, scores))
+    # a chunk with drafts: the runner accepted its first draft (ModelRunnerOutput.accepted)
+    accepted = {s.request_id: (SampledToken(s.token_ids[-s.num_draft_tokens], None, None),)
+                for s in out.scheduled if s.samples and s.num_draft_tokens}
+    sched.update_from_output(out, ModelRunnerOutput(sampled, {}, scores, accepted=accepted))
     return out
 
 
@@ -68,7 +71,7 @@ def test_the_config_picks_the_eviction_policy():
 
 
 class Drafts(SpeculationPolicy):
-    """Proposes 90, 91, 92 after every decode; accepts the first draft only."""
+    """Proposes 90, 91, 92 after every decode; `_step`'s runner accepts the first draft only."""
 
     def __init__(self):
         self.asked = []
@@ -80,7 +83,7 @@ class Drafts(SpeculationPolicy):
     def verify(self, req, scheduled, result):
         if not scheduled.num_draft_tokens:
             return 0
-        req.token_ids.append(scheduled.token_ids[-scheduled.num_draft_tokens])  # the accepted draft
+        assert len(result.accepted[req.request_id]) == 1
         return scheduled.num_draft_tokens - 1
 
 
@@ -96,7 +99,8 @@ def test_speculation_drafts_join_a_decode_step_and_rejected_ones_roll_back():
     s = out.scheduled[0]
     # the decode carries its 3 drafts: 4 tokens, 4 slots, 4 of the budget
     assert (s.start_pos, s.token_ids, s.num_draft_tokens, out.num_batched_tokens) == (6, (100, 90, 91, 92), 3, 4)
-    assert len(s.slot_mapping) == 4 and spec.asked == [("a", 6, 7)]
+    # at most max_tokens 5 - 1 output - 1 (the step's own token) = 3 drafts
+    assert len(s.slot_mapping) == 4 and spec.asked == [("a", 6, 3)]
     # 90 accepted, 91 and 92 rolled back: KV of positions 6 (100) and 7 (90) stays; then the sampled token
     assert req.num_computed_tokens == 8 and req.token_ids[6:] == [100, 90, 106]
     # only KV of accepted tokens is published: the two full blocks, with the accepted draft

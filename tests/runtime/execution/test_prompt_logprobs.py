@@ -8,8 +8,8 @@ and finishes without sampling.
 
 The runner and engine, on real tiny `--all-logits` builds (both attentions): the scores
 equal transformers' log_softmax, in steps mixing decodes and chunks of other requests, and
-sampling is unchanged by the every-token logits the scoring steps return. A build without
-all logits refuses the request, naming the option."""
+sampling is unchanged by the every-token logits the scoring steps return. A build made before
+logits_indices without all logits refuses the request, naming what to do."""
 
 import numpy as np
 import pytest
@@ -188,13 +188,19 @@ def test_scores_equal_transformers_in_mixed_chunked_steps(scoring_build):
     assert all(len(top) == 2 and top[0][1] >= top[1][1] for top in scored[0].prompt_logprobs.top)
 
 
-def test_a_build_without_all_logits_refuses_prompt_logprobs(chat_build):
+def test_a_build_made_before_logits_indices_refuses_prompt_logprobs(hf_folder, tmp_path):
+    """A build without --all-logits made before io.LOGITS_INDICES (its prefill returns last rows only);
+    builds made now score prompts without --all-logits (tests/runtime/test_speculative.py)."""
     from kvexport import LLM
     from kvexport.runtime.serving.requests import RequestError
+    from testkit.legacy_builds import build_without_logits_indices
 
-    llm = LLM(chat_build, kv_cache_memory="4MiB")
-    with pytest.raises(RequestError, match="--all-logits") as e:
-        llm.generate("hello", SamplingParams(max_tokens=1, prompt_logprobs=0))
+    old, _ = build_without_logits_indices(str(hf_folder("llama")), tmp_path / "old",
+                                          BuildOptions(block_size=BS, max_seq_len=96, validate=False,
+                                                       attention=io.Attention.ONNX))
+    llm = LLM(old, kv_cache_memory="4MiB")
+    with pytest.raises(RequestError, match="kvexport build MODEL --force") as e:
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=1, prompt_logprobs=0))
     assert e.value.param == "prompt_logprobs"
-    (o,) = llm.generate("hello", SamplingParams(max_tokens=0))  # the prompt only: any build
+    (o,) = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=0))  # the prompt only: any build
     assert o.finish_reason == "length" and o.token_ids == []

@@ -55,7 +55,9 @@ def test_a_frontend_request_maps_onto_sampling_params():
 @pytest.mark.parametrize("groups, field", [
     ({"sampling_options": {"n": 2}}, "sampling_options.n"),
     ({"sampling_options": {"use_beam_search": True}}, "sampling_options.use_beam_search"),
-    ({"sampling_options": {"guided_decoding": {"json": {}}}}, "sampling_options.guided_decoding"),
+    ({"sampling_options": {"guided_decoding": {"json": {}, "whitespace_pattern": " "}}},
+     "sampling_options.guided_decoding.whitespace_pattern"),
+    ({"sampling_options": {"guided_decoding": {"regex": "a", "choice": ["b"]}}}, "sampling_options.guided_decoding"),
     ({"output_options": {"prompt_logprobs": 1}}, "output_options.prompt_logprobs"),
     ({"sampling_options": {"temperature": -1.0}}, "sampling_options.temperature"),
     ({"stop_conditions": {"max_tokens": 0}}, "stop_conditions.max_tokens"),
@@ -302,3 +304,15 @@ def test_a_build_the_frontend_cannot_load_is_refused(tmp_path):
     for n in ("tokenizer.json", "tokenizer_config.json"):
         (tmp_path / n).write_text("{}")
     assert model_folder(tmp_path, SimpleNamespace(tokenizer=object())) == tmp_path
+
+
+def test_guided_decoding_the_frontend_forwards_becomes_structured_output():
+    """What dynamo.frontend 1.6.1 makes of response_format / structured_outputs / tool_choice (prepost.py:
+    sampling_options.guided_decoding = {json | regex | choice | grammar, backend?})."""
+    from kvexport.runtime.sampling_params import StructuredOutputs
+
+    _, p = request_to_params(req(sampling_options={"guided_decoding": {"json": {"type": "object"},
+                                                                       "backend": "xgrammar"}}), PARSER)
+    assert p.structured == StructuredOutputs(json={"type": "object"})
+    _, p = request_to_params(req(sampling_options={"guided_decoding": {"choice": ["a", "b"]}}), PARSER)
+    assert p.structured == StructuredOutputs(choice=("a", "b"))

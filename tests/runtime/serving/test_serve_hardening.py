@@ -129,10 +129,6 @@ def test_fields_at_their_defaults_are_taken(base, route, fields):
 @pytest.mark.parametrize("route, fields, param", [
     ("completions", {"best_of": 2}, "best_of"), ("completions", {"logit_bias": {"5": 10}}, "logit_bias"),
     ("completions", {"suffix": " the end"}, "suffix"),
-    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ("chat", {"tool_choice": "required"}, "tool_choice"),
-    ("chat", {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
-    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
     ("chat", {"functions": [{"name": "f"}]}, "functions"), ("chat", {"logit_bias": {"5": -100}}, "logit_bias"),
 ])
 def test_values_that_change_the_result_are_refused_naming_the_field(base, route, fields, param):

@@ -361,7 +361,7 @@ def fake():
     worker = FakeWorker()
     engine = SimpleNamespace(tokenizer=FakeTokenizer(), vocab_size=50, max_model_len=32,
                              config=EngineConfig(max_sequences_per_request=8),
-                             manifest=SimpleNamespace(all_logits=True), build_dir="m", streaming=False)
+                             manifest=SimpleNamespace(all_logits=True, scores_prompts=True), build_dir="m", streaming=False)
     with TestClient(build_app(OpenAIServer(engine, "m", worker), max_body_bytes=2048)) as c:
         yield c, worker
 
@@ -421,15 +421,14 @@ def test_streams_over_the_app(fake):
     ({"prompt": "x", "suffix": "y"}, "suffix", "does not support"),
     ({"prompt": "x", "best_of": 2}, "best_of", "does not support"),
     ({"prompt": "x", "stream_options": {"include_usage": True, "x": 1}}, "stream_options.x", "does not support"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools", "does not support"),
-    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, "response_format",
-     "does not support"),
-    ({"messages": [{"role": "user", "content": "x", "tool_call_id": "1"}]}, "messages[0].tool_call_id",
-     "does not support"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools[0]",
+     '{"type": "function", "function"'),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}}, "response_format.type",
+     '"json_schema"'),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": [{"id": "1"}]}]},
+     "messages[0].tool_calls[0].function.name", "must be a string"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a", "cache": 1}]}]},
      "messages[0].content[0].cache", "does not support"),
-    ({"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}]}, "messages[0].tool_calls",
-     "None"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}]},
      "messages[0].content[0].type", "'text'"),
     # out of range / wrongly typed, at every depth

@@ -1,0 +1,222 @@
+"""Structured output and tool calling (issue 35) on a real smollm2-135m build: 12 of the 53 held-out
+JSON schemas (schemas/heldout.json; bench/structured.py heldout runs all 53) generated in one batch
+through the engine, every output valid (jsonschema); the real `openai` client against `kvexport serve`: chat.completions.parse with a
+pydantic model, json_object, vLLM's structured_outputs (regex, choice, grammar), a tools round trip
+(call -> tool result -> answer) streaming and not; and the bad inputs, each a 400 naming its field,
+with the server answering the next request."""
+
+import json
+from pathlib import Path
+
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from kvexport import SamplingParams
+from kvexport.runtime.config import EngineConfig
+from kvexport.runtime.engine import LLMEngine
+from kvexport.runtime.sampling_params import StructuredOutputs
+
+HELDOUT = json.loads((Path(__file__).parent / "schemas" / "heldout.json").read_text())
+# NOTE: all 53 held-out schemas take minutes on 2 shared cores: bench/structured.py heldout runs them all
+# (53/53 valid, docs/BENCHMARKS.md); the test runs one of each kind of feature
+SUBSET = ("person", "city_enum", "deep_nesting", "tags_bounded", "array_of_objects", "pattern_phone", "anyof_objects",
+          "ref_defs", "matrix", "date_format", "weather", "optional_nested")
+MAX_TOKENS = 64
+# NOTE: greedy smollm2-135m loops inside unbounded strings and numbers ("1234567890123...") until max_tokens
+# cuts the document; a frequency penalty ends those loops (the grammar guarantees the rest), as in the bench
+FREQUENCY_PENALTY = 0.5
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_build):
+    return LLMEngine(smollm2_build, EngineConfig(max_num_seqs=64, kv_cache_memory="256MiB",
+                                                 max_num_batched_tokens=4096))
+
+
+def _chat(engine, text: str) -> list[int]:
+    return list(engine.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                     tokenize=True, return_dict=False))
+
+
+def _run(engine, rids: list[str]) -> dict:
+    while engine.has_unfinished():
+        engine.step()
+    return {r: engine.pop_output(r) for r in rids}
+
+
+def test_heldout_schemas_give_valid_json(engine):
+    """12 of the held-out schemas (nested objects, bounded arrays, enums, patterns, anyOf, $ref, a format,
+    optional fields, number ranges) in one batch (greedy, <= 64 tokens each): every output valid."""
+    assert len(HELDOUT) >= 50
+    chosen = [s for s in HELDOUT if s["name"] in SUBSET]
+    assert len(chosen) == len(SUBSET)
+    rids = [engine.add_request(_chat(engine, f"Give a short example of a {s['name'].replace('_', ' ')} as JSON "
+                                             f"matching this schema: {json.dumps(s['schema'])}"),
+                               SamplingParams(max_tokens=MAX_TOKENS, frequency_penalty=FREQUENCY_PENALTY,
+                                              structured=StructuredOutputs(json=s["schema"])))
+            for s in chosen]
+    outs = _run(engine, rids)
+    bad = {}
+    for s, r in zip(chosen, rids):
+        o = outs[r]
+        try:
+            jsonschema.validate(json.loads(o.text), s["schema"])
+        except Exception as e:  # noqa: BLE001 - collected, reported together
+            bad[s["name"]] = (o.finish_reason, o.text[:200], str(e)[:200])
+    assert not bad, bad
+
+
+def test_regex_choice_grammar_and_n_samples(engine):
+    """vLLM's other kinds on the engine; n > 1 samples each get their own matcher (sampled, seeded)."""
+    specs = [StructuredOutputs(regex=r"[0-9]{3}-[A-Z]{2}"), StructuredOutputs(choice=["yes", "no", "maybe"]),
+             StructuredOutputs(grammar='root ::= "(" [a-c]+ ")"'), StructuredOutputs(json_object=True)]
+    rids = []
+    for spec in specs:
+        for i in range(3):
+            rids.append(engine.add_request(_chat(engine, "Answer:"), SamplingParams(
+                max_tokens=24, temperature=1.0, seed=7, structured=spec), sample_index=i))
+    outs = _run(engine, rids)
+    texts = [outs[r].text for r in rids]
+    import re
+
+    assert all(re.fullmatch(r"[0-9]{3}-[A-Z]{2}", t) for t in texts[0:3]), texts[0:3]
+    assert all(t in ("yes", "no", "maybe") for t in texts[3:6]), texts[3:6]
+    assert all(re.fullmatch(r"\([a-c]+\)", t) for t in texts[6:9] if outs[rids[6]].finish_reason == "stop"), texts
+    for t, r in zip(texts[9:12], rids[9:12]):
+        if outs[r].finish_reason == "stop":
+            assert isinstance(json.loads(t), dict), t
+
+
+# ---- the server, through the openai client --------------------------------------------------
+@pytest.fixture(scope="module")
+def client(engine):
+    """The app over the same engine (its thread owns the engine from here on: the engine tests above ran)."""
+    from fastapi.testclient import TestClient
+
+    from kvexport.runtime.serving.server import OpenAIServer, build_app
+
+    with TestClient(build_app(OpenAIServer(engine, "smol"))) as http:
+        yield openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0)
+
+
+class City(BaseModel):
+    name: str = Field(max_length=20)
+    country: str = Field(max_length=20)
+    population: int = Field(ge=0, le=40_000_000)
+
+
+def test_parse_returns_the_pydantic_object(client):
+    r = client.chat.completions.parse(model="smol", messages=[{"role": "user", "content": "Describe Paris."}],
+                                      response_format=City, max_tokens=96)
+    assert isinstance(r.choices[0].message.parsed, City), r.choices[0].message.content
+
+
+def test_json_object_and_structured_outputs_extra(client):
+    r = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "A JSON object please"}],
+                                       response_format={"type": "json_object"}, max_tokens=48)
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    r = client.completions.create(model="smol", prompt="The answer is", max_tokens=8,
+                                  extra_body={"structured_outputs": {"choice": ["left", "right"]}})
+    assert r.choices[0].text in ("left", "right")
+    r = client.completions.create(model="smol", prompt="Code:", max_tokens=8,
+                                  extra_body={"structured_outputs": {"regex": "[A-Z]{2}[0-9]{2}"}})
+    assert len(r.choices[0].text) == 4 and r.choices[0].text[:2].isupper() and r.choices[0].text[2:].isdigit()
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"tz": {"type": "string", "maxLength": 10}},
+                                       "required": ["tz"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("stream, choice", [(False, "required"),
+                                            (True, {"type": "function", "function": {"name": "get_weather"}})])
+def test_tools_round_trip(client, stream, choice):
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    kw = dict(model="smol", tools=[WEATHER, TIME], tool_choice=choice, max_tokens=48)
+    if stream:
+        calls: dict[int, dict] = {}
+        reason = None
+        for ch in client.chat.completions.create(messages=msgs, stream=True, **kw):
+            for c in ch.choices:
+                reason = c.finish_reason or reason
+                for d in c.delta.tool_calls or []:
+                    e = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
+                    e["id"] = d.id or e["id"]
+                    e["name"] += (d.function.name or "") if d.function else ""
+                    e["arguments"] += (d.function.arguments or "") if d.function else ""
+        got = [(c["id"], c["name"], c["arguments"]) for c in calls.values()]
+    else:
+        r = client.chat.completions.create(messages=msgs, **kw)
+        reason = r.choices[0].finish_reason
+        got = [(c.id, c.function.name, c.function.arguments) for c in r.choices[0].message.tool_calls]
+    assert got and reason == ("tool_calls" if choice == "required" else "stop"), (got, reason)
+    by_name = {"get_weather": WEATHER, "get_time": TIME}
+    for _, name, args in got:
+        jsonschema.validate(json.loads(args), by_name[name]["function"]["parameters"])
+    if choice != "required":
+        assert got[0][1] == "get_weather"
+    # the tool's result goes back; the answer is plain text
+    msgs += [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": i, "type": "function", "function": {"name": n, "arguments": a}} for i, n, a in got]}]
+    msgs += [{"role": "tool", "tool_call_id": i, "content": json.dumps({"temp": 21})} for i, _, _ in got]
+    r = client.chat.completions.create(model="smol", messages=msgs, tools=[WEATHER, TIME], tool_choice="none",
+                                       max_tokens=16)
+    assert r.choices[0].message.content and not r.choices[0].message.tool_calls
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "response_format.json_schema.schema", "not a valid JSON schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "array", "uniqueItems": True}}}}, "response_format.json_schema.schema", "uniqueItems"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"not": {"type": "string"}}}}}}},
+     "response_format.json_schema.schema", "not (at /properties/a)"),
+    ({"response_format": {"type": "xml"}}, "response_format.type", "json_schema"),
+    ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs.regex", "cannot be compiled"),
+    ({"structured_outputs": {"grammar": 'root ::= "a" |'}}, "structured_outputs.grammar", "cannot be compiled"),
+    ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag", "not supported"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}]},
+     "tools[0].function.parameters", "not a valid JSON schema"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name", "letters"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice.function.name", "not among"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]},
+     "messages[0].tool_calls[0].function.arguments", "not valid JSON"),
+])
+def test_bad_input_is_a_400_naming_the_field(client, body, param, words):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **body}
+    extra = {k: body.pop(k) for k in list(body) if k == "structured_outputs"}  # vLLM's field: not the client's
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="smol", extra_body=extra or None, **body)
+    err = e.value.body
+    assert err["param"] == param and words in err["message"], err
+    # the server goes on serving
+    r = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert r.choices[0].message.content is not None
+
+
+def test_a_compile_over_the_time_limit_is_refused(smollm2_build):
+    """The time limit, made tiny here so a real compile exceeds it (no timing asserted)."""
+    from kvexport import manifest as mf
+    from kvexport.runtime.execution.structured import GrammarError, StructuredOutputManager
+    from kvexport.runtime.tokenizer import load_build_tokenizer
+
+    tok = load_build_tokenizer(Path(smollm2_build), mf.load(Path(smollm2_build)).tokenizer)
+    m = StructuredOutputManager(tok, 49152, (2,), compile_timeout_s=1e-6)
+    big = {"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": f"^x{i}[a-z]{{3}}$"}
+                                            for i in range(200)}}
+    with pytest.raises(GrammarError) as e:
+        m.compile(StructuredOutputs(json=big), "response_format.json_schema.schema")
+    assert e.value.param == "response_format.json_schema.schema" and "took longer than" in str(e.value)
