@@ -405,14 +405,15 @@ register(Family(
     name="qwen3_5_text", model_types=("qwen3_5_text",), gguf_archs=(), norm="rmsnorm", position="rope",
     gated_mlp=True, qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias=False,
     weights=hybrid_weights, qk_norm="head", norm_offset=1.0, extra_fields=linear_attention.read_fields,
-    rope_types=("default",)))
+    rope_types=("default",), recipe="qwen3_5_text.yaml"))
 register(Family(
     name="qwen3_next", model_types=("qwen3_next",), gguf_archs=(), norm="rmsnorm", position="rope",
     gated_mlp=True, qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias=False,
     weights=hybrid_weights, qk_norm="head", norm_offset=1.0, extra_fields=linear_attention.read_fields,
     rope_types=("default",),
     moe=MoEFields(experts="num_experts", norm_topk_prob="norm_topk_prob", layers="qwen",
-                  shared_size="shared_expert_intermediate_size", shared_gate=True, shared="shared_expert")))
+                  shared_size="shared_expert_intermediate_size", shared_gate=True, shared="shared_expert"),
+    recipe="qwen3_next.yaml"))
 
 # transformers layer_types entries kvexport implements (anything else is refused by name)
 LAYER_TYPES = ("full_attention", "sliding_attention")

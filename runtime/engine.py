@@ -189,6 +189,20 @@ class LLMEngine:
         """--kv-eviction streaming: max_tokens is not bounded by max_model_len."""
         return self.scheduler.streaming is not None
 
+    def check_params(self, params: SamplingParams) -> None:
+        """What a request's settings ask of this engine (prompt scores, speculation, a KV budget):
+        RequestError naming the field. add_request checks it; a front end calls it before queueing
+        so a refusal is its client's 400, not a failed request (it reads only the engine's settings:
+        safe from any thread)."""
+        if params.prompt_logprobs is not None and not self.manifest.scores_prompts:
+            raise RequestError(prompt_logprobs_refusal(self.build_dir), "prompt_logprobs")
+        if params.speculative and self.speculation is None:
+            raise RequestError("speculative: this engine runs without speculative decoding; start it with "
+                               "--speculative ngram (or draft --draft-model BUILD), or leave speculative unset",
+                               "speculative")
+        check_request_budget(params.kv_budget_tokens, self.importance.b if self.importance else None,
+                             self.max_model_len)
+
     def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
                     sample_index: int = 0, share_prompt_with: str | None = None, salt: str | None = None) -> str:
         """Queue a request; returns its id. Token ids outside the vocabulary raise
@@ -200,14 +214,7 @@ class LLMEngine:
             raise KvExportError("params must be a SamplingParams")
         prompt = check_token_ids(prompt, self.vocab_size)
         check_token_ids(list(params.stop_token_ids), self.vocab_size, "stop_token_ids")
-        if params.prompt_logprobs is not None and not self.manifest.scores_prompts:
-            raise RequestError(prompt_logprobs_refusal(self.build_dir), "prompt_logprobs")
-        if params.speculative and self.speculation is None:
-            raise RequestError("speculative: this engine runs without speculative decoding; start it with "
-                               "--speculative ngram (or draft --draft-model BUILD), or leave speculative unset",
-                               "speculative")
-        check_request_budget(params.kv_budget_tokens, self.importance.b if self.importance else None,
-                             self.max_model_len)
+        self.check_params(params)
         rid = request_id or f"req-{self._ids}"
         self._ids += 1
         if rid in self.outputs:

@@ -281,6 +281,7 @@ class OpenAIServer:
             spec, field_ = plan.structured, "tools"
         params = proto.sampling_params(body, self.parser, max(len(p) for p in prompts), spec)
         proto.check_fanout(body, len(prompts), params.n, self.max_sequences)
+        self.engine.check_params(params)  # what the engine's settings refuse (RequestError: a 400 naming the field)
         if spec is not None:
             self.engine.structured.compile(spec, field_)  # GrammarError: a 400 naming the field
         return prompts, params, plan

@@ -163,16 +163,20 @@ def test_echo_with_completion_and_prompt_logprobs(eval_model, server):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
-def test_prompt_logprobs_on_a_build_without_all_logits_is_a_400_saying_what_to_do(chat_build):
+def test_prompt_logprobs_on_a_build_without_all_logits_are_served(chat_build):
+    """Builds made now return the prompt rows' logits on request (io.LOGITS_INDICES), so echo and
+    prompt_logprobs need no --all-logits; builds made before refuse them (test_server_edges.py)."""
     from fastapi.testclient import TestClient
 
     from kvexport.runtime.serving.server import create_app
 
     with TestClient(create_app(chat_build, served_model_name="tiny")) as c:
-        for extra, param in (({"echo": True, "logprobs": 0}, "echo"), ({"prompt_logprobs": 1}, "prompt_logprobs")):
-            r = c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 1, **extra})
-            err = r.json()["error"]
-            assert r.status_code == 400 and err["param"] == param and "--all-logits" in err["message"], err
+        r = c.post("/v1/completions", json={"prompt": "hello there", "max_tokens": 1, "echo": True, "logprobs": 0})
+        assert r.status_code == 200, r.text
+        lp = r.json()["choices"][0]["logprobs"]
+        assert lp["token_logprobs"][0] is None and all(x <= 0 for x in lp["token_logprobs"][1:]), lp
+        r = c.post("/v1/completions", json={"prompt": "hello there", "max_tokens": 1, "prompt_logprobs": 1})
+        assert r.status_code == 200 and r.json()["choices"][0]["prompt_logprobs"][0] is None, r.text
         r = c.post("/v1/completions", json={"prompt": "hello", "echo": True, "max_tokens": 0})  # no scores: served
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == "hello"
         r = c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 0})

@@ -361,7 +361,8 @@ def fake():
     worker = FakeWorker()
     engine = SimpleNamespace(tokenizer=FakeTokenizer(), vocab_size=50, max_model_len=32,
                              config=EngineConfig(max_sequences_per_request=8),
-                             manifest=SimpleNamespace(all_logits=True, scores_prompts=True), build_dir="m", streaming=False)
+                             manifest=SimpleNamespace(all_logits=True, scores_prompts=True), build_dir="m", streaming=False,
+                             check_params=lambda params: None)
     with TestClient(build_app(OpenAIServer(engine, "m", worker), max_body_bytes=2048)) as c:
         yield c, worker
 

@@ -132,18 +132,34 @@ def test_echo_top_logprobs_hold_each_sampled_token(scoring):
 
 
 # ---- §6: messages -------------------------------------------------------------------------------
-def test_the_echo_refusal_names_no_server_path(chat_build):
+def test_the_echo_refusal_names_no_server_path(chat_build, hf_folder, tmp_path):
+    """Builds made now score prompt rows (io.LOGITS_INDICES): echo and prompt_logprobs answer. A build
+    made before, without --all-logits, refuses them naming the rebuild and no server path."""
+    import shutil
+
     from fastapi.testclient import TestClient
 
+    from kvexport.exporter.build import BuildOptions
+    from kvexport.exporter.source import load_tokenizer, resolve
     from kvexport.runtime.serving import openai_protocol as proto
     from kvexport.runtime.serving.server import create_app
+    from testkit.legacy_builds import build_without_logits_indices
 
+    asks = (({"echo": True, "logprobs": 0}, "echo"), ({"prompt_logprobs": 1}, "prompt_logprobs"))
     with TestClient(create_app(chat_build, served_model_name="tiny")) as c:
-        for extra, param in (({"echo": True, "logprobs": 0}, "echo"), ({"prompt_logprobs": 1}, "prompt_logprobs")):
+        for extra, _ in asks:
+            r = c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 1, **extra})
+            assert r.status_code == 200, r.text
+    folder = tmp_path / "hf"
+    shutil.copytree(hf_folder("llama", vocab_size=49152), folder)
+    load_tokenizer(resolve("smollm2-135m")).save_pretrained(folder)
+    old, _ = build_without_logits_indices(str(folder), tmp_path / "old", BuildOptions(max_seq_len=64, validate=False))
+    with TestClient(create_app(old, served_model_name="tiny")) as c:
+        for extra, param in asks:
             r = c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 1, **extra})
             err = r.json()["error"]
-            assert r.status_code == 400 and err["param"] == param and "--all-logits" in err["message"], err
-            assert "this build" in err["message"] and str(chat_build.parent) not in r.text, err
+            assert r.status_code == 400 and err["param"] == param and "kvexport build" in err["message"], err
+            assert "this build" in err["message"] and str(tmp_path) not in r.text, err
     # an engine's error (a backend naming its graph file) reaches a client without the path
     err = proto.engine_failure(f"engine error: [ONNXRuntimeError] Load model from {chat_build}/decode.onnx failed")
     assert err.status == 500 and str(chat_build) not in err.message and "<server path>" in err.message
@@ -181,3 +197,18 @@ def test_no_header_and_a_wrong_key_keep_their_messages(keyed):
     r = keyed.get("/v1/models", headers={"Authorization": f"Bearer {'x' * 32}"})
     assert r.status_code == 401 and "Incorrect API key" in r.json()["error"]["message"]
     assert keyed.get("/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+
+
+def test_settings_the_engine_lacks_are_a_400_naming_the_field(chat_build):
+    """A request asking for what the server was not started with (a KV budget without importance
+    eviction, speculation without a proposer) is refused before it is queued: a 400, not a failed request."""
+    from fastapi.testclient import TestClient
+
+    from kvexport.runtime.serving.server import create_app
+
+    with TestClient(create_app(chat_build, served_model_name="tiny")) as c:
+        for extra, param in (({"kv_budget_tokens": 32}, "kv_budget_tokens"), ({"speculative": True}, "speculative")):
+            for path, body in (("/v1/completions", {"prompt": "hello"}),
+                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+                r = c.post(path, json={**body, "max_tokens": 1, **extra})
+                assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
