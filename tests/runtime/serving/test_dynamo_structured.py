@@ -48,7 +48,7 @@ def test_a_grammar_that_cannot_be_served_fails_the_first_step_as_a_refusal():
     async def run():
         loop = asyncio.get_running_loop()
         it = _AfterCompile(compile_, lambda: started.append(1) or _stream([1]), InvalidArgument, loop)
-        with pytest.raises(InvalidArgument, match="response_format") as e:
+        with pytest.raises(InvalidArgument, match="response_format"):
             await it.__anext__()
     asyncio.run(run())
     assert not started  # nothing reached the engine
