@@ -68,7 +68,8 @@ def test_plugin_graph_structure(hf_folder, tmp_path):
     assert attrs["plugin_namespace"] == b"kvexport" and attrs["plugin_version"] == b"1"
     assert (attrs["num_heads"], attrs["num_kv_heads"], attrs["head_dim"], attrs["block_size"]) == (4, 2, 16, 4)
     assert attrs["scale"] == pytest.approx(16 ** -0.5)
-    assert len(nodes[0].input) == 11 and list(nodes[0].input[3:5]) == [io.key_cache(0), io.value_cache(0)]
+    assert len(nodes[0].input) == 12 and list(nodes[0].input[3:5]) == [io.key_cache(0), io.value_cache(0)]
+    assert nodes[0].input[11] == io.OBSERVATION_LENS and nodes[0].output[3] == io.attention_scores(0)  # issue 33
     assert {(o.domain, o.version) for o in g.opset_import} >= {(io.PLUGIN_DOMAIN, 1)}
     outs = [o.name for o in g.graph.output]
     assert outs[1:3] == [io.key_cache_out(0), io.value_cache_out(0)]
