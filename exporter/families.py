@@ -264,6 +264,40 @@ def hybrid_weights(sd: dict, spec: ModelSpec) -> ModelWeights:
 FAMILIES: dict[str, Family] = {}
 
 
+def gemma4_weights(sd: dict, spec: ModelSpec) -> ModelWeights:
+    """gemma4_text checkpoints: llama-style q/k/v/o (no k/v on layers that share KV, k_proj as the
+    values where attention_k_eq_v drops v_proj), sandwich norms with plain weights, the PLE tables
+    and per-layer scalars (LayerExtras / ModelExtras)."""
+    layers = []
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        n = lambda name: _np(sd[p + name + ".weight"]) if p + name + ".weight" in sd else None  # noqa: E731
+        parts = ["q"] if spec.kv_source(i) != i else ["q", "k", "v" if a + "v_proj.weight" in sd else "k"]
+        qkv_w = np.concatenate([_np(sd[a + f"{x}_proj.weight"]) for x in parts], axis=0).T
+        qkv_b = np.concatenate([_np(sd[a + f"{x}_proj.bias"]) for x in parts]) if spec.qkv_bias else None
+        up_w, up_b, down_w, down_b, _ = mlp_weights(sd, i, spec, None)
+        extras = gemma4.LayerExtras(
+            float(_np(sd[p + "layer_scalar"]).reshape(-1)[0]) if p + "layer_scalar" in sd else 1.0,
+            *((np.ascontiguousarray(_np(sd[p + "per_layer_input_gate.weight"]).T),
+               np.ascontiguousarray(_np(sd[p + "per_layer_projection.weight"]).T),
+               _np(sd[p + "post_per_layer_input_norm.weight"])) if spec.per_layer_input else (None, None, None)))
+        layers.append(LayerWeights(
+            n("input_layernorm"), None, np.ascontiguousarray(qkv_w), qkv_b,
+            np.ascontiguousarray(_np(sd[a + "o_proj.weight"]).T), _np(sd[a + "o_proj.bias"]) if spec.o_bias else None,
+            n("pre_feedforward_layernorm"), None, up_w, up_b, down_w, down_b,
+            n("post_attention_layernorm"), n("post_feedforward_layernorm"),
+            n("self_attn.q_norm"), n("self_attn.k_norm") if spec.kv_source(i) == i else None, extra=extras))
+    embed = _np(sd["model.embed_tokens.weight"])
+    head = embed if spec.tie_embeddings or "lm_head.weight" not in sd else _np(sd["lm_head.weight"])
+    w = ModelWeights(embed, None, layers, _np(sd["model.norm.weight"]), None, head)
+    if spec.per_layer_input:
+        w.extra = gemma4.ModelExtras(_np(sd["model.embed_tokens_per_layer.weight"]),
+                              np.ascontiguousarray(_np(sd["model.per_layer_model_projection.weight"]).T),
+                              _np(sd["model.per_layer_projection_norm.weight"]))
+    return w
+
+
 def register(family: Family) -> Family:
     assert family.name not in FAMILIES, family.name
     FAMILIES[family.name] = family
@@ -324,7 +358,7 @@ register(Family(
 register(Family(
     name="gemma4_text", model_types=("gemma4_text",), gguf_archs=(), norm="rmsnorm", position="rope",
     gated_mlp=True, qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias=False,
-    weights=gemma4.weights, sliding_window_field="sliding_window", windowed_layer_types=True,
+    weights=gemma4_weights, sliding_window_field="sliding_window", windowed_layer_types=True,
     activation_field="hidden_activation", norms=SANDWICH_NORMS, embed_scale=True, qk_norm="head", local_rope=True,
     rope_types=("default", "linear", "proportional"), required={"use_bidirectional_attention": (None,)},
     extra_fields=gemma4.read_fields, config_view=gemma4.global_view, recipe="gemma4_text.yaml"))

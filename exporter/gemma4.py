@@ -90,47 +90,6 @@ def read_fields(config) -> dict[str, Any]:
                 kv_sources=sources, v_norm=True, per_layer_input=ple, attn_scale=1.0)
 
 
-def _np(t) -> np.ndarray:
-    return t.detach().to("cpu").float().numpy()
-
-
-def weights(sd: dict, spec):
-    """gemma4_text checkpoints: llama-style q/k/v/o (no k/v on layers that share KV, k_proj as the
-    values where attention_k_eq_v drops v_proj), sandwich norms with plain weights, the PLE tables
-    and per-layer scalars (LayerExtras / ModelExtras)."""
-    from .families import LayerWeights, ModelWeights
-    from .moe import mlp_weights
-
-    layers = []
-    for i in range(spec.num_layers):
-        p = f"model.layers.{i}."
-        a = p + "self_attn."
-        n = lambda name: _np(sd[p + name + ".weight"]) if p + name + ".weight" in sd else None  # noqa: E731
-        parts = ["q"] if spec.kv_source(i) != i else ["q", "k", "v" if a + "v_proj.weight" in sd else "k"]
-        qkv_w = np.concatenate([_np(sd[a + f"{x}_proj.weight"]) for x in parts], axis=0).T
-        qkv_b = np.concatenate([_np(sd[a + f"{x}_proj.bias"]) for x in parts]) if spec.qkv_bias else None
-        up_w, up_b, down_w, down_b, _ = mlp_weights(sd, i, spec, None)
-        extras = LayerExtras(
-            float(_np(sd[p + "layer_scalar"]).reshape(-1)[0]) if p + "layer_scalar" in sd else 1.0,
-            *((np.ascontiguousarray(_np(sd[p + "per_layer_input_gate.weight"]).T),
-               np.ascontiguousarray(_np(sd[p + "per_layer_projection.weight"]).T),
-               _np(sd[p + "post_per_layer_input_norm.weight"])) if spec.per_layer_input else (None, None, None)))
-        layers.append(LayerWeights(
-            n("input_layernorm"), None, np.ascontiguousarray(qkv_w), qkv_b,
-            np.ascontiguousarray(_np(sd[a + "o_proj.weight"]).T), _np(sd[a + "o_proj.bias"]) if spec.o_bias else None,
-            n("pre_feedforward_layernorm"), None, up_w, up_b, down_w, down_b,
-            n("post_attention_layernorm"), n("post_feedforward_layernorm"),
-            n("self_attn.q_norm"), n("self_attn.k_norm") if spec.kv_source(i) == i else None, extra=extras))
-    embed = _np(sd["model.embed_tokens.weight"])
-    head = embed if spec.tie_embeddings or "lm_head.weight" not in sd else _np(sd["lm_head.weight"])
-    w = ModelWeights(embed, None, layers, _np(sd["model.norm.weight"]), None, head)
-    if spec.per_layer_input:
-        w.extra = ModelExtras(_np(sd["model.embed_tokens_per_layer.weight"]),
-                              np.ascontiguousarray(_np(sd["model.per_layer_model_projection.weight"]).T),
-                              _np(sd["model.per_layer_projection_norm.weight"]))
-    return w
-
-
 # ---- graph hooks (exporter/graph.py DecoderGraph) -----------------------------------------------
 def rms(g, x: str, w: np.ndarray | None, name: str) -> str:
     """float32 x / sqrt(mean(x², last axis) + eps) (× w): Gemma 4's RMSNorm, w None for v_norm."""

@@ -27,16 +27,13 @@ decode graph (one token per sequence) runs the recurrent update directly.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from onnx import TensorProto, helper
 
 from kvexport import io
 from kvexport.errors import ConfigError, UnsupportedModelError
-
-if TYPE_CHECKING:
-    from .graph import DecoderGraph
 
 LINEAR, FULL = "linear_attention", "full_attention"
 CHUNK = 64  # tokens per chunk of the chunked rule (transformers' and FLA's chunk_size)
@@ -167,7 +164,7 @@ class LinearContext:
     chunk: str  # scalar C
 
 
-def context(g: "DecoderGraph", la: LinearAttnSpec) -> LinearContext:
+def context(g, la: LinearAttnSpec) -> LinearContext:
     """query_start_loc ──> per sequence its length q_len, its padded rows; L = C × ceil(Qmax / C),
     C = min(Qmax, 64) (a decode step pads nothing)."""
     b = g.b
@@ -201,7 +198,7 @@ def context(g: "DecoderGraph", la: LinearAttnSpec) -> LinearContext:
                          b.op("Unsqueeze", n, b.const([0])), chunk)
 
 
-def layer(g: "DecoderGraph", i: int, j: int, lw: LinearWeights, hn: str, ctx: LinearContext,
+def layer(g, i: int, j: int, lw: LinearWeights, hn: str, ctx: LinearContext,
           la: LinearAttnSpec) -> tuple[str, tuple[str, str]]:
     """Layer i (the j-th linear layer) on its normed input hn [T, hidden]: (output [T, hidden],
     (new conv state [S, K-1, conv_dim], new recurrent state [S, Hv, Dk, Dv]), float32)."""
@@ -262,14 +259,14 @@ def layer(g: "DecoderGraph", i: int, j: int, lw: LinearWeights, hn: str, ctx: Li
     return g.linear(out, g.matrix(p + "out_proj.weight", lw.out_w), None), (new_conv, rec)
 
 
-def _l2norm(g: "DecoderGraph", x: str, d: int) -> str:
+def _l2norm(g, x: str, d: int) -> str:
     """x / sqrt(sum(x²) + 1e-6) over the last axis (transformers' l2norm, FLA's eps)."""
     b = g.b
     ss = b.op("ReduceSum", b.op("Mul", x, x), b.const([-1]), keepdims=1)
     return b.op("Div", x, b.op("Sqrt", b.op("Add", ss, b.const(1e-6, "float32"))))
 
 
-def _heads(g: "DecoderGraph", x: str, hk: int, hv: int) -> str:
+def _heads(g, x: str, hk: int, hv: int) -> str:
     """[S, L, Hk, D] -> [S, L, Hv, D]: each q/k head repeated for its Hv / Hk value heads (repeat_interleave)."""
     if hk == hv:
         return x
@@ -279,7 +276,7 @@ def _heads(g: "DecoderGraph", x: str, hk: int, hv: int) -> str:
     return b.op("Reshape", x, b.const([0, 0, hv, -1]))
 
 
-def _recurrent_step(g: "DecoderGraph", q, k, v, beta, decay, state) -> tuple[str, str]:
+def _recurrent_step(g, q, k, v, beta, decay, state) -> tuple[str, str]:
     """One token per sequence (L = 1): the recurrent rule on [S, Hv, 1, D] rows.
 
         S' = S × exp(g);  delta = (v - kᵀS') × beta;  S'' = S' + k ⊗ delta;  o = qᵀ S''
@@ -292,7 +289,7 @@ def _recurrent_step(g: "DecoderGraph", q, k, v, beta, decay, state) -> tuple[str
     return b.op("MatMul", q, s1), s1  # [S, Hv, 1, Dv]
 
 
-def _chunked(g: "DecoderGraph", q, k, v, beta, decay, state, ctx: LinearContext, la: LinearAttnSpec):
+def _chunked(g, q, k, v, beta, decay, state, ctx: LinearContext, la: LinearAttnSpec):
     """The chunked gated delta rule on [S, Hv, L, D] (L = N × C), carrying `state` [S, Hv, Dk, Dv]:
 
         per chunk (all at once, [S, Hv, N, C, .]):   cum = cumsum(g);  D_ij = exp(cum_i - cum_j) (i >= j)
