@@ -130,41 +130,12 @@ def make_builds(tmp: Path) -> dict[str, Path]:
 
 
 # ---- (a) streaming eviction ------------------------------------------------------------------------------
-_REF: dict = {}
-
-
 def reference(folder, prompt, max_tokens, sink_tokens, recent, max_model_len=CTX):
-    """Greedy tokens of transformers (float64) under streaming's semantics (tests/runtime/core/
-    test_streaming.py `_reference`): a token computed after its segment's first chunk sees the sink
-    blocks and the blocks of positions >= its position - recent; a context shift keeps the sinks and
-    the last `recent` tokens, recomputed at positions 0.."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    """Greedy tokens of transformers (float64) under streaming's semantics (tests/testkit/streaming.py)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from testkit.streaming import streaming_reference
 
-    key = (str(folder), tuple(prompt), max_tokens, sink_tokens, recent, max_model_len)
-    if key in _REF:
-        return _REF[key]
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64, attn_implementation="eager").eval()
-    kv, first, out = list(prompt), len(prompt), []
-    while len(out) < max_tokens:
-        n = len(kv)
-        visible = torch.zeros(n, n, dtype=torch.bool)
-        for t in range(n):
-            visible[t, :t + 1] = True
-            if t >= first:
-                start = max((t - recent) // BS, sink_tokens // BS) * BS
-                visible[t, sink_tokens:start] = False
-        mask = torch.zeros(1, 1, n, n, dtype=torch.float64).masked_fill(~visible, torch.finfo(torch.float64).min)
-        with torch.no_grad():
-            logits = model(torch.tensor([kv]), attention_mask=mask, position_ids=torch.arange(n)[None]).logits
-        tok = int(logits[0, -1].argmax())
-        out.append(tok)
-        kv.append(tok)
-        if len(kv) > max_model_len:
-            kv = kv[:sink_tokens] + kv[len(kv) - recent:]
-            first = len(kv)
-    _REF[key] = out
-    return out
+    return streaming_reference(folder, prompt, max_tokens, sink_tokens, recent, BS, max_model_len)
 
 
 def generate(build, prompts, max_tokens, n=1, **settings):

@@ -12,7 +12,8 @@ past max_model_len; and `kvexport generate --kv-eviction streaming` past the con
 from __future__ import annotations
 
 import pytest
-import torch
+
+from testkit.streaming import streaming_reference
 
 from kvexport import io
 from kvexport.errors import ConfigError
@@ -173,44 +174,6 @@ def _generate(build, max_tokens, prompt, **settings):
     return e, e.output(rid), used
 
 
-_REFERENCES: dict = {}  # one reference run serves both attention variants
-
-
-def _reference(folder, prompt, max_tokens, sink_tokens, recent, bs, max_model_len):
-    """Greedy tokens of transformers (float64, eager attention) under the scheme's semantics: the KV token
-    list restarts at each context shift (sinks + the last `recent` tokens, recomputed at positions 0..); a
-    token computed after its segment's first chunk sees the sink blocks and the blocks of positions
-    >= its position - recent (whole blocks), every token sees itself and what it saw when computed."""
-    from transformers import AutoModelForCausalLM
-
-    key = (str(folder), tuple(prompt), max_tokens, sink_tokens, recent, bs, max_model_len)
-    if key in _REFERENCES:
-        return _REFERENCES[key]
-    torch.set_num_threads(1)  # NOTE: 2 shared cores: more threads only slow these tiny matmuls down
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64, attn_implementation="eager").eval()
-    tokens, kv, first_chunk, out = list(prompt), list(prompt), len(prompt), []
-    while len(out) < max_tokens:
-        n = len(kv)
-        visible = torch.zeros(n, n, dtype=torch.bool)
-        for t in range(n):
-            visible[t, :t + 1] = True
-            if t >= first_chunk:
-                start = max((t - recent) // bs, sink_tokens // bs) * bs  # the first kept block after the sinks
-                visible[t, sink_tokens:start] = False
-        mask = torch.zeros(1, 1, n, n, dtype=torch.float64).masked_fill(~visible, torch.finfo(torch.float64).min)
-        with torch.no_grad():
-            logits = model(torch.tensor([kv]), attention_mask=mask, position_ids=torch.arange(n)[None]).logits
-        tok = int(logits[0, -1].argmax())
-        out.append(tok)
-        tokens.append(tok)
-        kv.append(tok)
-        if len(kv) > max_model_len:  # context shift
-            kv = kv[:sink_tokens] + kv[-recent:]
-            first_chunk = len(kv)
-    _REFERENCES[key] = out
-    return out
-
-
 @pytest.mark.parametrize("attention", ["onnx", "plugin"])
 def test_engine_streaming_equals_reference(tiny_builds, attention, request):
     if attention == "plugin":
@@ -227,7 +190,7 @@ def test_engine_streaming_equals_reference(tiny_builds, attention, request):
     assert got.finish_reason == "length" and len(got.token_ids) == 120 and e.scheduler.num_context_shifts == 2
     assert max(used) <= 1 + 2 + 1 and e.kv_stats()["blocks_used"] == 0  # sinks + the window's blocks
     # (without the sink block the reference differs from the 26th token on: the test sees the sinks)
-    assert list(got.token_ids) == _reference(folder, prompt, 120, 16, 16, 16, 64)
+    assert list(got.token_ids) == streaming_reference(folder, prompt, 120, 16, 16, 16, 64)
 
 
 def test_engine_streaming_int8_kv(hf_folder, tmp_path):
