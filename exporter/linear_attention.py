@@ -17,6 +17,10 @@ The layer, as transformers' Qwen3_5GatedDeltaNet computes it::
     S_t = exp(g_t) S_{t-1} + k_t (beta_t (v_t - S_{t-1}ᵀ k_t exp(g_t)))ᵀ;  o_t = S_tᵀ q_t   (per value head)
     o ─> RMSNorm(o) × w × silu(z) ─> out_proj
 
+Two forms of the rule, per build (`--attention`): `plugin` emits one kvexport::GatedDeltaRule node per
+linear layer (plugins/gated_delta/: the native CPU op, Triton kernel, TensorRT plugin), fed the packed
+q, k, v, decay and beta after the conv and reading the state pool by slot itself; `onnx` writes the
+rule in standard ops, as follows.
 Prefill runs the chunked (WY / UT) form of the rule (transformers' torch_chunk_gated_delta_rule):
 within a chunk of C tokens the updates are condensed by T = (I + L)^-1 (L: the strictly lower
 k_beta·kᵀ decays), computed exactly as the product (I - L)(I + L²)(I + L⁴)... (L is nilpotent,
@@ -209,6 +213,7 @@ def layer(g, i: int, j: int, lw: LinearWeights, hn: str, ctx: LinearContext,
     cd = la.conv_dim
     proj = g.cast(g.linear(hn, g.matrix(p + "in_proj.weight", lw.in_w), None), g.act, "float32")  # [T, cd + Hv*Dv + 2Hv]
     qkv, z, bb, aa = b.op("Split", proj, b.const([cd, hv * dv, hv, hv]), axis=-1, outputs=4)
+    packed_ba = (bb, aa)  # [T, Hv] each: the plugin node's beta / decay are computed packed
     # ---- pad [T, .] -> [S, L, .]
     padded = b.op("Gather", b.op("Concat", qkv, bb, aa, axis=-1), ctx.gather_idx, axis=0)  # [S*L, cd + 2Hv]
     padded = b.op("Reshape", padded, b.op("Concat", ctx.pad_shape, b.const([cd + 2 * hv]), axis=0))  # [S, L, .]
@@ -216,8 +221,6 @@ def layer(g, i: int, j: int, lw: LinearWeights, hn: str, ctx: LinearContext,
     # ---- the states of this step's sequences (zero for a sequence that starts here)
     conv0 = b.op("Gather", io.conv_state(j), io.STATE_SLOTS, axis=0)  # [S, K-1, cd]
     conv0 = b.op("Where", ctx.fresh, b.const(0.0, "float32"), conv0)
-    rec0 = b.op("Gather", io.recurrent_state(j), io.STATE_SLOTS, axis=0)  # [S, Hv, Dk, Dv]
-    rec0 = b.op("Where", b.op("Unsqueeze", ctx.fresh, b.const([3])), b.const(0.0, "float32"), rec0)
     # ---- causal depthwise conv over [state | chunk] ─> silu
     stream = b.op("Concat", conv0, qkv, axis=1)  # [S, K-1+L, cd]
     conv_w = g.f32(p + "conv.weight", lw.conv_w)  # [K, cd]
@@ -233,6 +236,9 @@ def layer(g, i: int, j: int, lw: LinearWeights, hn: str, ctx: LinearContext,
     new_conv = b.op("GatherElements", stream, b.op("Expand", ctx.last_idx, b.op(
         "Concat", b.op("Slice", b.op("Shape", ctx.last_idx), b.const([0]), b.const([2])), b.const([cd]), axis=0)),
         axis=1)  # [S, K-1, cd]
+    if g.plugin:
+        out, rec = _plugin_rule(g, j, p, conv, packed_ba, lw, ctx, la)  # [T, Hv, Dv], [S, Hv, Dk, Dv]
+        return _output_tail(g, p, out, z, lw, la), (new_conv, rec)
     q, k, v = b.op("Split", conv, b.const([hk * dk, hk * dk, hv * dv]), axis=-1, outputs=3)
     q, k = (_heads(g, _l2norm(g, b.op("Reshape", t, b.const([0, 0, hk, dk])), dk), hk, hv) for t in (q, k))
     q = b.op("Mul", q, b.const(dk ** -0.5, "float32"))  # [S, L, Hv, Dk]
@@ -240,6 +246,8 @@ def layer(g, i: int, j: int, lw: LinearWeights, hn: str, ctx: LinearContext,
     beta = b.op("Mul", b.op("Sigmoid", bb), ctx.valid)  # [S, L, Hv]: 0 on pad rows (no update)
     sp = b.op("Softplus", b.op("Add", aa, g.f32(p + "dt_bias", lw.dt_bias)))
     decay = b.op("Mul", b.op("Mul", sp, g.f32(p + "A_neg", lw.a_neg)), ctx.valid)  # [S, L, Hv] log decay, 0 on pads
+    rec0 = b.op("Gather", io.recurrent_state(j), io.STATE_SLOTS, axis=0)  # [S, Hv, Dk, Dv]
+    rec0 = b.op("Where", b.op("Unsqueeze", ctx.fresh, b.const([3])), b.const(0.0, "float32"), rec0)
     tr = lambda t: b.op("Transpose", t, perm=[0, 2, 1, 3])  # noqa: E731  [S, L, Hv, D] -> [S, Hv, L, D]
     q, k, v = tr(q), tr(k), tr(v)
     beta, decay = (b.op("Transpose", t, perm=[0, 2, 1]) for t in (beta, decay))  # [S, Hv, L]
@@ -250,13 +258,48 @@ def layer(g, i: int, j: int, lw: LinearWeights, hn: str, ctx: LinearContext,
     # ---- [S, Hv, L, Dv] ─> packed [T, Hv, Dv] ─> gated RMSNorm ─> out_proj
     out = b.op("Reshape", b.op("Transpose", out, perm=[0, 2, 1, 3]), b.const([-1, hv, dv]))  # [S*L, Hv, Dv]
     out = b.op("Gather", out, ctx.unpad_idx, axis=0)  # [T, Hv, Dv]
+    return _output_tail(g, p, out, z, lw, la), (new_conv, rec)
+
+
+def _plugin_rule(g, j: int, p: str, conv: str, packed_ba: tuple[str, str], lw: LinearWeights,
+                 ctx: LinearContext, la: LinearAttnSpec) -> tuple[str, str]:
+    """The rule as one kvexport::GatedDeltaRule node (plugins/gated_delta/spec.py) on packed rows:
+
+        conv [S, L, cd] ─> unpad ─> q, k [T, Hk, Dk], v [T, Hv, Dv]       (l2norm and q scale: in the node)
+        b, a [T, Hv] ─> beta = sigmoid(b), decay = -exp(A_log) softplus(a + dt_bias)
+        recurrent_state.{j} (the pool), state_slots, seq_lens, query_start_loc ─> node ─> out [T, Hv, Dv],
+                                                                                 new state [S, Hv, Dk, Dv]
+    """
+    from kvexport.plugins.gated_delta.spec import OP_TYPE, GatedDeltaAttrs
+
+    b = g.b
+    hk, hv, dk, dv, cd = la.num_k_heads, la.num_v_heads, la.k_head_dim, la.v_head_dim, la.conv_dim
+    packed = b.op("Gather", b.op("Reshape", conv, b.const([-1, cd])), ctx.unpad_idx, axis=0)  # [T, cd]
+    q, k, v = b.op("Split", packed, b.const([hk * dk, hk * dk, hv * dv]), axis=-1, outputs=3)
+    q, k = (b.op("Reshape", t, b.const([0, hk, dk])) for t in (q, k))  # [T, Hk, Dk]
+    v = b.op("Reshape", v, b.const([0, hv, dv]))  # [T, Hv, Dv]
+    bb, aa = packed_ba
+    beta = b.op("Sigmoid", bb)  # [T, Hv]
+    decay = b.op("Mul", b.op("Softplus", b.op("Add", aa, g.f32(p + "dt_bias", lw.dt_bias))),
+                 g.f32(p + "A_neg", lw.a_neg))  # [T, Hv] log decay
+    attrs = GatedDeltaAttrs.for_layer(la)
+    out, rec = b.op(OP_TYPE, q, k, v, decay, beta, io.recurrent_state(j), io.STATE_SLOTS, io.SEQ_LENS,
+                    io.QUERY_START_LOC, outputs=2, domain=io.PLUGIN_DOMAIN, name=f"{b.scope}/gated_delta",
+                    **attrs.onnx_attributes())
+    return out, rec
+
+
+def _output_tail(g, p: str, out: str, z: str, lw: LinearWeights, la: LinearAttnSpec) -> str:
+    """out [T, Hv, Dv] ─> gated RMSNorm (× silu(z)) ─> out_proj ─> [T, hidden]."""
+    b = g.b
+    hv, dv = la.num_v_heads, la.v_head_dim
     var = b.op("ReduceMean", b.op("Mul", out, out), b.const([-1]), keepdims=1)
     out = b.op("Div", out, b.op("Sqrt", b.op("Add", var, b.const(g.spec.norm_eps, "float32"))))
     out = b.op("Mul", out, g.f32(p + "norm.weight", lw.norm_w))
     z = b.op("Reshape", z, b.const([0, hv, dv]))
     out = b.op("Mul", out, b.op("Mul", z, b.op("Sigmoid", z)))  # [T, Hv, Dv]
     out = g.cast(b.op("Reshape", out, b.const([0, hv * dv])), "float32", g.act)
-    return g.linear(out, g.matrix(p + "out_proj.weight", lw.out_w), None), (new_conv, rec)
+    return g.linear(out, g.matrix(p + "out_proj.weight", lw.out_w), None)
 
 
 def _l2norm(g, x: str, d: int) -> str:
@@ -402,7 +445,8 @@ def read_fields(config) -> dict:
 
 def build_options(spec, opts) -> tuple[Any, str | None]:
     """The build options of a hybrid (BuildOptions, from the "read" stage, before any weight is loaded):
-    the attention `onnx` where none was asked (with a note saying why), and the refusals of
+    the attention `onnx` where none was asked (with a note saying why: measured faster on CPU; `plugin`
+    when asked), and the refusals of
     `graph_io_fields` raised now. Other models: `opts` unchanged, no note."""
     if spec.linear_attn is None:
         return opts, None
@@ -411,16 +455,19 @@ def build_options(spec, opts) -> tuple[Any, str | None]:
     note = None
     if opts.attention is None and opts.layout is io.KVLayout.PAGED:
         opts = dataclasses.replace(opts, attention=io.Attention.ONNX)
-        note = (f"attention onnx, not the default plugin: a {spec.model_type} model's gated DeltaNet layers have no "
-                f"native op yet (exporter/linear_attention.py)")
+        # NOTE: measured (docs/BENCHMARKS.md "Gated DeltaNet hybrids"): on CPU the plugin form decodes about as
+        # fast and prefills slower (PagedAttention's native prefill at head_dim 256, not the GatedDeltaRule node)
+        note = (f"attention onnx, not the default plugin: for a {spec.model_type} model the `onnx` form prefills "
+                f"faster on CPU; --attention plugin gives GatedDeltaRule + PagedAttention nodes (TensorRT)")
     graph_io_fields(spec, opts)
     return opts, note
 
 
 def graph_io_fields(spec, opts) -> dict[str, Any]:
     """io.graph_io's kv_layers (the attention layers) and state for a hybrid spec ({} otherwise).
-    A hybrid's graphs are paged with the `onnx` attention, float KV: the plugin node, int8/int4 KV
-    calibration and the contiguous layout are refused by name until they carry the state."""
+    A hybrid's graphs are paged, with the `onnx` attention or the plugin nodes (PagedAttention for the
+    attention layers, GatedDeltaRule for the linear ones), float KV: int8/int4 KV calibration and the
+    contiguous layout are refused by name until they carry the state."""
     la = spec.linear_attn
     if la is None:
         return {}
@@ -428,9 +475,6 @@ def graph_io_fields(spec, opts) -> dict[str, Any]:
         raise UnsupportedModelError(f"--layout {opts.layout.value} is not supported for a {spec.model_type} model "
                                     f"(gated DeltaNet layers: recurrent state is paged-layout graph I/O); build "
                                     f"with --layout paged")
-    if opts.attention is not io.Attention.ONNX:
-        raise UnsupportedModelError(f"--attention {opts.attention.value} is not supported for a {spec.model_type} "
-                                    f"model yet (no native gated delta rule op); build with --attention onnx")
     kv = getattr(opts, "kv", None) or opts.kv_dtype  # BuildOptions.kv, GraphOptions.kv_dtype
     if kv in (io.DType.INT8, io.DType.INT4):
         raise UnsupportedModelError(f"--kv {kv.value} is not supported for a {spec.model_type} model yet (gated "

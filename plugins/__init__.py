@@ -35,5 +35,6 @@ REGISTRY = (
     Plugin("PagedAttention", "paged_attention",
            "exporter/test_plugin_and_int8.py::test_plugin_graph_matches_transformers_and_onnx_attention"),
     Plugin("PagedMLA", "paged_mla", "exporter/test_deepseek_mla.py::test_parity_fp32"),
+    Plugin("GatedDeltaRule", "gated_delta", "exporter/test_qwen3_5_plugin.py::test_parity_fp32_plugin"),
 )
 PLUGINS = {p.op_type: p.folder for p in REGISTRY}  # op_type -> subpackage of kvexport.plugins

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build the native CPU PagedAttention op (plugins/paged_attention/cpu/paged_attention_ort.cc) and
-# PagedMLA (plugins/paged_mla/cpu/paged_mla_ort.cc, the same library and domain) into the
-# environment: <venv>/lib/kvexport/libkvexport_ort_ops.so, compiled for this CPU (the two sources
+# PagedMLA (plugins/paged_mla/cpu/paged_mla_ort.cc) and GatedDeltaRule (plugins/gated_delta/cpu/
+# gated_delta_ort.cc), the same library and domain, into the
+# environment: <venv>/lib/kvexport/libkvexport_ort_ops.so, compiled for this CPU (the sources
 # compile at the same time, one g++ each, then link: native.build).
 #
 # The onnxruntime wheel ships no C/C++ headers. The npm package com.github.asus4.onnxruntime

@@ -43,7 +43,8 @@ log = logging.getLogger(__name__)
 LIB_NAME = "libkvexport_ort_ops.so"
 SOURCE = Path(__file__).with_name("cpu") / "paged_attention_ort.cc"
 # every op of the library (one translation unit each; SOURCE registers them all in the `kvexport` domain)
-SOURCES = (SOURCE, Path(__file__).parents[1] / "paged_mla" / "cpu" / "paged_mla_ort.cc")
+SOURCES = (SOURCE, Path(__file__).parents[1] / "paged_mla" / "cpu" / "paged_mla_ort.cc",
+           Path(__file__).parents[1] / "gated_delta" / "cpu" / "gated_delta_ort.cc")
 ENV = "KVEXPORT_ORT_OPS"
 CXXFLAGS = ("-O3", "-fno-math-errno", "-std=c++17", "-fPIC", "-fvisibility=hidden", "-Wall", "-Wextra")
 LDFLAGS = ("-shared",)

@@ -454,11 +454,19 @@ class NativeOpBackend(_PluginBackend):
         for name, arr in self._feeds(sess, inp).items():
             binding.bind_cpu_input(name, np.ascontiguousarray(arr, dtype=np.int64))
         binding.bind_output(io.LOGITS)  # rebound (still output 0): allocated at this step's shape
+        if self.state is not None:  # hybrids: the state pools read, the new states returned (GatedDeltaRule)
+            for name, arr in self.state.feeds(inp.state_slots).items():
+                binding.bind_cpu_input(name, arr)
+            for name in self.state.out_names:  # NOTE: bound right after the pools (outputs 1 + pools ..)
+                binding.bind_output(name)
         score_names = self._score_names(inp)
         for name in score_names:  # NOTE: bound only for steps that observe; unbound, onnxruntime drops them
             binding.bind_output(name)
         sess.run_with_iobinding(binding)
         outs = binding.get_outputs()
+        if self.state is not None:  # NOTE: after the run succeeded (execution/state_store.py)
+            first = 1 + len(self._pool_values)
+            self.state.store(inp.state_slots, [o.numpy() for o in outs[first:first + len(self.state.out_names)]])
         if score_names:  # the last bound outputs
             self._last_scores = [o.numpy() for o in outs[len(outs) - len(score_names):]]
             binding.clear_binding_outputs()
@@ -487,8 +495,15 @@ class ReferenceOpBackend(_PluginBackend):
     def _run(self, sess, inp: ModelInput) -> np.ndarray:
         feeds = self._feeds(sess, inp)
         feeds.update(zip(self._pool_names, self.pools))
+        state_names = self.state.out_names if self.state is not None else []
+        if state_names:  # hybrids: the state pools read, the new states returned (GatedDeltaRule)
+            feeds.update(self.state.feeds(inp.state_slots))
         score_names = self._score_names(inp)
-        outs = sess.run(self._out_names + score_names, feeds)
+        outs = sess.run(self._out_names + state_names + score_names, feeds)
+        if state_names:  # NOTE: after the run succeeded (execution/state_store.py)
+            n = len(self._out_names)
+            self.state.store(inp.state_slots, outs[n:n + len(state_names)])
+            outs = outs[:n] + outs[n + len(state_names):]
         self.pools = list(outs[1:len(self._out_names)])
         if score_names:
             self._last_scores = list(outs[len(self._out_names):])
@@ -501,7 +516,12 @@ def native_library_for(manifest: Manifest) -> tuple[Path | None, str]:
     from kvexport.plugins.paged_attention import native
 
     if not manifest.kv.latent:
-        return native.library_for(manifest)
+        lib, why = native.library_for(manifest)
+        if lib is not None and manifest.model.spec.get("linear_attn") is not None:  # hybrids: GatedDeltaRule too
+            from kvexport.plugins.gated_delta import native as gdn_native
+
+            lib, why = gdn_native.library_or_why()
+        return lib, why
     from kvexport.plugins.paged_mla import native as mla_native
 
     return mla_native.library_for(manifest)

@@ -50,6 +50,10 @@ def engines_entry(manifest: Manifest, build_dir: Path) -> EnginesEntry:
     if kv.layout != io.KVLayout.PAGED.value or kv.attention != io.Attention.PLUGIN.value:
         raise KvExportError(f"the TensorRT backend runs `--attention plugin` builds; {build_dir} has attention "
                             f"{kv.attention!r}: use the onnxruntime backend, or rebuild with `--attention plugin`")
+    if manifest.model.spec.get("linear_attn") is not None:  # GatedDeltaRule engines build; their state I/O is not bound
+        raise KvExportError(f"the TensorRT backend does not bind a hybrid's recurrent state yet (state_slots, "
+                            f"conv_state.*, recurrent_state.*: kvexport/io.py); serve {build_dir} with the "
+                            f"onnxruntime backend")
     entry = manifest.engines
     if not entry:
         raise KvExportError(f"{build_dir} has no TensorRT engines; build them with "

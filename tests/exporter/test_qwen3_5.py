@@ -114,7 +114,6 @@ def test_refusals(hf_folder, built, tmp_path):
         make(hidden_act="gelu")
     src = str(hf_folder("qwen3_5_text", **CASES_HYBRID["qwen3_5_text"]))
     for opts, field in ((dict(layout=io.KVLayout.CONTIGUOUS), "--layout contiguous"),
-                        (dict(attention=io.Attention.PLUGIN), "--attention plugin"),
                         (dict(kv_dtype=io.DType.INT8), "--kv int8")):
         with pytest.raises(UnsupportedModelError, match=field):
             build(src, tmp_path / "x", BuildOptions(block_size=4, max_seq_len=64, validate=False, **opts))

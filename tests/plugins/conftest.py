@@ -17,6 +17,7 @@ try:
 
     from kvexport.plugins.paged_attention import kernels, launch  # noqa: F401  (interpreted from now on)
     from kvexport.plugins.paged_mla import kernels as mla_kernels, launch as mla_launch  # noqa: F401
+    from kvexport.plugins.gated_delta import kernels as gdn_kernels, launch as gdn_launch  # noqa: F401
 finally:
     if _saved is None:
         del os.environ["TRITON_INTERPRET"]

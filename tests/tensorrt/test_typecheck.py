@@ -27,7 +27,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 MODULES = ("kvexport.tensorrt_env", "kvexport.exporter.tensorrt_build", "kvexport.runtime.execution.trt_backend",
-           "kvexport.plugins.common.trt", "kvexport.plugins.paged_attention.trt", "kvexport.plugins.paged_mla.trt")
+           "kvexport.plugins.common.trt", "kvexport.plugins.paged_attention.trt", "kvexport.plugins.paged_mla.trt",
+           "kvexport.plugins.gated_delta.trt")
 
 MYPY_INI = """\
 [mypy]

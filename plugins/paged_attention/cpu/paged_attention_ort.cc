@@ -40,6 +40,7 @@
 #include "paged_attention_sinks.h"
 #include "paged_attention_simd.h"
 #include "../../paged_mla/cpu/paged_mla_ort.h"  // kvexport::PagedMLA, registered below
+#include "../../gated_delta/cpu/gated_delta_ort.h"  // kvexport::GatedDeltaRule, registered below
 
 namespace {
 
@@ -693,6 +694,7 @@ __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOp
     Ort::ThrowOnError(Ort::GetApi().CreateCustomOpDomain("kvexport", &d));
     Ort::ThrowOnError(Ort::GetApi().CustomOpDomain_Add(d, &op));
     Ort::ThrowOnError(Ort::GetApi().CustomOpDomain_Add(d, const_cast<OrtCustomOp*>(kvexport_mla::custom_op())));
+    Ort::ThrowOnError(Ort::GetApi().CustomOpDomain_Add(d, const_cast<OrtCustomOp*>(kvexport_gdn::custom_op())));
     return d;
   }();
   return api->AddCustomOpDomain(options, domain);
