@@ -449,6 +449,18 @@ register(Family(
                   shared_size="shared_expert_intermediate_size", shared_gate=True, shared="shared_expert"),
     recipe="qwen3_next.yaml"))
 
+# qwen3_5_moe (its text part, model_type qwen3_5_moe_text): Qwen3.5's hybrid layers, experts on every layer
+# (exporter/moe.py: softmax router, top-k always renormalized, stacked gate_up_proj / down_proj, a shared
+# expert with a sigmoid gate), as qwen3_next's experts read
+register(Family(
+    name="qwen3_5_moe", model_types=("qwen3_5_moe_text",), gguf_archs=(), norm="rmsnorm", position="rope",
+    gated_mlp=True, qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias=False,
+    weights=hybrid_weights, qk_norm="head", norm_offset=1.0, extra_fields=linear_attention.read_fields,
+    rope_types=("default",),
+    moe=MoEFields(experts="num_experts", norm_topk_prob=True, shared_size="shared_expert_intermediate_size",
+                  shared_gate=True, shared="shared_expert"),
+    recipe="qwen3_5_moe.yaml"))
+
 # transformers layer_types entries kvexport implements (anything else is refused by name)
 LAYER_TYPES = ("full_attention", "sliding_attention")
 

@@ -7,7 +7,9 @@ metadata, an alias, or a build's manifest), and reports
     KV        bytes per token per KV cache group (GQA/MQA heads, per-layer windows), per KV dtype,
               plus what a KV dtype needs outside the pool (int8's static scales, int4's key transform)
     fit       for a memory size, per KV dtype and layout: how many sequences of max_model_len
-              tokens fit at once, and (given max_num_seqs) the longest context each can have
+              tokens fit at once, and (given max_num_seqs) the longest context each can have; a
+              hybrid's sequences each hold their recurrent state beside their KV, and its state
+              checkpoints (EngineConfig.state_checkpoints, at most) come off the budget first
 
 NOTE: one formula, one pool sizing. KV bytes come from kvexport/io.py
 (`kv_bytes_per_token_by_group`, `kv_static_bytes`) and the paged pools from
@@ -89,7 +91,7 @@ class Fit:
 
     kv_dtype: str  # io.DType value
     layout: str  # "paged" | "contiguous"
-    kv_budget_bytes: int  # memory - weights - static KV bytes (0: the weights alone do not fit), bytes
+    kv_budget_bytes: int  # memory - weights - static KV - recurrent state (0: the weights alone do not fit), bytes
     num_blocks: int | None  # paged: blocks of each full-group pool (pad block included) the engine allocates
     # for max_num_seqs (given, else `max_seqs`); 0: the budget holds fewer than the minimum; None: contiguous
     local_num_blocks: int | None  # paged builds with a local group: its pools' blocks; else None
@@ -97,6 +99,9 @@ class Fit:
     max_context: int | None  # max_num_seqs given: the longest context each of them can have, tokens
     context_limit: str | None  # what bounds max_context: "memory" | "model" (its max positions / the build's)
     build: bool  # the build's own KV dtype and layout
+    # hybrids: the recurrent state beside the KV: max_num_seqs (given, else max_seqs) running slots and the
+    # checkpoint slots (`kvexport serve --state-checkpoints`), bytes; the KV pools get kv_budget_bytes
+    state_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,16 +239,18 @@ def _holds(p: _Paged, sizes: PoolSizes | None, num_seqs: int, seq_len: int) -> b
     return num_seqs * blocks <= sizes.num_blocks - 1
 
 
-def _paged_fit(p: _Paged, budget: int, max_model_len: int, max_num_seqs: int | None, cap: int) -> tuple:
-    """(max_seqs, max_context, context_limit, pools) of the paged layout."""
+def _paged_fit(p: _Paged, budget: int, max_model_len: int, max_num_seqs: int | None, cap: int,
+               state: int = 0) -> tuple:
+    """(max_seqs, max_context, context_limit, pools) of the paged layout; `state`: bytes each sequence holds
+    beside its KV (a hybrid's recurrent state), so n sequences leave `budget - n * state` to the pools."""
     per_seq_bytes = -(-max_model_len // p.block_size) * p.block_size * p.per_token[io.FULL_GROUP]
     hi = max(budget, 0) // per_seq_bytes + 1
     if p.window is not None:  # windowed sequences hold less than max_model_len's blocks
         hi = max(budget, 0) // (p.block_size * p.per_token[io.FULL_GROUP]) + 1
-    seqs = _largest(lambda n: _holds(p, _pools(p, budget, n), n, max_model_len), hi)
+    seqs = _largest(lambda n: _holds(p, _pools(p, budget - n * state, n), n, max_model_len), hi)
     if max_num_seqs is None:
-        return seqs, None, None, _pools(p, budget, max(seqs, 1))
-    sizes = _pools(p, budget, max_num_seqs)
+        return seqs, None, None, _pools(p, budget - max(seqs, 1) * state, max(seqs, 1))
+    sizes = _pools(p, budget - max_num_seqs * state, max_num_seqs)
     context = _largest(lambda n: _holds(p, sizes, max_num_seqs, n), cap)
     return seqs, context, "model" if context == cap else "memory", sizes
 
@@ -257,18 +264,20 @@ def _contiguous_fit(per_token: int, budget: int, max_model_len: int, max_num_seq
 
 
 def _fit_rows(spec: ModelSpec, man: mf.Manifest | None, kvs: tuple[KVBytes, ...], budget: int, block_size: int,
-              max_model_len: int, max_num_seqs: int | None, mnbt: int, cap: int) -> tuple[Fit, ...]:
-    """One Fit per KV dtype and layout; `budget`: the memory left after the weights, bytes."""
+              max_model_len: int, max_num_seqs: int | None, mnbt: int, cap: int, state: int = 0,
+              checkpoints: int = 0) -> tuple[Fit, ...]:
+    """One Fit per KV dtype and layout; `budget`: the memory left after the weights, bytes; `state`: a
+    hybrid's recurrent state per sequence, bytes, and `checkpoints` slots of it held besides."""
     # NOTE: the paged rows have a paged build's groups (its kv.local_window is this window)
     local_window = io.local_window(spec.window(i) for i in range(spec.num_layers))
     one_window = spec.uniform_window if local_window is None else None
     fits = []
     for kv in kvs:
-        left = budget - kv.static_bytes
+        left = budget - kv.static_bytes - checkpoints * state
         for layout in LAYOUTS:
             own = man is not None and (kv.kv_dtype, layout) == (man.kv.dtype, man.kv.layout)
-            if layout == io.KVLayout.CONTIGUOUS.value and spec.mla is not None:
-                continue  # MLA builds are paged only
+            if layout == io.KVLayout.CONTIGUOUS.value and (spec.mla is not None or spec.linear_attn is not None):
+                continue  # MLA and hybrid builds are paged only
             if layout == io.KVLayout.CONTIGUOUS.value:
                 seqs, ctx, limit = _contiguous_fit(kv.bytes_per_token, left, max_model_len, max_num_seqs, cap)
                 fits.append(Fit(kv.kv_dtype, layout, max(left, 0), None, None, seqs, ctx, limit, own))
@@ -276,10 +285,11 @@ def _fit_rows(spec: ModelSpec, man: mf.Manifest | None, kvs: tuple[KVBytes, ...]
             per_token = ({g.group: g.bytes_per_token for g in kv.groups} if local_window is not None
                          else {io.FULL_GROUP: kv.bytes_per_token})
             p = _Paged(per_token, block_size, one_window, local_window, mnbt)
-            seqs, ctx, limit, sizes = _paged_fit(p, left, max_model_len, max_num_seqs, cap)
+            seqs, ctx, limit, sizes = _paged_fit(p, left, max_model_len, max_num_seqs, cap, state)
             local = sizes.local_num_blocks if sizes else (0 if local_window else None)
-            fits.append(Fit(kv.kv_dtype, layout, max(left, 0), sizes.num_blocks if sizes else 0, local, seqs, ctx,
-                            limit, own))
+            held = (checkpoints + (max_num_seqs if max_num_seqs is not None else max(seqs, 1))) * state
+            fits.append(Fit(kv.kv_dtype, layout, max(budget - kv.static_bytes - held, 0),
+                            sizes.num_blocks if sizes else 0, local, seqs, ctx, limit, own, held))
     return tuple(fits)
 
 
@@ -353,7 +363,9 @@ def plan(model: str, memory: str | int | None = None, *, weights: str | None = N
         else:
             w_bytes = next(e.bytes for e in estimates if e.precision == fit_w)
         fit_w_bytes, weights_fit = w_bytes, w_bytes < mem
-        fits = _fit_rows(spec, man, kvs, mem - w_bytes, block_size, max_model_len, max_num_seqs, mnbt, cap)
+        state = state_bytes_per_seq(spec)
+        fits = _fit_rows(spec, man, kvs, mem - w_bytes, block_size, max_model_len, max_num_seqs, mnbt, cap, state,
+                         engine.state_checkpoints if state else 0)
         if not weights_fit:
             smaller = [e for e in estimates if e.bytes < mem]
             notes.append(f"the {fit_w} weights alone ({_gib(w_bytes)}) do not fit in {_gib(mem)}"
@@ -374,15 +386,22 @@ def plan(model: str, memory: str | int | None = None, *, weights: str | None = N
         state = io.state_bytes_per_sequence(len(la.layers), la.state_dims())
         notes.append(f"{len(la.layers)} of the {spec.num_layers} layers are gated DeltaNet (linear attention): no KV, "
                      f"{state:,} bytes ({_size(state)}) of recurrent state per running sequence whatever its length; "
-                     f"the fit counts only the KV of the {len(spec.kv_layers)} attention layers, add the state of "
-                     f"max_num_seqs sequences (and of --state-checkpoints) to the budget; hybrids build paged "
-                     f"with float KV only")
+                     f"the fit gives each sequence that state beside the KV of the {len(spec.kv_layers)} attention "
+                     f"layers and holds {engine.state_checkpoints} prefix-cache checkpoints of it (the default "
+                     f"--state-checkpoints) off the budget first; --kv-cache-memory is the KV budget column; "
+                     f"hybrids build paged with float KV only")
     windows = tuple(spec.window(i) for i in range(spec.num_layers))
     heads, row = (1, spec.mla.row_width) if spec.mla is not None else (spec.num_kv_heads, spec.head_dim)
     return Plan(model, m.kind, spec.family, spec.model_type, spec.num_layers, spec.hidden_size, spec.num_heads,
                 heads, row, _attention(spec), windows, spec.max_positions, estimates,
                 build_weights, kvs, block_size, max_model_len, max_num_seqs, mnbt, mem, fit_w, fit_w_bytes, weights_fit,
                 fits, tuple(notes), state, len(spec.linear_attn.layers) if spec.linear_attn is not None else 0)
+
+
+def state_bytes_per_seq(spec: ModelSpec) -> int:
+    """A hybrid's recurrent state per sequence (io.state_bytes_per_sequence), bytes; 0 without linear layers."""
+    la = spec.linear_attn
+    return io.state_bytes_per_sequence(len(la.layers), la.state_dims()) if la is not None else 0
 
 
 def _attention(spec: ModelSpec) -> str:
@@ -476,15 +495,16 @@ def render(p: Plan, console) -> None:
                 console.print(f"note: {escape(n)}", style="dim")
             return
         console.print(f"{head}; block size {p.block_size}, max_num_batched_tokens {p.max_num_batched_tokens}")
-        cols = ["KV dtype", "layout", "KV budget", "blocks", f"seqs × {p.max_model_len} tokens"]
+        cols = ["KV dtype", "layout", "KV budget"] + (["state"] if p.state_bytes_per_seq else []) + [
+            "blocks", f"seqs × {p.max_model_len} tokens"]
         if p.max_num_seqs is not None:
             cols.append(f"context × {p.max_num_seqs} seqs")
         t = table(*cols)
         for f in p.fits:
             blocks = "-" if f.num_blocks is None else (
                 f"{f.num_blocks:,}" + (f" + {f.local_num_blocks:,} local" if f.local_num_blocks is not None else ""))
-            row = [f.kv_dtype + (" (build)" if f.build else ""), f.layout, _size(f.kv_budget_bytes), blocks,
-                   f"{f.max_seqs:,}"]
+            row = [f.kv_dtype + (" (build)" if f.build else ""), f.layout, _size(f.kv_budget_bytes)] + (
+                [_size(f.state_bytes)] if p.state_bytes_per_seq else []) + [blocks, f"{f.max_seqs:,}"]
             if p.max_num_seqs is not None:
                 row.append(f"{f.max_context:,}" + (" (model max)" if f.context_limit == "model" else ""))
             t.add_row(*row)

@@ -3,9 +3,12 @@ from a model's spec alone (no weights read), as exporter/quantize.py stores them
 tabulates `weights_estimate` for every precision and subtracts one from the memory of a fit.
 
     matmuls   per decoder layer (attention, MLP; MoE: every expert + the shared one; MLA: its
-              low-rank linears): float, or int8 / int4 codes + one scale per block of K rows
+              low-rank linears; a hybrid's gated DeltaNet layers: in_proj and out_proj instead of
+              attention, exporter/linear_attention.py): float, or int8 / int4 codes + one scale per
+              block of K rows
     tables    embeddings, LM head (untied), learned positions: float, or int8 in blocks
-    float32   norms, RoPE tables, MoE routers, MLA's absorbed W_UK / W_UV, in every build
+    float32   norms, RoPE tables, MoE routers, MLA's absorbed W_UK / W_UV, a gated DeltaNet layer's conv
+              taps, A and dt_bias and gated norm, in every build
 
 NOTE: the counts follow the builders' tensors (quantize.py LINEARS, moe.py experts, mla.py linears),
 and tests/exporter/test_plan.py `test_weight_estimates_are_the_bytes_a_build_stores` holds them
@@ -46,9 +49,27 @@ class WeightsEstimate:
     float32_bytes: int  # norms, RoPE tables, MoE routers, MLA's W_UK / W_UV (float32 in every build), bytes
 
 
+def _linear_attn_shapes(spec: ModelSpec) -> list[tuple[int, int]]:
+    """[K, N] of a gated DeltaNet layer's matmuls (exporter/linear_attention.py): in_proj (q | k | v | z | b | a)
+    and out_proj."""
+    la, h = spec.linear_attn, spec.hidden_size
+    v = la.num_v_heads * la.v_head_dim
+    return [(h, la.conv_dim + v + 2 * la.num_v_heads), (v, h)]
+
+
+def _linear_attn_float32(spec: ModelSpec) -> int:
+    """Elements of every gated DeltaNet layer's float32 tensors: conv taps [K, conv_dim], A and dt_bias [Hv],
+    the gated norm's weight [Dv]; 0 without linear layers."""
+    la = spec.linear_attn
+    if la is None:
+        return 0
+    return len(la.layers) * (la.conv_kernel * la.conv_dim + 2 * la.num_v_heads + la.v_head_dim)
+
+
 def _matmul_shapes(spec: ModelSpec) -> list[tuple[int, int]]:
-    """[K, N] of one decoder layer's matmuls (exporter/quantize.py LINEARS: qkv, o, up, down)."""
-    qkv = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
+    """[K, N] of one decoder layer's matmuls (exporter/quantize.py LINEARS: qkv, o, up, down); an
+    output-gated attention's q_proj holds the gate too (spec.attn_output_gate: q rows twice)."""
+    qkv = ((2 if spec.attn_output_gate else 1) * spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
     up = 2 * spec.intermediate_size if spec.gated_mlp else spec.intermediate_size
     mlp = [(spec.hidden_size, up), (spec.intermediate_size, spec.hidden_size)]
     if spec.mla is not None:  # exporter/mla.py: q (low-rank or not), kv_a, o (W_UK | W_UV: _mla_float32)
@@ -60,14 +81,16 @@ def _model_matmul_shapes(spec: ModelSpec) -> list[tuple[int, int]]:
     """[K, N] of every decoder matmul of the model: per layer its attention and MLP; a MoE layer
     (exporter/moe.py) has each expert's up / down (own matrices) and its shared expert instead."""
     shapes = _matmul_shapes(spec)
-    if spec.moe is None:
-        return shapes * spec.num_layers
-    m, h = spec.moe, spec.hidden_size
+    linear = set(spec.linear_attn.layers) if spec.linear_attn is not None else set()
     attention, dense = shapes[:-2], shapes[-2:]
+    mixer = lambda i: _linear_attn_shapes(spec) if i in linear else attention  # noqa: E731
+    if spec.moe is None:
+        return [s for i in range(spec.num_layers) for s in mixer(i) + dense]
+    m, h = spec.moe, spec.hidden_size
     sparse = [(h, 2 * m.expert_intermediate_size), (m.expert_intermediate_size, h)] * m.num_experts
     if m.shared_intermediate_size:
         sparse += [(h, 2 * m.shared_intermediate_size), (m.shared_intermediate_size, h)]
-    return [s for i in range(spec.num_layers) for s in attention + (sparse if m.is_sparse(i) else dense)]
+    return [s for i in range(spec.num_layers) for s in mixer(i) + (sparse if m.is_sparse(i) else dense)]
 
 
 def _router_parameters(spec: ModelSpec) -> int:
@@ -96,7 +119,8 @@ def _mla_float32(spec: ModelSpec) -> int:
 
 
 def _layer_biases(spec: ModelSpec) -> int:
-    qkv = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
+    """Biases of one (attention) layer, elements."""
+    qkv = ((2 if spec.attn_output_gate else 1) * spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
     if spec.mla is not None:  # attention_bias: q_a_proj (q_lora_rank) and kv_a_proj_with_mqa only
         qkv = (spec.mla.q_lora_rank or 0) + spec.mla.row_width
     up = 2 * spec.intermediate_size if spec.gated_mlp else spec.intermediate_size
@@ -110,7 +134,8 @@ def _norm_parameters(spec: ModelSpec) -> int:
     qk = {None: 0, "head": 2 * spec.head_dim, "all": (spec.num_heads + spec.num_kv_heads) * spec.head_dim}[spec.qk_norm]
     if spec.mla is not None:  # q_a_layernorm, kv_a_layernorm
         qk = (spec.mla.q_lora_rank or 0) + spec.mla.kv_lora_rank
-    return spec.num_layers * (norms * per_norm + qk) + per_norm  # + the final norm
+    attention_layers = spec.num_layers - (len(spec.linear_attn.layers) if spec.linear_attn is not None else 0)
+    return spec.num_layers * norms * per_norm + attention_layers * qk + per_norm  # + the final norm
 
 
 def _rope_bytes(spec: ModelSpec, max_len: int) -> int:
@@ -151,7 +176,7 @@ def weights_estimate(spec: ModelSpec, precision: str, max_len: int) -> WeightsEs
     if spec.moe is not None and spec.moe.expert_bias:  # gpt_oss: each expert's up and down biases
         biases += len(spec.moe.sparse_layers) * spec.moe.num_experts * (2 * spec.moe.expert_intermediate_size
                                                                           + spec.hidden_size)
-    norms = _norm_parameters(spec) + _router_parameters(spec) + _mla_float32(spec)  # all float32
+    norms = _norm_parameters(spec) + _router_parameters(spec) + _mla_float32(spec) + _linear_attn_float32(spec)
     if precision in BITS:
         block = _weight_block(spec, precision)
         head_block = block or HEAD_CHANNEL_BUILDS_BLOCK

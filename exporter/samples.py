@@ -1,6 +1,8 @@
 """Small, valid example inputs for each graph, saved in the build so any ONNX tool can run
 the graphs at once (`polygraphy run decode.onnx --onnxrt --load-inputs samples/decode_inputs.json`).
-Random values would not do: block tables, offsets and masks must be consistent."""
+Random values would not do: block tables, offsets and masks must be consistent. The pools are the
+build's own (io.kv_layout: only the layers that hold KV, each its own heads × head_dim; a hybrid's
+linear layers none) and a hybrid's recurrent state pools (io.state_dims) are fed too."""
 
 from __future__ import annotations
 
@@ -45,9 +47,18 @@ def sample_feeds(manifest, phase: io.Phase, seed: int = 0) -> dict[str, np.ndarr
         del feeds[io.LOGITS_INDICES]  # the decode graph, builds made before it
     if io.OBSERVATION_LENS not in {t.name for t in manifest.graphs[phase.value].inputs}:
         del feeds[io.OBSERVATION_LENS]  # builds without attention scores
-    shape = io.paged_pool_shape(1 + 2 * per_seq, kv.num_kv_heads, bs, kv.head_dim, io.DType(kv.dtype).numpy_name)
-    for name in io.pool_names(kv.num_layers, kv.latent):  # K/V pools, or MLA's latent pools
+    # K/V pools (or MLA's latent pools) of the layers holding KV, each its own shape (Gemma 4, hybrids)
+    kv_layers, dims = io.kv_layout(manifest.model.spec, kv.num_kv_heads, kv.head_dim)
+    for name, i in zip(io.pool_names(kv.num_layers, kv.latent, kv_layers),
+                       io.pool_layers(kv.num_layers, kv.latent, kv_layers)):
+        heads, width = (kv.num_kv_heads, kv.head_dim) if kv.latent else dims[i]
+        shape = io.paged_pool_shape(1 + 2 * per_seq, heads, bs, width, io.DType(kv.dtype).numpy_name)
         feeds[name] = rng.standard_normal(shape).astype(kv_np)
+    if (found := io.state_dims(manifest.model.spec)) is not None:  # a hybrid: slots 0, 1 of two-slot state pools
+        num_linear, sd = found
+        feeds[io.STATE_SLOTS] = np.arange(2, dtype=np.int64)
+        for name, shape in zip(io.state_names(num_linear), [sd.conv_shape, sd.recurrent_shape] * num_linear):
+            feeds[name] = (0.1 * rng.standard_normal((2, *shape))).astype(np.float32)
     return feeds
 
 

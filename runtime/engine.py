@@ -58,6 +58,8 @@ class LLMEngine:
         if kv.layout != io.KVLayout.PAGED.value:
             raise KvExportError(f"the runtime serves paged builds; {self.build_dir} has layout {kv.layout!r}: "
                                 f"rebuild it with `kvexport build MODEL --layout paged`")
+        if state_pool.is_hybrid(self.manifest.model.spec) and (why := state_pool.refusal(config)) is not None:
+            raise ConfigError(why)  # before the sessions load and the disk tier's folder is taken
         budget = parse_budget(config.kv_cache_memory)
         if budget < 1:
             raise ConfigError(f"kv_cache_memory {config.kv_cache_memory!r} is 0 bytes: give a size such as 2GiB, or a "

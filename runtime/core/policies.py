@@ -89,6 +89,12 @@ class EvictionPolicy(Policy):
         """The KV token list for `kv.cache_blocks` (its first num_computed_tokens have KV), or None."""
         return req.token_ids
 
+    def prefix_lookup(self, req: Request) -> list[int]:
+        """The tokens a prefix-cache lookup at admission may cover (`kv.get_computed_blocks`): the KV
+        token list, or less of it when the policy needs some of its last tokens computed (importance
+        eviction's observation window)."""
+        return self.kv_token_ids(req)
+
     def view(self, req: Request, table: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
         """The block table the runner gets, and the tokens of the released blocks it leaves out
         (`ScheduledRequest.kv_gap`)."""
@@ -146,8 +152,8 @@ class SpeculationPolicy(Policy):
 
     key = "speculation"
 
-    def begin_step(self, num_running: int) -> None:
-        """A step is being scheduled with `num_running` sequences running."""
+    def begin_step(self, num_running: int, running: Sequence[Request] = ()) -> None:
+        """A step is being scheduled with `num_running` sequences running (`running`: them, in order)."""
 
     def propose(self, req: Request, max_tokens: int) -> tuple[int, ...]:
         """Draft tokens to follow `req`'s next token in this step (at most max_tokens >= 1)."""

@@ -154,14 +154,15 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         self.prefetch.begin_step()
-        self.speculation.begin_step(len(self.running))
+        self.speculation.begin_step(len(self.running), self.running)
         chunks: list[tuple[Request, int, tuple[int, ...]]] = []  # (request, KV tokens, drafts)
         preempted: list[str] = []
         for req in list(self.running):
             if req.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
             n = min(self.eviction.num_kv_tokens(req) - req.num_computed_tokens, budget)
-            n = clip_chunk(self.kv, req.num_computed_tokens, n, req.num_prompt_tokens)  # hybrids' checkpoints
+            # hybrids: chunks end at state checkpoints
+            n = clip_chunk(self.kv, req.num_computed_tokens, n, req.num_prompt_tokens, req.request_id)
             if n <= 0:
                 continue
             drafts = self._drafts(req, n, budget)
@@ -188,14 +189,14 @@ class Scheduler:
                 self.prompt_logprobs.before_admit(req, self.shared.leader(req))
                 # NOTE: no lookup (an empty token list hits nothing) while the prompt's logprobs are
                 # still to be scored: cached blocks have no logits (core/prompt_scores.py)
-                lookup = () if self.prompt_logprobs.scoring(req) else self.eviction.kv_token_ids(req)
+                lookup = () if self.prompt_logprobs.scoring(req) else self.eviction.prefix_lookup(req)
                 computed = self.kv.get_computed_blocks(lookup, req.salt)
                 if self.prefetch.must_wait(self.kv, computed):
                     # NOTE: part of its prefix is being read from the disk tier (kv_tiers.py, off the
                     # step): the running requests go on; it is looked up again next step
                     break
                 n = min(self.eviction.num_kv_tokens(req) - computed.num_computed_tokens, budget)
-                n = clip_chunk(self.kv, computed.num_computed_tokens, n, req.num_prompt_tokens)
+                n = clip_chunk(self.kv, computed.num_computed_tokens, n, req.num_prompt_tokens, req.request_id)
                 if self.kv.allocate_slots(req.request_id, n, computed) is None:
                     break  # FCFS: nobody overtakes the head of the queue
                 self.waiting.popleft()

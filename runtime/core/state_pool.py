@@ -10,8 +10,12 @@ instead of computing its whole prefix again (prefix caching that hits on hybrids
                               - admission takes a state slot too (none free: like no blocks, None)
                               - prefix hits are cut back to the nearest checkpoint (its state restored
                                 into the request's slot before its first chunk)
-                              - prompt chunks end at checkpoint boundaries (every `checkpoint_blocks`
-                                blocks), and a chunk that ends on one saves the state there
+                              - prompt chunks end at checkpoint boundaries, and a chunk that ends on one
+                                saves the state there: every `checkpoint_blocks` blocks, the prompt's last
+                                block boundary, and where the prompt's KV hit ended past its checkpoint (a
+                                branch point: a shared system prompt's end); decode keeps one checkpoint per
+                                sequence at the last block boundary it crossed (the next chat turn's resume
+                                point), so a hybrid hits where an attention model's blocks would
                               - free releases the slot
     StateStep                 what a step's chunk says about state (ScheduledRequest.state): its slot,
                               the checkpoint to restore first, the checkpoint to save after
@@ -21,7 +25,9 @@ the step that saves it has completed (`cache_blocks`).
 
 NOTE: a checkpoint is reachable only while the KV blocks of its prefix are cached (the lookup walks
 the KV block pool first), so checkpoints go with their blocks; capacity evicts the least recently
-used. Hits in the KV tiers (host, disk) are not used by hybrids (their state has no tier yet).
+used. The KV tiers (host, disk) and disaggregated prefill -> decode move KV blocks only, no state:
+both are refused on hybrids by name (`refusal`, `disaggregation_refusal`) rather than served with
+every hit recomputed.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ class StatePool:
         self._ckpt_free = list(range(num_slots + num_checkpoints - 1, num_slots - 1, -1))
         self._ckpt: OrderedDict[BlockHash, int] = OrderedDict()  # ready checkpoints, least recently used first
         self._pending: dict[str, list[tuple[int, BlockHash, int]]] = {}  # request -> (tokens, key, slot) to publish
+        self._moving: dict[str, BlockHash] = {}  # request -> its decode checkpoint (replaced at each block boundary)
         self.hits = self.saved = 0  # checkpoints restored, checkpoints saved (stats)
 
     @property
@@ -82,14 +89,20 @@ class StatePool:
         return self._by_request[request_id]
 
     def free(self, request_id: str) -> None:
-        """Release the request's slot; its checkpoints not yet published are dropped."""
+        """Release the request's slot; its checkpoints not yet published are dropped (its published
+        decode checkpoint stays: the next chat turn resumes from it)."""
         slot = self._by_request.pop(request_id, None)
         if slot is not None:
             self._free.append(slot)
         for _, _, ck in self._pending.pop(request_id, ()):
             self._ckpt_free.append(ck)
+        self._moving.pop(request_id, None)
 
     # ---- checkpoints --------------------------------------------------------------------
+    def has(self, key: BlockHash) -> bool:
+        """A ready checkpoint exists for the block hash (no LRU touch)."""
+        return key in self._ckpt
+
     def lookup(self, key: BlockHash) -> int | None:
         """The ready checkpoint slot of a block hash (marked recently used), or None."""
         slot = self._ckpt.get(key)
@@ -97,19 +110,38 @@ class StatePool:
             self._ckpt.move_to_end(key)
         return slot
 
-    def reserve_checkpoint(self, request_id: str, num_tokens: int, key: BlockHash) -> int | None:
+    def reserve_checkpoint(self, request_id: str, num_tokens: int, key: BlockHash, moving: bool = False) -> int | None:
         """A checkpoint slot for the request's state after `num_tokens` tokens (block hash `key`),
         published by `publish` once those tokens are computed; None: already held, or no slot
-        (the least recently used ready checkpoint is evicted for it when none is free)."""
+        (the least recently used ready checkpoint is evicted for it when none is free). `moving`: the
+        request's decode checkpoint, which replaces its previous one (only the furthest is worth keeping).
+        NOTE: a slot freed here may be restored from in this very step: restores run before the
+        step's compute, saves after it (execution/state_store.py), so the copy still reads the old state."""
         if key in self._ckpt or any(k == key for _, k, _ in self._pending.get(request_id, ())):
             return None
+        if moving:
+            self._drop(request_id, self._moving.pop(request_id, None))
         if not self._ckpt_free:
             if not self._ckpt:
                 return None
             self._ckpt_free.append(self._ckpt.popitem(last=False)[1])
         slot = self._ckpt_free.pop()
         self._pending.setdefault(request_id, []).append((num_tokens, key, slot))
+        if moving:
+            self._moving[request_id] = key
         return slot
+
+    def _drop(self, request_id: str, key: BlockHash | None) -> None:
+        """Forget the request's checkpoint `key` (ready or pending) and free its slot."""
+        if key is None:
+            return
+        if (slot := self._ckpt.pop(key, None)) is not None:
+            self._ckpt_free.append(slot)
+            return
+        pending = self._pending.get(request_id, [])
+        for entry in [e for e in pending if e[1] == key]:
+            pending.remove(entry)
+            self._ckpt_free.append(entry[2])
 
     def publish(self, request_id: str, num_computed_tokens: int) -> None:
         """Offer the request's pending checkpoints of at most `num_computed_tokens` tokens to lookups."""
@@ -135,6 +167,9 @@ class StatefulKVCacheManager:
         self.inner, self.state, self.checkpoint_blocks = inner, state, checkpoint_blocks
         self._restore: dict[str, int] = {}  # request -> checkpoint to restore before its first chunk
         self._salts: dict[str, str | None] = {}
+        # request -> where its prompt's KV hit ended beyond its checkpoint (a branch point: a checkpoint there)
+        self._branch: dict[str, int] = {}
+        self._lookup: tuple[tuple, int] = ((), 0)  # the last lookup: its block hashes, its KV hit before the cut (tokens)
 
     def __getattr__(self, name: str) -> Any:  # pool, block_size, usage, block_table, slot_mapping, tiers...
         return getattr(self.inner, name)
@@ -155,8 +190,9 @@ class StatefulKVCacheManager:
         computed = self.inner.get_computed_blocks(request_tokens, salt)
         bs = self.inner.block_size
         pool_hits = next((i for i, b in enumerate(computed.block_ids) if b == TIER_BLOCK), len(computed.block_ids))
+        self._lookup = (computed.block_hashes, pool_hits * bs)
         for j in range(pool_hits, 0, -1):
-            if j % self.checkpoint_blocks == 0 and self.state.lookup(computed.block_hashes[j - 1]) is not None:
+            if self.state.has(computed.block_hashes[j - 1]):
                 return dataclasses.replace(computed, block_ids=computed.block_ids[:j], num_computed_tokens=j * bs,
                                            tier_hits=(), tier_tokens=())
         return dataclasses.replace(computed, block_ids=(), num_computed_tokens=0, tier_hits=(), tier_tokens=())
@@ -173,6 +209,9 @@ class StatefulKVCacheManager:
             return None
         if computed_blocks is not None:
             self._salts[request_id] = computed_blocks.salt
+            branch = self._branch_of(computed_blocks)
+            if branch:
+                self._branch[request_id] = branch
             j = computed_blocks.num_computed_tokens // self.inner.block_size
             if j:
                 ck = self.state.lookup(computed_blocks.block_hashes[j - 1])
@@ -186,36 +225,65 @@ class StatefulKVCacheManager:
         self.state.free(request_id)
         self._restore.pop(request_id, None)
         self._salts.pop(request_id, None)
+        self._branch.pop(request_id, None)
+
+    def _branch_of(self, computed) -> int:
+        """The KV hit of the lookup that gave `computed`, where it reaches past the checkpoint it was cut
+        back to (0: it does not): this prompt and a cached one share blocks up to there, so a checkpoint
+        there lets the next prompt with that prefix (a shared system prompt) resume where the KV hit ends."""
+        hashes, hit = self._lookup
+        return hit if hashes is computed.block_hashes and hit > computed.num_computed_tokens else 0
 
     def cache_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         self.inner.cache_blocks(request_id, token_ids, num_computed_tokens)
         self.state.publish(request_id, num_computed_tokens)
 
     # ---- the scheduler's hooks (`clip_chunk`, `state_step` below) ---------------------------
-    def clip(self, start: int, n: int, prompt_len: int) -> int:
-        """A prompt chunk [start, start + n) cut to end at the next checkpoint boundary inside the prompt."""
+    def _prompt_end(self, prompt_len: int) -> int:
+        """The prompt's last block boundary (its own checkpoint: a follow-up turn resumes there)."""
+        return prompt_len // self.inner.block_size * self.inner.block_size
+
+    def _branch_at(self, request_id: str | None) -> int:
+        """The request's branch point (`_branch_of`); for one not admitted yet, the last lookup's (the
+        scheduler clips its first chunk between get_computed_blocks and allocate_slots)."""
+        if request_id in self._branch:
+            return self._branch[request_id]
+        if request_id is not None and request_id not in self.state:
+            return self._lookup[1]
+        return 0
+
+    def clip(self, start: int, n: int, prompt_len: int, request_id: str | None = None) -> int:
+        """A prompt chunk [start, start + n) cut to end at the next checkpoint boundary inside the prompt:
+        every `interval` tokens, the prompt's last block boundary, and where its KV hit ended (`_branch_of`)."""
         iv = self.interval
         if not iv or start >= prompt_len - 1:
             return n
-        boundary = (start // iv + 1) * iv
-        return min(n, boundary - start) if boundary < prompt_len else n
+        ends = [b for b in ((start // iv + 1) * iv, self._prompt_end(prompt_len), self._branch_at(request_id))
+                if start < b < prompt_len]
+        return min(n, min(ends) - start) if ends else n
 
     def step(self, request_id: str, start: int, n: int, tokens: Sequence[int], prompt_len: int) -> StateStep:
-        """The chunk's StateStep: the request's slot, a pending restore, a checkpoint to save when the
-        chunk ends on a boundary inside the prompt (keyed by that block's prefix hash)."""
+        """The chunk's StateStep: the request's slot, a pending restore, and a checkpoint to save when the
+        chunk ends on a block boundary that is one (keyed by that block's prefix hash): every `interval`
+        tokens, the prompt's last block boundary (prompt chunks are cut there: `clip`), and in decode each
+        block boundary crossed, replacing the sequence's previous decode checkpoint (so the next chat turn,
+        which repeats this one's answer, resumes from its end, as an attention model's blocks would)."""
         end = start + n
         save = None
-        iv = self.interval
-        if iv and end % iv == 0 and end <= len(tokens):  # prompt chunks end on boundaries (clip); decodes cross them
-            key = hash_full_blocks(tokens[:end], self.inner.block_size, self._salts.get(request_id))[-1]
-            save = self.state.reserve_checkpoint(request_id, end, key)
+        iv, bs = self.interval, self.inner.block_size
+        if iv and end % bs == 0 and end <= len(tokens):
+            fixed = ((end % iv == 0 and end <= prompt_len) or end == self._prompt_end(prompt_len)
+                     or end == self._branch.get(request_id))
+            if fixed or end > prompt_len:
+                key = hash_full_blocks(tokens[:end], bs, self._salts.get(request_id))[-1]
+                save = self.state.reserve_checkpoint(request_id, end, key, moving=not fixed)
         return StateStep(self.state.slot(request_id), self._restore.pop(request_id, None), save)
 
 
-def clip_chunk(kv: Any, start: int, n: int, prompt_len: int) -> int:
+def clip_chunk(kv: Any, start: int, n: int, prompt_len: int, request_id: str | None = None) -> int:
     """Scheduler hook: a prompt chunk's length, cut at a state checkpoint boundary for a hybrid's
     manager (StatefulKVCacheManager), else n."""
-    return kv.clip(start, n, prompt_len) if isinstance(kv, StatefulKVCacheManager) else n
+    return kv.clip(start, n, prompt_len, request_id) if isinstance(kv, StatefulKVCacheManager) else n
 
 
 def state_step(kv: Any, request_id: str, start: int, n: int, tokens: Sequence[int],
@@ -235,17 +303,40 @@ def refusal(config: Any) -> str | None:
     if getattr(config, "speculative", "none") != "none":
         return (f"speculative {config.speculative!r} cannot run on a hybrid (gated DeltaNet) build: rolling back "
                 f"rejected drafts needs the recurrent state before them, which is not kept; use speculative 'none'")
+    from ..core.memory import parse_size
+
+    if parse_size(getattr(config, "kv_offload_memory", 0) or 0) or getattr(config, "kv_offload_dir", ""):
+        return ("kv_offload_memory / kv_offload_dir (the host and disk KV tiers) cannot serve a hybrid (gated "
+                "DeltaNet) build yet: the tiers hold KV blocks only, not the state checkpoints a hybrid resumes "
+                "from, so every tier hit would be recomputed; leave kv_offload_memory 0 and kv_offload_dir empty "
+                "(prefix caching in the pool still hits, from its state checkpoints)")
     return None
+
+
+def is_hybrid(model_spec: dict) -> bool:
+    """The manifest's model spec has linear-attention layers (a recurrent state per sequence)."""
+    return model_spec.get("linear_attn") is not None
+
+
+def disaggregation_refusal(model_spec: dict, mode: str) -> str | None:
+    """Why a disaggregated role (`kvexport dynamo --mode prefill|decode`) cannot serve this build, or None.
+    NOTE: the hand-off moves KV blocks only; a hybrid's decode worker would also need the prompt's
+    recurrent state, so it would find no checkpoint and recompute the whole prompt."""
+    if mode == "agg" or not is_hybrid(model_spec):
+        return None
+    return (f"--mode {mode}: a hybrid (gated DeltaNet) build cannot be served disaggregated yet: the prefill -> "
+            f"decode hand-off moves KV blocks, not the linear layers' recurrent state, so the decode worker would "
+            f"recompute the whole prompt; serve it with --mode agg")
 
 
 def for_build(kv: Any, model_spec: dict, config: Any) -> Any:
     """The engine's KV cache manager for a build: `kv` itself, or for a hybrid (the manifest's
     model.linear_attn) `kv` with a StatePool of max_num_seqs running slots and state_checkpoints
-    checkpoint slots (none without prefix caching, or with state_checkpoint_blocks / state_checkpoints 0). A setting a hybrid
-    cannot serve yet is refused (`refusal`)."""
+    checkpoint slots (none without prefix caching, or with state_checkpoint_blocks / state_checkpoints 0). A
+    setting a hybrid cannot serve yet is refused (`refusal`)."""
     from kvexport.errors import ConfigError
 
-    if model_spec.get("linear_attn") is None:
+    if not is_hybrid(model_spec):
         return kv
     if (why := refusal(config)) is not None:
         raise ConfigError(why)

@@ -17,7 +17,14 @@ It runs the same conversations four times, each on a fresh engine:
     restart     a new engine on host+disk's folder (after its close()): warm from disk
 
 and reports, per run, TTFT p50/p99 (from when a turn is queued), output and total tokens/s,
-cached prompt tokens and tier hits, and whether every answer equals the `off` run's.
+cached prompt tokens (the prefix-cache hit rate) and tier hits, and whether every answer equals the
+`off` run's.
+
+A hybrid build (gated DeltaNet layers: runtime/core/state_pool.py) has no KV tiers (they hold no
+recurrent state; refused by name), so it runs HYBRID_MODES instead: `off` (prefix caching in the pool,
+resuming from state checkpoints) and `recompute` (no prefix caching): the hit rate beside an attention
+model's, and answers equal to recomputation's. Pool sizes count the KV of the layers that hold KV
+(`io.kv_bytes_per_token_layers`: a hybrid's attention layers, a shared cache once).
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvexport import manifest as mf
+from kvexport import io, manifest as mf
 from kvexport.errors import ConfigError
 
 from ..config import EngineConfig
@@ -41,6 +48,19 @@ from ..engine import LLMEngine
 from ..sampling_params import SamplingParams
 
 MODES = ("off", "host", "host+disk", "restart")
+HYBRID_MODES = ("off", "recompute")  # a hybrid build: no KV tiers (module doc)
+
+
+def kv_bytes_per_token(manifest) -> int:
+    """KV bytes per token of the layers that hold KV (the engine's sizing: io.kv_bytes_per_token_layers)."""
+    kv = manifest.kv
+    kv_layers, dims = io.kv_layout(manifest.model.spec, kv.num_kv_heads, kv.head_dim)
+    return sum(io.kv_bytes_per_token_layers((io.FULL_GROUP,) * kv.num_layers, dims, kv_layers, io.DType(kv.dtype),
+                                            kv.latent).values())
+
+
+def is_hybrid(manifest) -> bool:
+    return manifest.model.spec.get("linear_attn") is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +110,8 @@ def _pct(xs: list[float], q: float) -> float:
 def run_chat(build_dir: str | Path, config: EngineConfig, shape: ChatShape, progress=None) -> dict:
     """The four runs (module doc) and what each measured."""
     manifest = mf.load(Path(build_dir))
-    per_token = manifest.kv.bytes_per_token
+    per_token = kv_bytes_per_token(manifest)
+    hybrid = is_hybrid(manifest)
     conv_bytes = shape.conversation_tokens * per_token
     if shape.conversation_tokens + 1 > manifest.kv.max_seq_len:
         raise ConfigError(f"chat bench: a conversation of {shape.conversation_tokens} tokens does not fit the "
@@ -102,9 +123,10 @@ def run_chat(build_dir: str | Path, config: EngineConfig, shape: ChatShape, prog
     base = replace(config, kv_cache_memory=int(pool), max_num_seqs=shape.pool_conversations,
                    kv_offload_memory="0", kv_offload_dir="")
     host_all = parse_size(config.kv_offload_memory) or int(1.25 * shape.conversations * conv_bytes)
-    own_dir = not config.kv_offload_dir
-    folder = Path(config.kv_offload_dir or tempfile.mkdtemp(prefix="kvexport-chat-bench-")) / "kv"
-    if folder.exists():
+    own_dir = not config.kv_offload_dir and not hybrid
+    folder = Path(config.kv_offload_dir or (tempfile.gettempdir() if hybrid else
+                                            tempfile.mkdtemp(prefix="kvexport-chat-bench-"))) / "kv"
+    if folder.exists() and not hybrid:
         raise ConfigError(f"chat bench: {folder} exists; give a --kv-offload-dir whose 'kv' subfolder is new")
     runs = {}
     try:
@@ -113,8 +135,10 @@ def run_chat(build_dir: str | Path, config: EngineConfig, shape: ChatShape, prog
                                         kv_offload_disk=config.kv_offload_disk),
                    }
         configs["restart"] = configs["host+disk"]
+        if hybrid:
+            configs = {"off": base, "recompute": replace(base, enable_prefix_caching=False)}
         answers = {}
-        for mode in MODES:
+        for mode in (HYBRID_MODES if hybrid else MODES):
             runs[mode], answers[mode] = _run(build_dir, configs[mode], shape, mode, progress)
             runs[mode]["answers_equal_off"] = answers[mode] == answers["off"]
     finally:
@@ -123,6 +147,8 @@ def run_chat(build_dir: str | Path, config: EngineConfig, shape: ChatShape, prog
     return {"bench": "chat", "date": time.strftime("%Y-%m-%d %H:%M"),
             "machine": f"{platform.machine()}, {os.cpu_count()} cores", "build": str(build_dir),
             "model": manifest.model.family, "dtype": manifest.dtype, "kv_dtype": manifest.kv.dtype,
+            "hybrid": hybrid, "kv_bytes_per_token": per_token,
+            "state_checkpoint_blocks": config.state_checkpoint_blocks if hybrid else None,
             "shape": {f.name: getattr(shape, f.name) for f in fields(ChatShape)},
             "kv_cache_memory_bytes": int(pool), "host_tier_bytes": {"host": host_all, "host+disk": int(conv_bytes)},
             "disk_tier_bytes": parse_size(config.kv_offload_disk), "threads": config.threads, "runs": runs}
@@ -138,7 +164,7 @@ def _run(build_dir, config: EngineConfig, shape: ChatShape, mode: str, progress)
     history = [list(system) for _ in range(shape.conversations)]
     turn = [0] * shape.conversations
     live: dict[str, int] = {}  # request id -> conversation
-    ttft, cached, answers = [], [], [[] for _ in range(shape.conversations)]
+    ttft, cached, turn2, answers = [], [], [], [[] for _ in range(shape.conversations)]
 
     def submit(c: int) -> None:
         history[c] += users[c][turn[c]]
@@ -159,6 +185,8 @@ def _run(build_dir, config: EngineConfig, shape: ChatShape, mode: str, progress)
             del live[rid]
             engine.pop_output(rid)
             ttft.append(o.first_token_time - o.arrival_time)
+            if turn[c] == 1:
+                turn2.append(ttft[-1])
             cached.append(o.num_cached_prompt_tokens)
             prompt_tokens += len(history[c])
             answers[c].append(list(o.token_ids))
@@ -177,6 +205,8 @@ def _run(build_dir, config: EngineConfig, shape: ChatShape, mode: str, progress)
             "output_tokens_per_s": round(out_tokens / wall, 2),
             "total_tokens_per_s": round((out_tokens + prompt_tokens) / wall, 2),
             "prompt_tokens": prompt_tokens, "cached_prompt_tokens": int(sum(cached)),
+            "hit_rate": round(sum(cached) / prompt_tokens, 4) if prompt_tokens else 0.0,
+            "turn2_ttft_s": {"p50": _pct(turn2, 50)},
             "preemptions": stats["preemptions"],
             "tier_hits": {"host": stats["offload_host_hits"], "disk": stats["offload_disk_hits"]},
             "tier_bytes": {k: stats[f"offload_{k}_bytes"] for k in ("host_write", "host_read", "disk_write",
@@ -187,12 +217,14 @@ def _run(build_dir, config: EngineConfig, shape: ChatShape, mode: str, progress)
 
 def markdown(result: dict) -> str:
     """The table docs/BENCHMARKS.md shows."""
-    rows = ["| run | TTFT p50 (s) | TTFT p99 (s) | output tok/s | total tok/s | cached prompt tokens | "
-            "tier hits host / disk (blocks) | answers = off |", "|---|---|---|---|---|---|---|---|"]
+    rows = ["| run | TTFT p50 (s) | TTFT p99 (s) | turn-2 TTFT p50 (s) | output tok/s | total tok/s | "
+            "cached prompt tokens (hit rate) | tier hits host / disk (blocks) | answers = off |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for mode, r in result["runs"].items():
-        rows.append(f"| {mode} | {r['ttft_s']['p50']} | {r['ttft_s']['p99']} | {r['output_tokens_per_s']} | "
-                    f"{r['total_tokens_per_s']} | {r['cached_prompt_tokens']} / {r['prompt_tokens']} | "
-                    f"{r['tier_hits']['host']} / {r['tier_hits']['disk']} | {r['answers_equal_off']} |")
+        rows.append(f"| {mode} | {r['ttft_s']['p50']} | {r['ttft_s']['p99']} | {r['turn2_ttft_s']['p50']} | "
+                    f"{r['output_tokens_per_s']} | {r['total_tokens_per_s']} | {r['cached_prompt_tokens']} / "
+                    f"{r['prompt_tokens']} ({r['hit_rate']:.1%}) | {r['tier_hits']['host']} / "
+                    f"{r['tier_hits']['disk']} | {r['answers_equal_off']} |")
     return "\n".join(rows) + "\n"
 
 
@@ -201,13 +233,15 @@ def turn2_ttft(build_dir: str | Path, config: EngineConfig, shape: ChatShape, re
     conversations' first turns), with offload off / host / disk only / after a restart on that
     disk folder: no queueing, the median of `repeats` conversations, each on the same engine."""
     manifest = mf.load(Path(build_dir))
-    per_token, block = manifest.kv.bytes_per_token, manifest.kv.block_size
+    per_token, block = kv_bytes_per_token(manifest), manifest.kv.block_size
     pool = (shape.system_tokens + 2 * (shape.private_tokens + 2 * block) + block) * per_token
     base = replace(config, kv_cache_memory=int(pool), kv_offload_memory="0", kv_offload_dir="")
     folder = Path(tempfile.mkdtemp(prefix="kvexport-turn2-")) / "kv"
     disk = replace(base, kv_offload_dir=str(folder), kv_offload_disk=config.kv_offload_disk)
     configs = {"off": base, "host": replace(base, kv_offload_memory=int(4 * shape.conversations * pool)),
                "disk": disk, "restart": disk}
+    if is_hybrid(manifest):  # no KV tiers (module doc)
+        configs = {"off": base, "recompute": replace(base, enable_prefix_caching=False)}
     params = SamplingParams(max_tokens=shape.answer_tokens, ignore_eos=True)
     out = {}
     try:

@@ -447,10 +447,13 @@ def _check_values(m: Manifest) -> None:
         if getattr(kv, name) != want:
             of = "the model's MLA spec (model.mla) gives" if mla is not None else f"'model.{name}' is"
             raise _FieldError(f"kv.{name}", f"is {getattr(kv, name)}, but {of} {want}")
-    per_token = io.kv_bytes_per_token(kv.num_layers, kv.num_kv_heads, kv.head_dim, io.DType(kv.dtype), kv.latent)
-    if kv.bytes_per_token != per_token:
+    per_token = io.kv_bytes_per_token_model(m.model.spec, kv.num_kv_heads, kv.head_dim, io.DType(kv.dtype),
+                                            kv.latent)
+    # NOTE: hybrid and Gemma 4 builds written before their KV was counted by layer carry the uniform figure
+    legacy = io.kv_bytes_per_token(kv.num_layers, kv.num_kv_heads, kv.head_dim, io.DType(kv.dtype), kv.latent)
+    if kv.bytes_per_token not in (per_token, legacy):
         formula = ("layers x (kv_lora_rank + qk_rope_head_dim) x bytes" if kv.latent else
-                   "2 x layers x kv_heads x head_dim x bytes")
+                   "2 x kv_heads x head_dim x bytes summed over the layers holding KV")
         raise _FieldError("kv.bytes_per_token", f"is {kv.bytes_per_token}, but the kv spec gives {per_token} "
                                                 f"({formula})")
     if kv.local_window is not None:

@@ -94,10 +94,14 @@ CASES_HYBRID = {
     "qwen3_next": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                        shared_expert_intermediate_size=40),
 }
+# qwen3_5_moe (tests/exporter/test_qwen3_5_moe.py): the hybrid layers above, experts (a gated shared expert) on
+# every layer, top-k always renormalized
+CASES_HYBRID_MOE = {"qwen3_5_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                        shared_expert_intermediate_size=40)}
 BUILDS_PAGED_ONNX = [("paged", "onnx")]
 # parity modules whose families refuse `--attention plugin` by name (no native op for their layers yet; the
 # refusal is tested there): module -> why
-PLUGIN_REFUSED = {"test_qwen3_5": "gated DeltaNet layers have no native op yet (exporter/linear_attention.py)"}
+PLUGIN_REFUSED: dict[str, str] = {}
 
 # (layout, attention) of the builds each family module validates
 BUILDS_ALL = [("paged", "onnx"), ("contiguous", "onnx"), ("paged", "plugin")]
@@ -110,7 +114,9 @@ PARITY_MODULES = {
     "test_deepseek_mla": (CASES_MLA, BUILDS_ALL),
     "test_gpt_oss": (CASES_GPT_OSS, BUILDS_GPT_OSS),
     "test_gemma4": (CASES_GEMMA4, BUILDS_ALL),
-    "test_qwen3_5": (CASES_HYBRID, BUILDS_PAGED_ONNX),  # hybrids: paged `onnx` only (linear_attention.py)
+    # hybrids: paged only (linear_attention.py); the plugin form's parity is test_qwen3_5_plugin.py's
+    "test_qwen3_5": (CASES_HYBRID, BUILDS_PAGED_ONNX + [("paged", "plugin")]),
+    "test_qwen3_5_moe": (CASES_HYBRID_MOE, BUILDS_PAGED_ONNX + [("paged", "plugin")]),
 }
 
 
@@ -131,6 +137,10 @@ def tiny_config(family: str, **overrides):
         from transformers import GptOssConfig
 
         return GptOssConfig(**{**TINY_GPT_OSS, **overrides})
+    if family in CASES_HYBRID_MOE:
+        from transformers import Qwen3_5MoeTextConfig
+
+        return Qwen3_5MoeTextConfig(**{**TINY_HYBRID, **CASES_HYBRID_MOE[family], **overrides})
     if family in CASES_HYBRID:
         from transformers import Qwen3_5TextConfig, Qwen3NextConfig
 
@@ -177,7 +187,7 @@ def _init(family: str, model) -> None:
                 p.copy_(torch.randn_like(p) * 0.5)
             if family in CASES_MLA and name.endswith("e_score_correction_bias"):
                 p.copy_(torch.rand_like(p) * 0.5)
-        if family in CASES_HYBRID:  # (1 + w) norms init to 0, the gated norm to 1: random, so a missed one shows
+        if family in CASES_HYBRID or family in CASES_HYBRID_MOE:  # (1 + w) norms init to 0, the gated norm to 1: random, so a missed one shows
             for name, p in model.named_parameters():
                 if "norm" in name:
                     p.copy_(torch.rand_like(p) * 0.5 + (0.75 if name.endswith("linear_attn.norm.weight") else 0.0))

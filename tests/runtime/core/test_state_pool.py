@@ -12,7 +12,8 @@ from kvexport.runtime.config import EngineConfig
 from kvexport.runtime.core.block_hash import hash_full_blocks
 from kvexport.runtime.core.block_pool import BlockPool
 from kvexport.runtime.core.kv_cache_manager import KVCacheManager
-from kvexport.runtime.core.state_pool import StatefulKVCacheManager, StatePool, StateStep, clip_chunk, refusal
+from kvexport.runtime.core.state_pool import (StatefulKVCacheManager, StatePool, StateStep, clip_chunk,
+                                              disaggregation_refusal, refusal)
 from kvexport.runtime.execution.state_store import StateStore, restore_checkpoints, save_checkpoints
 
 
@@ -46,7 +47,8 @@ def test_admission_needs_a_state_slot():
 def test_chunks_end_on_checkpoint_boundaries_inside_the_prompt():
     kv = manager(every=2)  # 8 tokens
     assert kv.clip(0, 20, 30) == 8 and kv.clip(8, 20, 30) == 8 and kv.clip(3, 4, 30) == 4
-    assert kv.clip(24, 20, 30) == 20  # no boundary before the prompt's end
+    assert kv.clip(24, 20, 30) == 4  # the prompt's last block boundary (28) is a checkpoint too
+    assert kv.clip(28, 20, 30) == 20 and kv.clip(24, 20, 32) == 20  # no boundary before the prompt's end
     assert kv.clip(30, 1, 30) == 1  # decoding
     assert clip_chunk(KVCacheManager(BlockPool(8, 4)), 0, 20, 30) == 20  # not a hybrid
 
@@ -80,6 +82,57 @@ def test_a_prefix_resumes_from_the_nearest_published_checkpoint():
     assert kv.allocate_slots("c", 4, kv.get_computed_blocks(other)) is not None
     kv.free("b")  # its pending checkpoint (never completed) goes back to the free list
     assert kv.state._ckpt_free == [2]
+
+
+def test_decode_keeps_one_moving_checkpoint_that_the_next_turn_resumes_from():
+    """Decode saves at each block boundary it crosses, replacing the sequence's previous decode checkpoint;
+    the last one outlives the sequence, so a follow-up prompt (this prompt + its answer + more) resumes at
+    the answer's last full block, where an attention model's KV hit would end too."""
+    kv = manager(slots=1, checkpoints=4, every=4)  # 16-token interval: the 10-token prompt has none inside
+    prompt = list(range(50, 60))
+    kv.allocate_slots("a", 10, kv.get_computed_blocks(prompt))
+    assert kv.clip(0, 10, 10) == 8 and kv.step("a", 0, 8, prompt, 10).save_to == 1  # the prompt's last boundary
+    kv.cache_blocks("a", prompt, 8)
+    kv.allocate_slots("a", 2)
+    assert kv.step("a", 8, 2, prompt, 10).save_to is None
+    kv.cache_blocks("a", prompt, 10)
+    tokens = list(prompt)
+    saves = []
+    for t in range(10, 21):  # decode: tokens 10..20 computed one at a time
+        tokens.append(100 + t)
+        kv.allocate_slots("a", 1)
+        saves.append(kv.step("a", t, 1, tokens, 10).save_to)
+        kv.cache_blocks("a", tokens, t + 1)
+    assert saves == [None, 2, None, None, None, 2, None, None, None, 2, None]  # at 12, 16, 20: one slot, reused
+    assert sorted(kv.state._ckpt.values()) == [1, 2] and kv.state.saved == 4
+    kv.free("a")
+    follow = tokens + [7] * 9  # the next turn: history (20 tokens computed) + a new message
+    hit = kv.get_computed_blocks(follow)
+    assert hit.num_computed_tokens == 20
+    kv.allocate_slots("b", 9, hit)
+    assert kv.step("b", 20, 8, follow, 29).restore_from == 2
+
+
+def test_a_kv_hit_past_the_checkpoint_saves_one_where_it_ends():
+    """A second prompt sharing 12 tokens (3 blocks) with a cached one finds no checkpoint there (interval 16
+    tokens): it recomputes from 0, its chunk is cut where the KV hit ended and saves a checkpoint there, so a
+    third prompt with that prefix resumes at 12 tokens."""
+    kv = manager(slots=2, checkpoints=4, every=4)
+    shared = list(range(60, 72))
+    a = shared + [1, 2, 3, 4, 5, 6]
+    kv.allocate_slots("a", 18, kv.get_computed_blocks(a))
+    assert kv.step("a", 0, 16, a, 18).save_to is not None  # the interval (16), also a's last block boundary
+    kv.cache_blocks("a", a, 18)
+    kv.free("a")
+    b = shared + [9, 9, 9, 9, 9]
+    hit = kv.get_computed_blocks(b)
+    assert hit.num_computed_tokens == 0  # no checkpoint at 12: no hit
+    assert clip_chunk(kv, 0, 17, 17, "b") == 12
+    kv.allocate_slots("b", 12, hit)
+    assert kv.step("b", 0, 12, b, 17).save_to is not None
+    kv.cache_blocks("b", b, 12)
+    c = shared + [8, 8, 8, 8, 8]
+    assert kv.get_computed_blocks(c).num_computed_tokens == 12
 
 
 def test_checkpoints_evict_least_recently_used():
@@ -117,3 +170,7 @@ def test_engine_features_a_hybrid_cannot_carry_are_named():
     assert refusal(EngineConfig()) is None
     assert "kv_eviction 'snapkv'" in refusal(EngineConfig(kv_eviction="snapkv", kv_budget_tokens=64))
     assert "speculative 'ngram'" in refusal(EngineConfig(speculative="ngram"))
+    assert "kv_offload_memory / kv_offload_dir" in refusal(EngineConfig(kv_offload_memory="1MiB"))
+    assert "kv_offload_memory / kv_offload_dir" in refusal(EngineConfig(kv_offload_dir="/tmp/x"))
+    assert disaggregation_refusal({"linear_attn": {}}, "prefill").startswith("--mode prefill: a hybrid")
+    assert disaggregation_refusal({"linear_attn": {}}, "agg") is None and disaggregation_refusal({}, "decode") is None
