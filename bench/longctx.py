@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import sys
@@ -158,46 +159,83 @@ def _counter(build: str):
 
 # ---- kvexport --------------------------------------------------------------------------------------
 def run_kvexport(args) -> dict:
+    """Every case under every configuration. The importance policies share one engine with prefix caching:
+    per prompt the full cache runs first (its prompt's blocks go to the prefix cache), then each budget
+    fraction as a request budget (SamplingParams.kv_budget_tokens): its prompt hits the cache up to the
+    last w tokens (ImportanceEviction.prefix_lookup), which it computes, so its observation window's
+    attention scores the whole prompt exactly as a from-scratch prefill would (the keys are the same),
+    and a prompt is prefilled once for all of them. h2o runs on the same engine by switching its policy to
+    decode-time eviction (ImportanceBudget.decode) between requests. Streaming (positional, no scores)
+    gets an engine per fraction and context: sinks + a recent window of the budget's size."""
+    import dataclasses
+
     from kvexport import LLM, SamplingParams
 
     tok, count = _counter(args.build)
     cases = suite(count, args.contexts, args.samples, args.tasks)
     prompts = [tok.encode(c.context + c.question, add_special_tokens=False).ids for c in cases]
-    configs = []
-    for p in args.policies:
-        if p == "full":
-            configs.append(("full", 1.0, {}))
-            continue
-        for f in args.fractions:
-            if p == "streaming":  # sinks + a recent window of the budget's size (the longest prompt's)
-                recent = max(int(f * max(len(x) for x in prompts)) - 16, 16)
-                configs.append((p, f, dict(kv_eviction="streaming", kv_sink_tokens=4, kv_recent_tokens=recent)))
-            else:
-                configs.append((p, f, dict(kv_eviction=p, kv_budget_fraction=f, kv_sink_tokens=4,
-                                           kv_observation_tokens=args.window, kv_recent_tokens=args.window)))
-    rows = []
-    for name, frac, settings in configs:
-        llm = LLM(args.build, kv_cache_memory=args.kv_memory, max_num_batched_tokens=args.chunk, max_num_seqs=4,
-                  enable_prefix_caching=False, **settings)
-        t0 = time.time()
-        params = [SamplingParams(max_tokens=c.max_new_tokens, ignore_eos=True) for c in cases]
-        outs = llm.generate(prompts, params)
-        took = time.time() - t0
-        for c, o, p in zip(cases, outs, prompts):
-            rows.append(dict(method=f"kvexport {name}", fraction=frac, task=c.task, context=c.context_tokens,
-                             prompt_tokens=len(p), seed=c.seed, score=score(o.text, c.answers), answer=o.text))
-        print(f"kvexport {name} {frac}: {sum(r['score'] for r in rows[-len(cases):]) / len(cases):.3f} "
-              f"({took:.0f} s)", file=sys.stderr, flush=True)
-        save(args, dict(rows=rows))  # after each configuration: a long run's partial results are kept
-    return dict(rows=rows)
+    rows: list[dict] = []
+    took: dict[str, float] = {}
+
+    def record(method, frac, c, p, text):
+        rows.append(dict(method=method, fraction=frac, task=c.task, context=c.context_tokens, prompt_tokens=len(p),
+                         seed=c.seed, score=score(text, c.answers), answer=text))
+
+    def params(c, budget=None):
+        return SamplingParams(max_tokens=c.max_new_tokens, ignore_eos=True, kv_budget_tokens=budget)
+
+    # snapkv-pool5: snapkv with its token scores max-pooled over 5 neighbours before the block max
+    imp = [x for x in args.policies if x in ("snapkv", "h2o", "snapkv-pool5")]
+    if "full" in args.policies or imp:
+        from kvexport import manifest as mf
+
+        max_len = min(mf.load(args.build).kv.max_seq_len, args.max_model_len or 1 << 30)
+        llm = LLM(args.build, kv_cache_memory=args.kv_memory, max_num_batched_tokens=args.chunk, max_num_seqs=8,
+                  enable_prefix_caching=True, max_model_len=max_len, kv_eviction="snapkv", kv_budget_tokens=max_len,
+                  kv_sink_tokens=4, kv_observation_tokens=args.window, kv_recent_tokens=args.window)
+        pol = llm.engine.scheduler.eviction
+        snap = pol.b
+        for i, (c, p) in enumerate(zip(cases, prompts)):
+            t0 = time.time()
+            pol.b = snap
+            record("kvexport full", 1.0, c, p, llm.generate([p], params(c))[0].text)
+            budgets = [(f, math.ceil(f * len(p))) for f in args.fractions]
+            for name in imp:
+                pol.b = dataclasses.replace(snap, decode=name == "h2o", pool_kernel=5 if name.endswith("pool5") else 1)
+                outs = llm.generate([p] * len(budgets), [params(c, b) for _, b in budgets])
+                for (f, _), o in zip(budgets, outs):
+                    record(f"kvexport {name}", f, c, p, o.text)
+            pol.b = snap
+            took["importance"] = took.get("importance", 0.0) + time.time() - t0
+            print(f"[{i + 1}/{len(cases)}] {c.task} {c.context_tokens} ({len(p)} tokens, {time.time() - t0:.0f} s): "
+                  + " ".join(f"{r['method'].split()[-1]}@{r['fraction']}={r['score']:.2f}"
+                             for r in rows[-1 - len(imp) * len(budgets):]), file=sys.stderr, flush=True)
+            save(args, dict(rows=rows, seconds_by_part=took))
+    if "streaming" in args.policies:
+        for ctx in args.contexts:
+            sel = [(c, p) for c, p in zip(cases, prompts) if c.context_tokens == ctx]
+            for f in args.streaming_fractions:
+                t0 = time.time()
+                recent = max(int(f * max(len(p) for _, p in sel)) - 16, 16)
+                llm = LLM(args.build, kv_cache_memory=args.kv_memory, max_num_batched_tokens=args.chunk, max_num_seqs=8,
+                          enable_prefix_caching=False, kv_eviction="streaming", kv_sink_tokens=4,
+                          kv_recent_tokens=recent)
+                outs = llm.generate([p for _, p in sel], [params(c) for c, _ in sel])
+                for (c, p), o in zip(sel, outs):
+                    record("kvexport streaming", f, c, p, o.text)
+                took["streaming"] = took.get("streaming", 0.0) + time.time() - t0
+                print(f"streaming {ctx} {f}: {sum(r['score'] for r in rows[-len(sel):]) / len(sel):.3f} "
+                      f"({time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
+                save(args, dict(rows=rows, seconds_by_part=took))
+    return dict(rows=rows, seconds_by_part=took)
 
 
 def run_memory(args) -> dict:
     """KV memory held per sequence (the engine's kv_stats "blocks_used", what /metrics exports as
     kvexport_kv_blocks_used) and decode step time, by budget: one prompt (the first niah_single case of
     the first context) served alone with request budgets (SamplingParams.kv_budget_tokens) of each
-    fraction. NOTE: prefix caching on, so the prompt is computed once; later requests score from the
-    one token left after the hit (what is measured here is memory and speed, not accuracy)."""
+    fraction. Prefix caching on, so the prompt is computed once: later requests hit it up to their
+    observation window, which they compute and score from (ImportanceEviction.prefix_lookup)."""
     from kvexport import LLM, SamplingParams
     from kvexport import manifest as mf
 
@@ -224,8 +262,10 @@ def run_memory(args) -> dict:
         dt = (time.perf_counter() - t0) / max(steps, 1)
         eng.pop_output(rid)
         rows.append(dict(fraction=f, prompt_tokens=len(prompt), blocks_used=used,
-                         kv_bytes=used * m.kv.block_size * m.kv.bytes_per_token, decode_step_ms=round(1000 * dt, 2)))
+                         kv_bytes=used * m.kv.block_size * m.kv.bytes_per_token, decode_step_ms=round(1000 * dt, 2),
+                         load_average=os.getloadavg()[0]))
         print(rows[-1], file=sys.stderr, flush=True)
+        save(args, dict(memory=rows))
     return dict(memory=rows)
 
 
@@ -235,33 +275,45 @@ PRESSES = {"snapkv": "SnapKVPress", "expected_attention": "ExpectedAttentionPres
 
 
 def run_kvpress(args) -> dict:
+    """Every case under the full cache and each press at each fraction (case by case, so partial results
+    cover every configuration): the context is prefilled under the press (compressed), then the question
+    and greedy decoding run on the compressed cache, as kvpress's pipeline does."""
+    import tempfile
+
     import torch
     import kvpress
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(args.threads)
     tok, count = _counter(args.build)
-    cases = suite(count, args.contexts, args.samples, args.tasks)
+    # seed by seed, every task each round: a run cut short has covered the tasks evenly
+    cases = sorted(suite(count, args.contexts, args.samples, args.tasks),
+                   key=lambda c: (c.context_tokens, c.seed, args.tasks.index(c.task)))
     gguf = Path(args.gguf)
     hf_tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, torch_dtype=torch.float32)
     model.eval()
+    # NOTE: KVzipPress loads the tokenizer from model.config.name_or_path (a GGUF's folder has none)
+    hf_dir = tempfile.mkdtemp(prefix="longctx-kvpress-")
+    hf_tok.save_pretrained(hf_dir)
+    model.config.save_pretrained(hf_dir)
+    model.config.name_or_path = model.name_or_path = hf_dir
     rows = []
+    took: dict[str, float] = {}
     configs = [("full", 1.0, None)] + [(p, f, getattr(kvpress, PRESSES[p])(compression_ratio=1 - f))
                                         for f in args.fractions for p in args.presses]
-    for name, frac, press in configs:
-        t0 = time.time()
-        for c in cases:
-            ctx_ids = tok.encode(c.context, add_special_tokens=False).ids
-            q_ids = tok.encode(c.question, add_special_tokens=False).ids
-            ids = torch.tensor([ctx_ids])
+    for i, c in enumerate(cases):
+        ctx_ids = tok.encode(c.context, add_special_tokens=False).ids
+        q_ids = tok.encode(c.question, add_special_tokens=False).ids
+        ids = torch.tensor([ctx_ids])
+        for name, frac, press in configs:
+            t0 = time.time()
             with torch.no_grad():
-                cache = None
                 if press is None:
-                    out = model(ids, use_cache=True)
+                    out = model(input_ids=ids, use_cache=True)
                 else:
                     with press(model):
-                        out = model(ids, use_cache=True)
+                        out = model(input_ids=ids, use_cache=True)
                 cache = out.past_key_values
                 # the question, then greedy decoding, on the compressed cache (the question uncompressed)
                 text_ids = []
@@ -269,7 +321,7 @@ def run_kvpress(args) -> dict:
                 pos = ids.shape[1]
                 for _ in range(c.max_new_tokens):
                     n = nxt.shape[1]
-                    out = model(nxt, past_key_values=cache, use_cache=True,
+                    out = model(input_ids=nxt, past_key_values=cache, use_cache=True,
                                 position_ids=torch.arange(pos, pos + n)[None], cache_position=torch.arange(pos, pos + n))
                     pos += n
                     cache = out.past_key_values
@@ -280,10 +332,12 @@ def run_kvpress(args) -> dict:
             rows.append(dict(method=f"kvpress {name}", fraction=frac, task=c.task, context=c.context_tokens,
                              prompt_tokens=len(ctx_ids) + len(q_ids), seed=c.seed, score=score(text, c.answers),
                              answer=text))
-        print(f"kvpress {name} {frac}: {sum(r['score'] for r in rows[-len(cases):]) / len(cases):.3f} "
-              f"({time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
-        save(args, dict(rows=rows))
-    return dict(rows=rows)
+            took[name] = took.get(name, 0.0) + time.time() - t0
+        print(f"[{i + 1}/{len(cases)}] {c.task} {c.context_tokens}: " + " ".join(
+            f"{r['method'].split()[-1]}@{r['fraction']}={r['score']:.2f}" for r in rows[-len(configs):]),
+            file=sys.stderr, flush=True)
+        save(args, dict(rows=rows, seconds_by_press=took))
+    return dict(rows=rows, seconds_by_press=took)
 
 
 def save(args, res: dict) -> None:
@@ -291,7 +345,8 @@ def save(args, res: dict) -> None:
     if not args.out:
         return
     res = res | dict(command=" ".join(sys.argv), settings=dict(contexts=args.contexts, samples=args.samples,
-                                                               fractions=args.fractions, tasks=args.tasks))
+                                                               fractions=args.fractions, tasks=args.tasks),
+                     load_average=os.getloadavg()[0])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(args.out).with_suffix(".tmp")
     tmp.write_text(json.dumps(res, indent=1))
@@ -332,6 +387,8 @@ def main(argv=None) -> None:
     p.add_argument("--tasks", default=",".join(TASKS))
     p.add_argument("--fractions", default="0.5,0.25,0.125")
     p.add_argument("--policies", default="full,snapkv,streaming,h2o")
+    p.add_argument("--streaming-fractions", default="0.25", help="kvexport: the fractions streaming runs at")
+    p.add_argument("--max-model-len", type=int, default=0, help="kvexport: 0 = the build's max_seq_len")
     p.add_argument("--presses", default="snapkv,expected_attention,tova,kvzip")
     p.add_argument("--window", type=int, default=32, help="kvexport: observation window / recent tokens")
     p.add_argument("--chunk", type=int, default=1024, help="kvexport: max_num_batched_tokens")
@@ -342,6 +399,7 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     a.contexts = [int(x) for x in a.contexts.split(",")]
     a.fractions = [float(x) for x in a.fractions.split(",")]
+    a.streaming_fractions = [float(x) for x in a.streaming_fractions.split(",")]
     a.tasks = a.tasks.split(",")
     a.policies = a.policies.split(",")
     a.presses = a.presses.split(",")

@@ -198,10 +198,12 @@ def load(src: source.ModelSource, plan: Plan, progress: Progress) -> Loaded:
 
 def scores_declared(opts, spec) -> bool:
     """Whether the build's graphs return attention scores (io.OBSERVATION_LENS; importance eviction,
-    runtime/core/importance.py): paged builds for onnxruntime (`plugin` and `onnx` attention), not MLA.
-    NOTE: the TensorRT plugin and the MLA op take no observation_lens yet (plugins/paged_attention/spec.py
-    "Attention scores")."""
-    return opts.layout is io.KVLayout.PAGED and opts.backend == "onnxruntime" and spec.mla is None
+    runtime/core/importance.py): paged builds for onnxruntime (`plugin` and `onnx` attention; MLA models
+    with `plugin` attention: kvexport::PagedMLA scores, its `onnx` form does not).
+    NOTE: the TensorRT plugins take no observation_lens yet (plugins/paged_attention/spec.py "Attention
+    scores")."""
+    return (opts.layout is io.KVLayout.PAGED and opts.backend == "onnxruntime"
+            and (spec.mla is None or opts.attention is io.Attention.PLUGIN))
 
 
 def write_graphs(d: Path, plan: Plan, loaded: Loaded, kv: KVConstants, wf: WeightForm,
@@ -263,7 +265,7 @@ def make_manifest(src: source.ModelSource, plan: Plan, kv: KVConstants, wf: Weig
     kv_spec = KVSpec(layout=opts.layout.value, attention=opts.attention.value, dtype=opts.kv.value,
                      block_size=opts.block_size if opts.layout is io.KVLayout.PAGED else 0,
                      num_layers=spec.num_layers, num_kv_heads=heads, head_dim=width,
-                     bytes_per_token=io.kv_bytes_per_token(spec.num_layers, heads, width, opts.kv, latent),
+                     bytes_per_token=io.kv_bytes_per_token_model(spec.to_json(), heads, width, opts.kv, latent),
                      max_seq_len=plan.max_len, quantization=kv.quantization, local_window=graphs.local_window,
                      latent_rank=spec.mla.kv_lora_rank if latent else None,
                      attention_scores=True if scores_declared(opts, spec) else None)

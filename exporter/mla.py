@@ -170,9 +170,12 @@ def attention(dg, i: int, lw, hn: str, cos: str | None, sin: str | None, ctx) ->
     if dg.plugin:
         out, kv = plugin_attention(b, spec, i, dg.cast(query, "float32", dg.act),
                                    dg.cast(b.op("Squeeze", latent, b.const([1])), "float32", dg.act),
-                                   block_size=dg.opts.block_size, kv_dtype=dg.kv, scale=scale)
+                                   block_size=dg.opts.block_size, kv_dtype=dg.kv, scale=scale,
+                                   scores=dg.score_out if dg.opts.scores else None)
         out = dg.cast(out, dg.act, "float32")  # [T, H, L]
     else:
+        if dg.opts.scores:  # exporter/build.py scores_declared never asks it
+            raise ValueError("MLA onnx attention does not return attention scores: build with --attention plugin")
         query = b.op("Mul", query, b.const(spec.scale, "float32"))
         out, kv = paged_attention(b, spec, i, ctx, query, latent, kv_dtype=dg.kv, scale=scale)  # [T, H, L]
     # W_UV after attention: [H, T, L] @ [H, L, V] -> [T, H * V]
@@ -230,21 +233,30 @@ def paged_attention(b: GraphBuilder, spec: ModelSpec, layer: int, ctx, query: st
 
 
 def plugin_attention(b: GraphBuilder, spec: ModelSpec, layer: int, query: str, latent: str, *,
-                     block_size: int, kv_dtype: str, scale: str | None = None) -> tuple[str, str]:
-    """One kvexport::PagedMLA node (plugins/paged_mla/spec.py):
+                     block_size: int, kv_dtype: str, scale: str | None = None,
+                     scores: list[str] | None = None) -> tuple[str, str]:
+    """One kvexport::PagedMLA node (plugins/paged_mla/spec.py); `scores`: the node also takes
+    io.OBSERVATION_LENS and its attention_scores output [S, 1, max_blocks * block_size] (spec.py
+    "Attention scores") is appended to this list:
 
         query [T, H, W], latent [T, W] (activation dtype, q NOT scaled), latent_cache.{i},
         block_tables, seq_lens, query_start_loc, slot_mapping, kv_scale [W] (float pools: ones)
-          ──> out [T, H, L], latent_cache_out.{i} (the pool, updated in place)
+          (+ observation_lens [S])
+          ──> out [T, H, L], latent_cache_out.{i} (the pool, updated in place) (+ attention_scores)
     """
     from kvexport.plugins.paged_mla.spec import PagedMLAAttrs
 
     m = spec.mla
     attrs = PagedMLAAttrs(spec.num_heads, m.kv_lora_rank, m.qk_rope_head_dim, block_size, spec.scale, kv_dtype)
     scale = scale or b.const(np.ones(m.row_width), "float32")
-    out, pool = b.op(io.MLA_PLUGIN_OP, query, latent, io.latent_cache(layer), io.BLOCK_TABLES, io.SEQ_LENS,
-                     io.QUERY_START_LOC, io.SLOT_MAPPING, scale, outputs=2, domain=io.PLUGIN_DOMAIN,
-                     name=f"/layers.{layer}/attn/{io.MLA_PLUGIN_OP}", **attrs.onnx_attributes())
+    inputs = [query, latent, io.latent_cache(layer), io.BLOCK_TABLES, io.SEQ_LENS, io.QUERY_START_LOC,
+              io.SLOT_MAPPING, scale]
+    if scores is not None:
+        inputs.append(io.OBSERVATION_LENS)
+    out, pool, *sc = b.op(io.MLA_PLUGIN_OP, *inputs, outputs=2 if scores is None else 3, domain=io.PLUGIN_DOMAIN,
+                          name=f"/layers.{layer}/attn/{io.MLA_PLUGIN_OP}", **attrs.onnx_attributes())
+    if scores is not None:
+        scores.extend(sc)  # [S, 1, max_blocks * block_size] float32
     return out, pool
 
 

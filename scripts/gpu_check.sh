@@ -2,8 +2,10 @@
 # Every GPU check of the project in one go (see ../shared/GPU.md): the PagedAttention
 # Triton kernels — correctness at Llama-3-8B shapes against the torch reference, decode
 # bandwidth against the copy bandwidth, int8 vs fp16 KV — then the PagedMLA kernels at
-# DeepSeek-V3 shapes (plugins/paged_mla/gpu_check.py). Results: $OUT/gpu_check.json and
-# $OUT/gpu_check_mla.json, summaries on stdout. Needs torch with CUDA and triton (3.6 on the
+# DeepSeek-V3 shapes (plugins/paged_mla/gpu_check.py); both with their attention_scores pass
+# (importance eviction: correctness and the cost of a scored step). Results: $OUT/gpu_check.json and
+# $OUT/gpu_check_mla.json; then GatedDeltaRule (plugins/gated_delta/gpu_check.py) into
+# $OUT/gpu_check_gated_delta.json; summaries on stdout. Needs torch with CUDA and triton (3.6 on the
 # lent machine); no TensorRT.
 #   OUT=/tmp/out bash scripts/gpu_check.sh            # on the GPU machine
 #   bash scripts/gpu_check.sh --tiny                  # the same logic on CPU, toy sizes
@@ -44,5 +46,11 @@ timeout 180 "$PY" -m kvexport.plugins.paged_mla.gpu_check --out "$OUT" "$@"
 rc_mla=$?
 [ -f "$OUT/gpu_check_mla.json" ] || echo '{"error": "paged_mla gpu_check wrote nothing (rc '"$rc_mla"')"}' \
     > "$OUT/gpu_check_mla.json"
+# GatedDeltaRule (Qwen3.5 / Qwen3-Next gated DeltaNet layers): its own report, sized to about a minute
+timeout 120 "$PY" -m kvexport.plugins.gated_delta.gpu_check --out "$OUT" "$@"
+rc_gdn=$?
+[ -f "$OUT/gpu_check_gated_delta.json" ] || echo '{"error": "gated_delta gpu_check wrote nothing (rc '"$rc_gdn"')"}' \
+    > "$OUT/gpu_check_gated_delta.json"
+[ $rc_gdn -ne 0 ] && [ $rc -eq 0 ] && rc=$rc_gdn
 [ $rc -ne 0 ] && exit $rc
 exit $rc_mla

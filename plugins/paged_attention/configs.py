@@ -32,6 +32,9 @@ class TileConfig:
 PREFILL_TILES = (TileConfig(64, 64, 4, 2), TileConfig(128, 64, 8, 2), TileConfig(64, 32, 4, 3))
 DECODE_TILES = (TileConfig(16, 64, 4, 2), TileConfig(16, 128, 4, 3))
 INTERPRET_TILE = TileConfig(16, 16, 4, 1)  # CPU interpreter tests: small tiles run fastest
+# the attention_scores kernel (kernels.scores_kernel, JIT only; not a tactic): rows of observation
+# queries × group heads per tile, keys per iteration
+SCORES_TILE = TileConfig(32, 32, 4, 1)
 REDUCE_WARPS = 4
 
 
@@ -86,7 +89,8 @@ class KernelSource(kernel_source.KernelSource):
         from . import kernels
 
         return {"prefill": kernels.prefill_kernel, "decode": kernels.decode_kernel,
-                "decode_split": kernels.decode_kernel, "reduce": kernels.reduce_kernel}[self.kernel]
+                "decode_split": kernels.decode_kernel, "reduce": kernels.reduce_kernel,
+                "scores": kernels.scores_kernel}[self.kernel]
 
 
 _IN = ("q_ptr", "k_ptr", "v_ptr", "kc_ptr", "vc_ptr", "bt_ptr", "seq_lens_ptr", "qsl_ptr", "slot_ptr",
@@ -145,6 +149,19 @@ def reduce_source(attrs: PagedAttentionAttrs, act: str, max_splits: int) -> Kern
     return KernelSource("reduce", sig, const, REDUCE_WARPS, 1)
 
 
+def scores_source(attrs: PagedAttentionAttrs, act: str, tile: TileConfig = SCORES_TILE,
+                  per_channel_scales: bool = True) -> KernelSource:
+    """scores_kernel(query, key_cache, block_tables, seq_lens, query_start_loc, k_scale, observation_lens,
+    max_blocks, num_blocks, score_len, scores) — the optional attention_scores pass (launch.py), and the
+    AOT kernel of the PagedAttentionScores TensorRT plugin (spec.SCORES_INPUTS, extras, output)."""
+    a, k = "*" + TRITON_TYPES[act], "*" + TRITON_TYPES[attrs.kv_dtype]
+    const = attn_constexprs(attrs, block_m_for(tile, attrs.group_size), tile.block_n, per_channel_scales)
+    sig = {"q_ptr": a, "kc_ptr": k, "bt_ptr": "*i64", "seq_lens_ptr": "*i64", "qsl_ptr": "*i64", "ks_ptr": "*fp32",
+           "obs_ptr": "*i64", "max_blocks": "i32", "num_blocks": "i32", "score_len": "i32", "scores_ptr": "*fp32",
+           **{k: "constexpr" for k in const}}
+    return KernelSource("scores", sig, const, tile.num_warps, tile.num_stages)
+
+
 MAX_SPLITS = 64  # upper bound of decode splits (the reduce kernel's vector width)
 
 
@@ -155,7 +172,8 @@ def all_sources() -> list[KernelSource]:
     the first tiles (a TensorRT build may still pick any tactic for them); for the other shapes
     (group 3 / head_dim 64, sliding window, Gemma-2 window + soft-cap + scale, head_dim 256,
     GPT-OSS window + attention sinks), fp16 × every pool kind × the first tiles of the prefill and
-    split decode kernels (with sinks also the unsplit decode and the reduce kernel). fp32 activations
+    split decode kernels (with sinks also the unsplit decode and the reduce kernel). The attention_scores
+    kernel: Llama-3-8B with fp16 × every pool and bf16 pools, Gemma 2 and GPT-OSS fp16. fp32 activations
     are a CPU (interpreter) mode only."""
     out: dict[tuple, KernelSource] = {}
 
@@ -181,6 +199,11 @@ def all_sources() -> list[KernelSource]:
                 if shape.sinks:  # the unsplit decode and the reduce fold the sinks in too
                     add(decode_source(attrs, act, DECODE_TILES[0], False))
                     add(reduce_source(attrs, act, MAX_SPLITS))
+            # the attention_scores pass: every pool kind of the first shape; window + soft-cap + head_dim
+            # 256 (Gemma 2) and sinks (GPT-OSS), fp16
+            if (shape is SHAPES[0] and (act == "float16" or kv == act)) or (
+                    act == kv == "float16" and (shape.logit_softcap or shape.sinks)):
+                add(scores_source(attrs, act))
     return list(out.values())
 
 

@@ -12,6 +12,11 @@ GPT-OSS-20B attention (64 query heads over 8 KV heads, head_dim 64, window 128, 
 sinks) is in the correctness cases too: split-K decode (sinks in the reduce kernel), unsplit
 decode with int8 KV, the AOT kernel and a prefill, all windowed.
 
+The attention_scores pass (importance eviction, launch.attention_scores_triton) is checked too:
+`scores` (its correctness against reference.attention_scores after a prefill: fp16, bf16 + int8 +
+window, int4, soft-cap, GPT-OSS sinks) and `scores_cost` (a prompt step with and without scoring its
+last 32 tokens).
+
 Writes <out>/gpu_check.json and prints a summary. `--tiny` runs the same logic at toy sizes
 on CPU under TRITON_INTERPRET=1 (tests/plugins/test_gpu_check_dry_run.py). The command line,
 the correctness loop, timing and copy bandwidth are plugins/common/gpu_check.py's.
@@ -67,6 +72,61 @@ def check_correctness(shape: dict, device: str, cases: list[dict]) -> list[dict]
         return err, TOLERANCE[c.get("act_dtype", "float32")], pools
 
     return check_cases(device, cases, compare)
+
+
+def check_scores(shape: dict, device: str, cases: list[dict]) -> list[dict]:
+    """Each case: a step through the attention kernels, then the scores kernel over each sequence's
+    last `obs` tokens, against reference.attention_scores (float64) on the pools the kernels wrote.
+    Tolerance: spec.SCORE_TOLERANCE per summed probability row (observation tokens × group heads).
+    "pools_bit_exact" here: every observed row's probabilities sum to 1 per query head (no sinks)."""
+    import torch
+
+    from .launch import attention_scores_triton, paged_attention_triton
+    from .reference import attention_scores
+    from .spec import SCORE_TOLERANCE
+
+    def compare(c: dict) -> tuple[float, float, bool]:
+        obs, case_shape = c.pop("obs"), c.pop("shape", shape)
+        inputs, attrs = _case(case_shape, device=device, **c)
+        paged_attention_triton(**inputs, attrs=attrs)
+        q_lens = (inputs["query_start_loc"][1:] - inputs["query_start_loc"][:-1]).cpu()
+        o = torch.tensor([obs] * len(q_lens), dtype=torch.int64, device=inputs["query"].device)
+        args = (inputs["query"], inputs["key_cache"], inputs["block_tables"], inputs["seq_lens"],
+                inputs["query_start_loc"], o, inputs["k_scale"])
+        got = attention_scores_triton(*args, attrs=attrs)
+        want = attention_scores(*args, attrs=attrs)
+        rows = int(torch.clamp(q_lens, max=obs).max()) * attrs.group_size
+        mass = torch.clamp(q_lens, max=obs).double() * attrs.group_size  # [S]
+        sums = attrs.attention_sinks or torch.allclose(got.double().sum(-1).cpu(), mass[:, None].expand(
+            -1, attrs.num_kv_heads), rtol=1e-3)
+        return (got.double() - want).abs().max().item(), SCORE_TOLERANCE * max(1, rows), bool(sums)
+
+    return check_cases(device, cases, compare)
+
+
+def time_scores(shape: dict, device: str, batch: int, ctx: int, q_len: int, obs: int, warmup: int,
+                iters: int) -> dict:
+    """A prompt step (fp16) without and with scoring each sequence's last `obs` tokens (the
+    attention launch, then the scores launch): what importance eviction adds to the step that
+    completes a prompt. Other steps run the attention alone (the scores kernel is not launched)."""
+    import torch
+
+    from .launch import attention_scores_triton, paged_attention_triton
+
+    inputs, attrs = _case(shape, batch, ctx, q_len, device, act_dtype="float16", kv_dtype="float16", seed=2)
+    o = torch.full((batch,), obs, dtype=torch.int64, device=inputs["query"].device)
+    mq, ms = q_len, int(inputs["seq_lens"].max())
+    plain = lambda: paged_attention_triton(**inputs, attrs=attrs, max_q_len=mq, max_seq_len=ms)  # noqa: E731
+
+    def scored():
+        plain()
+        attention_scores_triton(inputs["query"], inputs["key_cache"], inputs["block_tables"], inputs["seq_lens"],
+                                inputs["query_start_loc"], o, attrs=attrs)
+
+    t_plain = median_seconds(plain, device, warmup, iters)
+    t_scored = median_seconds(scored, device, warmup, iters)
+    return dict(batch=batch, context=ctx, q_len=q_len, observed=obs, plain_seconds=t_plain,
+                scored_seconds=t_scored, ratio=t_scored / t_plain)
 
 
 def decode_bytes(inputs: dict, attrs) -> int:
@@ -173,6 +233,21 @@ def run(tiny: bool) -> dict:
              q_len=300 if not tiny else 7, act_dtype="float16", kv_dtype="float16", **sinks),
     ]
     report["correctness"] = check_correctness(shape, device, cases)
+    # the attention_scores pass (importance eviction): prompts whose last `obs` tokens observe
+    pq, pctx, obs = (7, 20, 4) if tiny else (512, 1536, 32)
+    score_cases = [
+        dict(name=f"scores prefill b4 q{pq} fp16 obs{obs}", batch=4, ctx=pctx, q_len=pq, act_dtype="float16",
+             kv_dtype="float16", obs=obs),
+        dict(name=f"scores prefill b2 q{pq} bf16 int8 window obs{obs}", batch=2, ctx=pctx, q_len=pq,
+             act_dtype="bfloat16", kv_dtype="int8", sliding_window=5 if tiny else 256, obs=obs),
+        dict(name=f"scores prefill b2 q{pq} fp16 int4 obs{obs}", batch=2, ctx=pctx, q_len=pq, act_dtype="float16",
+             kv_dtype="int4", shape=int4_shape, obs=obs),
+        dict(name=f"scores prefill b2 q{pq} fp16 softcap 50 obs{obs}", batch=2, ctx=pctx, q_len=pq,
+             act_dtype="float16", kv_dtype="float16", logit_softcap=50.0, obs=obs),
+        dict(name=f"gpt-oss scores prefill b2 q{pq} fp16 sinks window obs{obs}", batch=2, ctx=pctx, q_len=pq,
+             act_dtype="float16", kv_dtype="float16", obs=obs, **sinks),
+    ]
+    report["scores"] = check_scores(shape, device, score_cases)
     report["seconds_correctness"] = round(time.perf_counter() - t0, 1)
     bw = copy_bandwidth(device, copy_mb << 20, warm, iters)
     report["copy_bytes_per_s"] = bw
@@ -200,7 +275,9 @@ def run(tiny: bool) -> dict:
     speedup4 = (long_fp16_4["best"]["seconds"] / long_int4["best"]["seconds"]
                 if long_fp16_4["best"] and long_int4["best"] else 0.0)
     report["int4_speedup"] = speedup4
-    report["goals"] = dict(correctness=all(c["ok"] for c in report["correctness"]),
+    report["scores_cost"] = time_scores(shape, device, 2 if tiny else 4, pctx, pq, obs, 0 if tiny else warm,
+                                        1 if tiny else iters)
+    report["goals"] = dict(correctness=all(c["ok"] for c in report["correctness"] + report["scores"]),
                            bandwidth_70pct=frac >= 0.70, int8_1p6x=speedup >= 1.6, int4_1p6x=speedup4 >= 1.6)
     report["seconds_total"] = round(time.perf_counter() - t0, 1)
     return report
@@ -221,6 +298,12 @@ def summary(r: dict) -> str:
         lines.append(f"    AOT prefill_kernel (TensorRT's): {a['seconds'] * 1e6:.0f} us, {a['bytes_per_s'] / 1e9:.0f} GB/s "
                      f"(tile {a['tile']})" if a else f"    AOT prefill_kernel: no timing "
                      f"({[v.get('error') for v in d.get('aot_variants', [])][:2]})")
+    lines += [f"  [{'ok' if c['ok'] else 'FAIL'}] {c['name']}: " + (
+        f"max err {c['max_err']:.2e} (tol {c['tolerance']:.1e}), rows sum to 1 {c['pools_bit_exact']}"
+        if "max_err" in c else c.get("error", "")) for c in r["scores"]]
+    sc = r["scores_cost"]
+    lines.append(f"  scoring step: {sc['plain_seconds'] * 1e6:.0f} us plain, {sc['scored_seconds'] * 1e6:.0f} us with "
+                 f"scores of the last {sc['observed']} tokens ({sc['ratio']:.2f}x; b{sc['batch']} q{sc['q_len']})")
     lines.append(f"  bandwidth fraction {r['bandwidth_fraction']:.2f} (AOT kernel "
                  f"{r['bandwidth_fraction_aot_kernel']:.2f}; goal >= 0.70); int8 speedup "
                  f"{r['int8_speedup']:.2f}x, int4 speedup {r['int4_speedup']:.2f}x (goals >= 1.6); goals "

@@ -502,3 +502,111 @@ def reduce_kernel(part_out_ptr, part_m_ptr, part_l_ptr, qsl_ptr, out_ptr, num_sp
         res = tl.sum(w[:, None] * o, 0) / denom  # [BLOCK_D]
         tl.store(out_ptr + (q_start * NUM_HEADS + h) * HEAD_DIM + d, res.to(out_ptr.dtype.element_ty),
                  mask=d < HEAD_DIM)
+
+
+@triton.jit
+def _score_tile(q, j0, kc_ptr, bt_row, k_scale, hi, qpos, kvh, head_base, d, d_ok, qk_scale,
+                KV_INT8: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CDT: tl.constexpr,
+                PREC: tl.constexpr, KV_INT4: tl.constexpr, BLOCK_D: tl.constexpr):
+    """(scores [BLOCK_M, BLOCK_N] in the log2 domain, -inf where invisible; positions [BLOCK_N]) of
+    the pool's keys at [j0, j0 + BLOCK_N) ∩ [.., hi), as `_attend_step` computes them."""
+    pos = j0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    k = _kv_tile(kc_ptr, kc_ptr, bt_row, k_scale, pos, hi, 0, 0, kvh, head_base, d, d_ok, True, KV_INT8,
+                 BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, CDT, KV_INT4, BLOCK_N, BLOCK_D)
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # [BLOCK_M, BLOCK_N]
+    if SOFTCAP > 0:
+        s = (SOFTCAP * LOG2E) * _tanh(s / (SOFTCAP * LOG2E))
+    vis = (pos[None, :] <= qpos[:, None]) & (pos < hi)[None, :]
+    if WINDOW > 0:
+        vis = vis & (qpos[:, None] - pos[None, :] < WINDOW)
+    return tl.where(vis, s, float("-inf")), pos
+
+
+@triton.jit
+def scores_kernel(q_ptr, kc_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, ks_ptr, obs_ptr, max_blocks, num_blocks,
+                  score_len, scores_ptr,
+                  NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_SIZE: tl.constexpr, SCALE: tl.constexpr, WINDOW: tl.constexpr,
+                  KV_INT8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr = 0.0, SCALES_PER_CHANNEL: tl.constexpr = True,
+                  INTERPRET: tl.constexpr = False, KV_INT4: tl.constexpr = False, SINKS: tl.constexpr = None):
+    """The optional attention_scores output (spec.py "Attention scores"): grid (S, kv_heads), run
+    after the attention (the pool holds this step's keys). Program (s, kvh) zeroes its row
+    scores[s, kvh, :score_len] (so the output needs no zeroing: an AOT plugin's is not), then adds the
+    probabilities of sequence s's last min(obs_lens[s], q_len) tokens
+    × the GROUP query heads of kvh, BLOCK_M rows at a time: pass 1 over the keys gives each row's
+    max and denominator (sinks included), pass 2 recomputes the scores and adds each key tile's
+    column sums. NOTE: `while` loops (the interpreter's `range` over device scalars fails, see
+    `_attend`; this kernel runs once per completed prompt, unpipelined is fine); a barrier after
+    each row tile orders its read-modify-write of the row before the next tile's."""
+    BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
+    # NOTE: dots in IEEE float32 whatever the activation dtype: half queries and pools convert
+    # exactly, int8 queries × scales and int4 dequantized keys stay unrounded, so the scores are the
+    # reference's to SCORE_TOLERANCE (half dots would round them; scoring runs once per prompt)
+    CDT: tl.constexpr = tl.float32
+    PREC: tl.constexpr = "ieee"
+    s = tl.program_id(0)
+    kvh = tl.program_id(1)
+    q_start = tl.load(qsl_ptr + s).to(tl.int32)
+    q_len = tl.load(qsl_ptr + s + 1).to(tl.int32) - q_start
+    obs = tl.minimum(tl.load(obs_ptr + s).to(tl.int32), q_len)
+    out_row = scores_ptr + (s * NUM_KV_HEADS + kvh).to(tl.int64) * score_len
+    z0 = 0
+    while z0 < score_len:
+        at = z0 + tl.arange(0, BLOCK_N)
+        tl.store(out_row + at, tl.zeros([BLOCK_N], dtype=tl.float32), mask=at < score_len)
+        z0 += BLOCK_N
+    tl.debug_barrier()
+    if obs > 0:
+        total = tl.load(seq_lens_ptr + s).to(tl.int32)
+        d, d_ok, head_base, k_scale, v_scale = _kv_head(ks_ptr, ks_ptr, kvh, num_blocks, KV_INT8,
+                                                        SCALES_PER_CHANNEL, BLOCK_SIZE, HEAD_DIM, BLOCK_D, KV_INT4)
+        bt_row = bt_ptr + s.to(tl.int64) * max_blocks
+        qk_scale = SCALE * LOG2E
+        rows = tl.arange(0, BLOCK_M)
+        head = kvh * GROUP + rows % GROUP
+        i0 = 0
+        while i0 < obs:
+            tok_i = i0 + rows // GROUP  # [BLOCK_M] index among the observation tokens
+            row_ok = (rows < BLOCK_Q * GROUP) & (tok_i < obs)
+            tok = q_start + q_len - obs + tok_i
+            q_off = (tok * (NUM_KV_HEADS * GROUP) + head)[:, None] * HEAD_DIM + d[None, :]
+            q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+            q = _fold_k_scale(q, k_scale, KV_INT8).to(CDT)
+            qpos = total - obs + tok_i  # [BLOCK_M] absolute positions
+            hi = total - obs + tl.minimum(obs, i0 + BLOCK_Q)  # keys after the tile's last row are invisible
+            lo = 0
+            if WINDOW > 0:
+                lo = tl.maximum(total - obs + i0 - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+            m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+            j0 = lo
+            while j0 < hi:  # pass 1: each row's max and denominator (online)
+                sc, pos = _score_tile(q, j0, kc_ptr, bt_row, k_scale, hi, qpos, kvh, head_base, d, d_ok, qk_scale,
+                                      KV_INT8, WINDOW, SOFTCAP, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, CDT,
+                                      PREC, KV_INT4, BLOCK_D)
+                m_new = tl.maximum(m_i, tl.max(sc, 1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(sc - m_safe[:, None]), 1)
+                m_i = m_new
+                j0 += BLOCK_N
+            if SINKS is not None:
+                sk = _sink_logits(head, SINKS, NUM_KV_HEADS * GROUP)
+                m_new = tl.maximum(m_i, sk)
+                l_i = l_i * tl.exp2(m_i - m_new) + tl.exp2(sk - m_new)
+                m_i = m_new
+            inv = tl.where(row_ok & (l_i > 0.0), 1.0 / tl.where(l_i > 0.0, l_i, 1.0), 0.0)  # [BLOCK_M]
+            m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+            j0 = lo
+            while j0 < hi:  # pass 2: probabilities, summed over the rows (queries × heads of the group)
+                sc, pos = _score_tile(q, j0, kc_ptr, bt_row, k_scale, hi, qpos, kvh, head_base, d, d_ok, qk_scale,
+                                      KV_INT8, WINDOW, SOFTCAP, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, CDT,
+                                      PREC, KV_INT4, BLOCK_D)
+                col = tl.sum(tl.exp2(sc - m_safe[:, None]) * inv[:, None], 0)  # [BLOCK_N]
+                ok = pos < hi
+                prev = tl.load(out_row + pos, mask=ok, other=0.0)
+                tl.store(out_row + pos, prev + col, mask=ok)
+                j0 += BLOCK_N
+            tl.debug_barrier()
+            i0 += BLOCK_Q

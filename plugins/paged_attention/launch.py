@@ -131,3 +131,41 @@ def paged_attention_triton(query, key, value, key_cache, value_cache, block_tabl
             HEAD_DIM=attrs.head_dim, BLOCK_D=configs.pow2(attrs.head_dim),
             MAX_SPLITS=configs.pow2(p.num_splits), num_warps=configs.REDUCE_WARPS, **configs.sink_constexprs(attrs))
     return out
+
+
+def attention_scores_triton(query, key_cache, block_tables, seq_lens, query_start_loc, observation_lens,
+                            k_scale=None, *, attrs: PagedAttentionAttrs,
+                            tile: configs.TileConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The optional attention_scores output (spec.py "Attention scores"): float32 [num_seqs,
+    num_kv_heads, max_blocks * block_size], the same call and meaning as `reference.attention_scores`
+    (into `out` when given: its contents are overwritten, zeros included). Call it after
+    `paged_attention_triton` of the same step (the pools then hold this step's keys),
+    and only for a step that observes: the attention launch itself is unchanged (a second kernel,
+    kernels.scores_kernel, one program per sequence × KV head). tile: override configs.SCORES_TILE."""
+    if _KV.get(key_cache.dtype) != attrs.kv_dtype:
+        raise ValueError(f"key_cache must be {attrs.kv_dtype} (attrs.kv_dtype), got {key_cache.dtype}")
+    if query.dtype not in _ACT:
+        raise ValueError(f"query must be one of {list(_ACT.values())}, got {query.dtype}")
+    if attrs.quantized and k_scale is None:
+        raise ValueError("int8 KV needs k_scale")
+    num_seqs, max_blocks = block_tables.shape
+    score_len = max_blocks * attrs.block_size
+    if num_seqs == 0 or query.shape[0] == 0:
+        return torch.zeros(num_seqs, attrs.num_kv_heads, score_len, dtype=torch.float32, device=query.device)
+    # NOTE: need not be zeroed: the kernel zeroes every row it owns (as a TensorRT output needs)
+    shape = (num_seqs, attrs.num_kv_heads, score_len)
+    scores = torch.empty(shape, dtype=torch.float32, device=query.device) if out is None else out
+    if tuple(scores.shape) != shape or scores.dtype != torch.float32 or not scores.is_contiguous():
+        raise ValueError(f"out must be a contiguous float32 tensor of shape {list(shape)}")
+    if not attrs.quantized:
+        k_scale = torch.ones(attrs.num_kv_heads, dtype=torch.float32, device=query.device)
+    k_scale = k_scale.float().contiguous()
+    tile = tile or configs.SCORES_TILE
+    const = dict(configs.attn_constexprs(attrs, configs.block_m_for(tile, attrs.group_size), tile.block_n,
+                                         per_channel_scales=k_scale.dim() == 2),
+                 INTERPRET=_interpreting(), num_warps=tile.num_warps, num_stages=tile.num_stages)
+    kernels.scores_kernel[(num_seqs, attrs.num_kv_heads)](
+        query.contiguous(), key_cache, block_tables.contiguous(), seq_lens.contiguous(), query_start_loc.contiguous(),
+        k_scale, observation_lens.to(torch.int64).contiguous(), max_blocks, key_cache.shape[1], score_len, scores,
+        **const)
+    return scores

@@ -71,11 +71,19 @@ that declares scoring (manifest kv.attention_scores) has a 12th input and a 4th 
     per step. The op computes the probabilities in a second pass over the observed rows' keys, after
     the attention: the online softmax never holds all p_j of a row, and keeping them for every row
     would cost O(rows x keys) memory for the few rows observed. Implemented by the reference
-    (`reference.attention_scores`, float64), the native CPU op and the `onnx` attention form
-    (exporter/attention.py); the Triton kernels and the TensorRT plugin do not score yet, so builds
-    for `--backend tensorrt` do not declare scores (exporter/build.py scores_declared: their nodes keep
-    11 inputs and 3 outputs, the one tensorrt.plugin signature) and the runtime refuses importance
-    eviction on them, saying so.
+    (`reference.attention_scores`, float64), the native CPU op, the `onnx` attention form
+    (exporter/attention.py) and the Triton kernels (launch.attention_scores_triton: a second kernel,
+    kernels.scores_kernel, launched only for a step that observes, after the attention kernel; its dots
+    in float32 whatever the activation dtype, so it meets SCORE_TOLERANCE per summed row on the GPU too).
+    The TensorRT plugin does not score yet, so builds for `--backend tensorrt` do not declare scores
+    (exporter/build.py scores_declared: their nodes keep 11 inputs and 3 outputs, the one
+    tensorrt.plugin signature) and the runtime refuses importance eviction on them, saying so.
+    NOTE (what TensorRT needs, not done): tensorrt.plugin has no optional inputs and an AOT plugin is one
+    kernel launch, so scoring there is a second registration (its own plugin_version, 12 inputs and 4
+    outputs) whose one kernel runs the attention tiles and, in S x kvH more programs, the scores — reading
+    this step's keys from the key input as the fused store does (no ordering between programs) and
+    zero-filling its own rows (TensorRT does not zero outputs); and the TensorRT backend returning the
+    scores to the scheduler.
 
 INT8 KV: static symmetric scales per KV head *and channel* (from `kvexport calibrate`: the
 calibration text's absmax of each key / value channel, / 127); stored value
@@ -137,6 +145,14 @@ SCORE_OUTPUT = "attention_scores"  # optional output 3; the graph names it io.at
 SCORE_TOLERANCE = 1e-5  # max |native op - reference| of attention_scores (float32 sums of probabilities)
 ALIASES = {1: 3, 2: 4}  # output index -> the input index it aliases (in-place pool update)
 NUM_INPUTS = 11  # scales included for every kv dtype (see the NOTE above)
+# The TensorRT form of the scores ("Attention scores", NOTE on TensorRT): a node of its own after the
+# attention node — no optional inputs in tensorrt.plugin, and one kernel per AOT plugin — taking the
+# updated key pool (the attention node's key_cache_out: the data dependence orders it after the store)
+# and the node's attributes, returning attention_scores [num_seqs, num_kv_heads, max_blocks * block_size]
+# float32 (every element written: no zeroing needed). Registered by trt.py; no exporter emits it yet.
+SCORES_OP_TYPE = "PagedAttentionScores"
+SCORES_PLUGIN_ID = f"{NAMESPACE}::{SCORES_OP_TYPE}"
+SCORES_INPUTS = ("query", "key_cache", "block_tables", "seq_lens", "query_start_loc", "k_scale", SCORE_INPUT)
 
 KV_DTYPES = ("float32", "float16", "bfloat16", "int8", "int4")
 ACT_DTYPES = ("float32", "float16", "bfloat16")

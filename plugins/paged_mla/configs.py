@@ -32,6 +32,7 @@ class TileConfig:
 # and the float32 accumulator [BLOCK_M, 512] is BLOCK_M * 512 / (32 * warps) registers a thread.
 TILES = (TileConfig(16, 32, 4, 2), TileConfig(32, 32, 8, 2), TileConfig(64, 16, 8, 2))
 INTERPRET_TILE = TileConfig(16, 16, 4, 1)  # CPU interpreter tests: small tiles run fastest
+SCORES_TILE = TileConfig(32, 32, 8, 1)  # the attention_scores kernel (JIT only; not a tactic)
 REDUCE_WARPS = 4
 MAX_SPLITS = 64  # upper bound of context splits (the reduce kernel's vector width)
 
@@ -85,7 +86,7 @@ class KernelSource(kernel_source.KernelSource):
         from . import kernels
 
         return {"mla": kernels.mla_kernel, "mla_split": kernels.mla_split_kernel,
-                "reduce": kernels.mla_reduce_kernel}[self.kernel]
+                "reduce": kernels.mla_reduce_kernel, "scores": kernels.mla_scores_kernel}[self.kernel]
 
 
 _IN = ("q_ptr", "lat_ptr", "cache_ptr", "bt_ptr", "seq_lens_ptr", "qsl_ptr", "slot_ptr", "scale_ptr")
@@ -121,11 +122,21 @@ def reduce_source(attrs: PagedMLAAttrs, act: str, max_splits: int = MAX_SPLITS) 
     return KernelSource("reduce", sig, const, REDUCE_WARPS, 1)
 
 
+def scores_source(attrs: PagedMLAAttrs, act: str, tile: TileConfig = SCORES_TILE) -> KernelSource:
+    """mla_scores_kernel(query, latent_cache, block_tables, seq_lens, query_start_loc, kv_scale,
+    observation_lens, max_blocks, score_len, partials) — the optional attention_scores pass (launch.py)."""
+    const = constexprs(attrs, tile)
+    sig = {"q_ptr": "*" + TRITON_TYPES[act], "cache_ptr": "*" + TRITON_TYPES[attrs.kv_dtype], "bt_ptr": "*i64",
+           "seq_lens_ptr": "*i64", "qsl_ptr": "*i64", "scale_ptr": "*fp32", "obs_ptr": "*i64", "max_blocks": "i32",
+           "score_len": "i32", "part_ptr": "*fp32", **{k: "constexpr" for k in const}}
+    return KernelSource("scores", sig, const, tile.num_warps, tile.num_stages)
+
+
 def all_sources() -> list[KernelSource]:
     """Every GPU configuration, as CI compiles it to PTX: DeepSeek-V3's shape × fp16 / bf16 ×
     same-dtype / int8 pools × every tile of the AOT kernel, the split kernel with the first tile and
     the reduce kernel; DeepSeek-V2-Lite (16 heads: several tokens per program) fp16 × both pools ×
-    the first tile of both kernels."""
+    the first tile of both kernels; the attention_scores kernel at DeepSeek-V3's shape × both pools."""
     out: dict[tuple, KernelSource] = {}
 
     def add(src: KernelSource) -> None:
@@ -140,6 +151,7 @@ def all_sources() -> list[KernelSource]:
                     add(mla_source(attrs, act, t))
                 add(split_source(attrs, act, TILES[0]))
                 add(reduce_source(attrs, act))
+                add(scores_source(attrs, act))
             elif act == "float16":
                 add(mla_source(attrs, act, TILES[0]))
                 add(split_source(attrs, act, TILES[0]))
@@ -155,4 +167,5 @@ def ci_sources() -> list[tuple[KernelSource, int]]:
     v3 = SHAPES[0]
     return [(mla_source(v3.attrs("float16"), "float16", TILES[0]), 80),
             (mla_source(v3.attrs("int8"), "bfloat16", TILES[0]), 90),
-            (reduce_source(v3.attrs("float16"), "float16"), 80)]
+            (reduce_source(v3.attrs("float16"), "float16"), 80),
+            (scores_source(v3.attrs("int8"), "float16"), 90)]

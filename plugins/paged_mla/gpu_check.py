@@ -10,7 +10,10 @@ PagedAttention check):
      (the sequences' rows + query read + output written + block tables) / time, against the
      device-to-device copy bandwidth of the same run (reported; no goal is set for MLA: decode
      with 128 heads per row is compute-bound on the scores, FlashMLA's regime);
-  3. int8 latent vs fp16 at long context (reported).
+  3. int8 latent vs fp16 at long context (reported);
+  4. the attention_scores pass (importance eviction, launch.attention_scores_triton): `scores`, its
+     correctness against reference.attention_scores after a prompt step (fp16 all heads, bf16 int8
+     tensor-parallel heads), and `scores_cost`, a prompt step with and without scoring its last 32 tokens.
 
 Writes <out>/gpu_check_mla.json and prints a summary. `--tiny` runs the same logic at toy sizes on
 CPU under TRITON_INTERPRET=1 (tests/plugins/test_gpu_check_dry_run.py, through gpu_check.sh). The
@@ -58,6 +61,57 @@ def check_correctness(device: str, cases: list[dict]) -> list[dict]:
         return err, tol, torch.equal(inputs["latent_cache"], ref_in["latent_cache"])
 
     return check_cases(device, cases, compare)
+
+
+def check_scores(device: str, cases: list[dict]) -> list[dict]:
+    """Each case: a step through the attention kernels, then the scores kernel over each sequence's
+    last `obs` tokens, against reference.attention_scores (float64) on the pool the kernels wrote.
+    Tolerance: spec.SCORE_TOLERANCE per summed probability row (observation tokens × heads).
+    "pools_bit_exact" here: each observed row's probabilities sum to 1 per head."""
+    import torch
+
+    from .launch import attention_scores_triton, paged_mla_triton
+    from .reference import attention_scores
+    from .spec import SCORE_TOLERANCE
+
+    def compare(c: dict) -> tuple[float, float, bool]:
+        obs, shape = c.pop("obs"), c.pop("shape")
+        inputs, attrs = _case(shape, device=device, **c)
+        paged_mla_triton(**inputs, attrs=attrs)
+        q_lens = (inputs["query_start_loc"][1:] - inputs["query_start_loc"][:-1]).cpu()
+        o = torch.full_like(q_lens, obs).to(inputs["query"].device)
+        args = (inputs["query"], inputs["latent_cache"], inputs["block_tables"], inputs["seq_lens"],
+                inputs["query_start_loc"], o, inputs["kv_scale"])
+        got, want = attention_scores_triton(*args, attrs=attrs), attention_scores(*args, attrs=attrs)
+        mass = torch.clamp(q_lens, max=obs).double() * attrs.num_heads  # [S]
+        sums = torch.allclose(got.double().sum((1, 2)).cpu(), mass, rtol=1e-3)
+        return (got.double() - want).abs().max().item(), SCORE_TOLERANCE * float(mass.max()), bool(sums)
+
+    return check_cases(device, cases, compare)
+
+
+def time_scores(shape: dict, device: str, batch: int, ctx: int, q_len: int, obs: int, warmup: int,
+                iters: int) -> dict:
+    """A prompt step (fp16) without and with scoring each sequence's last `obs` tokens: what importance
+    eviction adds to the step that completes a prompt (other steps do not launch the scores kernel)."""
+    import torch
+
+    from .launch import attention_scores_triton, paged_mla_triton
+
+    inputs, attrs = _case(shape, batch, ctx, q_len, device, act_dtype="float16", kv_dtype="float16", seed=2)
+    o = torch.full((batch,), obs, dtype=torch.int64, device=inputs["query"].device)
+    mq, ms = q_len, int(inputs["seq_lens"].max())
+    plain = lambda: paged_mla_triton(**inputs, attrs=attrs, max_q_len=mq, max_seq_len=ms)  # noqa: E731
+
+    def scored():
+        plain()
+        attention_scores_triton(inputs["query"], inputs["latent_cache"], inputs["block_tables"], inputs["seq_lens"],
+                                inputs["query_start_loc"], o, attrs=attrs)
+
+    t_plain = median_seconds(plain, device, warmup, iters)
+    t_scored = median_seconds(scored, device, warmup, iters)
+    return dict(batch=batch, context=ctx, q_len=q_len, observed=obs, plain_seconds=t_plain,
+                scored_seconds=t_scored, ratio=t_scored / t_plain)
 
 
 def decode_bytes(inputs: dict, attrs) -> int:
@@ -133,6 +187,11 @@ def run(tiny: bool) -> dict:
     if tiny:  # the same cases at interpreter speed: at most 2 sequences each
         cases = [dict(c, batch=min(c["batch"], 2)) for c in cases]
     report["correctness"] = check_correctness(device, cases)
+    pq, pctx, obs = (7, 20, 4) if tiny else (256, 1024 + 256, 32)
+    report["scores"] = check_scores(device, [
+        dict(name=f"scores prefill b2 q{pq} fp16 obs{obs}", shape=big, batch=2, ctx=pctx, q_len=pq, obs=obs, **f16),
+        dict(name=f"tp8 scores prefill b2 q{pq} bf16 int8 obs{obs}", shape=tp, batch=2, ctx=pctx, q_len=pq, obs=obs,
+             act_dtype="bfloat16", kv_dtype="int8", realistic=True)])
     report["seconds_correctness"] = round(time.perf_counter() - t0, 1)
     bw = copy_bandwidth(device, copy_mb << 20, warm, iters)
     report["copy_bytes_per_s"] = bw
@@ -148,7 +207,8 @@ def run(tiny: bool) -> dict:
     report["int8_speedup"] = a["seconds"] / b["seconds"] if a and b else 0.0
     best = report["decode_long_fp16"]["best"]
     report["bandwidth_fraction"] = best["bytes_per_s"] / bw if best else 0.0
-    report["goals"] = dict(correctness=all(c["ok"] for c in report["correctness"]))
+    report["scores_cost"] = time_scores(big, device, 2, pctx, pq, obs, warm, max(1, iters // 2))
+    report["goals"] = dict(correctness=all(c["ok"] for c in report["correctness"] + report["scores"]))
     report["seconds_total"] = round(time.perf_counter() - t0, 1)
     return report
 
@@ -162,6 +222,12 @@ def summary(r: dict) -> str:
             lines.append(f"  {key} {label}: {v['seconds'] * 1e6:.0f} us, {v['bytes_per_s'] / 1e9:.0f} GB/s "
                          f"(tile {v['tile']}, splits {v['num_splits']})" if v else
                          f"  {key} {label}: no timing ({[x.get('error') for x in d['variants']][:2]})")
+    lines += [f"  [{'ok' if c['ok'] else 'FAIL'}] {c['name']}: " + (
+        f"max err {c['max_err']:.2e} (tol {c['tolerance']:.1e}), rows sum to 1 {c['pools_bit_exact']}"
+        if "max_err" in c else c.get("error", "")) for c in r["scores"]]
+    sc = r["scores_cost"]
+    lines.append(f"  scoring step: {sc['plain_seconds'] * 1e6:.0f} us plain, {sc['scored_seconds'] * 1e6:.0f} us with "
+                 f"scores of the last {sc['observed']} tokens ({sc['ratio']:.2f}x; b{sc['batch']} q{sc['q_len']})")
     lines.append(f"  bandwidth fraction {r['bandwidth_fraction']:.2f}; int8 speedup {r['int8_speedup']:.2f}x; "
                  f"goals {r['goals']}; {r['seconds_total']} s")
     return "\n".join(lines)

@@ -252,3 +252,100 @@ def mla_reduce_kernel(part_out_ptr, part_m_ptr, part_l_ptr, out_ptr, num_splits,
     denom = tl.sum(w, 0)
     res = tl.sum(w[:, None] * o, 0) / tl.where(denom == 0.0, 1.0, denom)
     tl.store(out_ptr + (t.to(tl.int64) * NUM_HEADS + h) * LORA + cl, res.to(out_ptr.dtype.element_ty), mask=cl < LORA)
+
+
+@triton.jit
+def _score_tile(q_l, q_r, j0, cache_ptr, bt_row, sc_l, sc_r, hi, qpos, cl, cr, qk_scale, KV_INT8: tl.constexpr,
+                BLOCK_SIZE: tl.constexpr, LORA: tl.constexpr, ROPE: tl.constexpr, BLOCK_N: tl.constexpr,
+                CDT: tl.constexpr, PREC: tl.constexpr):
+    """(scores [BLOCK_M, BLOCK_N] in the log2 domain, -inf where invisible; positions [BLOCK_N]) of
+    the pool's rows at [j0, j0 + BLOCK_N) ∩ [.., hi), as `_attend_step` computes them."""
+    pos = j0 + tl.arange(0, BLOCK_N)
+    c, r = _rows(cache_ptr, cache_ptr, bt_row, sc_l, sc_r, pos, hi, 0, 0, cl, cr, True, KV_INT8, BLOCK_SIZE,
+                 LORA, ROPE, CDT)
+    s = tl.dot(q_l, tl.trans(c), input_precision=PREC)
+    s = tl.dot(q_r, tl.trans(r), s, input_precision=PREC) * qk_scale  # [BLOCK_M, BLOCK_N]
+    vis = (pos[None, :] <= qpos[:, None]) & (pos < hi)[None, :]
+    return tl.where(vis, s, float("-inf")), pos
+
+
+@triton.jit
+def mla_scores_kernel(q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, scale_ptr, obs_ptr, max_blocks, score_len,
+                      part_ptr, NUM_HEADS: tl.constexpr, LORA: tl.constexpr, ROPE: tl.constexpr,
+                      BLOCK_SIZE: tl.constexpr, SCALE: tl.constexpr, KV_INT8: tl.constexpr, HEADS: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
+                      INTERPRET: tl.constexpr = False):
+    """The optional attention_scores output (spec.py "Attention scores"): grid (S, head chunks), run
+    after the attention (the pool holds this step's rows). Program (s, chunk) adds, to its zeroed
+    partial row part[s, chunk, :score_len], the probabilities of sequence s's last
+    min(obs_lens[s], q_len) tokens × its HEADS query heads, BLOCK_M rows at a time: pass 1 over the
+    rows gives each query row's max and denominator, pass 2 recomputes the scores and adds each key
+    tile's column sums. The launcher sums the chunks (deterministic: no atomics). NOTE: `while` loops
+    and a barrier after each row tile, as paged_attention.kernels.scores_kernel."""
+    BLOCK_Q: tl.constexpr = BLOCK_M // HEADS
+    # NOTE: dots in IEEE float32 whatever the activation dtype: half queries and pools convert
+    # exactly, int8 queries × scales and int4 dequantized keys stay unrounded, so the scores are the
+    # reference's to SCORE_TOLERANCE (half dots would round them; scoring runs once per prompt)
+    CDT: tl.constexpr = tl.float32
+    PREC: tl.constexpr = "ieee"
+    WIDTH: tl.constexpr = LORA + ROPE
+    s = tl.program_id(0)
+    chunk = tl.program_id(1)
+    q_start = tl.load(qsl_ptr + s).to(tl.int32)
+    q_len = tl.load(qsl_ptr + s + 1).to(tl.int32) - q_start
+    obs = tl.minimum(tl.load(obs_ptr + s).to(tl.int32), q_len)
+    if obs > 0:
+        total = tl.load(seq_lens_ptr + s).to(tl.int32)
+        cl = tl.arange(0, BLOCK_L)
+        cr = tl.arange(0, BLOCK_R)
+        sc_l = tl.full([BLOCK_L], 1.0, dtype=tl.float32)
+        sc_r = tl.full([BLOCK_R], 1.0, dtype=tl.float32)
+        if KV_INT8:
+            sc_l = tl.load(scale_ptr + cl, mask=cl < LORA, other=1.0)
+            sc_r = tl.load(scale_ptr + LORA + cr, mask=cr < ROPE, other=1.0)
+        bt_row = bt_ptr + s.to(tl.int64) * max_blocks
+        out_row = part_ptr + (s * tl.num_programs(1) + chunk).to(tl.int64) * score_len
+        qk_scale = SCALE * LOG2E
+        rows = tl.arange(0, BLOCK_M)
+        head = chunk * HEADS + rows % HEADS
+        i0 = 0
+        while i0 < obs:
+            tok_i = i0 + rows // HEADS  # [BLOCK_M] index among the observation tokens
+            row_ok = (rows < BLOCK_Q * HEADS) & (tok_i < obs) & (head < NUM_HEADS)
+            tok = q_start + q_len - obs + tok_i
+            q_base = (tok.to(tl.int64) * NUM_HEADS + head) * WIDTH  # [BLOCK_M]
+            q_l = tl.load(q_ptr + q_base[:, None] + cl[None, :], mask=row_ok[:, None] & (cl < LORA)[None, :],
+                          other=0.0)
+            q_r = tl.load(q_ptr + q_base[:, None] + LORA + cr[None, :], mask=row_ok[:, None] & (cr < ROPE)[None, :],
+                          other=0.0)
+            if KV_INT8:
+                q_l = q_l.to(tl.float32) * sc_l[None, :]
+                q_r = q_r.to(tl.float32) * sc_r[None, :]
+            q_l = q_l.to(CDT)
+            q_r = q_r.to(CDT)
+            qpos = total - obs + tok_i
+            hi = total - obs + tl.minimum(obs, i0 + BLOCK_Q)  # rows after the tile's last token are invisible
+            m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+            j0 = 0
+            while j0 < hi:  # pass 1: each query row's max and denominator (online)
+                sc, pos = _score_tile(q_l, q_r, j0, cache_ptr, bt_row, sc_l, sc_r, hi, qpos, cl, cr, qk_scale,
+                                      KV_INT8, BLOCK_SIZE, LORA, ROPE, BLOCK_N, CDT, PREC)
+                m_new = tl.maximum(m_i, tl.max(sc, 1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(sc - m_safe[:, None]), 1)
+                m_i = m_new
+                j0 += BLOCK_N
+            inv = tl.where(row_ok & (l_i > 0.0), 1.0 / tl.where(l_i > 0.0, l_i, 1.0), 0.0)  # [BLOCK_M]
+            m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+            j0 = 0
+            while j0 < hi:  # pass 2: probabilities summed over the rows (observation tokens × heads)
+                sc, pos = _score_tile(q_l, q_r, j0, cache_ptr, bt_row, sc_l, sc_r, hi, qpos, cl, cr, qk_scale,
+                                      KV_INT8, BLOCK_SIZE, LORA, ROPE, BLOCK_N, CDT, PREC)
+                col = tl.sum(tl.exp2(sc - m_safe[:, None]) * inv[:, None], 0)  # [BLOCK_N]
+                ok = pos < hi
+                prev = tl.load(out_row + pos, mask=ok, other=0.0)
+                tl.store(out_row + pos, prev + col, mask=ok)
+                j0 += BLOCK_N
+            tl.debug_barrier()
+            i0 += BLOCK_Q

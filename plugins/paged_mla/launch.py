@@ -122,3 +122,38 @@ def paged_mla_triton(query, latent, latent_cache, block_tables, seq_lens, query_
         part_out, part_m, part_l, out, p.num_splits, NUM_HEADS=attrs.num_heads, LORA=attrs.kv_lora_rank,
         BLOCK_L=const["BLOCK_L"], MAX_SPLITS=configs.pow2(p.num_splits), num_warps=configs.REDUCE_WARPS)
     return out
+
+
+def attention_scores_triton(query, latent_cache, block_tables, seq_lens, query_start_loc, observation_lens,
+                            kv_scale=None, *, attrs: PagedMLAAttrs,
+                            tile: configs.TileConfig | None = None) -> torch.Tensor:
+    """The optional attention_scores output (spec.py "Attention scores"): float32 [num_seqs, 1,
+    max_blocks * block_size], the same call and meaning as `reference.attention_scores`. Call it after
+    `paged_mla_triton` of the same step (the pool then holds this step's rows), and only for a step
+    that observes: the attention launch itself is unchanged (a second kernel, kernels.mla_scores_kernel,
+    one program per sequence × head chunk, each into its own partial row, summed here).
+    tile: override configs.SCORES_TILE."""
+    if _KV.get(latent_cache.dtype) != attrs.kv_dtype:
+        raise ValueError(f"latent_cache must be {attrs.kv_dtype} (attrs.kv_dtype), got {latent_cache.dtype}")
+    if query.dtype not in _ACT or tuple(query.shape[1:]) != (attrs.num_heads, attrs.row_width):
+        raise ValueError(f"query must be [T, {attrs.num_heads}, {attrs.row_width}] of {list(_ACT.values())}, "
+                         f"got {tuple(query.shape)} {query.dtype}")
+    if attrs.quantized and (kv_scale is None or tuple(kv_scale.shape) != (attrs.row_width,)):
+        raise ValueError(f"int8 KV needs kv_scale [{attrs.row_width}]")
+    num_seqs, max_blocks = block_tables.shape
+    score_len = max_blocks * attrs.block_size
+    if num_seqs == 0 or query.shape[0] == 0:
+        return torch.zeros(num_seqs, 1, score_len, dtype=torch.float32, device=query.device)
+    if kv_scale is None:
+        kv_scale = torch.ones(attrs.row_width, dtype=torch.float32, device=query.device)
+    tile = tile or configs.SCORES_TILE
+    heads = configs.heads_per_program(tile, attrs.num_heads)
+    chunks = -(-attrs.num_heads // heads)
+    part = torch.zeros(num_seqs, chunks, score_len, dtype=torch.float32, device=query.device)  # [S, chunks, L]
+    const = dict(configs.constexprs(attrs, tile), INTERPRET=_interpreting(), num_warps=tile.num_warps,
+                 num_stages=tile.num_stages)
+    kernels.mla_scores_kernel[(num_seqs, chunks)](
+        query.contiguous(), latent_cache, block_tables.contiguous(), seq_lens.contiguous(),
+        query_start_loc.contiguous(), kv_scale.float().contiguous(), observation_lens.to(torch.int64).contiguous(),
+        max_blocks, score_len, part, **const)
+    return part.sum(1, keepdim=True)  # [S, 1, score_len]

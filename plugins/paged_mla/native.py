@@ -16,7 +16,7 @@ import onnx
 from kvexport import io
 
 from ..paged_attention.native import library  # noqa: F401  (the one library: both ops)
-from .spec import INPUTS, OP_TYPE, OUTPUTS, PagedMLAAttrs
+from .spec import INPUTS, OP_TYPE, OUTPUTS, SCORE_INPUT, SCORE_OUTPUT, PagedMLAAttrs
 
 POOL_DTYPES = ("float32", "float16", "bfloat16", "int8")  # pools the native op takes
 _BF16 = onnx.TensorProto.BFLOAT16
@@ -51,9 +51,11 @@ def library_for(manifest) -> tuple[Path | None, str]:
     return lib, ""
 
 
-def one_node_model(attrs: PagedMLAAttrs, act_dtype: str = "float32", kv_dtype: str | None = None) -> onnx.ModelProto:
+def one_node_model(attrs: PagedMLAAttrs, act_dtype: str = "float32", kv_dtype: str | None = None, *,
+                   scores: bool = False) -> onnx.ModelProto:
     """An ONNX model of one PagedMLA node (inputs/outputs named as in spec.py), to run or measure
-    the op on its own (reference harness or native op)."""
+    the op on its own (reference harness or native op). `scores`: with the optional observation_lens
+    input and attention_scores output (spec.py "Attention scores")."""
     from onnx import TensorProto, helper
 
     tp = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16,
@@ -66,7 +68,13 @@ def one_node_model(attrs: PagedMLAAttrs, act_dtype: str = "float32", kv_dtype: s
     ins = [helper.make_tensor_value_info(n, t, d) for n, t, d in zip(INPUTS, types, shapes)]
     outs = [helper.make_tensor_value_info(OUTPUTS[0], act, ["num_tokens", attrs.num_heads, attrs.kv_lora_rank]),
             helper.make_tensor_value_info(OUTPUTS[1], pool, shapes[2])]
-    node = helper.make_node(OP_TYPE, list(INPUTS), list(OUTPUTS), domain=io.PLUGIN_DOMAIN, name="paged_mla",
+    in_names, out_names = list(INPUTS), list(OUTPUTS)
+    if scores:
+        ins.append(helper.make_tensor_value_info(SCORE_INPUT, TensorProto.INT64, ["num_seqs"]))
+        outs.append(helper.make_tensor_value_info(SCORE_OUTPUT, TensorProto.FLOAT, ["num_seqs", 1, "score_len"]))
+        in_names.append(SCORE_INPUT)
+        out_names.append(SCORE_OUTPUT)
+    node = helper.make_node(OP_TYPE, in_names, out_names, domain=io.PLUGIN_DOMAIN, name="paged_mla",
                             **attrs.onnx_attributes())
     return helper.make_model(helper.make_graph([node], "paged_mla", ins, outs),
                              opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(io.PLUGIN_DOMAIN, 1)])

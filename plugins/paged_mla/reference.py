@@ -13,7 +13,7 @@ from ..common.cases import paged_batch
 from ..paged_attention.reference import quantize, torch_dtype
 from .spec import PagedMLAAttrs
 
-__all__ = ["paged_mla", "store_rows", "read_rows", "quantize", "scales_from_absmax", "make_case",
+__all__ = ["paged_mla", "attention_scores", "store_rows", "read_rows", "quantize", "scales_from_absmax", "make_case",
            "realistic_rows", "torch_dtype"]
 
 
@@ -62,6 +62,31 @@ def paged_mla(query, latent, latent_cache, block_tables, seq_lens, query_start_l
         scores = scores.masked_fill(kpos > qpos, float("-inf"))
         out[start:end] = (torch.softmax(scores, dim=-1) @ rows[:, :lr]).transpose(0, 1)  # [q_len, H, L]
     return out.to(query.dtype)
+
+
+def attention_scores(query, latent_cache, block_tables, seq_lens, query_start_loc, observation_lens, kv_scale=None,
+                     *, attrs: PagedMLAAttrs) -> torch.Tensor:
+    """The optional output `attention_scores` (spec.py "Attention scores"), float64
+    [num_seqs, 1, max_blocks * block_size]: for sequence s, its last min(observation_lens[s], q_len)
+    new tokens' softmax probabilities, summed over those queries and over all query heads, at each
+    pool position j (0 where nothing attends). Call it after `paged_mla` (the pool then holds this
+    step's rows)."""
+    num_seqs, max_blocks = block_tables.shape
+    out = torch.zeros(num_seqs, 1, max_blocks * attrs.block_size, dtype=torch.float64, device=query.device)
+    for s in range(num_seqs):
+        start, end = int(query_start_loc[s]), int(query_start_loc[s + 1])
+        q_len, total = end - start, int(seq_lens[s])
+        obs = min(int(observation_lens[s]), q_len)
+        if obs <= 0:
+            continue
+        rows = read_rows(latent_cache, block_tables[s], total, attrs, kv_scale)  # [n, W]
+        q = query[end - obs:end].double().transpose(0, 1)  # [H, obs, W]
+        scores = attrs.scale * (q @ rows.T)  # [H, obs, n]
+        qpos = total - obs + torch.arange(obs, device=query.device)[:, None]
+        kpos = torch.arange(total, device=query.device)[None, :]
+        probs = torch.softmax(scores.masked_fill(kpos > qpos, float("-inf")), dim=-1)  # [H, obs, n]
+        out[s, 0, :total] = probs.sum((0, 1))
+    return out
 
 
 def scales_from_absmax(absmax: torch.Tensor) -> torch.Tensor:

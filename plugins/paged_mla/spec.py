@@ -52,6 +52,25 @@ Outputs::
     0 output          [num_tokens, num_heads, L]   query dtype
     1 latent_cache_out  aliased to input 2 (updated in place)
 
+Attention scores (optional; importance eviction, runtime/core/importance.py — PagedAttention's
+"Attention scores" for the latent pool): a node of a build that declares scoring (manifest
+kv.attention_scores) has a 9th input and a 3rd output::
+
+    8 observation_lens [num_seqs] int64    each sequence's last min(observation_lens[s], q_len) new
+                                           tokens are observation queries (0: none)
+    2 attention_scores [num_seqs, 1, max_blocks * block_size] float32
+        scores[s, 0, j] = sum over the observation queries i of s and all H query heads h
+                          of softmax_j(s_hij), the probabilities `attend` uses; 0 at positions
+                          nothing attends to
+
+    NOTE (one row per sequence, not per head): the pool has one latent "KV head" that every query
+    head reads, so a block is kept or dropped for all heads at once; the scores are pooled over the
+    whole group (all H heads), exactly as PagedAttention pools the G query heads of a KV head, and
+    the runtime reads [num_seqs, kv_heads = 1, score_len] like any other layer's. Implemented by the
+    reference (`reference.attention_scores`), the native CPU op and the Triton kernels
+    (launch.attention_scores_triton); the MLA `onnx` attention form and the TensorRT plugin do not
+    score (builds with them do not declare scores: exporter/build.py scores_declared).
+
 Attributes (per node): num_heads, kv_lora_rank, qk_rope_head_dim, block_size, scale (required:
 DeepSeek's softmax scale, (qk_nope_head_dim + qk_rope_head_dim) ** -0.5 times yarn's mscale²
 when the config's rope_scaling asks for it — the op does not derive it), kv_dtype.
@@ -82,6 +101,9 @@ PLUGIN_ID = f"{NAMESPACE}::{OP_TYPE}"  # tensorrt.plugin id
 INPUTS = ("query", "latent", "latent_cache", "block_tables", "seq_lens", "query_start_loc", "slot_mapping",
           "kv_scale")
 OUTPUTS = ("output", "latent_cache_out")
+SCORE_INPUT = io.OBSERVATION_LENS  # optional input 8 ("Attention scores" above)
+SCORE_OUTPUT = "attention_scores"  # optional output 2; the graph names it io.attention_scores(layer)
+SCORE_TOLERANCE = 1e-5  # max |implementation - reference| of attention_scores (float32 sums of probabilities)
 ALIASES = {1: 2}  # output index -> the input index it aliases (in-place pool update)
 NUM_INPUTS = 8  # kv_scale included for every kv dtype (see the NOTE above)
 

@@ -31,7 +31,9 @@ Prefix caching: the prompt's full blocks are published before anything is releas
 exactly what their hash chain says, so they stay valid entries for other requests); a sequence that
 released blocks publishes nothing after (its later KV was computed without them), and a block other
 sequences share is never changed, only this sequence's reference to it dropped (the pool frees it
-when nobody holds it, and tiers / KV events see it evicted as usual).
+when nobody holds it, and tiers / KV events see it evicted as usual). A sequence that will be scored
+looks the prefix cache up only to its prompt's last w tokens (`prefix_lookup`): a prompt the cache holds
+whole still computes, and is observed by, its whole window, not the one token after the hit.
 Preemption: the sequence is recomputed whole and scored again when its prompt completes.
 """
 
@@ -67,6 +69,7 @@ class ImportanceBudget:
     recent_tokens: int  # the last tokens kept (their blocks); >= observation_tokens
     observation_tokens: int  # w: the prompt's last tokens whose attention scores it
     decode: bool  # h2o: also evict while decoding, to stay within the budget
+    pool_kernel: int = 1  # token scores max-pooled over this many neighbours (odd) before the block max; 1: none
 
     @property
     def min_tokens(self) -> int:
@@ -91,9 +94,10 @@ class ImportanceState:
     block_scores: dict[int, float] = field(default_factory=dict)  # h2o: physical block -> accumulated score
 
 
-def block_scores(scores: np.ndarray, block_size: int) -> np.ndarray:
+def block_scores(scores: np.ndarray, block_size: int, pool_kernel: int = 1) -> np.ndarray:
     """Per-token attention [kv_heads, n] -> one score per block of the table the scores index
-    ([cdiv(n, block_size)]): per head normalised to sum 1, per block the max over its tokens, summed
+    ([cdiv(n, block_size)]): per head normalised to sum 1, (pool_kernel > 1: each token's score the max over
+    the pool_kernel tokens centred on it, SnapKV's pooling,) per block the max over its tokens, summed
     over heads.
     NOTE (no SnapKV max-pool over neighbouring tokens): SnapKV pools so that a kept token keeps its
     neighbours; a kept block already keeps its block_size neighbours, and pooling across block edges
@@ -102,6 +106,10 @@ def block_scores(scores: np.ndarray, block_size: int) -> np.ndarray:
     s = np.asarray(scores, np.float64)
     s = s / np.maximum(s.sum(-1, keepdims=True), 1e-30)
     h, n = s.shape
+    if pool_kernel > 1:
+        r = pool_kernel // 2
+        padded = np.pad(s, ((0, 0), (r, r)))
+        s = np.max(np.stack([padded[:, i:i + n] for i in range(2 * r + 1)]), axis=0)
     nb = -(-n // block_size)
     blocks = np.pad(s, ((0, 0), (0, nb * block_size - n))).reshape(h, nb, block_size).max(-1)  # [kvH, nb]
     return blocks.sum(0)
@@ -141,6 +149,16 @@ class ImportanceEviction(EvictionPolicy):
             return 0  # fits: nothing to evict
         return min(self.b.observation_tokens, n)
 
+    def prefix_lookup(self, req: Request) -> list[int]:
+        """A sequence that will be scored computes its prompt's last w tokens whatever the prefix cache
+        holds: its hit stops short of them (get_computed_blocks leaves one token more than it covers), so
+        the chunk that completes the prompt holds the whole observation window, not the 1 token after a
+        cached prefix."""
+        tokens = self.kv_token_ids(req)
+        if not self.b.decode and req.num_prompt_tokens <= self.budget_of(req):
+            return tokens  # fits its budget: never scored
+        return tokens[:max(req.num_prompt_tokens - self.b.observation_tokens + 1, 0)]
+
     def view(self, req: Request, table: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
         return compact(table, self.b.block_size)
 
@@ -163,7 +181,7 @@ class ImportanceEviction(EvictionPolicy):
         bs, computed = self.b.block_size, req.num_computed_tokens
         table = kv.block_table(req.request_id)
         kept = [i for i, b in enumerate(table) if b != PAD_BLOCK_ID]  # table index of each compacted block
-        per_block = block_scores(scores, bs)  # by compacted block
+        per_block = block_scores(scores, bs, self.b.pool_kernel)  # by compacted block
         by_index = dict(zip(kept, per_block))
         if self.b.decode:  # H2O: accumulated attention per physical block
             for i, s in by_index.items():
@@ -240,7 +258,7 @@ def check_build(*, scores: bool, hybrid: bool, windows: Sequence[int | None], ma
     if not scores:
         raise ConfigError(
             f"--kv-eviction {policy}: {build_dir} does not return attention scores (built before importance "
-            f"eviction, or with --attention onnx / --backend tensorrt / an MLA model, which do not score yet): "
+            f"eviction, or with --backend tensorrt, or an MLA model with --attention onnx, which do not score): "
             f"rebuild it with `kvexport build MODEL --attention plugin --force`")
     if hybrid:
         raise ConfigError(f"--kv-eviction {policy}: {build_dir} has a windowed-layer KV cache group; importance "

@@ -90,6 +90,8 @@ INPUTS = (
     ("cache_salt", "TYPE_STRING", [1], True, "prefix-cache salt: KV is shared only with requests of the same salt"),
     ("response_format", "TYPE_STRING", [1], True, 'OpenAI response_format as JSON text: {"type": "json_schema", ...}'),
     ("structured_outputs", "TYPE_STRING", [1], True, 'vLLM structured_outputs as JSON text: {"regex": ...}'),
+    ("kv_budget_tokens", "TYPE_INT64", [1], True, "a smaller KV budget for this request, in tokens (the model's "
+     "kv_eviction snapkv / h2o; refused without it) [the model's]"),
 )
 OUTPUTS = (
     ("text_output", "TYPE_STRING", [1], "text added by this response (streaming) or the whole completion"),
@@ -207,7 +209,7 @@ def parse_request(arrays: dict[str, np.ndarray], parser: RequestParser,
     if ("text_input" in arrays) == ("input_ids" in arrays):
         raise RequestError("send exactly one of the inputs 'text_input' (BYTES) or 'input_ids' (INT64)")
     values = {k: _scalar(arrays, k, None) for k in ("max_tokens", "temperature", "top_p", "top_k", "seed",
-                                                    "ignore_eos", "speculative")}
+                                                    "ignore_eos", "speculative", "kv_budget_tokens")}
     values["stop"] = _stop_strings(arrays.get("stop"))
     values["structured"] = _structured(arrays)
     stream = bool(_scalar(arrays, "stream", False))
@@ -313,7 +315,8 @@ class TritonPythonModel:
                         arrays[name] = t.as_numpy()
                 prompt, params, stream = parse_request(arrays, self.parser, json.loads(request.parameters() or "{}"))
                 if params.structured is not None:  # compiled here, not in the engine's step (structured.py)
-                    self.engine.structured.compile(params.structured)
+                    field = "response_format" if "response_format" in arrays else "structured_outputs"
+                    self.engine.structured.compile(params.structured, field)  # errors name the input
                 salt = parse_cache_salt(arrays, self.salt_key)
             except Exception as e:  # noqa: BLE001 - a bad request gets an error, the model keeps serving
                 msg = str(e) if isinstance(e, KvExportError) else f"invalid request: {e}"

@@ -355,6 +355,16 @@ def kv_bytes_per_token_layers(layer_groups: tuple[str, ...], layer_dims, kv_laye
     return out
 
 
+def kv_bytes_per_token_model(model: dict, num_kv_heads: int, head_dim: int, kv_dtype: "DType",
+                             latent: bool = False) -> int:
+    """KV bytes per token of a whole build (the manifest's ``kv.bytes_per_token``) from its model spec
+    (`kv_layout`): the layers holding pools only, each its own KV shape, a shared cache once, a hybrid's
+    linear layers none; `kv_bytes_per_token` of every layer where the layers are uniform."""
+    kv_layers, dims = kv_layout(model, num_kv_heads, head_dim)
+    groups = (FULL_GROUP,) * model["num_layers"]
+    return sum(kv_bytes_per_token_layers(groups, dims, kv_layers, kv_dtype, latent).values())
+
+
 def latent_scale(i: int) -> str:
     """int8 MLA KV: graph initializer [kv_lora_rank + qk_rope_head_dim] float32, layer i's latent scales."""
     return f"kv_scales.{i}.latent"
@@ -536,7 +546,7 @@ def graph_io(
     `state`: a hybrid's (linear layers, state shapes) (`state_dims`; paged only): the recurrent
     state I/O ("Recurrent state" above), after the pools. `scores`: the paged graphs take
     OBSERVATION_LENS (last input) and return attention_scores.{i} per KV layer (last outputs;
-    importance eviction, not for MLA builds)."""
+    importance eviction; MLA builds: [NUM_SEQS, 1, SCORE_LEN], the one latent "KV head")."""
     dims = layer_dims or ((num_kv_heads, head_dim),) * num_layers  # per layer (KV heads, head_dim)
     if layout is KVLayout.CONTIGUOUS:
         if latent or state is not None:
@@ -599,8 +609,6 @@ def graph_io(
     if state is not None:
         outputs += _state_io(*state, rows=NUM_SEQS, inputs=False)
     if scores:
-        if latent:
-            raise ValueError("MLA builds do not return attention scores (scores=True)")
         inputs.append(TensorSpec(OBSERVATION_LENS, "int64", (NUM_SEQS,)))
         outputs += [TensorSpec(attention_scores(i), "float32", (NUM_SEQS, dims[i][0], SCORE_LEN))
                     for i in _kv_layers(num_layers, kv_layers)]

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvexport.plugins.paged_attention.native import one_node_model
+from kvexport.plugins.paged_attention import reference
 from kvexport.plugins.paged_attention.reference import attention_scores, make_case, paged_attention
 from kvexport.plugins.paged_attention.spec import INPUTS, SCORE_TOLERANCE, TOLERANCE
 
@@ -79,3 +80,46 @@ def test_negative_observation_refused(cpu_op):
     feeds["observation_lens"] = np.array([1, -1, 0], np.int64)
     with pytest.raises(Exception, match="observation_lens must be >= 0"):
         _session(cpu_op, one_node_model(attrs, attrs.kv_dtype, scores=True)).run(None, feeds)
+
+
+# The Triton kernels' scores pass (launch.attention_scores_triton), on CPU under TRITON_INTERPRET=1
+# (tests/plugins/conftest.py), against the same float64 reference.
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_triton_scores_match_reference(name):
+    from kvexport.plugins.paged_attention import configs
+    from kvexport.plugins.paged_attention.launch import attention_scores_triton, paged_attention_triton
+
+    case, attrs = make_case(**CASES[name], seed=5)
+    obs = torch.tensor(OBS[name], dtype=torch.int64)
+    c = {k: (v.clone() if v is not None else None) for k, v in case.items()}
+    paged_attention(*(c[n] for n in INPUTS), attrs=attrs)
+    want = attention_scores(c["query"], c["key_cache"], c["block_tables"], c["seq_lens"], c["query_start_loc"], obs,
+                            c["k_scale"], attrs=attrs)
+    paged_attention_triton(*(case[n] for n in INPUTS), attrs=attrs, tile=configs.INTERPRET_TILE)
+    nan = torch.full(want.shape, float("nan"))  # the kernel zeroes its rows itself (a TensorRT output is not)
+    got = attention_scores_triton(case["query"], case["key_cache"], case["block_tables"], case["seq_lens"],
+                                  case["query_start_loc"], obs, case["k_scale"], attrs=attrs,
+                                  tile=configs.INTERPRET_TILE, out=nan)
+    assert got is nan and got.dtype == torch.float32 and not got.isnan().any()
+    assert (got.double() - want).abs().max().item() <= SCORE_TOLERANCE
+    assert want.abs().max() > 0.5  # the case scores something
+
+
+def test_triton_scores_half_activations_and_several_row_tiles():
+    """fp16 activations and pool (the GPU's dtypes; fp16 inputs are exact in the interpreter's float32
+    dot, so the float32 tolerance holds here — the GPU check bounds tensor-core dots); 13 observed
+    tokens × group 3 = 39 rows span three 16-row tiles, whose sums add up in the same row of scores."""
+    from kvexport.plugins.paged_attention import configs
+    from kvexport.plugins.paged_attention.launch import attention_scores_triton
+
+    case, attrs = make_case(num_heads=6, num_kv_heads=2, head_dim=32, block_size=8, q_lens=[13, 1], ctx_lens=[20, 9],
+                            kv_dtype="float16", act_dtype="float16", seed=2)
+    obs = torch.tensor([13, 1], dtype=torch.int64)
+    for n in ("key", "value"):  # this step's keys in the pool, as after the attention
+        reference.store_kv(case[n + "_cache"], case["slot_mapping"], case[n], attrs, None)
+    want = attention_scores(case["query"], case["key_cache"], case["block_tables"], case["seq_lens"],
+                            case["query_start_loc"], obs, attrs=attrs)
+    got = attention_scores_triton(case["query"], case["key_cache"], case["block_tables"], case["seq_lens"],
+                                  case["query_start_loc"], obs, attrs=attrs, tile=configs.INTERPRET_TILE)
+    assert (got.double() - want).abs().max().item() <= SCORE_TOLERANCE
+    np.testing.assert_allclose(got.sum(-1).numpy(), [[39, 39], [3, 3]], rtol=1e-3)

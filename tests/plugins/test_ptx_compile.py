@@ -27,7 +27,7 @@ def test_ci_subset_covers_every_configuration_and_both_archs_per_kind():
     counts = {k: sum(1 for s, _ in ci if (s.kernel, s.signature.get("q_ptr", s.signature.get("out_ptr")),
                                           s.signature.get("kc_ptr")) == k) for k in archs}
     assert all(archs[k] == {80, 90} for k in archs if counts[k] >= 2), archs
-    assert {k[0] for k in archs} == {"prefill", "decode", "decode_split", "reduce"}
+    assert {k[0] for k in archs} == {"prefill", "decode", "decode_split", "reduce", "scores"}
 
 
 def test_every_configuration_compiles_for_sm80_or_sm90(tmp_path):
@@ -48,3 +48,5 @@ def test_every_configuration_compiles_for_sm80_or_sm90(tmp_path):
     for act in ("*fp16", "*bf16"):
         for pool in (act, "*i8", "*u8"):
             assert {("prefill", act, pool), ("decode", act, pool), ("decode_split", act, pool)} <= kinds
+    # the attention_scores pass (importance eviction): fp16 over every pool kind, bf16 pools
+    assert {("scores", "*fp16", p) for p in ("*fp16", "*i8", "*u8")} | {("scores", "*bf16", "*bf16")} <= kinds

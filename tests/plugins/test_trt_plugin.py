@@ -37,6 +37,19 @@ def test_autotune_combinations_and_tactics():
         trt.tactic_tile(99)
 
 
+def test_scores_plugin_combinations_and_kernel_source():
+    """kvexport::PagedAttentionScores (spec.SCORES_OP_TYPE): one type string per (activation, pool) pair over
+    its 7 inputs and float32 output, and its AOT kernel's signature in the same order."""
+    combos = trt.scores_type_combinations()
+    assert len(combos) == 6 and combos[1] == "FP16, INT8, INT64, INT64, INT64, FP32, INT64, FP32"
+    assert all(len(c.split(", ")) == len(spec.SCORES_INPUTS) + 1 for c in combos)
+    src = configs.scores_source(configs.SHAPES[0].attrs("int8"), "float16", per_channel_scales=False)
+    params = [k for k, v in src.signature.items() if v != "constexpr"]
+    assert params[:7] == ["q_ptr", "kc_ptr", "bt_ptr", "seq_lens_ptr", "qsl_ptr", "ks_ptr", "obs_ptr"]  # SCORES_INPUTS
+    assert params[7:] == ["max_blocks", "num_blocks", "score_len", "scores_ptr"]  # the extras, then the output
+    assert src.constexprs["SCALES_PER_CHANNEL"] is False and src.constexprs["KV_INT8"] is True
+
+
 def test_trt_module_has_no_postponed_annotations():
     # tensorrt.plugin calls issubclass() on the decorated functions' annotations
     src = Path(trt.__file__).read_text()
@@ -52,3 +65,4 @@ def test_register_with_tensorrt():
     trt.register()  # idempotent
     creator = tensorrt.get_plugin_registry().get_creator(spec.OP_TYPE, spec.VERSION, spec.NAMESPACE)
     assert creator is not None
+    assert tensorrt.get_plugin_registry().get_creator(spec.SCORES_OP_TYPE, spec.VERSION, spec.NAMESPACE) is not None

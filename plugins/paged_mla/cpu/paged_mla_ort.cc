@@ -24,6 +24,8 @@
 // context (flash-decoding) and merged, so one long sequence still spreads over the threads.
 // Outputs 1 is the updated pool: in place when the caller binds it to the input buffer
 // (IOBinding, as the runtime does), else the input pool is copied first.
+// Optional input 8 / output 2 (spec.py "Attention scores"): observation_lens -> attention_scores
+// [S, 1, max_blocks * block_size], a second pass over the observed rows after the attention.
 
 #define ORT_API_MANUAL_INIT
 #include "onnxruntime_cxx_api.h"
@@ -48,7 +50,7 @@ namespace {
 
 using namespace kvexport_simd;
 
-constexpr int kInputs = 8;
+constexpr int kInputs = 8;  // + observation_lens (optional input 8: scoring builds, spec.py)
 constexpr int KC = 16;            // keys per chunk (one vector of scores)
 constexpr int RB = 4;             // query rows per register block (scores4 / accumulate4)
 static_assert(KC == 16 && RB == 4, "the micro-kernels hold 4 rows x 16 keys / channels");
@@ -342,6 +344,64 @@ void merge(Step& st, size_t first, size_t n) {
   }
 }
 
+// Importance scores (optional input 8 / output 2, spec.py "Attention scores"): the last obs tokens of
+// sequence s are observation queries; scores[s, 0, j] = sum over them and over all H heads (the one
+// latent "KV head"'s group) of softmax(scale * q · row)_j. Run after the attention (the pool holds this
+// step's rows); tasks of (sequence, chunk of heads) each add into their own partial row, summed after.
+// Accumulated in double, as PagedAttention's scores.
+constexpr int64_t kScoreHeads = 8;  // heads per scoring task
+
+struct ScoreTask {
+  int64_t seq, h0, h1;
+};
+
+struct ScoreStep {
+  const Step* st;
+  const int64_t* obs;  // [S] observation_lens
+  int64_t score_len;
+  std::vector<ScoreTask> tasks;
+  std::vector<double> partial;  // [tasks][score_len]
+};
+
+template <typename KV>
+void score_task(void* user, size_t i) {
+  ScoreStep& sc = *static_cast<ScoreStep*>(user);
+  const Step& st = *sc.st;
+  const Attrs& a = st.a;
+  const ScoreTask& t = sc.tasks[i];
+  const int64_t W = a.width, bs = a.block_size;
+  const int64_t q_start = st.qsl[t.seq], q_len = st.qsl[t.seq + 1] - q_start, total = st.seq_lens[t.seq];
+  const int64_t ctx = total - q_len, obs = std::min(sc.obs[t.seq], q_len);
+  const int64_t* table = st.tables + t.seq * st.max_blocks;
+  const KV* pool = static_cast<const KV*>(st.pool);
+  std::vector<float> rows(static_cast<size_t>(total * W));  // the sequence's rows [total, W] as float32
+  for (int64_t j = 0; j < total; ++j) {
+    float* dst = rows.data() + j * W;
+    to_float(pool + (table[j / bs] * bs + j % bs) * W, dst, W);
+    if (st.kv_scale)
+      for (int64_t c = 0; c < W; ++c) dst[c] *= st.kv_scale[c];
+  }
+  std::vector<double> p(static_cast<size_t>(total));
+  double* acc = sc.partial.data() + i * sc.score_len;
+  for (int64_t qi = q_len - obs; qi < q_len; ++qi) {
+    const int64_t pos = ctx + qi;
+    for (int64_t h = t.h0; h < t.h1; ++h) {
+      const float* q = st.query + ((q_start + qi) * a.num_heads + h) * W;
+      double m = -std::numeric_limits<double>::infinity();
+      for (int64_t j = 0; j <= pos; ++j) {
+        double s = 0.0;
+        const float* r = rows.data() + j * W;
+        for (int64_t c = 0; c < W; ++c) s += static_cast<double>(q[c]) * r[c];
+        p[j] = s * a.scale;
+        m = std::max(m, p[j]);
+      }
+      double l = 0.0;
+      for (int64_t j = 0; j <= pos; ++j) l += (p[j] = std::exp(p[j] - m));
+      for (int64_t j = 0; j <= pos; ++j) acc[j] += p[j] / l;
+    }
+  }
+}
+
 constexpr const char* kOp = "PagedMLA";
 
 [[noreturn]] void fail(const std::string& msg) { kvexport_paged::fail(kOp, msg); }
@@ -389,7 +449,10 @@ struct Kernel {
 
   void Compute(OrtKernelContext* context) {
     Ort::KernelContext ctx(context);
-    if (ctx.GetInputCount() != kInputs) fail("expects 8 inputs");
+    const size_t n_in = ctx.GetInputCount();
+    if (n_in != kInputs && n_in != kInputs + 1) fail("expects 8 inputs (9 with observation_lens)");
+    // scoring (spec.py "Attention scores"): observation_lens given and attention_scores asked for
+    const bool scoring = n_in == kInputs + 1 && ctx.GetInput(kInputs) != nullptr && ctx.GetOutputCount() > 2;
     Ort::ConstValue query = ctx.GetInput(0), latent = ctx.GetInput(1), pool = ctx.GetInput(2);
     const auto qs = shape_of(query), ls = shape_of(latent), ps = shape_of(pool);
     const auto bt = shape_of(ctx.GetInput(3)), sl = shape_of(ctx.GetInput(4)), ql = shape_of(ctx.GetInput(5));
@@ -423,6 +486,13 @@ struct Kernel {
     if (st.kv_scale)
       for (int64_t i = 0; i < W; ++i)
         if (!(scale[i] > 0.f) || std::isinf(scale[i])) fail("int8 kv_scale must be finite and > 0");
+    const int64_t* obs = nullptr;
+    if (scoring) {
+      if (shape_of(ctx.GetInput(kInputs)) != std::vector<int64_t>{S}) fail("observation_lens must be [num_seqs]");
+      obs = ctx.GetInput(kInputs).GetTensorData<int64_t>();
+      for (int64_t s = 0; s < S; ++s)
+        if (obs[s] < 0) fail("observation_lens must be >= 0");
+    }
 
     Ort::UnownedValue out = ctx.GetOutput(0, {T, H, L});
     Ort::UnownedValue pool_out = ctx.GetOutput(1, ps);
@@ -462,7 +532,34 @@ struct Kernel {
           st.tasks.push_back({s, i0, std::min(q_len, i0 + tt), h0, std::min(H, h0 + hc), 0,
                               ctx_len + std::min(q_len, i0 + tt), -1});
     }
-    if (st.tasks.empty()) return;
+    if (!st.tasks.empty()) attend_all(ctx, st);
+
+    // 3. attention scores of the observation queries: [S, 1, max_blocks * block_size], 0 where unobserved
+    if (ctx.GetOutputCount() > 2) {
+      ScoreStep sc{&st, obs, MB * bs, {}, {}};
+      Ort::UnownedValue scores = ctx.GetOutput(2, std::vector<int64_t>{S, 1, sc.score_len});
+      float* out_scores = scores.GetTensorMutableData<float>();
+      std::fill(out_scores, out_scores + S * sc.score_len, 0.f);
+      for (int64_t s = 0; obs != nullptr && s < S; ++s)
+        if (obs[s] > 0 && st.qsl[s + 1] > st.qsl[s])
+          for (int64_t h0 = 0; h0 < H; h0 += kScoreHeads) sc.tasks.push_back({s, h0, std::min(H, h0 + kScoreHeads)});
+      if (sc.tasks.empty()) return;
+      sc.partial.assign(sc.tasks.size() * static_cast<size_t>(sc.score_len), 0.0);
+      ctx.ParallelFor(a.pool == Pool::F32    ? score_task<float>
+                      : a.pool == Pool::F16  ? score_task<Half>
+                      : a.pool == Pool::BF16 ? score_task<BHalf>
+                                             : score_task<int8_t>,
+                      sc.tasks.size(), 0, &sc);
+      std::vector<double> sum(static_cast<size_t>(S * sc.score_len), 0.0);
+      for (size_t k = 0; k < sc.tasks.size(); ++k)
+        for (int64_t j = 0; j < sc.score_len; ++j)
+          sum[sc.tasks[k].seq * sc.score_len + j] += sc.partial[k * sc.score_len + j];
+      for (size_t j = 0; j < sum.size(); ++j) out_scores[j] = static_cast<float>(sum[j]);
+    }
+  }
+
+  // The attention tasks (st.tasks, not empty): decode contexts split when few tasks, then merged.
+  void attend_all(Ort::KernelContext& ctx, Step& st) const {
     const int64_t base = static_cast<int64_t>(st.tasks.size());
     std::vector<Task> tasks;
     std::vector<std::pair<size_t, size_t>> groups;  // split row groups: (first task, count)
@@ -503,7 +600,8 @@ struct Kernel {
   }
 };
 
-// Output 0: [T, H, kv_lora_rank] of the query's type; output 1: the pool input's type and shape.
+// Output 0: [T, H, kv_lora_rank] of the query's type; output 1: the pool input's type and shape;
+// output 2 (attention_scores, float32 [S, 1, score_len]) is left to the graph's declared shape.
 OrtStatusPtr infer_types(const OrtCustomOp*, OrtShapeInferContext* ctx) {
   const OrtApi& api = Ort::GetApi();
   const OrtOpAttr* attr = nullptr;
@@ -522,15 +620,22 @@ struct Op : Ort::CustomOpBase<Op, Kernel, true> {
   }
   const char* GetName() const { return "PagedMLA"; }
   const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
-  size_t GetInputTypeCount() const { return kInputs; }
+  size_t GetInputTypeCount() const { return kInputs + 1; }
   ONNXTensorElementDataType GetInputType(size_t i) const {
+    if (i == kInputs) return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;  // observation_lens
     if (i <= 1 || i == 7) return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
     if (i == 2) return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;  // float32, float16, bfloat16 or int8 pool
     return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
   }
-  size_t GetOutputTypeCount() const { return 2; }
+  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
+    return i == kInputs ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+  }
+  size_t GetOutputTypeCount() const { return 3; }
   ONNXTensorElementDataType GetOutputType(size_t i) const {
-    return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+    return i == 0 || i == 2 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  }
+  OrtCustomOpInputOutputCharacteristic GetOutputCharacteristic(size_t i) const {
+    return i == 2 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;  // attention_scores
   }
 };
 

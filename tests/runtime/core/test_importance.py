@@ -144,10 +144,11 @@ def test_preempted_sequence_is_scored_again():
     sched._preempt(req)
     assert sched.eviction.state(req).released_blocks == 0 and not sched.eviction.state(req).scored
     out = _step(sched, lambda s: _token_scores([3], s.start_pos + len(s.token_ids)))
-    # re-admitted: the prompt's 10 blocks (published before the release) are prefix-cache hits, so the
-    # sequence is the full cache's again; the completing chunk is the one token left, which observes
+    # re-admitted: the prompt's blocks (published before the release) are prefix-cache hits up to its last
+    # w = 4 tokens (prefix_lookup), so the sequence is the full cache's again and the completing chunk
+    # (block 9 + the output token) holds the whole observation window, which observes
     s = out.scheduled[0]
-    assert (s.start_pos, len(s.token_ids), s.kv_gap, s.observation_len) == (40, 1, 0, 1)
+    assert (s.start_pos, len(s.token_ids), s.kv_gap, s.observation_len) == (36, 5, 0, 4)
     table = kv.block_table("a")
     kept = [i for i, b in enumerate(table) if b != PAD]
     # 41 tokens, budget 24: 5 blocks go (of candidates 1..7): the sink, the hot block 3 and the recent ones stay

@@ -30,7 +30,8 @@ I64 = lambda *v: np.array(v, np.int64)  # noqa: E731
 
 def test_every_integer_input_is_int64():
     assert {name: dtype for name, dtype, *_ in INPUTS if "INT" in dtype} == {
-        "input_ids": "TYPE_INT64", "max_tokens": "TYPE_INT64", "top_k": "TYPE_INT64", "seed": "TYPE_INT64"}
+        "input_ids": "TYPE_INT64", "max_tokens": "TYPE_INT64", "top_k": "TYPE_INT64", "seed": "TYPE_INT64",
+        "kv_budget_tokens": "TYPE_INT64"}
 
 
 def test_the_limits_are_one_set_of_constants_in_requests():
