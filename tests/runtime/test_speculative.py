@@ -13,6 +13,7 @@ graph contract it stands on (io.LOGITS_INDICES), on real tiny builds of each fam
 """
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -246,10 +247,19 @@ def test_draft_model_speculation_is_exact_and_refuses_another_vocabulary(make_bu
     stats = llm.engine.spec_stats()
     assert stats.num_draft_tokens > 0
     # the target as its own draft: every draft is accepted
-    llm, same = _generate(target, PROMPTS, GREEDY, speculative="draft", draft_model=str(target))
+    from kvexport import LLM
+
+    llm = LLM(target, kv_cache_memory="4MiB", threads=1, speculative="draft", draft_model=str(target))
+    runner = llm.engine.speculation.proposer.runner
+    calls, run = [], runner.logits
+    runner.logits = lambda chunks, *a, **kw: calls.append(len(chunks)) or run(chunks, *a, **kw)
+    same = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in same] == [o.token_ids for o in plain]
     st = llm.engine.spec_stats()
     assert st.num_accepted_tokens == st.num_draft_tokens > 0
+    # the draft steps are batched: a call drafts for all three sequences at once, and the draft
+    # model ran fewer calls than it drafted tokens (one request at a time: at least one per token)
+    assert max(calls) == len(PROMPTS) and len(calls) < st.num_draft_tokens, (calls, st)
     other = make_build("llama", hf=dict(vocab_size=64))
     with pytest.raises(ConfigError, match="draft_model .*vocabulary has 64 tokens"):
         _generate(target, PROMPTS, GREEDY, speculative="draft", draft_model=str(other))
@@ -271,3 +281,35 @@ def test_smollm2_real_weights_greedy_parity_alone_and_batched(smollm2_build):
     assert llm.generate(prompts[1:2], params, chat=True)[0].token_ids == plain[1].token_ids
     st = llm.engine.spec_stats()
     assert st.num_accepted_tokens > st.num_draft_tokens // 3 > 0, st
+
+
+
+def test_a_draft_build_that_cannot_draft_is_refused_naming_draft_model(make_build, tmp_path):
+    """A draft with a shorter context, another tokenizer, or recurrent state: ConfigError naming
+    draft_model and each problem."""
+    import shutil
+
+    target = make_build("llama")
+    short = make_build("llama", max_seq_len=48)
+    with pytest.raises(ConfigError, match="draft_model .*max_seq_len 48 is below the target's 96"):
+        _generate(target, PROMPTS, GREEDY, speculative="draft", draft_model=str(short))
+    hybrid = make_build("qwen3_5_text")
+    with pytest.raises(ConfigError, match="draft_model .*recurrent state"):
+        _generate(target, PROMPTS, GREEDY, speculative="draft", draft_model=str(hybrid))
+    # the same model with two different tokenizer.json files (tiny builds have none: given here)
+    from kvexport import manifest as mf
+    from kvexport.runtime.config import EngineConfig
+    from kvexport.runtime.draft_model import DraftModelProposer
+
+    builds = []
+    for name, vocab in (("a", {"x": 0}), ("b", {"y": 0})):
+        d = shutil.copytree(target, tmp_path / name)
+        m = json.loads((d / io.MANIFEST_NAME).read_text())
+        m["tokenizer"] = "tokenizer"
+        (d / io.MANIFEST_NAME).write_text(json.dumps(m))
+        (d / "tokenizer").mkdir()
+        (d / "tokenizer" / "tokenizer.json").write_text(json.dumps({"model": {"vocab": vocab}}))
+        builds.append(d)
+    config = EngineConfig(speculative="draft", draft_model=str(builds[1]), kv_cache_memory="4MiB")
+    with pytest.raises(ConfigError, match="draft_model .*its tokenizer differs from the target's"):
+        DraftModelProposer.open(str(builds[1]), builds[0], mf.load(builds[0]), config)

@@ -203,3 +203,31 @@ def test_finalize_of_an_idle_model_is_quick(model):
     t0 = time.monotonic()
     model.finalize()
     assert time.monotonic() - t0 < 1.5 and not model.worker.is_alive()
+
+
+def test_the_model_carries_speculative_decoding_and_the_request_input_turns_it_off(tiny, tmp_path, monkeypatch):
+    """config.pbtxt `speculative: ngram` (an EngineConfig setting): the same greedy tokens as a
+    request sending `speculative` false, which drafts nothing (the engine's counters)."""
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", FakePb())
+    m = triton_model.TritonPythonModel()
+    params = {"build_dir": str(tiny), "kv_cache_memory": "1MiB", "threads": "1", "speculative": "ngram",
+              "num_speculative_tokens": "3"}
+    m.initialize({"model_config": json.dumps({"parameters": {k: {"string_value": v} for k, v in params.items()}}),
+                  "model_repository": str(tmp_path), "model_name": "tiny", "model_version": "1",
+                  "model_instance_name": "tiny_0"})
+    try:
+        prompt = np.array([5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], np.int32)  # repeats itself: n-gram drafts match
+        got = {}
+        for spec in (False, True):
+            before = m.engine.spec_stats().num_draft_tokens
+            r = Request(input_ids=prompt, max_tokens=np.array([24], np.int32), ignore_eos=np.array([True]),
+                        speculative=np.array([spec]))
+            m.execute([r])
+            assert r.sender.final.wait(30)
+            (resp, _), = r.sender.responses
+            assert resp.error is None
+            got[spec] = (resp.tensors["token_ids"].tolist(), m.engine.spec_stats().num_draft_tokens - before)
+        assert got[True][0] == got[False][0] and len(got[True][0]) == 24
+        assert got[False][1] == 0 < got[True][1], got
+    finally:
+        m.finalize()
