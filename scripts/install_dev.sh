@@ -40,6 +40,10 @@ if [ -x "$TPY" ]; then
     grep -qs "^home = $(dirname "$TPY")\$" .venv-triton/pyvenv.cfg || { rm -rf .venv-triton; "$TPY" -m venv .venv-triton; }
     .venv-triton/bin/pip install -q --upgrade pip
     .venv-triton/bin/pip install -q "numpy<2" onnx onnxruntime "transformers>=5.0,<6" jinja2
+    # structured output (runtime/execution/structured.py) on Triton: xgrammar imports torch (the CPU build,
+    # as .venv's; it runs with numpy<2) but not triton-lang, which --no-deps leaves out
+    .venv-triton/bin/pip install -q torch==2.13.0 apache-tvm-ffi==0.1.15.post2 jsonschema
+    .venv-triton/bin/pip install -q --no-deps xgrammar==0.2.8
     # --no-deps (so pip lists kvexport's and pytriton's other requirements as missing: only
     # the runtime's imports and the server binary are used here)
     .venv-triton/bin/pip install -q --no-deps -e .

@@ -41,7 +41,7 @@ from ..request_checks import RequestError
 from ..sampling_params import StructuredOutputs
 
 __all__ = ["GrammarError", "Matcher", "StructuredOutputManager", "StructuredOutputs", "mask_logits",
-           "UNSUPPORTED_KEYWORDS", "check_json_schema"]
+           "UNSUPPORTED_KEYWORDS", "check_json_schema", "missing_packages"]
 
 COMPILE_TIMEOUT_S = 10.0  # a grammar that takes longer to compile is refused (400)
 CACHE_SIZE = 256  # compiled grammars kept (least recently used dropped)
@@ -61,6 +61,25 @@ _SCHEMA_ONE = ("items", "additionalProperties", "additionalItems")
 
 class GrammarError(RequestError):
     """A structured-output spec that cannot be served: invalid, unsupported, too slow to compile."""
+
+
+# the packages structured output needs (import name -> what pip installs); NOTE: a Triton execution
+# environment may lack them (xgrammar 0.2.8 imports torch; scripts/install_dev.sh puts the CPU build in
+# .venv-triton): then the Triton model refuses these inputs by name and serves the other requests
+REQUIREMENTS = {"xgrammar": "xgrammar==0.2.8", "jsonschema": "jsonschema"}
+
+
+def missing_packages() -> list[str]:
+    """Which of REQUIREMENTS cannot be imported here (empty when structured output can run)."""
+    import importlib
+
+    out = []
+    for name in REQUIREMENTS:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            out.append(name)
+    return out
 
 
 def check_json_schema(schema: Any, param: str) -> None:
@@ -179,12 +198,20 @@ class StructuredOutputManager:
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
 
-    def _xgr_compiler(self) -> Any:
+    def _xgr_compiler(self, param: str = "response_format") -> Any:
         with self._lock:
             if self._compiler is None:
                 if self.tokenizer is None:
                     raise GrammarError("structured output needs the build's tokenizer; this build has none",
                                        "response_format")
+                missing = missing_packages()
+                if missing:
+                    raise GrammarError(f"{param}: structured output needs the Python package"
+                                       f"{'s' if len(missing) > 1 else ''} {' and '.join(missing)}, which this "
+                                       f"server's Python environment lacks; send the request without {param}, "
+                                       f"or serve with `kvexport serve` (pip install "
+                                       f"{' '.join(REQUIREMENTS[m] for m in missing)})", param,
+                                       code="structured_output_unavailable")
                 import xgrammar as xgr
 
                 info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
@@ -197,7 +224,7 @@ class StructuredOutputManager:
         own field name) when it is invalid, unsupported, or takes longer than compile_timeout_s."""
         param = param or spec.field
         key = spec.key
-        self._xgr_compiler()  # NOTE: the tokenizer's tables (once, seconds) are not the client's grammar: no limit
+        self._xgr_compiler(param)  # NOTE: the tokenizer's tables (once, seconds) are not the client's grammar: no limit
         with self._lock:
             fut = self._cache.get(key)
             if fut is not None:

@@ -105,10 +105,9 @@ def check_sizes(obj: Any, limits: SizeLimits) -> None:
     ids = obj.get("stop_token_ids")
     if isinstance(ids, list) and len(ids) > MAX_STOP_TOKEN_IDS:
         proto.check_stops(None, ids)
-    if isinstance(obj.get("functions"), list) and len(obj["functions"]) > 0:  # only [] is taken (check_inert)
-        proto.refuse_inert("functions", obj["functions"])
-    if isinstance(obj.get("tools"), list) and len(obj["tools"]) > MAX_TOOLS:
-        raise ApiError(400, f"tools: at most {MAX_TOOLS} tools per request, got {len(obj['tools'])}", param="tools")
+    for name in ("tools", "functions"):  # functions: the deprecated name of tools (tools.plan)
+        if isinstance(obj.get(name), list) and len(obj[name]) > MAX_TOOLS:
+            raise ApiError(400, f"{name}: at most {MAX_TOOLS} tools per request, got {len(obj[name])}", param=name)
     bias = obj.get("logit_bias")  # only zero biases are taken: any other value is refused, not each one reported
     if isinstance(bias, dict) and any(type(v) not in (int, float) or v != 0 for v in bias.values()):
         proto.refuse_inert("logit_bias", bias)

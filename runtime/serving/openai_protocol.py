@@ -20,6 +20,7 @@ from typing import Any, Callable, Literal
 from pydantic import BaseModel, ConfigDict
 
 from . import requests as req
+from . import tools
 from .requests import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, RequestError, RequestParser
 from ..sampling_params import SamplingParams, StructuredOutputs
 
@@ -69,7 +70,7 @@ class ChatMessage(_Body):
     refusal: None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls (runtime/serving/tools.py)
     tool_call_id: str | None = None  # a tool result's call
-    function_call: None = None
+    function_call: dict[str, Any] | None = None  # legacy: an assistant's earlier call (tools.legacy_messages)
     audio: None = None
     annotations: None = None
 
@@ -133,9 +134,9 @@ class ChatCompletionRequest(_SamplingBody):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None  # "none" | "auto" | "required" | {"type": "function", ...}
     parallel_tool_calls: bool | None = None  # false: at most one call
-    # not implemented, taken at their defaults only (check_inert): the older names of tools and tool_choice
-    functions: list[dict[str, Any]] | None = None  # only null or [] (use tools)
-    function_call: str | dict[str, Any] | None = None  # only "none" or "auto" (use tool_choice)
+    # deprecated names of tools and tool_choice (older clients): taken as those, answered with `function_call`
+    functions: list[dict[str, Any]] | None = None  # [{"name", "description"?, "parameters"?}]
+    function_call: str | dict[str, Any] | None = None  # "none" | "auto" | {"name": ...}
 
 
 def _field_names(*models: type[BaseModel]) -> frozenset[str]:
@@ -340,8 +341,6 @@ _INERT: dict[str, tuple[Callable[[Any, Any], bool], str]] = {
     "best_of": (lambda v, body: v == (body.n or 1), "best_of equal to n (1 by default)"),
     "logit_bias": (lambda v, body: all(b == 0 for b in v.values()), "{} (no bias)"),
     "suffix": (lambda v, body: v == "", '""'),
-    "functions": (lambda v, body: v == [], "[] (no functions; send tools)"),
-    "function_call": (lambda v, body: v in ("none", "auto"), '"none" or "auto" (send tool_choice)'),
 }
 
 
@@ -382,7 +381,8 @@ def prompts(body: CompletionRequest | ChatCompletionRequest, parser: RequestPars
     each non-empty and leaving room for an output token. Tokenizes and renders the chat
     template (`prepare`: a tool plan's, tools.ToolPlan.prepare): call it off the event loop."""
     if isinstance(body, ChatCompletionRequest):
-        out = [parser.chat([m.model_dump(exclude_none=True) for m in body.messages], prepare=prepare)]
+        out = [parser.chat(tools.legacy_messages([m.model_dump(exclude_none=True) for m in body.messages]),
+                           prepare=prepare)]
     else:
         p = body.prompt
         raw, names = (p, [f"prompt[{i}]" for i in range(len(p))]) if _several(p) else ([p], ["prompt"])

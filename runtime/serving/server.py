@@ -257,7 +257,7 @@ class OpenAIServer:
         if plan is not None:  # tool calls parsed from the text (tools.py)
             for c in choices:
                 c["message"], called = tools.response_message(plan, c["message"]["content"])
-                c["finish_reason"] = "tool_calls" if called and c["finish_reason"] == "stop" else c["finish_reason"]
+                c["finish_reason"] = called if called and c["finish_reason"] == "stop" else c["finish_reason"]
         return proto.response(chat, rid, now, self.model_name, choices,
                               proto.usage(prompt_tokens, sum(ntok), proto.cached_tokens(cached, len(prompts), params.n)))
 
@@ -271,7 +271,8 @@ class OpenAIServer:
         if isinstance(body, ChatCompletionRequest):
             tools.check_messages([m.model_dump(exclude_none=True) for m in body.messages])
             plan = tools.plan(body.tools, body.tool_choice, body.parallel_tool_calls,
-                              getattr(self.engine.tokenizer, "chat_template", None))
+                              getattr(self.engine.tokenizer, "chat_template", None), functions=body.functions,
+                              function_call=body.function_call)
         prompts = proto.prompts(body, self.parser, plan.prepare if plan is not None else None)
         spec, field_ = proto.structured(body)
         if plan is not None and plan.structured is not None:

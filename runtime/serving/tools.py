@@ -8,14 +8,36 @@ and parsing the model's output into OpenAI `tool_calls`, whole or as stream delt
         .parse(text)       -> (content, [calls])             (a whole response)
         .stream()          -> ToolStream: text so far -> content and tool_call deltas
 
-Template families (chosen from the chat template's text; each has its parser):
-  hermes    `<tool_call>{"name", "arguments"}</tool_call>` (Hermes, Qwen 2.5/3, SmolLM3)
+Template families (chosen from the chat template's text; each has its parser; TOOL_FAMILIES says
+which one each model family of exporter/families.py gets):
+  hermes    `<tool_call>{"name", "arguments"}</tool_call>` (Hermes, Qwen 2.5/3, SmolLM3; SmolLM2's own
+            training form `<tool_call>[{...}, ...]</tool_call>` too)
   llama3    `<|python_tag|>`? `{"name", "parameters"}` (Llama 3.1-3.3 JSON tool calling), `;`-separated
   mistral   `[TOOL_CALLS][{"name", "arguments"}, ...]` or `[TOOL_CALLS]name[ARGS]{...}` (v11+)
   deepseek  `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```<｜tool▁call▁end｜>` (V3)
+  harmony   `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>` (GPT-OSS);
+            the content is the `final` channel's message
+  phi4      `<|tool_call|>[{"name", "arguments"}, ...]<|/tool_call|>` or `functools[...]` (Phi-4-mini)
+  granite   `<|tool_call|>[{"name", "arguments"}, ...]` (Granite 3.x)
+  qwen3_xml `<tool_call><function=NAME><parameter=K>V</parameter>...</function></tool_call>` (Qwen3-Coder,
+            Qwen3.5): a value is JSON when it reads as JSON, else a string; its calls stream whole
 A template that does not render `tools` at all (SmolLM2's, most base models'): the tools go into a
 system message in the hermes form (as Qwen's template writes them), calls in earlier assistant
 turns as `<tool_call>` text and tool results as `<tool_response>` user turns; parsed as hermes.
+
+Streaming: content streams until a call may begin; a call's index, id and name go out once known, then
+its arguments as they are generated (several `arguments` fragments, as OpenAI streams them): each
+family's call start is a pattern (CALL_STARTS) after which the arguments object follows, cut where its
+braces close (_json_end).
+
+Legacy `functions` / `function_call` (OpenAI's deprecated names): plan() takes them as tools /
+tool_choice (at most one call) and the response carries `function_call` (finish_reason
+"function_call") instead of `tool_calls`; earlier turns' `function_call` and `role: function`
+messages become tool calls and tool results (legacy_messages).
+
+NOTE: the markers of harmony, phi4, granite and (tekken) mistral are special tokens in their tokenizers,
+which the detokenizer drops (skip_special_tokens=True): the harmony and phi4/granite parsers also read
+the text with the markers gone (`to=functions.NAME ... {...}`, a leading `[{"name": ...}]`).
 
 NOTE: `required` and a named tool do not depend on the family's format: the output is constrained
 to JSON (vLLM's way): `required` -> [{"name": N, "parameters": {...}}, ...] (anyOf over the tools;
@@ -116,11 +138,42 @@ def family(template: str | None) -> tuple[str, bool]:
         return "mistral", True
     if "tool▁call" in t:
         return "deepseek", True
+    if "<|channel|>" in t or "to=functions." in t:
+        return "harmony", True
+    if "<function=" in t:
+        return "qwen3_xml", True
+    if "<|tool_call|>" in t or "<|tool|>" in t:
+        return ("granite" if "<|start_of_role|>" in t else "phi4"), True
     if "<tool_call>" in t:
         return "hermes", True
     if "<|python_tag|>" in t or "ipython" in t:
         return "llama3", True
     return "hermes", "tools" in t
+
+
+# The tool-call family each model family of exporter/families.py gets from its instruct models' chat
+# templates (family() reads the template itself; this table is what to expect, and a test holds every
+# registered family to it): (tool family, the template text that tells it) or None where the family's
+# templates do not render tools (then the hermes system message, see the module's docstring).
+TOOL_FAMILIES: dict[str, tuple[str, str] | None] = {
+    "llama": ("llama3", "<|python_tag|>"),  # Llama 3.1-3.3 (SmolLM2's template renders no tools: None's path)
+    "mistral": ("mistral", "[TOOL_CALLS]"),
+    "mixtral": ("mistral", "[TOOL_CALLS]"),
+    "qwen2": ("hermes", "<tool_call>"),
+    "qwen2_moe": ("hermes", "<tool_call>"),
+    "qwen3": ("hermes", "<tool_call>"),
+    "qwen3_moe": ("hermes", "<tool_call>"),
+    "qwen3_next": ("hermes", "<tool_call>"),
+    "qwen3_5_text": ("qwen3_xml", "<tool_call>\n<function="),
+    "qwen3_5_moe": ("qwen3_xml", "<tool_call>\n<function="),
+    "smollm3": ("hermes", "<tool_call>"),
+    "phi3": ("phi4", "<|tool_call|>"),  # Phi-4-mini (Phi-3's templates render no tools)
+    "granite": ("granite", "<|start_of_role|><|tool_call|>"),  # Granite 3.x (no exporter family yet)
+    "deepseek_v2": ("deepseek", "<｜tool▁calls▁begin｜>"),
+    "deepseek_v3": ("deepseek", "<｜tool▁calls▁begin｜>"),
+    "gpt_oss": ("harmony", "<|channel|>commentary to=functions."),
+    "gpt2": None, "olmo2": None, "gemma2": None, "gemma3_text": None, "gemma4_text": None,
+}
 
 
 def _arguments_dict(call: Mapping) -> dict:
@@ -139,6 +192,7 @@ class ToolPlan:
     parallel: bool
     family: str
     native: bool  # the template renders tools itself
+    legacy: bool = False  # sent as `functions` / `function_call`: answered with `function_call`
 
     @property
     def named(self) -> str | None:
@@ -209,16 +263,66 @@ class ToolPlan:
         return ToolStream(self)
 
 
-def plan(tools: Any, tool_choice: Any, parallel_tool_calls: Any, template: str | None) -> ToolPlan | None:
-    """The request's tool plan, or None without tools (tool_choice then must be none/auto/absent)."""
-    checked = check_tools(tools) if tools is not None else []
-    choice = _tool_choice(tool_choice, checked)
+def plan(tools: Any, tool_choice: Any, parallel_tool_calls: Any, template: str | None, *,
+         functions: Any = None, function_call: Any = None) -> ToolPlan | None:
+    """The request's tool plan, or None without tools (tool_choice then must be none/auto/absent).
+    `functions` / `function_call`: OpenAI's deprecated names of tools / tool_choice, taken as those
+    (at most one call; the response's `function_call`)."""
+    legacy = functions is not None or function_call is not None
+    if legacy:
+        if tools is not None or tool_choice is not None:
+            what = "functions" if functions is not None else "function_call"
+            raise RequestError(f"{what}: send either tools / tool_choice or the older functions / function_call, "
+                               f"not both", what)
+        if functions is not None and not isinstance(functions, list):
+            raise RequestError("functions must be a list of functions", "functions")
+        tools = [{"type": "function", "function": f} for f in functions] if functions else None
+        if isinstance(function_call, Mapping):
+            tool_choice = {"type": "function", "function": {"name": function_call.get("name")}}
+        elif function_call is not None:
+            if function_call not in ("none", "auto"):
+                raise RequestError('function_call must be "none", "auto" or {"name": ...}', "function_call")
+            tool_choice = function_call
+        parallel_tool_calls = False
+        try:
+            checked = check_tools(tools, "functions") if tools is not None else []
+            choice = _tool_choice(tool_choice, checked)
+        except RequestError as e:  # named as the fields sent: functions[i].name, function_call.name
+            param = "function_call.name" if (e.param or "").startswith("tool_choice") else \
+                (e.param or "").replace(".function.", ".", 1)
+            msg = str(e).replace(".function.", ".").replace("tool_choice", "function_call")
+            raise RequestError(msg, param, code=e.code) from None
+    else:
+        checked = check_tools(tools) if tools is not None else []
+        choice = _tool_choice(tool_choice, checked)
     if not checked:
         return None
     if parallel_tool_calls not in (None, True, False):
         raise RequestError("parallel_tool_calls must be true or false", "parallel_tool_calls")
     fam, native = family(template)
-    return ToolPlan(checked, choice, parallel_tool_calls is not False, fam, native)
+    return ToolPlan(checked, choice, parallel_tool_calls is not False, fam, native, legacy)
+
+
+def legacy_messages(messages: list[dict]) -> list[dict]:
+    """Earlier turns in the deprecated form as tool calling's: an assistant's `function_call` ->
+    one tool call, a `role: function` result -> a tool result answering the function's last call."""
+    out: list[dict] = []
+    last: dict[str, str] = {}  # a function's name -> its last call's id
+    for i, m in enumerate(messages):
+        fc = m.get("function_call") if isinstance(m, Mapping) else None
+        if not isinstance(m, Mapping):
+            pass
+        elif isinstance(fc, Mapping) and not m.get("tool_calls"):
+            cid = f"call_legacy_{i}"
+            last[fc.get("name")] = cid
+            m = {k: v for k, v in m.items() if k != "function_call"}
+            m["tool_calls"] = [{"id": cid, "type": "function", "function": {"name": fc.get("name"),
+                                                                            "arguments": fc.get("arguments", "{}")}}]
+        elif m.get("role") == "function":
+            m = {**{k: v for k, v in m.items() if k != "role"}, "role": "tool",
+                 "tool_call_id": last.get(m.get("name"), "call_legacy")}
+        out.append(m)
+    return out
 
 
 # ---- parsers: output text -> (content, calls) ---------------------------------------------------
@@ -254,9 +358,10 @@ def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
     calls = []
     for body in _HERMES.findall(text[start:]):
         vals = _json_values(body)
-        c = _call(vals[0]) if vals else None
-        if c is not None:
-            calls.append(c)
+        for item in (vals[0] if vals and isinstance(vals[0], list) else vals[:1]):  # SmolLM2's: a list in the tag
+            c = _call(item)
+            if c is not None:
+                calls.append(c)
     if not calls:
         return text, []
     return text[:start].strip() or None, calls
@@ -311,22 +416,151 @@ def parse_deepseek(text: str) -> tuple[str | None, list[ToolCall]]:
     return (text[:start].strip() or None, calls) if calls else (text, [])
 
 
-PARSERS = {"hermes": parse_hermes, "llama3": parse_llama3, "mistral": parse_mistral, "deepseek": parse_deepseek}
+_HARMONY = re.compile(r"to=functions\.([A-Za-z0-9_.-]+)")
+_HARMONY_FINAL = re.compile(r"<\|channel\|>final<\|message\|>(.*?)(?:<\|return\|>|<\|end\|>|$)", re.S)
+
+
+def parse_harmony(text: str) -> tuple[str | None, list[ToolCall]]:
+    """GPT-OSS: `... to=functions.NAME ... <|message|>{args}<|call|>` per call (with the markers, or
+    without them when the detokenizer dropped the special tokens); the content is the final channel's."""
+    calls, pos = [], 0
+    while (m := _HARMONY.search(text, pos)) is not None:
+        brace = text.find("{", m.end())
+        if brace < 0:
+            break
+        try:
+            args, end = json.JSONDecoder().raw_decode(text, brace)
+        except ValueError:
+            break
+        calls.append(ToolCall(m.group(1), text[brace:end] if isinstance(args, dict) else json.dumps(args)))
+        pos = end
+    final = _HARMONY_FINAL.search(text)
+    if not calls:
+        return (final.group(1).strip() if final else text), []
+    return (final.group(1).strip() or None) if final else None, calls
+
+
+_FUNCTOOLS = ("<|tool_call|>", "functools")
+
+
+def parse_tool_call_list(text: str) -> tuple[str | None, list[ToolCall]]:
+    """Phi-4-mini / Granite: `<|tool_call|>[{"name", "arguments"}, ...]` (or `functools[...]`; or a
+    leading `[{"name": ...` when the detokenizer dropped the marker)."""
+    at = [i for i in (text.find(m) for m in _FUNCTOOLS) if i >= 0]
+    start = min(at) if at else (0 if text.lstrip().startswith("[{") or text.lstrip().startswith("{") else -1)
+    if start < 0:
+        return text, []
+    body = text[start:]
+    for m in _FUNCTOOLS:
+        body = body.replace(m, " ")
+    calls: list[ToolCall] = []
+    for v in _json_values(body.replace("<|/tool_call|>", " ")):
+        for item in (v if isinstance(v, list) else [v]):
+            c = _call(item)
+            if c is not None:
+                calls.append(c)
+    return (text[:start].strip() or None, calls) if calls else (text, [])
+
+
+_XML_FUNCTION = re.compile(r"<function=([A-Za-z0-9_.-]+)>(.*?)(?:</function>|$)", re.S)
+_XML_PARAMETER = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)\n?</parameter>", re.S)
+
+
+def parse_qwen3_xml(text: str) -> tuple[str | None, list[ToolCall]]:
+    """Qwen3-Coder / Qwen3.5: `<tool_call><function=NAME><parameter=K>V</parameter>...</function></tool_call>`."""
+    start = text.find("<tool_call>")
+    if start < 0:
+        start = text.find("<function=")
+    if start < 0:
+        return text, []
+    calls = []
+    for name, body in _XML_FUNCTION.findall(text[start:]):
+        args = {}
+        for k, v in _XML_PARAMETER.findall(body):
+            try:
+                args[k] = json.loads(v)
+            except ValueError:
+                args[k] = v
+        calls.append(ToolCall(name, json.dumps(args)))
+    return (text[:start].strip() or None, calls) if calls else (text, [])
+
+
+PARSERS = {"hermes": parse_hermes, "llama3": parse_llama3, "mistral": parse_mistral, "deepseek": parse_deepseek,
+           "harmony": parse_harmony, "phi4": parse_tool_call_list, "granite": parse_tool_call_list,
+           "qwen3_xml": parse_qwen3_xml}
 # where a call starts, per family: text from the first marker on is held back while streaming
 MARKERS = {"hermes": ("<tool_call>",), "llama3": ("<|python_tag|>", "{"), "mistral": ("[TOOL_CALLS]",),
-           "deepseek": ("<｜tool▁calls▁begin｜>",)}
+           "deepseek": ("<｜tool▁calls▁begin｜>",), "harmony": ("<|channel|>", "to=functions."),
+           "phi4": ("<|tool_call|>", "functools["), "granite": ("<|tool_call|>",),
+           "qwen3_xml": ("<tool_call>", "<function=")}
+# a call's start up to its arguments object, per family (streaming: the name goes out, then the arguments
+# as they grow): group 1 is the name; the arguments' "{" follows the match
+_JSON_CALL = r'\{\s*"name"\s*:\s*"([A-Za-z0-9_.-]+)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)'
+CALL_STARTS = {
+    "hermes": re.compile(_JSON_CALL), "llama3": re.compile(_JSON_CALL), "phi4": re.compile(_JSON_CALL),
+    "granite": re.compile(_JSON_CALL), "required": re.compile(_JSON_CALL),
+    "mistral": re.compile(_JSON_CALL + r"|([A-Za-z0-9_.-]+)\[ARGS\]\s*(?=\{)"),
+    "deepseek": re.compile(r"<｜tool▁call▁begin｜>\s*\w*\s*<｜tool▁sep｜>\s*([^\n]+)\n```(?:json)?\n(?=\{)"),
+    "qwen3_xml": re.compile(r"(?!x)x()"),  # no JSON arguments in the text: the calls go out whole (finish)
+    "harmony": re.compile(r"to=functions\.([A-Za-z0-9_.-]+)(?:[^{<]|<\|[a-z_]+\|>)*?(?=\{)"),
+}
+
+
+def _json_end(text: str, start: int) -> int | None:
+    """Where the JSON object opening at text[start] ("{") ends (the index after its "}"), or None
+    while it is still open."""
+    depth, in_str, esc = 0, False, False
+    for i in range(start, len(text)):
+        ch = text[i]
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
+def call_spans(fam: str, text: str, pos: int = 0) -> list[tuple[str, int, int | None]]:
+    """The calls begun in text[pos:]: (name, where the arguments object starts, where it ends or None
+    while it grows), in order; each next call is looked for after the previous one's arguments."""
+    pat, out = CALL_STARTS[fam], []
+    while (m := pat.search(text, pos)) is not None:
+        name = next(g for g in m.groups() if g is not None).strip()
+        end = _json_end(text, m.end())
+        out.append((name, m.end(), end))
+        if end is None:
+            break
+        pos = end
+    return out
 
 
 class ToolStream:
     """Streaming: `add(text so far)` -> (content delta, tool_call deltas). Content streams until a
-    call may begin (a family marker, or text that may be one's start); from there the text is
-    held back and parsed: complete calls go out as deltas with their index as they appear;
-    `finish(text)` sends what is left (the held text as content when it held no call).
-    Named tools stream their arguments as they are generated."""
+    call may begin (a family marker, or text that may be one's start); from there the text is held
+    back: each call goes out as it is generated, first its index, id and name, then its arguments
+    as several fragments (call_spans); `finish(text)` sends what is left (the held text as content
+    when it held no call; calls only the whole parse found, e.g. arguments given as a string, whole).
+    A named tool streams its arguments from the first token; "required" streams the calls of its array."""
 
     def __init__(self, plan: ToolPlan):
-        self.plan, self.sent, self.calls_sent, self.held = plan, 0, 0, False
+        self.plan, self.sent, self.held = plan, 0, False
+        self.ids: list[str] = []  # the calls sent so far (their ids)
+        self.args_sent: list[int] = []  # characters of each call's arguments sent
         self._named = ToolCall(plan.named, "") if plan.named else None
+
+    @property
+    def calls_sent(self) -> int:
+        return len(self.ids)
 
     def _cut(self, text: str) -> int:
         """How much of `text` is content for certain (before any marker or a marker's prefix)."""
@@ -351,25 +585,34 @@ class ToolStream:
             delta, first = text[self.sent:], self.sent == 0
             self.sent = len(text)
             if first:
+                self.ids = [self._named.id]
                 return "", [{"index": 0, "id": self._named.id, "type": "function",
                              "function": {"name": self._named.name, "arguments": delta}}]
             return "", [{"index": 0, "function": {"arguments": delta}}] if delta else []
         if p.choice == "required":
-            return "", []  # the array is parsed once whole (finish)
+            return "", self._spans(text, "required")
         cut = len(text) if self.held else self._cut(text)
         content = ""
         if not self.held:
             content, self.sent = text[self.sent:cut], cut
             self.held = cut < len(text) and any(m in text[cut:] for m in MARKERS[p.family]) or (
                 p.family == "llama3" and cut < len(text) and text[cut:].lstrip()[:1] == "{")
-        return content, self._new_calls(text) if self.held else []
+        return content, self._spans(text, p.family) if self.held else []
 
-    def _new_calls(self, text: str, final: bool = False) -> list[dict]:
-        _, done = self.plan.parse(text)
-        if not final:  # the last call may still grow; hermes: a call is complete once its tag closed
-            done = done[:text.count("</tool_call>")] if self.plan.family == "hermes" else done[:-1]
-        out = [c.openai(self.calls_sent + i) for i, c in enumerate(done[self.calls_sent:])]
-        self.calls_sent = max(self.calls_sent, len(done))
+    def _spans(self, text: str, fam: str) -> list[dict]:
+        """Deltas for the calls begun in the held text: a new call's header, then its arguments' growth."""
+        out = []
+        for i, (name, start, end) in enumerate(call_spans(fam, text, self.sent)):
+            if i == len(self.ids):
+                call = ToolCall(name, "")
+                self.ids.append(call.id)
+                self.args_sent.append(0)
+                out.append({"index": i, "id": call.id, "type": "function", "function": {"name": name,
+                                                                                      "arguments": ""}})
+            args = text[start:end if end is not None else len(text)]
+            if len(args) > self.args_sent[i]:
+                out.append({"index": i, "function": {"arguments": args[self.args_sent[i]:]}})
+                self.args_sent[i] = len(args)
         return out
 
     def finish(self, text: str) -> tuple[str, list[dict]]:
@@ -377,68 +620,89 @@ class ToolStream:
         p = self.plan
         if p.choice == "none" or self._named is not None:
             return self.add(text)
-        if p.choice == "required":
-            content, calls = p.parse(text)
-            self.calls_sent = len(calls)
-            return (content or "", [c.openai(i) for i, c in enumerate(calls)])
-        content, calls = p.parse(text)
-        if not calls:  # nothing was a call: the held text is content
-            delta, self.sent = text[self.sent:], len(text)
-            return delta, []
-        return "", self._new_calls(text, final=True)
+        content, deltas = self.add(text)
+        whole, calls = p.parse(text)
+        if not self.ids and not calls:  # nothing was a call: the held text is content (harmony: the final channel's)
+            done, whole = text[:self.sent], whole or ""
+            delta, self.sent = whole[len(done):] if whole.startswith(done) else whole, len(text)
+            return content + delta, []
+        for i, c in enumerate(calls[len(self.ids):], len(self.ids)):  # what the spans did not see
+            self.ids.append(c.id)
+            deltas.append(c.openai(i))
+        return content, deltas
 
     @property
     def called(self) -> bool:
-        return self.calls_sent > 0 or self._named is not None
+        return bool(self.ids) or self._named is not None
+
+
+def _legacy_delta(d: dict) -> dict:
+    """A tool_call delta as a legacy `function_call` delta ({"name"?, "arguments"})."""
+    f = d.get("function", {})
+    return {k: f[k] for k in ("name", "arguments") if k in f}
 
 
 def stream_choice(index: int, stream: ToolStream, text: str, finish_reason: str | None,
                   logprobs: dict | None) -> dict:
     """One choice of a chat stream chunk with tools: the content and tool_call deltas of the output
-    so far (`text`); finish_reason "tool_calls" when it called tools (not for a named tool)."""
+    so far (`text`); finish_reason "tool_calls" when it called tools (not for a named tool;
+    "function_call" for legacy functions, whose deltas are `function_call` and the first call's only)."""
     content, calls = stream.finish(text) if finish_reason is not None else stream.add(text)
     delta: dict = {}
     if content:
         delta["content"] = content
-    if calls:
+    if calls and stream.plan.legacy:
+        parts = [_legacy_delta(d) for d in calls if d["index"] == 0]
+        if parts:
+            delta["function_call"] = {"name": "".join(x.get("name", "") for x in parts) or None,
+                                      "arguments": "".join(x.get("arguments", "") for x in parts)}
+            if delta["function_call"]["name"] is None:
+                del delta["function_call"]["name"]
+    elif calls:
         delta["tool_calls"] = calls
     if finish_reason == "stop" and stream.called and stream.plan.named is None:
-        finish_reason = "tool_calls"
+        finish_reason = "function_call" if stream.plan.legacy else "tool_calls"
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def response_message(plan: ToolPlan | None, text: str) -> tuple[dict, bool]:
-    """A whole chat response's message and whether it calls tools (finish_reason "tool_calls",
-    but "stop" for a named tool, as OpenAI answers a forced function)."""
+def response_message(plan: ToolPlan | None, text: str) -> tuple[dict, str | None]:
+    """A whole chat response's message and the finish_reason its calls give: "tool_calls" (None for a
+    named tool, as OpenAI answers a forced function: "stop" stays), "function_call" for legacy
+    functions (the message's `function_call`, the first call)."""
     if plan is None:
-        return {"role": "assistant", "content": text}, False
+        return {"role": "assistant", "content": text}, None
     content, calls = plan.parse(text)
     msg: dict = {"role": "assistant", "content": content}
+    if calls and plan.legacy:
+        msg["function_call"] = {"name": calls[0].name, "arguments": calls[0].arguments}
+        return msg, "function_call" if plan.named is None else None
     if calls:
         msg["tool_calls"] = [c.openai() for c in calls]
-    return msg, bool(calls) and plan.named is None
+    return msg, "tool_calls" if calls and plan.named is None else None
 
 
 def check_messages(messages: Sequence[Any]) -> None:
-    """Assistant tool_calls in the request's messages, checked (RequestError naming the field)."""
+    """Assistant tool_calls (or a legacy function_call) in the request's messages, checked
+    (RequestError naming the field)."""
     for i, m in enumerate(messages):
-        calls = m.get("tool_calls") if isinstance(m, Mapping) else None
-        if calls is None:
+        if not isinstance(m, Mapping):
             continue
-        for j, c in enumerate(calls):
-            at = f"messages[{i}].tool_calls[{j}]"
-            f = c.get("function") if isinstance(c, Mapping) else None
+        fc = m.get("function_call")
+        items = [(f"messages[{i}].function_call", fc)] if fc is not None else []
+        items += [(f"messages[{i}].tool_calls[{j}].function", c.get("function") if isinstance(c, Mapping) else None)
+                  for j, c in enumerate(m.get("tool_calls") or [])]
+        for at, f in items:
             if not isinstance(f, Mapping) or not isinstance(f.get("name"), str):
-                raise RequestError(f"{at}.function.name must be a string", f"{at}.function.name")
+                raise RequestError(f"{at}.name must be a string", f"{at}.name")
             args = f.get("arguments")
             if isinstance(args, str):
                 try:
                     json.loads(args)
                 except ValueError:
-                    raise RequestError(f"{at}.function.arguments is not valid JSON", f"{at}.function.arguments") from None
+                    raise RequestError(f"{at}.arguments is not valid JSON", f"{at}.arguments") from None
             elif not isinstance(args, Mapping):
-                raise RequestError(f"{at}.function.arguments must be a JSON object's text", f"{at}.function.arguments")
+                raise RequestError(f"{at}.arguments must be a JSON object's text", f"{at}.arguments")
 
 
-__all__ = ["ToolCall", "ToolPlan", "ToolStream", "check_messages", "check_tools", "family", "plan",
-           "response_message", "stream_choice", "PARSERS"]
+__all__ = ["ToolCall", "ToolPlan", "ToolStream", "check_messages", "check_tools", "family", "legacy_messages",
+           "plan", "response_message", "stream_choice", "CALL_STARTS", "PARSERS", "TOOL_FAMILIES"]

@@ -5,11 +5,12 @@ This package holds the CLI and the contracts shared by all parts (`kvexport.io`,
 `kvexport.manifest`, `kvexport.errors`); the parts live in `kvexport.exporter`,
 `kvexport.plugins`, `kvexport.runtime` and `kvexport.recipes`.
 
-    from kvexport import LLM, SamplingParams
+    from kvexport import LLM, SamplingParams, StructuredOutputs
+    LLM("build/x").generate(["..."], SamplingParams(structured=StructuredOutputs(json=MyPydanticModel)))
 """
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputs", "__version__"]
 
 
 def __getattr__(name: str):
@@ -22,4 +23,8 @@ def __getattr__(name: str):
         from kvexport.runtime.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "StructuredOutputs":  # SamplingParams.structured: json schema | json_object | regex | choice | grammar
+        from kvexport.runtime.sampling_params import StructuredOutputs
+
+        return StructuredOutputs
     raise AttributeError(name)

@@ -129,7 +129,7 @@ def test_fields_at_their_defaults_are_taken(base, route, fields):
 @pytest.mark.parametrize("route, fields, param", [
     ("completions", {"best_of": 2}, "best_of"), ("completions", {"logit_bias": {"5": 10}}, "logit_bias"),
     ("completions", {"suffix": " the end"}, "suffix"),
-    ("chat", {"functions": [{"name": "f"}]}, "functions"), ("chat", {"logit_bias": {"5": -100}}, "logit_bias"),
+    ("chat", {"logit_bias": {"5": -100}}, "logit_bias"),  # (functions: taken as tools, test_structured.py)
 ])
 def test_values_that_change_the_result_are_refused_naming_the_field(base, route, fields, param):
     body = {**(COMPLETION if route == "completions" else CHAT), **fields}

@@ -38,6 +38,33 @@ def tok():
     ("mistral", 'ok [TOOL_CALLS]get_weather[ARGS]{"city": "Bonn"}', "ok", [("get_weather", {"city": "Bonn"})]),
     ("deepseek", "hi<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
                  '{"city": "Lima"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>', "hi", [("get_weather", {"city": "Lima"})]),
+    # SmolLM2's own training form: a list inside one tag
+    ("hermes", '<tool_call>[{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "f", "arguments": {}}]'
+               '</tool_call>', None, [("get_weather", {"city": "Oslo"}), ("f", {})]),
+    # GPT-OSS harmony: analysis, then a call on the commentary channel; the content is the final channel's
+    ("harmony", '<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>commentary '
+                'to=functions.get_weather <|constrain|>json<|message|>{"city": "Kyiv"}<|call|>', None,
+     [("get_weather", {"city": "Kyiv"})]),
+    ("harmony", '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Oslo"}'
+                '<|call|>', None, [("get_weather", {"city": "Oslo"})]),
+    # ... and with the special tokens dropped by the detokenizer
+    ("harmony", 'analysisNeed weather.assistantcommentary to=functions.get_weather json{"city": "Kyiv"}', None,
+     [("get_weather", {"city": "Kyiv"})]),
+    ("harmony", "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>Four.<|return|>",
+     "Four.", []),
+    ("phi4", '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Baku"}}]<|/tool_call|>', None,
+     [("get_weather", {"city": "Baku"})]),
+    ("phi4", 'functools[{"name": "get_weather", "arguments": {"city": "Baku"}}]', None,
+     [("get_weather", {"city": "Baku"})]),
+    ("phi4", "No tool needed.", "No tool needed.", []),
+    ("granite", 'I will check.<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Riga"}}, '
+                '{"name": "get_time", "arguments": {"tz": "EET"}}]', "I will check.",
+     [("get_weather", {"city": "Riga"}), ("get_time", {"tz": "EET"})]),
+    ("granite", '[{"name": "get_weather", "arguments": {"city": "Riga"}}]', None,  # the marker dropped
+     [("get_weather", {"city": "Riga"})]),
+    ("qwen3_xml", "Sure.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nSan Jose\n</parameter>\n"
+                  "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>", "Sure.",
+     [("get_weather", {"city": "San Jose", "days": 3})]),
 ])
 def test_each_family_parses_its_calls(fam, text, content, calls):
     got_content, got = tools.PARSERS[fam](text)
@@ -58,7 +85,12 @@ def test_streamed_deltas_add_up_to_the_whole_parse():
     c, d = st.finish(text)
     content, calls = content + c, calls + d
     assert content.strip() == "Let me check."
-    assert [(d["index"], d["function"]["name"], json.loads(d["function"]["arguments"])) for d in calls] == \
+    whole: dict[int, list] = {}
+    for d in calls:  # a call's name first, then its arguments in fragments
+        e = whole.setdefault(d["index"], [d["index"], "", ""])
+        e[1] += d["function"].get("name", "")
+        e[2] += d["function"].get("arguments", "")
+    assert [(i, n, json.loads(a)) for i, n, a in whole.values()] == \
         [(0, "get_weather", {"city": "Paris"}), (1, "get_weather", {"city": "Rome"})]
     # text that only looked like a call's start goes out as content at the end
     st = plan.stream()
@@ -114,9 +146,111 @@ def test_a_template_that_renders_tools_gets_them(tok):
 
 
 @pytest.mark.parametrize("template, fam", [("... [TOOL_CALLS] ...", "mistral"), ("<|python_tag|>", "llama3"),
-                                           ("<｜tool▁calls▁begin｜>", "deepseek"), ("<tool_call>", "hermes")])
+                                           ("<｜tool▁calls▁begin｜>", "deepseek"), ("<tool_call>", "hermes"),
+                                           ("<|start|>assistant<|channel|>analysis", "harmony"),
+                                           ("<|system|><|tool|>{{ tools }}<|/tool|>", "phi4"),
+                                           ("<|start_of_role|>tools<|end_of_role|><|tool_call|>", "granite"),
+                                           ("<tool_call>\n<function=example_function_name>", "qwen3_xml")])
 def test_families_are_told_by_their_templates(template, fam):
     assert tools.family(template) == (fam, True)
+
+
+def test_every_model_family_has_its_tool_family():
+    """Each family exporter/families.py registers says which parser its templates get (or none: the
+    hermes system message), and its template marker tells that family."""
+    from kvexport.exporter.families import FAMILIES
+
+    assert set(FAMILIES) <= set(tools.TOOL_FAMILIES), sorted(set(FAMILIES) - set(tools.TOOL_FAMILIES))
+    for name, entry in tools.TOOL_FAMILIES.items():
+        if entry is not None:
+            assert tools.family(entry[1]) == (entry[0], True), name
+            assert entry[0] in tools.PARSERS and entry[0] in tools.CALL_STARTS
+
+
+STREAMED = [  # (family, choice, text): calls whose arguments must stream in several fragments
+    ("hermes", "auto", 'Checking. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": '
+                       '"celsius"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n'
+                       '</tool_call>'),
+    ("hermes", "auto", '<tool_call>[{"name": "get_weather", "arguments": {"city": "Oslo"}}, '
+                       '{"name": "get_time", "arguments": {"tz": "CET"}}]</tool_call>'),
+    ("llama3", "auto", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "celsius"}}'),
+    ("mistral", "auto", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome", "unit": "celsius"}}]'),
+    ("mistral", "auto", '[TOOL_CALLS]get_weather[ARGS]{"city": "Bonn", "unit": "celsius"}'),
+    ("deepseek", "auto", '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n'
+                         '{"city": "Lima", "unit": "celsius"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>'),
+    ("harmony", "auto", '<|channel|>analysis<|message|>Weather {needed}.<|end|><|start|>assistant<|channel|>commentary '
+                        'to=functions.get_weather <|constrain|>json<|message|>{"city": "Kyiv", "unit": "celsius"}'
+                        '<|call|>'),
+    ("phi4", "auto", '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Baku", "unit": "celsius"}}]'
+                     '<|/tool_call|>'),
+    ("granite", "auto", '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Riga", "unit": "celsius"}}]'),
+    ("hermes", "required", '[{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}, '
+                           '{"name": "get_time", "parameters": {"tz": "CET"}}]'),
+]
+
+
+@pytest.mark.parametrize("fam, choice, text", STREAMED)
+def test_arguments_stream_in_fragments_that_add_up_to_the_parse(fam, choice, text):
+    plan = tools.ToolPlan([WEATHER], choice, True, fam, True)
+    st, content, deltas = plan.stream(), "", []
+    for k in range(1, len(text) + 1, 2):  # two characters a step
+        c, d = st.add(text[:k])
+        content, deltas = content + c, deltas + d
+    c, d = st.finish(text)
+    content, deltas = content + c, deltas + d
+    calls: dict[int, dict] = {}
+    fragments: dict[int, int] = {}
+    for d in deltas:
+        e = calls.setdefault(d["index"], {"name": "", "arguments": "", "id": None})
+        e["id"] = d.get("id") or e["id"]
+        e["name"] += d["function"].get("name", "")
+        e["arguments"] += d["function"].get("arguments", "")
+        fragments[d["index"]] = fragments.get(d["index"], 0) + bool(d["function"].get("arguments"))
+    whole_content, whole = plan.parse(text)
+    assert [(e["name"], json.loads(e["arguments"])) for e in calls.values()] == \
+        [(c.name, json.loads(c.arguments)) for c in whole]
+    assert all(e["id"] and e["id"].startswith("call_") for e in calls.values())
+    assert all(n >= 3 for n in fragments.values()), fragments  # arguments as several deltas, not one
+    assert (content.strip() or None) == (whole_content if fam != "harmony" else None)
+    assert "<tool" not in content and "[TOOL" not in content
+
+
+def test_legacy_functions_are_taken_as_tools():
+    fn = WEATHER["function"]
+    p = tools.plan(None, None, None, "", functions=[fn], function_call={"name": "get_weather"})
+    assert (p.tools, p.choice, p.parallel, p.legacy) == ([WEATHER], "get_weather", False, True)
+    msg, reason = tools.response_message(p, '{"city": "Paris"}')
+    assert msg == {"role": "assistant", "content": None,
+                   "function_call": {"name": "get_weather", "arguments": '{"city": "Paris"}'}} and reason is None
+    p = tools.plan(None, None, None, "", functions=[fn], function_call="auto")
+    msg, reason = tools.response_message(p, '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+                                            '</tool_call>')
+    assert msg["function_call"]["name"] == "get_weather" and "tool_calls" not in msg and reason == "function_call"
+    assert tools.plan(None, None, None, "", functions=[fn], function_call="none").choice == "none"
+    assert tools.plan(None, None, None, "", functions=[], function_call="none") is None
+    # earlier turns: an assistant's function_call and the function's result
+    msgs = tools.legacy_messages([{"role": "user", "content": "hi"},
+                                  {"role": "assistant", "content": None,
+                                   "function_call": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}},
+                                  {"role": "function", "name": "get_weather", "content": '{"temp": 3}'}])
+    assert msgs[1]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    assert "function_call" not in msgs[1]
+    assert msgs[2] == {"role": "tool", "name": "get_weather", "content": '{"temp": 3}',
+                       "tool_call_id": msgs[1]["tool_calls"][0]["id"]}
+
+
+@pytest.mark.parametrize("kw, param", [
+    ({"functions": [{"name": "bad name!"}]}, "functions[0].name"),
+    ({"functions": [{"name": "f", "parameters": {"type": "bogus"}}]}, "functions[0].parameters"),
+    ({"functions": [WEATHER["function"]], "function_call": {"name": "nope"}}, "function_call.name"),
+    ({"functions": [WEATHER["function"]], "function_call": "required"}, "function_call"),
+    ({"functions": [WEATHER["function"]], "tools": [WEATHER]}, "functions"),
+])
+def test_bad_legacy_functions_name_their_field(kw, param):
+    with pytest.raises(RequestError) as e:
+        tools.plan(kw.pop("tools", None), None, None, "", **kw)
+    assert e.value.param == param, (e.value.param, str(e.value))
+    assert str(e.value).startswith(param.split("[")[0].split(".")[0]) and ".function." not in str(e.value), str(e.value)
 
 
 def test_bad_tools_name_their_field():
