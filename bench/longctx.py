@@ -305,7 +305,9 @@ def run_kvpress(args) -> dict:
     for i, c in enumerate(cases):
         ctx_ids = tok.encode(c.context, add_special_tokens=False).ids
         q_ids = tok.encode(c.question, add_special_tokens=False).ids
-        ids = torch.tensor([ctx_ids])
+        # --question-in-context: the question is part of what the press sees and compresses (query-aware,
+        # as kvexport's observation window is), else kvpress's pipeline: the context alone, question after
+        ids = torch.tensor([ctx_ids + q_ids] if args.question_in_context else [ctx_ids])
         for name, frac, press in configs:
             t0 = time.time()
             with torch.no_grad():
@@ -319,7 +321,11 @@ def run_kvpress(args) -> dict:
                 text_ids = []
                 nxt = torch.tensor([q_ids])
                 pos = ids.shape[1]
-                for _ in range(c.max_new_tokens):
+                if args.question_in_context:  # the prefill's last logits give the first token
+                    t = int(out.logits[0, -1].argmax())
+                    text_ids.append(t)
+                    nxt = torch.tensor([[t]])
+                for _ in range(c.max_new_tokens - len(text_ids)):
                     n = nxt.shape[1]
                     out = model(input_ids=nxt, past_key_values=cache, use_cache=True,
                                 position_ids=torch.arange(pos, pos + n)[None], cache_position=torch.arange(pos, pos + n))
@@ -329,7 +335,7 @@ def run_kvpress(args) -> dict:
                     text_ids.append(t)
                     nxt = torch.tensor([[t]])
             text = hf_tok.decode(text_ids)
-            rows.append(dict(method=f"kvpress {name}", fraction=frac, task=c.task, context=c.context_tokens,
+            rows.append(dict(method=f"kvpress {name}" + ("+q" if args.question_in_context and press else ""), fraction=frac, task=c.task, context=c.context_tokens,
                              prompt_tokens=len(ctx_ids) + len(q_ids), seed=c.seed, score=score(text, c.answers),
                              answer=text))
             took[name] = took.get(name, 0.0) + time.time() - t0
@@ -390,6 +396,8 @@ def main(argv=None) -> None:
     p.add_argument("--streaming-fractions", default="0.25", help="kvexport: the fractions streaming runs at")
     p.add_argument("--max-model-len", type=int, default=0, help="kvexport: 0 = the build's max_seq_len")
     p.add_argument("--presses", default="snapkv,expected_attention,tova,kvzip")
+    p.add_argument("--question-in-context", action="store_true",
+                   help="kvpress: compress context + question together (query-aware; methods named PRESS+q)")
     p.add_argument("--window", type=int, default=32, help="kvexport: observation window / recent tokens")
     p.add_argument("--chunk", type=int, default=1024, help="kvexport: max_num_batched_tokens")
     p.add_argument("--kv-memory", default="1GiB")
