@@ -58,9 +58,17 @@ GROUNDED = HERE / "traces" / "grounded.jsonl"
 BASELINES = ("kvexport-int4", "kvexport", "llama")  # a system is compared to the plain one its name starts with
 
 
-def baseline_of(name: str, names: list[str]) -> str:
-    """The plain system `name` is compared to (kvexport-int4-ngram: kvexport-int4 where it runs)."""
-    return next(b for b in BASELINES if name.startswith(b) and (b in names or b != "kvexport-int4"))
+def engine_of(cmd: list[str] | str) -> str:
+    """"llama" for a llama-server command, else "kvexport"."""
+    first = shlex.split(cmd)[0] if isinstance(cmd, str) else cmd[0]
+    return "llama" if "llama" in Path(first).name else "kvexport"
+
+
+def baseline_of(name: str, names: list[str], cmd: list[str] | str | None = None) -> str:
+    """The plain system `name` is compared to (kvexport-int4-ngram: kvexport-int4 where it runs); a
+    system added with --system whose name starts with none of them: its engine's plain system."""
+    found = next((b for b in BASELINES if name.startswith(b) and (b in names or b != "kvexport-int4")), None)
+    return found or (engine_of(cmd) if cmd is not None else "kvexport")
 
 
 def default_gguf() -> str:
@@ -334,10 +342,10 @@ def main() -> None:
                 for n in order:
                     s = servers[n]
                     load0 = os.getloadavg()[0]
-                    m0 = s.metrics() if n.startswith("kvexport") else {}
+                    m0 = s.metrics() if engine_of(cmds[n]) == "kvexport" else {}
                     res = asyncio.run(run_workload(s, reqs, concurrent=(mode == "batch")))
                     fig = figures(res, mode)
-                    if n.startswith("kvexport"):
+                    if engine_of(cmds[n]) == "kvexport":
                         fig["kvexport_counters"] = spec_counters(m0, s.metrics())
                     fig["acceptance"] = acceptance(fig)
                     fig.update(system=n, trace=trace, mode=mode, round=rnd, load_before=round(load0, 2),
@@ -347,7 +355,7 @@ def main() -> None:
                     write_json(Path(a.out), result)  # after every run: a stopped run keeps what it measured
                     print(f"[r{rnd}] {trace:8s} {mode:6s} {n:15s} {fig['tok_s']:8.2f} tok/s  "
                           f"acc={fig['acceptance']}  load {fig['load_before']}->{fig['load_after']}", flush=True)
-        result["summary"] = summarize(result["runs"], names, workloads, tok)
+        result["summary"] = summarize(result["runs"], names, workloads, tok, result["commands"])
     finally:
         for s in servers.values():
             s.stop()
@@ -362,13 +370,13 @@ def write_json(out: Path, result: dict) -> None:
     tmp.replace(out)
 
 
-def summarize(runs: list[dict], names: list[str], workloads: dict, tok) -> list[dict]:
+def summarize(runs: list[dict], names: list[str], workloads: dict, tok, commands: dict | None = None) -> list[dict]:
     rows = []
     for (trace, mode), reqs in workloads.items():
         row = {"trace": trace, "mode": mode, "requests": len(reqs), "systems": {}}
         for n in names:
             mine = [r for r in runs if r["system"] == n and r["trace"] == trace and r["mode"] == mode]
-            base_name = baseline_of(n, names)
+            base_name = baseline_of(n, names, (commands or {}).get(n))
             base = {r["round"]: r for r in runs if r["system"] == base_name and r["trace"] == trace and r["mode"] == mode}
             ratios = [r["tok_s"] / base[r["round"]]["tok_s"] for r in mine if r["round"] in base and base[r["round"]]["tok_s"]]
             accs = [r["acceptance"] for r in mine if r["acceptance"] is not None]

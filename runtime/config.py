@@ -60,7 +60,12 @@ class EngineConfig:
     speculative: str = "none"
     draft_model: str = ""  # speculative "draft": the draft build's folder (same vocabulary)
     num_speculative_tokens: int = 4  # drafts per decoding step, at most (1..16)
-    speculative_max_batch: int = 8  # sequences running above which nobody drafts (decode turns compute-bound)
+    # sequences running above which nobody drafts; below it the cost model decides (docs/BENCHMARKS.md: 16
+    # measured at par or better than 8 with it on a 2-core CPU)
+    speculative_max_batch: int = 16
+    # speculative: drafts chosen by the measured step cost (core/speculation.py StepCost): only those whose
+    # expected tokens pay for the rows they add; False: every draft the per-sequence back-off allows
+    speculative_cost_model: bool = True
     # hybrid (gated DeltaNet) builds' prefix caching (core/state_pool.py): a recurrent-state checkpoint every this
     # many KV blocks (prompt chunks end on those boundaries); 0: hybrids recompute every prompt
     state_checkpoint_blocks: int = 32
@@ -94,6 +99,8 @@ class EngineConfig:
                               f"not of {self.kv_eviction!r}: set --kv-eviction snapkv, or leave the budget unset")
         if self.speculative not in SPECULATIVE:
             raise ConfigError(f"speculative must be one of {', '.join(SPECULATIVE)}, got {self.speculative!r}")
+        if not isinstance(self.speculative_cost_model, bool):
+            raise ConfigError(f"speculative_cost_model must be true or false, got {self.speculative_cost_model!r}")
         if not isinstance(self.draft_model, str) or bool(self.draft_model) != (self.speculative == "draft"):
             raise ConfigError(f"draft_model is the draft build of speculative 'draft' and only of it: got "
                               f"speculative {self.speculative!r} with draft_model {self.draft_model!r}; give "
@@ -172,7 +179,7 @@ class EngineConfig:
                     kw[name] = int(text)
                 elif name in FLOAT_SETTINGS:
                     kw[name] = float(text)
-                elif name == "enable_prefix_caching":
+                elif name in ("enable_prefix_caching", "speculative_cost_model"):
                     if text.lower() not in ("true", "false", "1", "0"):
                         raise ValueError(text)
                     kw[name] = text.lower() in ("true", "1")
@@ -234,7 +241,10 @@ SETTINGS: dict[str, str] = {
     "num_speculative_tokens": "speculative: tokens drafted per decoding step, at most (1-16; backed off per "
                               "sequence when its drafts are rejected).",
     "speculative_max_batch": "speculative: with more sequences running than this, nobody drafts (a large batch's "
-                             "decode is no longer memory-bound).",
+                             "decode is no longer memory-bound); at or below it the step-cost model decides.",
+    "speculative_cost_model": "speculative: time the steps and draft only where the expected accepted tokens pay "
+                              "for the rows they add (a CPU's large batch drafts little, a GPU's or a single "
+                              "stream's all); off: every draft the per-sequence back-off allows.",
     "state_checkpoint_blocks": "Hybrid (gated DeltaNet) builds: save the linear layers' recurrent state every this "
                                "many KV blocks, so prompts sharing a prefix resume from the nearest checkpoint (prompt "
                                "chunks end on those boundaries); 0: no prefix caching for hybrids.",

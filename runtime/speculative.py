@@ -28,7 +28,10 @@ def speculation_policy(build_dir: Path, manifest: Manifest, config: EngineConfig
         from .draft_model import DraftModelProposer
 
         proposer = DraftModelProposer.open(config.draft_model, build_dir, manifest, config)
-    return SpeculativeDecoding(proposer, config.num_speculative_tokens, config.speculative_max_batch)
+    spec = SpeculativeDecoding(proposer, config.num_speculative_tokens, config.speculative_max_batch)
+    if not config.speculative_cost_model:
+        spec.cost = None
+    return spec
 
 
 __all__ = ["speculation_policy"]

@@ -38,7 +38,7 @@ from typing import Any, ClassVar
 
 from .kv_cache_interface import ComputedHits, KVCacheManagerProtocol
 from .kv_tiers import TierOp
-from .outputs import ModelRunnerOutput, ScheduledRequest
+from .outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from .request import Request, Status
 
 
@@ -163,6 +163,9 @@ class SpeculationPolicy(Policy):
         """The step's KV is stored: the number of its trailing draft tokens whose KV is rolled back
         (0..scheduled.num_draft_tokens)."""
         return 0
+
+    def end_step(self, output: SchedulerOutput) -> None:
+        """The step scheduled by the last `begin_step` ran; its results are being recorded."""
 
 
 # ---- KV tiers -------------------------------------------------------------------------------

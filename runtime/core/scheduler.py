@@ -218,6 +218,7 @@ class Scheduler:
         and finish requests (freeing their blocks). Requests whose part of the step failed
         finish with "error". Returns one EngineCoreOutput per request the step changed."""
         outs = []
+        self.speculation.end_step(output)  # (the step's time, for speculation's cost model)
         self.prefetch.apply(self.kv, result)  # reads and failures of the KV tiers (kv_tiers.py)
         for s in output.scheduled:
             req = self.requests.get(s.request_id)

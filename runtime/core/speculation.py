@@ -19,7 +19,17 @@ Adaptive back-off:
   (up to k); one with none accepted halves it; at 0 the sequence sits out a cool-down of steps that
   doubles each time (1, 2, 4, .. 32) before it drafts 1 again;
 - globally: with more than `max_batch` sequences running, nobody drafts (decode of a large batch
-  is no longer memory-bound: verifying drafts would cost what it saves).
+  is no longer memory-bound: verifying drafts would cost what it saves);
+- by cost (`StepCost`): the policy times its steps and fits a step's wall time as a + b x rows on
+  decode-only steps; once the fit stands, each step's drafts are chosen like a fractional knapsack —
+  draft position j of sequence i is worth p_i^j expected tokens (p_i: the sequence's per-token
+  acceptance, smoothed toward the engine's), costs b, and is taken, best first, only while it raises
+  the step's expected tokens per second (value x C > b x T, T and C the tokens and cost taken so far,
+  starting from the plain step's). Where a row is nearly free (a GPU's memory-bound decode, a
+  single stream) every draft the back-off allows is taken; where rows cost (a CPU's batch of 8)
+  only the sequences likely to accept draft, so speculation does not make a step slower than the
+  tokens it brings. Drafts are proposed first (the n-gram lookup, the draft model's batch), so a
+  sequence with nothing to propose costs nothing.
 
 NOTE (MTP heads, not done): DeepSeek-V3's `num_nextn_predict_layers` and Qwen3.5's MTP layer predict
 token t+2 from the main model's last hidden state and the embedding of token t+1. Serving them
@@ -30,17 +40,19 @@ dropped with the unused-tensor check) — a graph contract change of its own, le
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 import numpy as np
 
-from .outputs import ModelRunnerOutput, ScheduledRequest
+from .outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from .policies import SpeculationPolicy
 from .request import Request, Status
 
 MAX_SPECULATIVE_TOKENS = 16  # k at most (num_speculative_tokens)
 _MAX_COOLDOWN = 32  # steps a sequence whose drafts keep failing sits out, at most
+_EXPLORE_TRIALS = 3  # a sequence drafts at least one token until its acceptance rests on this many trials
 
 
 class Proposer(Protocol):
@@ -90,11 +102,74 @@ def ngram_lookup(tokens, k: int, min_n: int = 1, max_n: int = 4) -> tuple[int, .
 
 @dataclass(slots=True)
 class _SeqState:
-    """One sequence's adaptive draft length."""
+    """One sequence's adaptive draft length and acceptance."""
 
     k: int  # drafts to propose next (0: sitting out)
     cooldown: int = 0  # steps left to sit out
     backoff: int = 1  # the next cool-down's length
+    accepted: int = 0  # drafted tokens accepted (each a success of the per-token acceptance)
+    trials: int = 0  # accepted + the rejections (a step's first rejected draft; the ones after it are unseen)
+
+
+class StepCost:
+    """A step's wall time modelled as a + b x rows (rows: the tokens the step computes), fitted by
+    least squares with exponential forgetting (`decay` per step) on the steps `add` is given.
+    `fit()` is None until `min_steps` steps with at least two distinct row counts were seen
+    (a and b cannot be told apart before), else (a, b) with a, b >= 0."""
+
+    def __init__(self, decay: float = 0.98, min_steps: int = 8):
+        self.decay, self.min_steps = decay, min_steps
+        self.n = self.sx = self.sy = self.sxx = self.sxy = 0.0
+        self.steps = 0
+        self._rows: set[int] = set()
+
+    def add(self, rows: int, seconds: float) -> None:
+        d = self.decay
+        self.n, self.sx, self.sy = d * self.n + 1, d * self.sx + rows, d * self.sy + seconds
+        self.sxx, self.sxy = d * self.sxx + rows * rows, d * self.sxy + rows * seconds
+        self.steps += 1
+        if len(self._rows) < 2:
+            self._rows.add(rows)
+
+    def fit(self) -> tuple[float, float] | None:
+        if self.steps < self.min_steps or len(self._rows) < 2:
+            return None
+        var = self.n * self.sxx - self.sx * self.sx
+        if var <= 1e-9 * max(1.0, self.n * self.sxx):  # the recent steps all had one row count
+            return None
+        b = max(0.0, (self.n * self.sxy - self.sx * self.sy) / var)
+        a = max(0.0, (self.sy - b * self.sx) / self.n)
+        if a == 0.0 and b == 0.0:
+            return None
+        return a, b
+
+
+def allot_drafts(offers: Sequence[tuple[str, int, float]], plain_tokens: float, plain_rows: int,
+                 cost: tuple[float, float]) -> dict[str, int]:
+    """How many of its drafts each sequence should carry this step (StepCost's knapsack, module
+    docstring). offers: (request id, drafts proposed, per-token acceptance p); the plain step yields
+    plain_tokens tokens over plain_rows rows; cost: (a, b) seconds. Draft j of a sequence (j = 1..)
+    is worth p^j tokens and costs b: taken, best first, while value x C > b x T."""
+    a, b = cost
+    tokens, seconds = float(plain_tokens), a + b * plain_rows
+    taken = {rid: 0 for rid, _, _ in offers}
+    if b <= 0.0:
+        return {rid: n for rid, n, _ in offers}
+    # every sequence's next draft is its best one left: take the best of those, one at a time
+    heads = sorted(((p, rid, n, p) for rid, n, p in offers if n > 0 and p > 0.0), reverse=True)
+    while heads:
+        value, rid, n, p = heads.pop(0)
+        if value * seconds <= b * tokens:
+            break  # the best draft left would lower tokens per second; so would every other
+        tokens, seconds = tokens + value, seconds + b
+        taken[rid] += 1
+        if taken[rid] < n:
+            nxt = (value * p, rid, n, p)
+            i = 0
+            while i < len(heads) and heads[i][0] >= nxt[0]:
+                i += 1
+            heads.insert(i, nxt)
+    return taken
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,12 +201,17 @@ class SpeculativeDecoding(SpeculationPolicy):
     per-sequence and global back-off (module docstring). A request with
     SamplingParams.speculative False never drafts."""
 
-    def __init__(self, proposer: Proposer, num_tokens: int, max_batch: int = 8, adaptive: bool = True):
+    def __init__(self, proposer: Proposer, num_tokens: int, max_batch: int = 16, adaptive: bool = True,
+                 cost: StepCost | None = None):
         self.proposer, self.num_tokens, self.max_batch, self.adaptive = proposer, num_tokens, max_batch, adaptive
+        # the step-cost model (module docstring); None: drafts bounded by the back-off and max_batch only
+        self.cost = (cost if cost is not None else StepCost()) if adaptive else None
         self._on = True  # this step's global verdict (begin_step)
-        self._batched: dict[str, tuple[int, ...]] = {}  # this step's drafts made together (begin_step)
+        self._drafted: dict[str, tuple[int, ...]] = {}  # this step's drafts, proposed in begin_step
         self._known: dict[str, Request] = {}  # requests that drafted, to release finished ones
+        self._t0: float | None = None  # when this step began (begin_step), for the cost model
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self._accepted = self._trials = 0  # the engine's per-token acceptance (p's prior)
 
     def new_state(self) -> _SeqState:
         return _SeqState(self.num_tokens)
@@ -140,21 +220,62 @@ class SpeculativeDecoding(SpeculationPolicy):
         return SpecStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens)
 
     def begin_step(self, num_running: int, running: Sequence[Request] = ()) -> None:
+        self._t0 = time.perf_counter()
         self._on = num_running <= self.max_batch
         for rid, req in list(self._known.items()):
             if req.status is Status.FINISHED:
                 del self._known[rid]
                 self.proposer.release(rid)
-        self._batched = {}
+        self._drafted = {}
+        if not self._on:
+            return
+        wanted = [(req, k) for req in running if (k := self._wants(req)) > 0]
+        if not wanted:
+            return
+        self._known.update((req.request_id, req) for req, _ in wanted)
+        fit = self.cost.fit() if self.cost is not None else None
         many = getattr(self.proposer, "propose_many", None)
-        if self._on and many is not None:
+        if many is not None:
             # NOTE: a proposer that runs a model (the draft model) drafts for every sequence of the step
-            # at once, here; `propose` then hands each its share. Sequences the scheduler does not ask
-            # for after all (a prompt chunk, no room) only cost their drafting.
-            wanted = [(req, k) for req in running if (k := self._wants(req)) > 0]
-            if wanted:
-                self._known.update((req.request_id, req) for req, _ in wanted)
-                self._batched = many(wanted)
+            # at once, here, the cost model's allotment first (drafting is the cost it saves). Sequences
+            # the scheduler does not ask for after all (a prompt chunk, no room) only cost their drafting.
+            if fit is not None:
+                keep = self._allot([(req, k) for req, k in wanted], running, fit)
+                wanted = [(req, keep[req.request_id]) for req, _ in wanted if keep[req.request_id] > 0]
+            self._drafted = {rid: tuple(d) for rid, d in many(wanted).items()} if wanted else {}
+            return
+        # a cheap proposer (n-gram lookup) proposes first: a sequence with nothing to propose costs nothing
+        drafted = {req.request_id: tuple(self.proposer.propose(req, k))[:k] for req, k in wanted}
+        if fit is not None:
+            keep = self._allot([(req, len(drafted[req.request_id])) for req, _ in wanted], running, fit)
+            drafted = {rid: d[:keep[rid]] for rid, d in drafted.items()}
+        self._drafted = drafted
+
+    def _allot(self, offers: list[tuple[Request, int]], running: Sequence[Request],
+               fit: tuple[float, float]) -> dict[str, int]:
+        """allot_drafts for this step: the plain step's tokens and rows are one per running sequence."""
+        decoding = sum(1 for req in running if req.status is Status.RUNNING)
+        keep = allot_drafts([(req.request_id, n, self._acceptance(self.state(req))) for req, n in offers],
+                            decoding, decoding, fit)
+        for req, n in offers:  # a sequence judged on too few drafts of its own still tries one (exploring)
+            if n > 0 and self.state(req).trials < _EXPLORE_TRIALS:
+                keep[req.request_id] = max(keep[req.request_id], 1)
+        return keep
+
+    def end_step(self, output: SchedulerOutput) -> None:
+        """The step's results are back: its time since begin_step goes to the cost model when every
+        scheduled request was a decode (its next token + drafts; prompt chunks cost otherwise)."""
+        t0, self._t0 = self._t0, None
+        if self.cost is None or t0 is None or not output.scheduled or output.kv_ops:
+            return
+        if all(s.num_output_tokens > 0 and len(s.token_ids) == 1 + s.num_draft_tokens for s in output.scheduled):
+            self.cost.add(sum(len(s.token_ids) for s in output.scheduled), time.perf_counter() - t0)
+
+    def _acceptance(self, st: _SeqState) -> float:
+        """A sequence's per-token acceptance: its own successes and trials, smoothed toward the
+        engine's (itself smoothed toward 1/2), as if the engine's were 2 trials of its own."""
+        prior = (self._accepted + 1) / (self._trials + 2)
+        return (st.accepted + 2 * prior) / (st.trials + 2)
 
     def _wants(self, req: Request) -> int:
         """How many drafts `propose` will ask of the proposer for `req` this step if the room
@@ -180,8 +301,8 @@ class SpeculativeDecoding(SpeculationPolicy):
         if k < 1:
             return ()
         self._known[req.request_id] = req
-        if req.request_id in self._batched:
-            return tuple(self._batched.pop(req.request_id))[:k]
+        if req.request_id in self._drafted:
+            return self._drafted.pop(req.request_id)[:k]
         return tuple(self.proposer.propose(req, k))[:k]
 
     def verify(self, req: Request, scheduled: ScheduledRequest, result: ModelRunnerOutput) -> int:
@@ -194,8 +315,13 @@ class SpeculativeDecoding(SpeculationPolicy):
         self.num_drafts += 1
         self.num_draft_tokens += k
         self.num_accepted_tokens += accepted
+        trials = accepted + (accepted < k)  # the first rejection is seen, the drafts after it are not
+        self._accepted += accepted
+        self._trials += trials
+        st = self.state(req)
+        st.accepted += accepted
+        st.trials += trials
         if self.adaptive:
-            st = self.state(req)
             if accepted == k:
                 st.k, st.backoff = min(self.num_tokens, st.k + 1), 1
             elif accepted == 0:
@@ -205,4 +331,5 @@ class SpeculativeDecoding(SpeculationPolicy):
         return k - accepted
 
 
-__all__ = ["MAX_SPECULATIVE_TOKENS", "NgramProposer", "Proposer", "SpecStats", "SpeculativeDecoding", "ngram_lookup"]
+__all__ = ["MAX_SPECULATIVE_TOKENS", "NgramProposer", "Proposer", "SpecStats", "SpeculativeDecoding", "StepCost",
+           "allot_drafts", "ngram_lookup"]

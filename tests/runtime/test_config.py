@@ -26,7 +26,7 @@ def test_every_serving_command_has_the_same_settings_and_defaults():
 
 def test_strings_round_trip():
     c = EngineConfig(kv_cache_memory="1GiB", max_num_seqs=8, max_model_len=256, enable_prefix_caching=False,
-                     threads=2, cuda_graph_batch_sizes=(1, 2, 4))
+                     threads=2, cuda_graph_batch_sizes=(1, 2, 4), speculative_cost_model=False)
     assert EngineConfig.from_strings(c.to_strings()) == c
     assert EngineConfig.from_strings(EngineConfig().to_strings()) == EngineConfig()
     assert EngineConfig.from_strings({"threads": "0"}).threads is None  # Triton's "0 = all cores"

@@ -56,7 +56,16 @@ def _generate(build_dir, prompts, params, **settings):
     from kvexport import LLM
 
     llm = LLM(build_dir, kv_cache_memory=settings.pop("kv_cache_memory", "4MiB"), threads=1, **settings)
+    _without_cost_model(llm)
     return llm, llm.generate(prompts, params)
+
+
+def _without_cost_model(llm) -> None:
+    """These tests are about verification and rollback, so every draft the back-off allows must run:
+    the step-cost model (which drops drafts whose rows cost more than they bring, by this machine's
+    timings) is switched off; its own tests below fix its fit."""
+    if llm.engine.speculation is not None:
+        llm.engine.speculation.cost = None
 
 
 def _rejects(llm) -> None:
@@ -125,6 +134,7 @@ def test_rejected_drafts_never_reach_the_prefix_cache_or_router_events(make_buil
     from kvexport import LLM
 
     llm = LLM(out, kv_cache_memory="4MiB", threads=1, speculative="ngram", num_speculative_tokens=4)
+    _without_cost_model(llm)
     llm.engine.pool.record_events()
     outs = llm.generate(PROMPTS, GREEDY)
     stats = llm.engine.spec_stats()
@@ -250,6 +260,7 @@ def test_draft_model_speculation_is_exact_and_refuses_another_vocabulary(make_bu
     from kvexport import LLM
 
     llm = LLM(target, kv_cache_memory="4MiB", threads=1, speculative="draft", draft_model=str(target))
+    _without_cost_model(llm)
     runner = llm.engine.speculation.proposer.runner
     calls, run = [], runner.logits
     runner.logits = lambda chunks, *a, **kw: calls.append(len(chunks)) or run(chunks, *a, **kw)
@@ -276,6 +287,7 @@ def test_smollm2_real_weights_greedy_parity_alone_and_batched(smollm2_build):
     params = SamplingParams(max_tokens=32)
     plain = LLM(smollm2_build, kv_cache_memory="64MiB", threads=1).generate(prompts, params, chat=True)
     llm = LLM(smollm2_build, kv_cache_memory="64MiB", threads=1, speculative="ngram", num_speculative_tokens=4)
+    _without_cost_model(llm)
     spec = llm.generate(prompts, params, chat=True)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert llm.generate(prompts[1:2], params, chat=True)[0].token_ids == plain[1].token_ids
@@ -313,3 +325,71 @@ def test_a_draft_build_that_cannot_draft_is_refused_naming_draft_model(make_buil
     config = EngineConfig(speculative="draft", draft_model=str(builds[1]), kv_cache_memory="4MiB")
     with pytest.raises(ConfigError, match="draft_model .*its tokenizer differs from the target's"):
         DraftModelProposer.open(str(builds[1]), builds[0], mf.load(builds[0]), config)
+
+
+# ---- the step-cost model (core/speculation.py StepCost, allot_drafts) -----------------------------
+def test_step_cost_fits_a_plus_b_rows_once_two_row_counts_were_seen():
+    from kvexport.runtime.core.speculation import StepCost
+
+    cost = StepCost(min_steps=4)
+    for _ in range(6):
+        cost.add(3, 0.041 + 0.009 * 3)
+    assert cost.fit() is None  # one row count: a and b cannot be told apart
+    for rows in (1, 5, 2, 8, 1, 5):
+        cost.add(rows, 0.041 + 0.009 * rows)
+    a, b = cost.fit()
+    assert a == pytest.approx(0.041, rel=1e-6) and b == pytest.approx(0.009, rel=1e-6)
+    fresh = StepCost(min_steps=4)
+    for rows in (1, 5, 2):
+        fresh.add(rows, 0.05)
+    assert fresh.fit() is None  # too few steps
+
+
+def test_drafts_are_allotted_while_they_raise_tokens_per_second():
+    from kvexport.runtime.core.speculation import allot_drafts
+
+    cpu = (0.041, 0.009)  # a step: 41 ms + 9 ms per row (smollm2-135m, one thread, measured in this shape)
+    # a single stream with p = 0.8: drafts 1..4 are worth 0.8, 0.64, 0.51, 0.41 tokens, each more than
+    # b x T / C at its turn; a 5th (0.33) would no longer be
+    assert allot_drafts([("a", 4, 0.8)], 1, 1, cpu) == {"a": 4}
+    assert allot_drafts([("a", 8, 0.8)], 1, 1, cpu) == {"a": 4}
+    # a batch of 8 with p = 0.5: one plain step gives 8 tokens for 113 ms; a draft worth 0.5 for 9 ms
+    # would lower that (0.5 / 9 < 8 / 113): nobody drafts ...
+    batch = [(f"s{i}", 4, 0.5) for i in range(8)]
+    assert set(allot_drafts(batch, 8, 8, cpu).values()) == {0}
+    # ... but a sequence that copies its prompt (p = 0.95) does, and only it
+    got = allot_drafts(batch[:7] + [("copy", 4, 0.95)], 8, 8, cpu)
+    assert got["copy"] >= 1 and all(got[f"s{i}"] == 0 for i in range(7)), got
+    # rows for free (a GPU's memory-bound decode): every draft offered
+    assert allot_drafts(batch, 8, 8, (0.01, 0.0)) == {f"s{i}": 4 for i in range(8)}
+    assert allot_drafts([("a", 0, 0.9)], 1, 1, cpu) == {"a": 0}
+
+
+def test_costly_rows_stop_drafting_after_a_sequence_explored(make_build):
+    """The cost model fixed to a step where rows are expensive (a test double of StepCost: real step
+    times depend on the machine) and acceptance that does not pay for them: each sequence drafts
+    only while exploring (one draft per step, until its acceptance rests on 3 trials), outputs
+    unchanged; with rows for free the same run drafts more."""
+    from kvexport import LLM
+    from kvexport.runtime.core.speculation import StepCost
+
+    class Fixed(StepCost):
+        def __init__(self, fit):
+            super().__init__()
+            self._fit = fit
+
+        def fit(self):
+            return self._fit
+
+    b = make_build("llama")
+    _, plain = _generate(b, PROMPTS, GREEDY)
+    drafted = {}
+    for name, fit in (("costly", (0.001, 1.0)), ("free", (0.01, 0.0))):
+        llm = LLM(b, kv_cache_memory="4MiB", threads=1, speculative="ngram", num_speculative_tokens=3)
+        llm.engine.speculation.cost = Fixed(fit)
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == [o.token_ids for o in plain]
+        drafted[name] = llm.engine.spec_stats()
+    costly, free = drafted["costly"], drafted["free"]
+    # exploring: at most one draft per step until 3 trials (a step's trial is 1 or 2) -> at most 3 per sequence
+    assert 0 < costly.num_draft_tokens <= 3 * len(PROMPTS), costly
+    assert free.num_draft_tokens > costly.num_draft_tokens, (free, costly)
