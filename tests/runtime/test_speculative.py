@@ -348,7 +348,7 @@ def test_step_cost_fits_a_plus_b_rows_once_two_row_counts_were_seen():
 def test_drafts_are_allotted_while_they_raise_tokens_per_second():
     from kvexport.runtime.core.speculation import allot_drafts
 
-    cpu = (0.041, 0.009)  # a step: 41 ms + 9 ms per row (smollm2-135m, one thread, measured in this shape)
+    cpu = (0.041, 0.009)  # a step: 41 ms + 9 ms per row (a CPU where rows are dear; the dev machine's fit: 30 + 3.0)
     # a single stream with p = 0.8: drafts 1..4 are worth 0.8, 0.64, 0.51, 0.41 tokens, each more than
     # b x T / C at its turn; a 5th (0.33) would no longer be
     assert allot_drafts([("a", 4, 0.8)], 1, 1, cpu) == {"a": 4}
