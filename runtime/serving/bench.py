@@ -21,7 +21,7 @@ import numpy as np
 from kvexport.errors import ConfigError
 
 from ..engine import EngineConfig, LLMEngine
-from ..sampling_params import SamplingParams
+from ..sampling_params import SamplingParams, StructuredOutputs
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,15 +95,26 @@ def arrival_times(n: int, rate: float | None, seed: int) -> list[float]:
 
 
 def run_bench(build_dir: str | Path, config: EngineConfig, trace_name: str = "mixed-64",
-              limit: int | None = None, progress=None, arrival_rate: float | None = None) -> dict:
+              limit: int | None = None, progress=None, arrival_rate: float | None = None,
+              json_schema: str | None = None) -> dict:
     """Serve the trace and return the figures as a dict. Requests arrive at t=0, or by a
-    seeded Poisson process of `arrival_rate` requests/s (TTFT then counts from arrival)."""
+    seeded Poisson process of `arrival_rate` requests/s (TTFT then counts from arrival).
+    `json_schema` (a JSON schema's text): every request's output is constrained to it (structured
+    output, as response_format json_schema), compiled once before the clock starts; a request ends
+    where its grammar does or at its output length, whichever is first (for a per-token overhead,
+    give a schema whose documents are longer than the trace's outputs)."""
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise ConfigError(f"limit must be an integer >= 1 (requests), got {limit!r}")
     trace, reqs = load_trace(trace_name)  # bad traces and rates fail before the engine loads
     reqs = reqs[:limit]
     arrivals = arrival_times(len(reqs), arrival_rate, trace["seed"])
+    structured = StructuredOutputs(json=json_schema) if json_schema is not None else None  # bad JSON: before loading
     engine = LLMEngine(build_dir, config)
+    compile_s = None
+    if structured is not None:
+        tc = time.perf_counter()
+        engine.structured.compile(structured, "json_schema")  # cached: the requests reuse it
+        compile_s = time.perf_counter() - tc
     timed = _TimedBackend(engine.backend)
     engine.backend = timed
     prompts = trace_prompts(trace, reqs, engine.manifest.model.vocab_size)
@@ -119,7 +130,9 @@ def run_bench(build_dir: str | Path, config: EngineConfig, trace_name: str = "mi
         now = time.perf_counter() - t0
         while len(rids) < len(reqs) and arrivals[len(rids)] <= now:
             i = len(rids)
-            rid = engine.add_request(prompts[i], SamplingParams(max_tokens=reqs[i].output_len, ignore_eos=True))
+            # NOTE: with a schema the grammar may end a request (its EOS is the only token left), so EOS counts
+            rid = engine.add_request(prompts[i], SamplingParams(max_tokens=reqs[i].output_len,
+                                                                 ignore_eos=structured is None, structured=structured))
             reserve[rid] = reqs[i].prompt_len + reqs[i].output_len
             due[rid] = t0 + arrivals[i]
             rids.append(rid)
@@ -178,6 +191,10 @@ def run_bench(build_dir: str | Path, config: EngineConfig, trace_name: str = "mi
                "contiguous_exact_mean_waste": round(float(np.mean(waste_exact)) if waste_exact else 0.0, 3),
                "prefix_hits": stats["prefix_hits"], "prefix_queries": stats["prefix_queries"]},
         "preemptions": stats["preemptions"], "errors": errors,
+        # --json-schema: every request constrained to it; its compile time (before the clock started)
+        "structured": ({"json_schema_bytes": len(json_schema), "compile_s": round(compile_s, 3),
+                        "finished_by_grammar": sum(o.finish_reason == "stop" for o in outs)}
+                       if structured is not None else None),
         # speculative decoding (--speculative): drafted / accepted tokens, acceptance rate, mean accepted length
         "speculative": ({"mode": config.speculative, "num_speculative_tokens": config.num_speculative_tokens,
                          **engine.spec_stats().to_json()} if engine.spec_stats() is not None else None),

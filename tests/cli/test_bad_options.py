@@ -175,3 +175,22 @@ def test_inspect_and_engines_arguments(invoke, text_build, tmp_path):
                         (["--max-num-batched-tokens", BIG, "--max-num-seqs", "abc"], "'--max-num-seqs'")]:
         expect_refusal(invoke("engines", text_build, *args), words)
     expect_refusal(invoke("engines", text_build), "fp16")  # an fp32 build: the plugin kernels take fp16
+
+
+def test_bench_json_schema(invoke, text_build, tmp_path):
+    """`kvexport bench --json-schema`: every request constrained (an enum of two strings: each output ends
+    where the grammar does, before its output length); a file that is not JSON, or with --chat, is refused."""
+    trace = tmp_path / "t.json"
+    trace.write_text(json.dumps({"seed": 3, "requests": [{"prompt_len": 8, "output_len": 12}] * 3}))
+    schema = tmp_path / "s.json"
+    schema.write_text(json.dumps({"enum": ["ab", "cd"]}))
+    r = invoke("bench", text_build, "--trace", trace, "--json-schema", schema, "--json", tmp_path / "r.json")
+    assert r.exit_code == 0, r.output
+    res = json.loads((tmp_path / "r.json").read_text())
+    assert res["structured"]["finished_by_grammar"] == 3 and res["structured"]["compile_s"] >= 0
+    assert res["output_tokens"] < 3 * 12  # cut by the grammar, not by the trace's lengths
+    schema.write_text("{not json")
+    expect_refusal(invoke("bench", text_build, "--trace", trace, "--json-schema", schema), "--json-schema",
+                   "not a readable JSON schema file")
+    expect_refusal(invoke("bench", text_build, "--chat", "2x2x16", "--json-schema", trace), "--json-schema",
+                   "not to --chat")

@@ -10,7 +10,7 @@ import click
 from rich.markup import escape
 
 from .options import SafePath, clip, console, engine_config, engine_options, finite, new_path, print_error, quote
-from ..errors import KvExportError
+from ..errors import ConfigError, KvExportError
 
 
 @click.command()
@@ -100,12 +100,18 @@ def generate(build_dir, prompts, max_tokens, temperature, top_p, top_k, seed, st
               help="--chat: the KV pool (and max_num_seqs) holds about this many whole conversations.")
 @click.option("--chat-turn2", is_flag=True,
               help="--chat: measure only a lone turn 2 after its blocks were evicted (median TTFT of 3), per mode.")
+@click.option("--json-schema", "json_schema", type=SafePath(exists=True, dir_okay=False),
+              help="Constrain every request's output to this JSON schema file (structured output, as response_format "
+                   "json_schema; a request ends where its document does): run the trace with and without it for the "
+                   "decode overhead, with a schema whose documents outlast the trace's outputs.")
 @engine_options
 def bench(build_dir, trace, limit, json_out, arrival_rate, prefix_ttft, chat, chat_pool_conversations, chat_turn2,
-          **settings):
+          json_schema, **settings):
     """Serve a fixed-seed request trace; report tokens/s, TTFT, TPOT, KV use, preemptions."""
     import json as _json
 
+    if chat and json_schema:
+        raise ConfigError("--json-schema applies to a trace, not to --chat; give one of them")
     if chat:
         return _chat_bench(build_dir, chat, chat_pool_conversations, json_out, engine_config(settings), chat_turn2)
 
@@ -115,12 +121,15 @@ def bench(build_dir, trace, limit, json_out, arrival_rate, prefix_ttft, chat, ch
     from kvexport.runtime.serving.bench import run_bench
 
     cfg = engine_config(settings)
+    schema_text = None
+    if json_schema:
+        schema_text = _read_schema(json_schema)
     with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console) as bar:
         task = bar.add_task("output tokens", total=None)
         result = run_bench(build_dir, cfg, trace, limit,
                            progress=lambda done, total: bar.update(task, completed=done, total=total),
-                           arrival_rate=arrival_rate)
+                           arrival_rate=arrival_rate, json_schema=schema_text)
     if prefix_ttft:
         result["prefix_ttft"] = run_prefix_ttft(build_dir, cfg, prefix_len=prefix_ttft)
     text = _json.dumps(result, indent=2)
@@ -131,6 +140,20 @@ def bench(build_dir, trace, limit, json_out, arrival_rate, prefix_ttft, chat, ch
     if errors := result["errors"]:  # the figures are printed; the run still failed
         print_error(f"{len(errors)} of {result['requests']} requests failed, e.g.: {errors[0]}")
         sys.exit(2)
+
+
+def _read_schema(path) -> str:
+    """The text of `kvexport bench --json-schema FILE`: a JSON document (ConfigError naming the option
+    otherwise; whether xgrammar takes it is checked when it compiles)."""
+    import json as _json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read(1 << 22)
+        _json.loads(text)
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ConfigError(f"--json-schema {path}: not a readable JSON schema file ({e}); give a JSON file") from None
+    return text
 
 
 def _chat_bench(build_dir, chat: str, pool_conversations: int, json_out, cfg, turn2: bool = False) -> None:
