@@ -113,7 +113,7 @@ def run_bench(build_dir: str | Path, config: EngineConfig, trace_name: str = "mi
     compile_s = None
     if structured is not None:
         tc = time.perf_counter()
-        engine.structured.compile(structured, "json_schema")  # cached: the requests reuse it
+        engine.structured.compile(structured, "--json-schema")  # cached: the requests reuse it
         compile_s = time.perf_counter() - tc
     timed = _TimedBackend(engine.backend)
     engine.backend = timed
