@@ -40,9 +40,12 @@ The other calibrated KV constants take the same path (`Constants`):
 
 each computed by the function the build calls (so by the same rules: which layers get an int4
 offset is `key_offset_layers`, asked by both), in every graph that holds them (prefill, decode;
-contiguous int4 builds too). NOTE: an int4 graph has the offset's Sub node only where the build's
-μ was not all zero (exporter/graph.py; the channel scales' Div / Mul are in every layer, but
-builds made before that have them only where s was not all one); calibrate writes constants,
+contiguous int4 builds too). Each has a row per layer holding KV (spec.kv_layers): every layer, or a
+gated DeltaNet hybrid's attention layers (its linear layers' cache entries hold recurrent state, no
+keys), named then by kv.quantization["layers"] (`constant_layers`; absent: row i is layer i).
+NOTE: an int4 graph has the offset's Sub node only where the build's μ was not all zero
+(exporter/graph.py; the channel scales' Div / Mul are in every layer, but builds made before
+that have them only where s was not all one); calibrate writes constants,
 not nodes, so a transform that needs one a graph lacks is refused (rebuild), and one that
 needs none where a graph has it gets the identity (μ = 0, s = 1: exact).
 
@@ -177,9 +180,11 @@ def leading_ids(tokenizer, path: Path, tokens: int, skip: float = 0.05, option: 
 
 def compute_scales(model, ids: list[int], chunk: int = 512, rotary_dim: int = 0) -> np.ndarray:
     """Scales from the absmax of the keys (after RoPE) and values that transformers caches for
-    `ids`, divided by 127: [layers, 2 (key, value), kv_heads, head_dim] float32; keys per
+    `ids`, divided by 127: [KV layers, 2 (key, value), kv_heads, head_dim] float32; keys per
     channel with each RoPE pair of the first `rotary_dim` channels sharing its max, values per
-    head (the module docstring says why).
+    head (the module docstring says why). KV layers: the cache's layers that hold keys, in
+    order — every layer, or a hybrid's attention layers (spec.kv_layers: its linear layers'
+    cache entries hold recurrent state, no keys; `kv_layers_of` names them for a build).
     NOTE: one sequence, fed in chunks that continue the cache, so keys are seen at every
     position up to len(ids) (RoPE changes a key's per-element range with its position)."""
     import torch
@@ -190,7 +195,8 @@ def compute_scales(model, ids: list[int], chunk: int = 512, rotary_dim: int = 0)
             piece = torch.tensor([ids[start:start + chunk]])
             cache = model(piece, cache=cache, use_cache=True).cache
             layers = []
-            for layer in cache.layers:  # keys/values [1, kv_heads, seq, head_dim]
+            for layer in (la for la in cache.layers if getattr(la, "keys", None) is not None):
+                # keys/values [1, kv_heads, seq, head_dim]
                 k = layer.keys.float().abs().amax(dim=(0, 2))  # [kv_heads, head_dim]
                 v = layer.values.float().abs().amax(dim=(0, 2))
                 layers.append(torch.stack([k, v]))
@@ -205,34 +211,55 @@ def compute_scales(model, ids: list[int], chunk: int = 512, rotary_dim: int = 0)
     return np.maximum(np.stack([keys, values], axis=1) / QMAX, 1e-8).astype(np.float32)
 
 
-def quantization_entry(scales: np.ndarray, text: str, ids: list[int]) -> dict:
-    """The manifest's kv.quantization record; `scales` [layers, 2, kv_heads, head_dim] (per
-    channel) or [layers, 2, kv_heads] (per head: recalibrated builds made before per channel)."""
-    return {"scheme": SCHEME if scales.ndim == 4 else PER_HEAD_SCHEME, "qmax": QMAX,
-            "calibration": {"text": text, "tokens": len(ids),
-                            "ids_sha256": hashlib.sha256(np.asarray(ids, np.int64).tobytes()).hexdigest()},
-            "scales": scales.tolist()}  # [layers][key, value][kv_heads](, [head_dim])
+def quantization_entry(scales: np.ndarray, text: str, ids: list[int], layers: list[int] | None = None) -> dict:
+    """The manifest's kv.quantization record; `scales` [KV layers, 2, kv_heads, head_dim] (per
+    channel) or [KV layers, 2, kv_heads] (per head: recalibrated builds made before per channel);
+    `layers`: the layers its rows belong to where not every layer holds KV (`constant_layers`;
+    recorded as "layers"), None: row i is layer i."""
+    entry = {"scheme": SCHEME if scales.ndim == 4 else PER_HEAD_SCHEME, "qmax": QMAX,
+             "calibration": {"text": text, "tokens": len(ids),
+                             "ids_sha256": hashlib.sha256(np.asarray(ids, np.int64).tobytes()).hexdigest()},
+             "scales": scales.tolist()}  # [KV layers][key, value][kv_heads](, [head_dim])
+    return entry if layers is None else {**entry, "layers": list(layers)}
+
+
+def kv_layers_of(model_spec: dict, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    """The layers of a build that hold KV, ascending, from its manifest's model spec (io.kv_layout):
+    the rows of its calibrated KV constants (a hybrid's attention layers; every layer otherwise)."""
+    layers, _ = io.kv_layout(model_spec, num_kv_heads, head_dim)
+    return tuple(range(model_spec["num_layers"])) if layers is None else layers
+
+
+def constant_layers(kv_layers: tuple[int, ...], num_layers: int) -> list[int] | None:
+    """kv.quantization's "layers" for constants calibrated on `kv_layers` of `num_layers` layers:
+    the list where some layers hold no KV (a hybrid's linear layers), None where every layer does
+    (the record as before: row i is layer i)."""
+    return None if tuple(kv_layers) == tuple(range(num_layers)) else list(kv_layers)
 
 
 def key_offset_layers(spec) -> list[bool]:
-    """int4 KV: whether each layer's key transform has an offset μ (kv_int4.calibrate_transform's
-    `exact`): only plain softmax attention — μ is not exact under a logit soft-cap or with
-    learned attention sinks (exporter/kv_int4.py's NOTE), so those layers keep s alone (exact).
-    `kvexport build` and `kvexport calibrate` both ask here. `spec`: an exporter/spec.py ModelSpec."""
+    """int4 KV: whether each KV layer's (spec.kv_layers) key transform has an offset μ
+    (kv_int4.calibrate_transform's `exact`): only plain softmax attention — μ is not exact under
+    a logit soft-cap or with learned attention sinks (exporter/kv_int4.py's NOTE), so those layers
+    keep s alone (exact). `kvexport build` and `kvexport calibrate` both ask here. `spec`: an
+    exporter/spec.py ModelSpec."""
     plain = spec.attn_softcap is None and not spec.attn_sinks
-    return [plain] * spec.num_layers
+    return [plain] * len(spec.kv_layers)
 
 
 def int4_key_transform(model, spec, ids: list[int], text: str) -> tuple[np.ndarray, dict]:
     """The int4 key transform of `spec`'s model calibrated on `ids` (of the text named `text`):
-    (the values the graphs hold, [layers, 2 (μ, s), kv_heads, head_dim] float32; the manifest's
-    kv.quantization["key_transform"] record), exporter/kv_int4.py calibrate_transform and transform_entry.
+    (the values the graphs hold, [KV layers (spec.kv_layers), 2 (μ, s), kv_heads, head_dim] float32;
+    the manifest's kv.quantization["key_transform"] record), exporter/kv_int4.py calibrate_transform
+    and transform_entry.
     NOTE: the one call of `kvexport build` and `kvexport calibrate`, so a recalibrated build's
     constants and record are a fresh build's on that text."""
     from . import kv_int4
 
     t = kv_int4.calibrate_transform(model, ids, key_offset_layers(spec), spec.rotary_dim if spec.rope else 0)
-    return t.values, kv_int4.transform_entry(t, text, ids)  # with each head's measured choice of s
+    _check_shape(t.values, (len(spec.kv_layers), 2, spec.num_kv_heads, spec.head_dim))  # a row per KV layer
+    layers = constant_layers(spec.kv_layers, spec.num_layers)
+    return t.values, kv_int4.transform_entry(t, text, ids, layers)  # with each head's measured choice of s
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,13 +310,14 @@ def graph_initializers(build_dir: Path, manifest: mf.Manifest, prefix: str) -> d
     return found or {}
 
 
-def graph_scale_shape(build_dir: Path, manifest: mf.Manifest) -> tuple[int, ...]:
-    """The shape of a build's kv_scales initializers: (kv_heads, head_dim), or (kv_heads,) in
-    builds made before per-channel scales."""
-    shape = graph_initializers(build_dir, manifest, io.k_scale(0)).get(io.k_scale(0))
+def graph_scale_shape(build_dir: Path, manifest: mf.Manifest, layer: int = 0) -> tuple[int, ...]:
+    """The shape of a build's kv_scales initializers (those of `layer`, its first layer holding KV):
+    (kv_heads, head_dim), or (kv_heads,) in builds made before per-channel scales."""
+    name = io.k_scale(layer)
+    shape = graph_initializers(build_dir, manifest, name).get(name)
     if shape is None:
         entry = next(iter(manifest.graphs.values()))
-        raise KvExportError(f"{build_dir / entry.file} has no initializer {io.k_scale(0)}: not an int8 KV build "
+        raise KvExportError(f"{build_dir / entry.file} has no initializer {name}: not an int8 KV build "
                             f"of this kvexport; rebuild it with `kvexport build MODEL --kv-dtype int8`")
     return shape
 
@@ -322,18 +350,20 @@ def rewrite_initializers(build_dir: Path, manifest: mf.Manifest, arrays: dict[st
 
 def _int8_constants(build_dir: Path, manifest: mf.Manifest, model, ids: list[int], text: str) -> Constants:
     kv = manifest.kv
+    rows = kv_layers_of(manifest.model.spec, kv.num_kv_heads, kv.head_dim)  # a hybrid: its attention layers
     scales = compute_scales(model, ids, rotary_dim=manifest.model.rotary_dim)
-    _check_shape(scales, (kv.num_layers, 2, kv.num_kv_heads, kv.head_dim))
-    if graph_scale_shape(build_dir, manifest) == (kv.num_kv_heads,):
+    _check_shape(scales, (len(rows), 2, kv.num_kv_heads, kv.head_dim))
+    if graph_scale_shape(build_dir, manifest, rows[0]) == (kv.num_kv_heads,):
         # NOTE: a build made before per-channel scales: its onnx attention quantizes per head, so
         # its scales stay per head (the channels' max); `kvexport build` again for per channel
         log.warning("%s holds per-head int8 KV scales (built before per-channel scales): recalibrating per "
                     "head; rebuild it with `kvexport build ... --kv-dtype int8` for per-channel scales, "
                     "which hold on models with outlier key channels", build_dir)
         scales = scales.max(axis=-1)
-    arrays = {name: scales[i, j] for i in range(kv.num_layers)
+    arrays = {name: scales[r, j] for r, i in enumerate(rows)
               for j, name in enumerate((io.k_scale(i), io.v_scale(i)))}
-    return Constants(what_is_calibrated(kv), arrays, quantization_entry(scales, text, ids))
+    return Constants(what_is_calibrated(kv), arrays,
+                     quantization_entry(scales, text, ids, constant_layers(rows, kv.num_layers)))
 
 
 def _latent_constants(manifest: mf.Manifest, model, spec, ids: list[int], text: str) -> Constants:
@@ -351,12 +381,12 @@ def _int4_constants(build_dir: Path, manifest: mf.Manifest, model, spec, ids: li
     k_offset where a graph has it, k_channel_scale and q_channel_scale (s per query head: a KV
     head's repeated over its group, as exporter/graph.py writes it) where it has those."""
     kv = manifest.kv
-    t, entry = int4_key_transform(model, spec, ids, text)
-    _check_shape(t, (kv.num_layers, 2, kv.num_kv_heads, kv.head_dim))
+    t, entry = int4_key_transform(model, spec, ids, text)  # a row per KV layer (a hybrid: its attention layers)
+    _check_shape(t, (len(spec.kv_layers), 2, kv.num_kv_heads, kv.head_dim))
     present = graph_initializers(build_dir, manifest, "kv_offsets.")
     group = manifest.model.num_heads // kv.num_kv_heads
     arrays, missing = {}, []
-    for i, (mu, s) in enumerate(t):
+    for i, (mu, s) in zip(spec.kv_layers, t):
         if io.k_offset(i) in present:
             arrays[io.k_offset(i)] = mu
         elif mu.any():

@@ -38,9 +38,11 @@ class GraphOptions:
     max_seq_len: int  # longest context the build serves; sizes the RoPE tables
     all_logits: bool  # prefill returns logits for every token, not just the last
     attention: io.Attention = io.Attention.ONNX  # paged only: standard ops or PagedAttention nodes
-    kv_scales: np.ndarray | None = None  # int8 KV: [layers, 2 (key, value), kv_heads, head_dim] float32
-    # int4 KV: [layers, 2 (offset μ, channel scale s), kv_heads, head_dim] float32 (exporter/kv_int4.py
-    # calibrate_transform); None: none
+    # int8 KV: [KV layers, 2 (key, value), kv_heads, head_dim] float32, a row per layer of spec.kv_layers
+    # (every layer; a hybrid's attention layers, its linear layers hold no KV)
+    kv_scales: np.ndarray | None = None
+    # int4 KV: [KV layers, 2 (offset μ, channel scale s), kv_heads, head_dim] float32 (exporter/kv_int4.py
+    # calibrate_transform), rows as kv_scales'; None: none
     kv_offsets: np.ndarray | None = None
     # quantized matmul weights by graph weight name (exporter/quantize.py); None: all in `dtype`
     qweights: dict[str, QuantizedMatrix] | None = None
@@ -129,6 +131,11 @@ class DecoderGraph:
             raise ValueError("int8 KV needs kv_scales, and only int8 KV takes them")
         if opts.kv_offsets is not None and opts.kv_dtype is not io.DType.INT4:
             raise ValueError("only int4 KV takes kv_offsets")
+        # layer -> its row of kv_scales / kv_offsets (calibrated per layer holding KV: a hybrid's attention layers)
+        self.kv_row = {layer: r for r, layer in enumerate(spec.kv_layers)}
+        for consts in (opts.kv_scales, opts.kv_offsets):
+            if consts is not None and len(consts) != len(self.kv_row):
+                raise ValueError(f"KV constants for {len(consts)} layers, {len(self.kv_row)} hold KV")
         self.qweights = opts.qweights or {}
         self._offsets: dict[str, tuple[str, int]] = {}  # dequantized weight -> (block offsets, block size)
         if self.qweights:
@@ -447,7 +454,7 @@ class DecoderGraph:
             v = gemma4.rms(self, v, None, "") if spec.v_norm else v  # Gemma 4: per head, no weight
             self.kv_rows[i] = (k, v)
         if self.opts.kv_offsets is not None:  # int4: (k - μ) / s and q * s, exact (kv_int4.py calibrate_transform)
-            mu, sc = self.opts.kv_offsets[i].astype(np.float32)
+            mu, sc = self.opts.kv_offsets[self.kv_row[i]].astype(np.float32)
             if mu.any():
                 k = b.op("Sub", k, b.named_const(io.k_offset(i), mu))
             # NOTE: s's nodes even where s = 1 (exact: x / 1), as `kvexport calibrate` writes constants,
@@ -459,7 +466,8 @@ class DecoderGraph:
             q, k, v = (kv_int4.rotate(b, t, d) for t in (q, k, v))
         scales = None
         if self.opts.kv_scales is not None:  # per channel [kvH, D]; per-head [kvH] broadcast to it
-            sc = np.broadcast_to(self.opts.kv_scales[i].reshape(2, kvh, -1), (2, kvh, d)).astype(np.float32)
+            row = self.opts.kv_scales[self.kv_row[i]]
+            sc = np.broadcast_to(row.reshape(2, kvh, -1), (2, kvh, d)).astype(np.float32)
             scales = (b.named_const(io.k_scale(i), sc[0]), b.named_const(io.v_scale(i), sc[1]))
         if self.plugin:  # the node takes activation-dtype q/k/v, q unscaled (scale is an attribute)
             q, k, v = (self.cast(t, "float32", self.act) for t in (q, k, v))

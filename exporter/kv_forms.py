@@ -18,7 +18,7 @@ from typing import Any, Callable
 import numpy as np
 
 from kvexport import io
-from kvexport.errors import ConfigError
+from kvexport.errors import ConfigError, KvExportError
 
 from . import calibrate, gemma4, mla
 from .progress import Progress
@@ -29,8 +29,10 @@ from .spec import ModelSpec
 class KVConstants:
     """What a KV form's calibration gives the graphs and the manifest."""
 
-    scales: np.ndarray | None = None  # int8: [layers, 2, kv_heads, head_dim] (MLA: [layers, L + R]) float32
-    offsets: np.ndarray | None = None  # int4: the calibrated key transform's per-layer arrays (exporter/kv_int4.py)
+    # int8: [KV layers, 2, kv_heads, head_dim] (MLA: [layers, L + R]) float32; KV layers: spec.kv_layers, every
+    # layer but a hybrid's linear ones (they hold recurrent state, no KV)
+    scales: np.ndarray | None = None
+    offsets: np.ndarray | None = None  # int4: the calibrated key transform's arrays per KV layer (exporter/kv_int4.py)
     quantization: dict | None = None  # the manifest's kv.quantization; None: a float cache
 
 
@@ -66,9 +68,14 @@ def _int4_head_dim(spec: ModelSpec) -> str | None:
     return None
 
 
-def _int8(c: Calibration) -> KVConstants:
+def _int8(c: Calibration) -> KVConstants:  # a row per KV layer (a hybrid: its attention layers)
     scales = calibrate.compute_scales(c.model, c.ids, rotary_dim=c.spec.rotary_dim if c.spec.rope else 0)
-    return KVConstants(scales=scales, quantization=calibrate.quantization_entry(scales, c.text, c.ids))
+    if len(scales) != len(c.spec.kv_layers):
+        raise KvExportError(f"transformers' cache of this {c.spec.model_type} model holds keys for {len(scales)} "
+                            f"layers, the spec {len(c.spec.kv_layers)} (spec.kv_layers): cannot place its int8 KV "
+                            f"scales; build with --kv-dtype fp32")
+    layers = calibrate.constant_layers(c.spec.kv_layers, c.spec.num_layers)
+    return KVConstants(scales=scales, quantization=calibrate.quantization_entry(scales, c.text, c.ids, layers))
 
 
 def _int8_latent(c: Calibration) -> KVConstants:  # one scale row [L + R] per layer

@@ -70,9 +70,10 @@ ERROR_QUERIES = 256  # query positions per layer the attention error is measured
 @dataclass(frozen=True)
 class KeyTransform:
     """A calibrated key transform and how its channel scales were chosen.
-    values: [layers, 2 (μ, s), kv_heads, head_dim] float32, what the graphs hold.
-    chosen: [layers][kv_heads] the CANDIDATES entry picked for s.
-    errors: [layers, len(CANDIDATES), kv_heads] float64, each candidate's relative attention
+    values: [KV layers, 2 (μ, s), kv_heads, head_dim] float32, what the graphs hold (a row per layer
+    that holds KV: every layer, or a hybrid's attention layers, those transformers' attention runs in).
+    chosen: [KV layers][kv_heads] the CANDIDATES entry picked for s.
+    errors: [KV layers, len(CANDIDATES), kv_heads] float64, each candidate's relative attention
     output error on the calibration text (`attention_error`); the pick is the minimum."""
     values: np.ndarray
     chosen: list[list[float | str]]
@@ -265,18 +266,24 @@ def _capture(model, ids: list[int], chunk: int) -> list[dict]:
     return out
 
 
-def transform_entry(t: KeyTransform | np.ndarray, text: str, ids: list[int]) -> dict:
+def transform_entry(t: KeyTransform | np.ndarray, text: str, ids: list[int],
+                    layers: list[int] | None = None) -> dict:
     """The manifest's kv.quantization["key_transform"] record (the values are the graphs'
     kvexport/io.py k_offset / k_channel_scale initializers); with a KeyTransform, also which
-    channel scale each layer and KV head got and every candidate's measured error."""
+    channel scale each layer and KV head got and every candidate's measured error. `layers`: the
+    layers the rows belong to where not every layer holds KV (a hybrid's attention layers;
+    recorded as "layers"), None: row i is layer i."""
     import hashlib
 
     values = t.values if isinstance(t, KeyTransform) else t
+    rows = list(range(values.shape[0])) if layers is None else list(layers)
     entry = {"kind": "calibrated", "applied": "post-RoPE, before the rotation: k' = (k - offset) / scale, "
                                               "q' = q * scale (q'·k' = q·k - q·offset)",
              "calibration": {"text": text, "tokens": len(ids),
                              "ids_sha256": hashlib.sha256(np.asarray(ids, np.int64).tobytes()).hexdigest()},
-             "layers_without_offset": [i for i in range(values.shape[0]) if not values[i, 0].any()]}
+             "layers_without_offset": [i for r, i in enumerate(rows) if not values[r, 0].any()]}
+    if layers is not None:
+        entry["layers"] = rows
     if isinstance(t, KeyTransform):
         entry["scale_choice"] = {
             "candidates": [c if c == OUTLIERS else f"(sd / mean sd)^{c:g}" for c in CANDIDATES],
@@ -284,7 +291,7 @@ def transform_entry(t: KeyTransform | np.ndarray, text: str, ids: list[int]) -> 
                          "query positions of the calibration text (exporter/kv_int4.py attention_error)",
             "chosen": [[c if c == OUTLIERS else float(c) for c in layer] for layer in t.chosen],  # [layers][kv_heads]
             "errors": np.round(t.errors, 6).tolist()}  # [layers][candidates][kv_heads]
-    return {**entry, "offsets": values[:, 0].tolist(), "scales": values[:, 1].tolist()}  # [layers][kv_heads][head_dim]
+    return {**entry, "offsets": values[:, 0].tolist(), "scales": values[:, 1].tolist()}  # [KV layers][kv_heads][head_dim]
 
 
 def rotate(b: GraphBuilder, x: str, d: int) -> str:

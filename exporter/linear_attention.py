@@ -466,8 +466,10 @@ def build_options(spec, opts) -> tuple[Any, str | None]:
 def graph_io_fields(spec, opts) -> dict[str, Any]:
     """io.graph_io's kv_layers (the attention layers) and state for a hybrid spec ({} otherwise).
     A hybrid's graphs are paged, with the `onnx` attention or the plugin nodes (PagedAttention for the
-    attention layers, GatedDeltaRule for the linear ones), float KV: int8/int4 KV calibration and the
-    contiguous layout are refused by name until they carry the state."""
+    attention layers, GatedDeltaRule for the linear ones); the contiguous layout is refused by name.
+    Its KV may be any form (exporter/kv_forms.py): only the attention layers hold KV, so int8 scales
+    and the int4 key transform are calibrated for them alone (a row per layer of spec.kv_layers,
+    exporter/calibrate.py); the linear layers' recurrent state stays float32 whatever the KV."""
     la = spec.linear_attn
     if la is None:
         return {}
@@ -475,9 +477,5 @@ def graph_io_fields(spec, opts) -> dict[str, Any]:
         raise UnsupportedModelError(f"--layout {opts.layout.value} is not supported for a {spec.model_type} model "
                                     f"(gated DeltaNet layers: recurrent state is paged-layout graph I/O); build "
                                     f"with --layout paged")
-    kv = getattr(opts, "kv", None) or opts.kv_dtype  # BuildOptions.kv, GraphOptions.kv_dtype
-    if kv in (io.DType.INT8, io.DType.INT4):
-        raise UnsupportedModelError(f"--kv {kv.value} is not supported for a {spec.model_type} model yet (gated "
-                                    f"DeltaNet hybrid); build with --kv fp32 / fp16")
     return {"kv_layers": spec.kv_layers, "state": (len(la.layers), la.state_dims())}
 

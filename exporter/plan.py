@@ -193,7 +193,8 @@ def kv_bytes(spec: ModelSpec, kv_dtype: io.DType) -> KVBytes:
     if spec.kv_sources is None and spec.layer_head_dims is None and spec.layer_kv_heads is None \
             and spec.linear_attn is None:
         assert total == io.kv_bytes_per_token(spec.num_layers, heads, row, kv_dtype, latent)
-    return KVBytes(kv_dtype.value, total, io.kv_static_bytes(spec.num_layers, heads, row, kv_dtype, latent,
+    # NOTE: int8 scales / the int4 key transform are held per layer holding KV (a hybrid: its attention layers)
+    return KVBytes(kv_dtype.value, total, io.kv_static_bytes(len(spec.kv_layers), heads, row, kv_dtype, latent,
                                                                  num_heads=spec.num_heads),
                    tuple(entries))
 
@@ -389,7 +390,8 @@ def plan(model: str, memory: str | int | None = None, *, weights: str | None = N
                      f"the fit gives each sequence that state beside the KV of the {len(spec.kv_layers)} attention "
                      f"layers and holds {engine.state_checkpoints} prefix-cache checkpoints of it (the default "
                      f"--state-checkpoints) off the budget first; --kv-cache-memory is the KV budget column; "
-                     f"hybrids build paged with float KV only")
+                     f"hybrids build paged; an int8 / int4 KV row quantizes the attention layers' KV only (the "
+                     f"recurrent state stays float32)")
     windows = tuple(spec.window(i) for i in range(spec.num_layers))
     heads, row = (1, spec.mla.row_width) if spec.mla is not None else (spec.num_kv_heads, spec.head_dim)
     return Plan(model, m.kind, spec.family, spec.model_type, spec.num_layers, spec.hidden_size, spec.num_heads,
