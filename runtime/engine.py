@@ -282,8 +282,11 @@ class LLMEngine:
     def _spec_counts(self) -> dict:
         """Speculative decoding's counters for kv_stats (all 0 when it is off; core/speculation.py)."""
         st = self.spec_stats()
+        cost = self.speculation.cost if self.speculation is not None else None
+        fit = cost.fit() if cost is not None else None  # the step-cost model's (a, b) seconds; None: not fitted
         return {"spec_drafts": st.num_drafts if st else 0, "spec_draft_tokens": st.num_draft_tokens if st else 0,
-                "spec_accepted_tokens": st.num_accepted_tokens if st else 0}
+                "spec_accepted_tokens": st.num_accepted_tokens if st else 0,
+                "spec_step_seconds": fit[0] if fit else 0.0, "spec_row_seconds": fit[1] if fit else 0.0}
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Before the process ends (a server stopping; call it from the thread that owns the engine,

@@ -94,6 +94,10 @@ METRICS: tuple[Metric, ...] = (
            lambda c, _: _ratio(c.kv.get("spec_accepted_tokens", 0), c.kv.get("spec_draft_tokens", 0))),
     Metric("spec_decode_mean_accepted_length", GAUGE, "Speculative decoding: tokens per verifying step (accepted "
            "drafts + 1) since the start", lambda c, _: _mean_accepted_length(c)),
+    Metric("spec_decode_step_cost_seconds", GAUGE, "Speculative decoding's step-cost model: a step's fixed seconds "
+           "(a of a + b x rows; 0 until fitted)", lambda c, _: c.kv.get("spec_step_seconds", 0.0)),
+    Metric("spec_decode_row_cost_seconds", GAUGE, "Speculative decoding's step-cost model: seconds per row of a step "
+           "(b; a draft is worth it while its expected tokens pay for b)", lambda c, _: c.kv.get("spec_row_seconds", 0.0)),
     Metric("generation_tokens_total", COUNTER, "Tokens generated", lambda c, _: c.generation_tokens),
     Metric("prompt_tokens_total", COUNTER, "Prompt tokens received", lambda c, _: c.prompt_tokens),
     Metric("requests_total", COUNTER, "Sequences admitted (n samples count n)", lambda c, _: c.requests),

@@ -389,6 +389,8 @@ def test_costly_rows_stop_drafting_after_a_sequence_explored(make_build):
         llm.engine.speculation.cost = Fixed(fit)
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == [o.token_ids for o in plain]
         drafted[name] = llm.engine.spec_stats()
+        kv = llm.engine.kv_stats()  # what /metrics exports as kvexport_spec_decode_{step,row}_cost_seconds
+        assert (kv["spec_step_seconds"], kv["spec_row_seconds"]) == fit
     costly, free = drafted["costly"], drafted["free"]
     # exploring: at most one draft per step until 3 trials (a step's trial is 1 or 2) -> at most 3 per sequence
     assert 0 < costly.num_draft_tokens <= 3 * len(PROMPTS), costly
