@@ -44,6 +44,9 @@ CASES = {
     "chunk-after-prefix": dict(num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, q_lens=[35, 3], ctx_lens=[64, 64],
                                shared_prefix_blocks=4),
     "mha-odd-dim": dict(num_heads=3, num_kv_heads=3, head_dim=24, block_size=8, q_lens=[5, 1, 19], ctx_lens=[3, 30, 0]),
+    # the wide heads the op specialises (Gemma, Qwen3.5: 256; Gemma 4's global layers: 512), decode and prompt rows
+    "wide-256": dict(num_heads=8, num_kv_heads=2, head_dim=256, block_size=16, q_lens=[1, 20, 1], ctx_lens=[70, 0, 33]),
+    "wide-512": dict(num_heads=4, num_kv_heads=1, head_dim=512, block_size=16, q_lens=[1, 9], ctx_lens=[40, 7]),
     "mqa-big-block": dict(num_heads=4, num_kv_heads=1, head_dim=80, block_size=32, q_lens=[2, 33], ctx_lens=[70, 5]),
     "sliding-window": dict(num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, q_lens=[1, 12, 6], ctx_lens=[29, 0, 21],
                            sliding_window=7),

@@ -3,7 +3,7 @@ for) against the float64 reference, in real onnxruntime sessions. The library th
 is compiled for this CPU (-march=native: AVX-512 on the project's machines), so without this test
 the AVX2 code paths (kvexport_simd::vreg of 8 lanes, the int4 kernel's AVX2 decode) would run
 nowhere before an image does. Every case of test_cpu_op, test_int4_kv and test_attention_sinks'
-kinds, at the head sizes the op specialises (32, 64, 96, 128) and one it does not (80): outputs
+kinds, at the head sizes the op specialises (32, 64, 96, 128, 256, 512) and one it does not (80): outputs
 within the fp32 tolerance, pools bit for bit. And the x86-64-v4 variant the image adds: taken at
 run time where the CPU has AVX-512, not elsewhere."""
 
@@ -32,7 +32,7 @@ ISA_CASES.update({f"int4-{n}": dict(c, kv_dtype="int4") for n, c in INT4_CASES.i
 for _n, _c in PER_LAYER_CASES.items():
     for _kv in ("float32", "int8", "int4"):
         ISA_CASES[f"layer-{_n}-{_kv}"] = dict(PER_LAYER, **_c, kv_dtype=_kv)
-for _d in (32, 64, 96, 128, 80):  # decode rows (1 token), prompt tiles (37, 20 tokens), GQA 4:1
+for _d in (32, 64, 96, 128, 256, 512, 80):  # decode rows (1 token), prompt tiles (37, 20 tokens), GQA 4:1
     for _kv in ("float32", "int8", "int4"):
         if _kv != "int4" or _d % 32 == 0:
             ISA_CASES[f"d{_d}-{_kv}"] = dict(num_heads=8, num_kv_heads=2, head_dim=_d, block_size=16,
