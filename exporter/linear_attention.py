@@ -445,22 +445,14 @@ def read_fields(config) -> dict:
 
 def build_options(spec, opts) -> tuple[Any, str | None]:
     """The build options of a hybrid (BuildOptions, from the "read" stage, before any weight is loaded):
-    the attention `onnx` where none was asked (with a note saying why: measured faster on CPU; `plugin`
-    when asked), and the refusals of
-    `graph_io_fields` raised now. Other models: `opts` unchanged, no note."""
-    if spec.linear_attn is None:
-        return opts, None
-    import dataclasses
-
-    note = None
-    if opts.attention is None and opts.layout is io.KVLayout.PAGED:
-        opts = dataclasses.replace(opts, attention=io.Attention.ONNX)
-        # NOTE: measured (docs/BENCHMARKS.md "Gated DeltaNet hybrids"): on CPU the plugin form decodes about as
-        # fast and prefills slower (PagedAttention's native prefill at head_dim 256, not the GatedDeltaRule node)
-        note = (f"attention onnx, not the default plugin: for a {spec.model_type} model the `onnx` form prefills "
-                f"faster on CPU; --attention plugin gives GatedDeltaRule + PagedAttention nodes (TensorRT)")
-    graph_io_fields(spec, opts)
-    return opts, note
+    the refusals of `graph_io_fields` raised now; the attention form is every paged build's default
+    (`plugin`: GatedDeltaRule + PagedAttention nodes, the native CPU ops, measured faster than `onnx` for
+    decode and prefill since the op's head_dim 256 path is vectorised, docs/BENCHMARKS.md "Gated DeltaNet
+    hybrids"; `onnx` where the native op cannot serve, exporter/build.py default_attention). Other models:
+    `opts` unchanged. No note."""
+    if spec.linear_attn is not None:
+        graph_io_fields(spec, opts)
+    return opts, None
 
 
 def graph_io_fields(spec, opts) -> dict[str, Any]:

@@ -23,15 +23,16 @@ from testkit.families import BUILDS_PAGED_ONNX, CASES_HYBRID, tiny_config
 
 @pytest.fixture(scope="module")
 def built(hf_folder, tmp_path_factory):
-    """family -> (build dir, manifest, transformers model): one validated paged build per family
-    (max_seq_len 256: long prompts run several chunks of the chunked rule)."""
+    """family -> (build dir, manifest, transformers model): one validated paged `onnx` build per family
+    (max_seq_len 256: long prompts run several chunks of the chunked rule; the `plugin` form, the default,
+    is test_qwen3_5_plugin.py's)."""
     cache = {}
 
     def get(family):
         if family not in cache:
             src = hf_folder(family, **CASES_HYBRID[family])
             out, m = build(str(src), tmp_path_factory.mktemp("hybrid") / family,
-                           BuildOptions(block_size=4, max_seq_len=256))
+                           BuildOptions(block_size=4, max_seq_len=256, attention=io.Attention.ONNX))
             cache[family] = (out, m, source.load_model(source.resolve(str(src))))
         return cache[family]
 

@@ -2,7 +2,7 @@
 tests/testkit/families.py (3 linear layers, then 1 gated attention layer): only the attention layer
 holds KV, so int8 scales and the int4 key transform are calibrated for it alone (a row per layer of
 spec.kv_layers, kv.quantization["layers"] == [3]) while the linear layers' recurrent state stays
-float32 graph I/O. int8 builds (`onnx` attention, the hybrids' default) serve the fp32 build's tokens,
+float32 graph I/O. int8 builds (`onnx` attention; `plugin` below) serve the fp32 build's tokens,
 resume from a state checkpoint with prefix caching, are recalibrated by `kvexport calibrate`; int4 builds
 (head_dim 32: int4 rows group 32 channels) validate, and a head_dim int4 cannot group is refused by name."""
 
@@ -22,7 +22,7 @@ from kvexport.plugins.gated_delta import native as gated_delta_native
 from testkit import parity
 from testkit.families import CASES_HYBRID
 
-OPTS = dict(block_size=4, max_seq_len=128)
+OPTS = dict(block_size=4, max_seq_len=128, attention=io.Attention.ONNX)
 CALIBRATED = dict(OPTS, calibration_tokens=512)  # int8 / int4: fewer tokens than the default 2048 (time)
 KV_LAYER = 3  # the attention layer of the tiny hybrid (layers 0..2 are gated DeltaNet)
 
@@ -30,7 +30,7 @@ KV_LAYER = 3  # the attention layer of the tiny hybrid (layers 0..2 are gated De
 @pytest.fixture(scope="module")
 def builds(hf_folder, tmp_path_factory):
     """The fp32-KV build (unvalidated: test_qwen3_5.py validates it) and the validated int8-KV build
-    of the same tiny model, both with the hybrids' default `onnx` attention."""
+    of the same tiny model, both with the `onnx` attention (the standard-ONNX form)."""
     src = str(hf_folder("qwen3_5_text", **CASES_HYBRID["qwen3_5_text"]))
     root = tmp_path_factory.mktemp("hybrid-qkv")
     fp32, _ = build(src, root / "fp32", BuildOptions(validate=False, **OPTS))
@@ -147,8 +147,8 @@ def test_int8_plugin_build_of_a_hybrid(hf_folder, builds, tmp_path):
     the native op, cross-checked with the reference op."""
     _, _, onnx_m = builds
     src = str(hf_folder("qwen3_5_text", **CASES_HYBRID["qwen3_5_text"]))
-    out, m = build(src, tmp_path / "plugin", BuildOptions(kv_dtype=io.DType.INT8, attention=io.Attention.PLUGIN,
-                                                          **CALIBRATED))
+    out, m = build(src, tmp_path / "plugin", BuildOptions(kv_dtype=io.DType.INT8,
+                                                          **dict(CALIBRATED, attention=io.Attention.PLUGIN)))
     v = m.validation
     assert v.passed and v.op == "native" and v.cross_check.op == "reference" and v.cross_check.passed, v
     assert m.kv.quantization["scales"] == onnx_m.kv.quantization["scales"]
