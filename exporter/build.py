@@ -172,9 +172,9 @@ def read_model(src: source.ModelSource, opts: BuildOptions, progress: Progress) 
         spec = read_spec(config)
         source.check_weights_hold(src, spec.num_layers)  # NOTE: before transformers builds the model
         spec = end_tokens.with_generation_eos(spec, src)
-    opts, hybrid_note = linear_attention.build_options(spec, opts)  # hybrids: their refusals, before any weight
+    if spec.linear_attn is not None:
+        linear_attention.graph_io_fields(spec, opts)  # hybrids: their refusals, before any weight is loaded
     opts, attention_note = default_attention(opts, mla=spec.mla is not None)
-    attention_note = attention_note or hybrid_note
     max_len = opts.max_seq_len or min(spec.max_positions, MAX_ROPE_TABLE)
     if spec.position == "learned" and max_len > spec.max_positions:
         raise ConfigError(f"--max-seq-len {max_len} exceeds the {spec.max_positions} learned positions "

@@ -443,18 +443,6 @@ def read_fields(config) -> dict:
     return {"linear_attn": read_linear_attn(config, tuple(types)), "attn_output_gate": True}
 
 
-def build_options(spec, opts) -> tuple[Any, str | None]:
-    """The build options of a hybrid (BuildOptions, from the "read" stage, before any weight is loaded):
-    the refusals of `graph_io_fields` raised now; the attention form is every paged build's default
-    (`plugin`: GatedDeltaRule + PagedAttention nodes, the native CPU ops, measured faster than `onnx` for
-    decode and prefill since the op's head_dim 256 path is vectorised, docs/BENCHMARKS.md "Gated DeltaNet
-    hybrids"; `onnx` where the native op cannot serve, exporter/build.py default_attention). Other models:
-    `opts` unchanged. No note."""
-    if spec.linear_attn is not None:
-        graph_io_fields(spec, opts)
-    return opts, None
-
-
 def graph_io_fields(spec, opts) -> dict[str, Any]:
     """io.graph_io's kv_layers (the attention layers) and state for a hybrid spec ({} otherwise).
     A hybrid's graphs are paged, with the `onnx` attention or the plugin nodes (PagedAttention for the

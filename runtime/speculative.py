@@ -28,10 +28,8 @@ def speculation_policy(build_dir: Path, manifest: Manifest, config: EngineConfig
         from .draft_model import DraftModelProposer
 
         proposer = DraftModelProposer.open(config.draft_model, build_dir, manifest, config)
-    spec = SpeculativeDecoding(proposer, config.num_speculative_tokens, config.speculative_max_batch)
-    if not config.speculative_cost_model:
-        spec.cost = None
-    return spec
+    return SpeculativeDecoding(proposer, config.num_speculative_tokens, config.speculative_max_batch,
+                               cost_model=config.speculative_cost_model)
 
 
 __all__ = ["speculation_policy"]

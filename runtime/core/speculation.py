@@ -40,6 +40,7 @@ dropped with the unused-tensor check) — a graph contract change of its own, le
 
 from __future__ import annotations
 
+import heapq
 import time
 from dataclasses import dataclass
 from typing import Protocol, Sequence
@@ -114,28 +115,25 @@ class _SeqState:
 class StepCost:
     """A step's wall time modelled as a + b x rows (rows: the tokens the step computes), fitted by
     least squares with exponential forgetting (`decay` per step) on the steps `add` is given.
-    `fit()` is None until `min_steps` steps with at least two distinct row counts were seen
-    (a and b cannot be told apart before), else (a, b) with a, b >= 0."""
+    `fit()` is None until `min_steps` steps were seen and their row counts differ (a and b cannot
+    be told apart before), else (a, b) with a, b >= 0."""
 
     def __init__(self, decay: float = 0.98, min_steps: int = 8):
         self.decay, self.min_steps = decay, min_steps
         self.n = self.sx = self.sy = self.sxx = self.sxy = 0.0
         self.steps = 0
-        self._rows: set[int] = set()
 
     def add(self, rows: int, seconds: float) -> None:
         d = self.decay
         self.n, self.sx, self.sy = d * self.n + 1, d * self.sx + rows, d * self.sy + seconds
         self.sxx, self.sxy = d * self.sxx + rows * rows, d * self.sxy + rows * seconds
         self.steps += 1
-        if len(self._rows) < 2:
-            self._rows.add(rows)
 
     def fit(self) -> tuple[float, float] | None:
-        if self.steps < self.min_steps or len(self._rows) < 2:
+        if self.steps < self.min_steps:
             return None
         var = self.n * self.sxx - self.sx * self.sx
-        if var <= 1e-9 * max(1.0, self.n * self.sxx):  # the recent steps all had one row count
+        if var <= 1e-9 * max(1.0, self.n * self.sxx):  # the steps all had one row count (or nearly, decayed)
             return None
         b = max(0.0, (self.n * self.sxy - self.sx * self.sy) / var)
         a = max(0.0, (self.sy - b * self.sx) / self.n)
@@ -155,20 +153,17 @@ def allot_drafts(offers: Sequence[tuple[str, int, float]], plain_tokens: float, 
     taken = {rid: 0 for rid, _, _ in offers}
     if b <= 0.0:
         return {rid: n for rid, n, _ in offers}
-    # every sequence's next draft is its best one left: take the best of those, one at a time
-    heads = sorted(((p, rid, n, p) for rid, n, p in offers if n > 0 and p > 0.0), reverse=True)
+    # every sequence's next draft is its best one left: take the best of those, one at a time (a max-heap)
+    heads = [(-p, rid, n, p) for rid, n, p in offers if n > 0 and p > 0.0]
+    heapq.heapify(heads)
     while heads:
-        value, rid, n, p = heads.pop(0)
-        if value * seconds <= b * tokens:
+        neg, rid, n, p = heapq.heappop(heads)
+        if -neg * seconds <= b * tokens:
             break  # the best draft left would lower tokens per second; so would every other
-        tokens, seconds = tokens + value, seconds + b
+        tokens, seconds = tokens - neg, seconds + b
         taken[rid] += 1
         if taken[rid] < n:
-            nxt = (value * p, rid, n, p)
-            i = 0
-            while i < len(heads) and heads[i][0] >= nxt[0]:
-                i += 1
-            heads.insert(i, nxt)
+            heapq.heappush(heads, (neg * p, rid, n, p))
     return taken
 
 
@@ -202,10 +197,10 @@ class SpeculativeDecoding(SpeculationPolicy):
     SamplingParams.speculative False never drafts."""
 
     def __init__(self, proposer: Proposer, num_tokens: int, max_batch: int = 16, adaptive: bool = True,
-                 cost: StepCost | None = None):
+                 cost_model: bool = True):
         self.proposer, self.num_tokens, self.max_batch, self.adaptive = proposer, num_tokens, max_batch, adaptive
         # the step-cost model (module docstring); None: drafts bounded by the back-off and max_batch only
-        self.cost = (cost if cost is not None else StepCost()) if adaptive else None
+        self.cost: StepCost | None = StepCost() if adaptive and cost_model else None
         self._on = True  # this step's global verdict (begin_step)
         self._drafted: dict[str, tuple[int, ...]] = {}  # this step's drafts, proposed in begin_step
         self._known: dict[str, Request] = {}  # requests that drafted, to release finished ones
