@@ -33,6 +33,7 @@ LLAMA = dict(num_heads=32, num_kv_heads=8, head_dim=128, block_size=16)
 TINY = dict(num_heads=4, num_kv_heads=2, head_dim=16, block_size=4)
 TINY_INT4 = dict(TINY, head_dim=32)  # int4 KV groups 32 channels
 GPT_OSS = dict(num_heads=64, num_kv_heads=8, head_dim=64, block_size=16)  # gpt-oss-20b / 120b attention
+QWEN35 = dict(num_heads=8, num_kv_heads=2, head_dim=256, block_size=16)  # Qwen3.5-0.8B / Gemma-style wide heads
 
 
 def _clone(inputs: dict) -> dict:
@@ -231,6 +232,13 @@ def run(tiny: bool) -> dict:
              q_len=1, act_dtype="bfloat16", kv_dtype="bfloat16", aot=True, **sinks),
         dict(name="gpt-oss prefill b2 q300 fp16 sinks window", batch=2, ctx=800 if not tiny else 20,
              q_len=300 if not tiny else 7, act_dtype="float16", kv_dtype="float16", **sinks),
+    ]
+    wide = TINY_INT4 if tiny else QWEN35
+    cases += [  # head_dim 256 (Qwen3.5 / Qwen3-Next attention layers, Gemma 2/3): the hybrids' default plugin form
+        dict(name="qwen3.5 decode b8 ctx8k bf16 head_dim 256", batch=8, ctx=ctxs[1], q_len=1, act_dtype="bfloat16",
+             kv_dtype="bfloat16", shape=wide),
+        dict(name="qwen3.5 prefill b2 q300 fp16 head_dim 256", batch=2, ctx=800 if not tiny else 20,
+             q_len=300 if not tiny else 7, act_dtype="float16", kv_dtype="float16", shape=wide),
     ]
     report["correctness"] = check_correctness(shape, device, cases)
     # the attention_scores pass (importance eviction): prompts whose last `obs` tokens observe

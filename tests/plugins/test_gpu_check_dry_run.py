@@ -19,7 +19,8 @@ def test_gpu_check_tiny_dry_run(tmp_path):
                        text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     r = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
-    assert r["tiny"] and len(r["correctness"]) == 17
+    assert r["tiny"] and len(r["correctness"]) == 19
+    assert sum(c["name"].startswith("qwen3.5") for c in r["correctness"]) == 2  # wide heads (head_dim 256 on a GPU)
     assert sum(c["name"].startswith("gpt-oss") for c in r["correctness"]) == 4  # attention sinks
     assert all(c["ok"] and c["pools_bit_exact"] for c in r["correctness"]), r["correctness"]
     assert r["copy_bytes_per_s"] > 0 and r["decode_b64_ctx4k_fp16"]["best"]["bytes_per_s"] > 0
