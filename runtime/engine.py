@@ -105,6 +105,8 @@ class LLMEngine:
             self.kv = HybridKVCacheManager(self.pool, local, window, self.tiers)
             pools[io.LOCAL_GROUP] = local
         self.kv = state_pool.for_build(self.kv, self.manifest.model.spec, config)  # hybrids: + state slots
+        if isinstance(self.kv, state_pool.StatefulKVCacheManager):  # checkpoints move as blocks (io.STATE_GROUP)
+            pools[io.STATE_GROUP] = self.kv.checkpoints
         # the one seam for moving KV blocks in or out (runtime/kv_connector.py): serving code uses only it
         self.kv_connector = KVConnector(
             KVConnectorScheduler(pools, self.tiers, kv.local_window if groups is not None else None),
@@ -138,9 +140,10 @@ class LLMEngine:
                               f"this machine's memory ({physical_memory() / 2**30:.1f} GiB): give a smaller size")
         disk = parse_size(config.kv_offload_disk) if folder else 0
         offload = KVOffload(backend, self.manifest)
-        need = max(offload.block_bytes.values())
+        need = max(offload.block_bytes.values())  # NOTE: a hybrid's state checkpoint is one "block" too
+        what = "KV block or state checkpoint" if io.STATE_GROUP in offload.block_bytes else "KV block"
         if host and host < need:
-            raise ConfigError(f"kv_offload_memory {config.kv_offload_memory!r} holds no KV block (one block of this "
+            raise ConfigError(f"kv_offload_memory {config.kv_offload_memory!r} holds no {what} (the largest of this "
                               f"build is {need} bytes): give at least {need} bytes, or 0 to turn the host tier off")
         if folder:
             at = Path(folder).expanduser().absolute()
@@ -148,7 +151,7 @@ class LLMEngine:
                 at = at.parent
             total = shutil.disk_usage(at).total
             if not need <= disk <= total:
-                raise ConfigError(f"kv_offload_disk {config.kv_offload_disk!r} must be between one KV block ({need} "
+                raise ConfigError(f"kv_offload_disk {config.kv_offload_disk!r} must be between one {what} ({need} "
                                   f"bytes) and the size of the disk holding kv_offload_dir ({total} bytes)")
             offload.open_disk(folder)  # checks the folder (ConfigError naming kv_offload_dir)
         tiers = TierIndex(offload.block_bytes, host, disk, staged_cap=backend.num_blocks)

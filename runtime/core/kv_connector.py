@@ -21,7 +21,9 @@ connector metadata of a step (runtime/core/kv_tiers.py).
 
 NOTE: a block id is one group's: block 7 of the full group and block 7 of the local group are
 different blocks of different pools. Every call names its group (`kvexport/io.py` FULL_GROUP,
-LOCAL_GROUP); a build of one group has only FULL_GROUP.
+LOCAL_GROUP); a build of one group has only FULL_GROUP. A hybrid (gated DeltaNet) build adds
+io.STATE_GROUP last, whose pool is its state checkpoints (core/state_pool.py CheckpointPool: a
+"block" is a checkpoint slot, keyed by the block the checkpoint ends).
 """
 
 from __future__ import annotations
@@ -96,9 +98,11 @@ class KVConnectorScheduler:
 
     # ---- lookups --------------------------------------------------------------------
     def prompt_blocks(self, prompt: Sequence[int], salt: str | None = None) -> list[BlockRef]:
-        """The blocks a prefix lookup of `prompt` can hit: the full group's first (L - 1) //
+        """The blocks a prefix lookup of `prompt` can hit: the full group's first n = (L - 1) //
         block_size blocks (the last token is always computed), then the local group's blocks of
-        those that the next token's window reaches (core/hybrid_kv_cache_manager.py)."""
+        those that the next token's window reaches (core/hybrid_kv_cache_manager.py), then for a
+        hybrid (gated DeltaNet) build the checkpoint of its recurrent state after block n - 1
+        (io.STATE_GROUP, core/state_pool.py: a lookup resumes only where one is)."""
         bs = self.block_size
         n = max(len(prompt) - 1, 0) // bs
         hashes = hash_full_blocks(prompt[:n * bs], bs, salt)
@@ -106,6 +110,8 @@ class KVConnectorScheduler:
         if self.local_window is not None:
             first = first_needed_block(n * bs, self.local_window, bs)
             refs += [BlockRef(io.LOCAL_GROUP, i, hashes[i]) for i in range(first, n)]
+        if io.STATE_GROUP in self.pools and n:  # a hybrid: the recurrent state where those blocks end
+            refs.append(BlockRef(io.STATE_GROUP, n - 1, hashes[n - 1]))
         return refs
 
     def cached(self, group: str, block_hash: BlockHash) -> int | None:

@@ -12,7 +12,7 @@ instead of computing its whole prefix again (prefix caching that hits on hybrids
                                 into the request's slot before its first chunk)
                               - prompt chunks end at checkpoint boundaries, and a chunk that ends on one
                                 saves the state there: every `checkpoint_blocks` blocks, the prompt's last
-                                block boundary, and where the prompt's KV hit ended past its checkpoint (a
+                                block boundary (and the last its own lookup can hit), and where the prompt's KV hit ended past its checkpoint (a
                                 branch point: a shared system prompt's end); decode keeps one checkpoint per
                                 sequence at the last block boundary it crossed (the next chat turn's resume
                                 point), so a hybrid hits where an attention model's blocks would
@@ -23,11 +23,20 @@ The model runner carries the copies out on its side (runtime/execution/state_sto
 before the step's compute and saves after it succeeded; a checkpoint is offered to lookups only once
 the step that saves it has completed (`cache_blocks`).
 
-NOTE: a checkpoint is reachable only while the KV blocks of its prefix are cached (the lookup walks
-the KV block pool first), so checkpoints go with their blocks; capacity evicts the least recently
-used. The KV tiers (host, disk) and disaggregated prefill -> decode move KV blocks only, no state:
-both are refused on hybrids by name (`refusal`, `disaggregation_refusal`) rather than served with
-every hit recomputed.
+Checkpoints move like KV blocks, as the "blocks" of a group of their own (kvexport/io.py
+STATE_GROUP; a block id is a checkpoint slot, its key the prefix-cache key of the block it ends):
+    KV tiers        a checkpoint capacity evicts is offered to the host / disk tier (core/kv_tiers.py),
+                    saved before the step's compute; a lookup takes the furthest block boundary whose
+                    checkpoint is in the pool or a tier (with its KV in the pool or a tier), and a tier's
+                    checkpoint is loaded straight into the request's running slot (a disk one is read
+                    first, the request waiting as for disk KV); the disk tier keeps them across restarts
+    the connector   `checkpoints` (CheckpointPool) is the connector's STATE_GROUP pool
+                    (core/kv_connector.py): a disaggregated prefill worker offers the prompt's
+                    checkpoint with its blocks, the decode worker imports it as a ready checkpoint,
+                    pinned until its request is admitted (runtime/serving/dynamo_disagg.py)
+
+NOTE: a checkpoint is reachable only while the KV blocks of its prefix are (pool or tier: the lookup
+walks the KV first), so checkpoints go with their blocks; capacity evicts the least recently used.
 """
 
 from __future__ import annotations
@@ -38,9 +47,11 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from kvexport.errors import KvExportError
+from kvexport.io import STATE_GROUP
 
 from .block_hash import BlockHash, hash_full_blocks
 from .kv_cache_manager import TIER_BLOCK
+from .kv_tiers import DISK
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +77,10 @@ class StatePool:
         self._ckpt: OrderedDict[BlockHash, int] = OrderedDict()  # ready checkpoints, least recently used first
         self._pending: dict[str, list[tuple[int, BlockHash, int]]] = {}  # request -> (tokens, key, slot) to publish
         self._moving: dict[str, BlockHash] = {}  # request -> its decode checkpoint (replaced at each block boundary)
+        self._pinned: set[BlockHash] = set()  # ready checkpoints never evicted until unpinned (a hand-off's)
+        self._evicted: list[tuple[int, BlockHash]] | None = None  # (slot, key) evicted, for the KV tiers
         self.hits = self.saved = 0  # checkpoints restored, checkpoints saved (stats)
+        self.tier_hits = 0  # checkpoints loaded from a KV tier (host, disk) into a running slot
 
     @property
     def total_slots(self) -> int:
@@ -103,6 +117,15 @@ class StatePool:
         """A ready checkpoint exists for the block hash (no LRU touch)."""
         return key in self._ckpt
 
+    def peek(self, key: BlockHash) -> int | None:
+        """The ready checkpoint slot of a block hash (no LRU touch), or None."""
+        return self._ckpt.get(key)
+
+    @property
+    def num_takeable(self) -> int:
+        """Checkpoint slots `take_slot` can hand out now: free, or ready and not pinned."""
+        return len(self._ckpt_free) + sum(1 for k in self._ckpt if k not in self._pinned)
+
     def lookup(self, key: BlockHash) -> int | None:
         """The ready checkpoint slot of a block hash (marked recently used), or None."""
         slot = self._ckpt.get(key)
@@ -121,15 +144,64 @@ class StatePool:
             return None
         if moving:
             self._drop(request_id, self._moving.pop(request_id, None))
-        if not self._ckpt_free:
-            if not self._ckpt:
-                return None
-            self._ckpt_free.append(self._ckpt.popitem(last=False)[1])
-        slot = self._ckpt_free.pop()
+        slot = self.take_slot()
+        if slot is None:
+            return None
         self._pending.setdefault(request_id, []).append((num_tokens, key, slot))
         if moving:
             self._moving[request_id] = key
         return slot
+
+    def take_slot(self) -> int | None:
+        """A checkpoint slot: a free one, else the least recently used ready checkpoint's that is not
+        pinned (evicted: recorded for the KV tiers when `record_evictions` is on); None when there is none."""
+        if not self._ckpt_free:
+            key = next((k for k in self._ckpt if k not in self._pinned), None)
+            if key is None:
+                return None
+            slot = self._ckpt.pop(key)
+            if self._evicted is not None:
+                self._evicted.append((slot, key))
+            self._ckpt_free.append(slot)
+        return self._ckpt_free.pop()
+
+    def give_back(self, slot: int) -> None:
+        """A slot `take_slot` handed out and never published returns to the free ones."""
+        self._ckpt_free.append(slot)
+
+    def put(self, key: BlockHash, slot: int) -> bool:
+        """Offer a slot `take_slot` handed out (now holding the state after `key`'s block, written from
+        outside: a disaggregated hand-off) to lookups; False (the slot given back) when the key is
+        held already."""
+        if key in self._ckpt:
+            self.give_back(slot)
+            return False
+        self._ckpt[key] = slot
+        self.saved += 1
+        return True
+
+    def pin(self, keys) -> None:
+        """Never evict these ready checkpoints until `unpin` (a hand-off's, until its request is admitted)."""
+        self._pinned.update(keys)
+
+    def unpin(self, keys) -> None:
+        self._pinned.difference_update(keys)
+
+    def ready(self) -> list[tuple[int, BlockHash]]:
+        """(slot, key) of every ready checkpoint, least recently used first."""
+        return [(slot, key) for key, slot in self._ckpt.items()]
+
+    # ---- the KV tiers' side (core/kv_tiers.py: checkpoints travel as io.STATE_GROUP "blocks") ----
+    def record_evictions(self) -> None:
+        """From now on, record the ready checkpoints capacity evicts, for `pop_evicted`."""
+        if self._evicted is None:
+            self._evicted = []
+
+    def pop_evicted(self) -> list[tuple[int, BlockHash]]:
+        """(slot, key) of the ready checkpoints evicted since the last call: their slots still hold
+        the state until this step's compute (saves run after it), so a tier saves them first."""
+        out, self._evicted = self._evicted or [], [] if self._evicted is not None else None
+        return out
 
     def _drop(self, request_id: str, key: BlockHash | None) -> None:
         """Forget the request's checkpoint `key` (ready or pending) and free its slot."""
@@ -158,6 +230,73 @@ class StatePool:
         self._pending[request_id] = keep
 
 
+class CheckpointPool:
+    """A StatePool's checkpoint slots as the KV connector sees a KV cache group's pool
+    (core/kv_connector.py; the group io.STATE_GROUP): a "block" is a checkpoint slot, its key the
+    prefix-cache key of the block the checkpoint ends. What the connector calls:
+
+        get_cached_block(key)     the ready checkpoint's slot (no LRU touch), or None
+        num_free_blocks           slots `get_new_blocks` can hand out (free, or evictable: not pinned)
+        get_new_blocks(n)         n slots, held until `free_blocks` (evicting least recently used
+                                  checkpoints: `pop_evicted` hands them to the KV tiers)
+        cache_full_blocks(...)    held slots, written, offered to lookups under their keys (and
+                                  pinned while held: a hand-off's request is admitted first)
+        free_blocks(ids)          the hold dropped (a slot never published goes back)
+        cached_blocks()           every ready checkpoint, least recently used first (persistence)
+    """
+
+    def __init__(self, state: StatePool, block_size: int):
+        self.state, self.block_size = state, block_size
+        self.enable_prefix_caching = True
+        self._held: dict[int, BlockHash | None] = {}  # slot -> its key once published
+
+    def record_evictions(self) -> None:
+        self.state.record_evictions()
+
+    def pop_evicted(self) -> list[tuple[int, BlockHash]]:
+        return self.state.pop_evicted()
+
+    def get_cached_block(self, block_hash: BlockHash) -> int | None:
+        return self.state.peek(block_hash)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.state.num_takeable
+
+    def get_new_blocks(self, n: int) -> list[int] | None:
+        if n > self.num_free_blocks:
+            return None
+        slots = [self.state.take_slot() for _ in range(n)]
+        assert None not in slots, "counted free above"
+        self._held.update(dict.fromkeys(slots))
+        return slots
+
+    def cache_full_blocks(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash], **_) -> int:
+        """(parents and tokens, which BlockPool's events carry, mean nothing for a checkpoint.)"""
+        new = 0
+        for slot, key in zip(block_ids, block_hashes):
+            if self.state.put(key, slot):
+                self._held[slot] = key
+                self.state.pin([key])
+                new += 1
+            else:  # the key was there already: the slot went back
+                self._held.pop(slot, None)
+        return new
+
+    def free_blocks(self, block_ids) -> None:
+        for slot in block_ids:
+            if slot not in self._held:
+                continue
+            key = self._held.pop(slot)
+            if key is None:
+                self.state.give_back(slot)
+            else:
+                self.state.unpin([key])
+
+    def cached_blocks(self) -> list[tuple[int, BlockHash]]:
+        return self.state.ready()
+
+
 class StatefulKVCacheManager:
     """A KV cache manager of a hybrid build: `inner`'s KV blocks plus a StatePool (module docstring).
     Everything else is `inner`'s."""
@@ -170,6 +309,9 @@ class StatefulKVCacheManager:
         # request -> where its prompt's KV hit ended beyond its checkpoint (a branch point: a checkpoint there)
         self._branch: dict[str, int] = {}
         self._lookup: tuple[tuple, int] = ((), 0)  # the last lookup: its block hashes, its KV hit before the cut (tokens)
+        self._checkpoints = CheckpointPool(state, inner.block_size)
+        if getattr(inner, "tiers", None) is not None:  # evicted checkpoints go to the KV tiers (host, disk)
+            state.record_evictions()
 
     def __getattr__(self, name: str) -> Any:  # pool, block_size, usage, block_table, slot_mapping, tiers...
         return getattr(self.inner, name)
@@ -182,28 +324,64 @@ class StatefulKVCacheManager:
         """Tokens between checkpoints (0: none)."""
         return self.checkpoint_blocks * self.inner.block_size
 
+    @property
+    def checkpoints(self) -> CheckpointPool:
+        """The checkpoint slots as the KV connector's io.STATE_GROUP pool (CheckpointPool)."""
+        return self._checkpoints
+
+    def _in_tier(self, key: BlockHash) -> str | None:
+        """The KV tier holding the checkpoint of `key` (kv_tiers.where), or None."""
+        tiers = self.inner.tiers
+        return tiers.where((STATE_GROUP, key)) if tiers is not None else None
+
     def get_computed_blocks(self, request_tokens: Sequence[int], salt: str | None = None):
-        """The inner hits cut back to the furthest checkpointed boundary (no checkpoint: no hit).
-        NOTE: only pool hits count (tier hits have no state)."""
+        """The inner hits (pool, then KV tiers) cut back to the furthest block boundary with a
+        checkpoint in the state pool or a KV tier (none: no hit)."""
         if not self.interval:
             return self.inner.get_computed_blocks((), salt)
         computed = self.inner.get_computed_blocks(request_tokens, salt)
         bs = self.inner.block_size
         pool_hits = next((i for i, b in enumerate(computed.block_ids) if b == TIER_BLOCK), len(computed.block_ids))
-        self._lookup = (computed.block_hashes, pool_hits * bs)
-        for j in range(pool_hits, 0, -1):
-            if self.state.has(computed.block_hashes[j - 1]):
+        self._lookup = (computed.block_hashes, len(computed.block_ids) * bs)
+        for j in range(len(computed.block_ids), 0, -1):
+            key = computed.block_hashes[j - 1]
+            if self.state.has(key) or self._in_tier(key) is not None:
+                k = max(j - pool_hits, 0)  # the KV tier hits kept
                 return dataclasses.replace(computed, block_ids=computed.block_ids[:j], num_computed_tokens=j * bs,
-                                           tier_hits=(), tier_tokens=())
+                                           tier_hits=computed.tier_hits[:k], tier_tokens=computed.tier_tokens[:k])
         return dataclasses.replace(computed, block_ids=(), num_computed_tokens=0, tier_hits=(), tier_tokens=())
 
+    def _checkpoint_key(self, computed) -> BlockHash | None:
+        """The key of the checkpoint a lookup's hit resumes from (None: no hit)."""
+        j = computed.num_computed_tokens // self.inner.block_size
+        return computed.block_hashes[j - 1] if j else None
+
+    def prefetch_tier_hits(self, computed) -> bool:
+        """The KV's disk hits (inner) and the checkpoint's, when it is on disk, read off the step;
+        True while any is still on disk or being read (the request waits, core/policies.TierPrefetch)."""
+        wait = self.inner.prefetch_tier_hits(computed)
+        key = self._checkpoint_key(computed)
+        if key is not None and not self.state.has(key) and self._in_tier(key) == DISK:
+            self.inner.tiers.prefetch((STATE_GROUP, key))
+            wait = True
+        return wait
+
     def allocate_slots(self, request_id: str, num_new_tokens: int, computed_blocks=None):
-        """inner.allocate_slots, with a state slot taken on admission (None when none is free)."""
+        """inner.allocate_slots, with a state slot taken on admission (None when none is free). A hit
+        resumes from its checkpoint: restored from the state pool before the step's compute, or
+        loaded from its KV tier straight into the request's running slot (before the restores)."""
         new_slot = request_id not in self.state
         if new_slot and self.state.allocate(request_id) is None:
             return None
+        key = self._checkpoint_key(computed_blocks) if computed_blocks is not None else None
+        from_tier = key is not None and not self.state.has(key)
+        assert not from_tier or self._in_tier(key) is not None, "a hit is cut back to a checkpoint (get_computed_blocks)"
+        if from_tier:  # NOTE: the evictions inner's allocation makes must not push it out of its tier
+            self.inner.tiers.pin([(STATE_GROUP, key)])
         got = self.inner.allocate_slots(request_id, num_new_tokens, computed_blocks)
         if got is None:
+            if from_tier:
+                self.inner.tiers.unpin([(STATE_GROUP, key)])
             if new_slot:
                 self.state.free(request_id)
             return None
@@ -212,11 +390,12 @@ class StatefulKVCacheManager:
             branch = self._branch_of(computed_blocks)
             if branch:
                 self._branch[request_id] = branch
-            j = computed_blocks.num_computed_tokens // self.inner.block_size
-            if j:
-                ck = self.state.lookup(computed_blocks.block_hashes[j - 1])
-                assert ck is not None, "a hit is cut back to a checkpoint (get_computed_blocks)"
-                self._restore[request_id] = ck
+            if from_tier:
+                self.inner.tiers.load(STATE_GROUP, self.state.slot(request_id), key)
+                self.state.tier_hits += 1
+                self.state.hits += 1
+            elif key is not None:
+                self._restore[request_id] = self.state.lookup(key)
                 self.state.hits += 1
         return got
 
@@ -239,9 +418,13 @@ class StatefulKVCacheManager:
         self.state.publish(request_id, num_computed_tokens)
 
     # ---- the scheduler's hooks (`clip_chunk`, `state_step` below) ---------------------------
-    def _prompt_end(self, prompt_len: int) -> int:
-        """The prompt's last block boundary (its own checkpoint: a follow-up turn resumes there)."""
-        return prompt_len // self.inner.block_size * self.inner.block_size
+    def _prompt_ends(self, prompt_len: int) -> tuple[int, int]:
+        """The prompt's last block boundary (a follow-up turn resumes there) and the last one a lookup
+        of the prompt itself can hit (it leaves the last token to compute: the same but for a prompt
+        of whole blocks, one block earlier): the same prompt again, or its decode worker in
+        disaggregated serving, resumes there."""
+        bs = self.inner.block_size
+        return prompt_len // bs * bs, max(prompt_len - 1, 0) // bs * bs
 
     def _branch_at(self, request_id: str | None) -> int:
         """The request's branch point (`_branch_of`); for one not admitted yet, the last lookup's (the
@@ -258,7 +441,7 @@ class StatefulKVCacheManager:
         iv = self.interval
         if not iv or start >= prompt_len - 1:
             return n
-        ends = [b for b in ((start // iv + 1) * iv, self._prompt_end(prompt_len), self._branch_at(request_id))
+        ends = [b for b in ((start // iv + 1) * iv, *self._prompt_ends(prompt_len), self._branch_at(request_id))
                 if start < b < prompt_len]
         return min(n, min(ends) - start) if ends else n
 
@@ -272,12 +455,21 @@ class StatefulKVCacheManager:
         save = None
         iv, bs = self.interval, self.inner.block_size
         if iv and end % bs == 0 and end <= len(tokens):
-            fixed = ((end % iv == 0 and end <= prompt_len) or end == self._prompt_end(prompt_len)
+            fixed = ((end % iv == 0 and end <= prompt_len) or end in self._prompt_ends(prompt_len)
                      or end == self._branch.get(request_id))
             if fixed or end > prompt_len:
                 key = hash_full_blocks(tokens[:end], bs, self._salts.get(request_id))[-1]
                 save = self.state.reserve_checkpoint(request_id, end, key, moving=not fixed)
+                self._offload_evicted()
         return StateStep(self.state.slot(request_id), self._restore.pop(request_id, None), save)
+
+    def _offload_evicted(self) -> None:
+        """The ready checkpoints capacity just evicted go to the KV tiers (saved before the step, whose
+        saves overwrite their slots after its compute: kv_tiers.py's NOTE)."""
+        tiers = self.inner.tiers
+        for slot, key in self.state.pop_evicted():
+            if tiers is not None:
+                tiers.offer(STATE_GROUP, slot, key)
 
 
 def clip_chunk(kv: Any, start: int, n: int, prompt_len: int, request_id: str | None = None) -> int:
@@ -303,30 +495,12 @@ def refusal(config: Any) -> str | None:
     if getattr(config, "speculative", "none") != "none":
         return (f"speculative {config.speculative!r} cannot run on a hybrid (gated DeltaNet) build: rolling back "
                 f"rejected drafts needs the recurrent state before them, which is not kept; use speculative 'none'")
-    from ..core.memory import parse_size
-
-    if parse_size(getattr(config, "kv_offload_memory", 0) or 0) or getattr(config, "kv_offload_dir", ""):
-        return ("kv_offload_memory / kv_offload_dir (the host and disk KV tiers) cannot serve a hybrid (gated "
-                "DeltaNet) build yet: the tiers hold KV blocks only, not the state checkpoints a hybrid resumes "
-                "from, so every tier hit would be recomputed; leave kv_offload_memory 0 and kv_offload_dir empty "
-                "(prefix caching in the pool still hits, from its state checkpoints)")
     return None
 
 
 def is_hybrid(model_spec: dict) -> bool:
     """The manifest's model spec has linear-attention layers (a recurrent state per sequence)."""
     return model_spec.get("linear_attn") is not None
-
-
-def disaggregation_refusal(model_spec: dict, mode: str) -> str | None:
-    """Why a disaggregated role (`kvexport dynamo --mode prefill|decode`) cannot serve this build, or None.
-    NOTE: the hand-off moves KV blocks only; a hybrid's decode worker would also need the prompt's
-    recurrent state, so it would find no checkpoint and recompute the whole prompt."""
-    if mode == "agg" or not is_hybrid(model_spec):
-        return None
-    return (f"--mode {mode}: a hybrid (gated DeltaNet) build cannot be served disaggregated yet: the prefill -> "
-            f"decode hand-off moves KV blocks, not the linear layers' recurrent state, so the decode worker would "
-            f"recompute the whole prompt; serve it with --mode agg")
 
 
 def for_build(kv: Any, model_spec: dict, config: Any) -> Any:

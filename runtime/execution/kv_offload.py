@@ -9,6 +9,7 @@ layers sliced at the block, in the backend's order ([K_0, V_0, K_1, V_1, ...], t
 tensors a backend adds such as scales), each C-contiguous:
 
     payload(group, b) = concat(t[:, b] for t in the group's block tensors)   # block axis 1
+    payload(io.STATE_GROUP, s) = concat(p[s] for p in the state pools)     # a hybrid's checkpoint slot s
 
 `block_tensors()` reads that list from the backend: `backend.kv_block_tensors()` where a backend
 defines it (the hook for pools beyond K/V, e.g. per-block scales), else its `pools` split by the
@@ -138,6 +139,26 @@ class _NumpyCopier:
         pass
 
 
+class _StateCopier:
+    """Another copier (`inner`), plus the io.STATE_GROUP "blocks" of a hybrid build: checkpoint slots
+    of its recurrent state pools (execution/state_store.py; host memory whatever the backend)."""
+
+    def __init__(self, inner, store):
+        self.inner, self.store = inner, store
+
+    def read(self, group: str, block_id: int) -> np.ndarray:
+        return self.store.read(block_id) if group == io.STATE_GROUP else self.inner.read(group, block_id)
+
+    def write(self, group: str, block_id: int, payload: np.ndarray) -> None:
+        if group == io.STATE_GROUP:
+            self.store.write(block_id, payload)
+        else:
+            self.inner.write(group, block_id, payload)
+
+    def synchronize(self) -> None:
+        self.inner.synchronize()
+
+
 class _TorchCopier:
     """Blocks of torch CUDA pools (TensorRT backend): device -> pinned host on a copy stream
     (`Tensor.copy_(non_blocking=True)` into `pin_memory()` buffers), host -> device the same way,
@@ -208,10 +229,15 @@ class KVOffload:
     def __init__(self, backend, manifest: Manifest):
         tensors = block_tensors(backend, manifest)
         self.layout = layout(tensors)
+        state = getattr(backend, "state", None)  # a hybrid's recurrent state pools: checkpoints move too
+        if state is not None:
+            self.layout[io.STATE_GROUP] = state.layout()
         self.block_bytes = block_bytes(self.layout)  # group -> payload bytes
         self.identity = build_identity(manifest, self.layout)
         torch_pools = bool(tensors) and _is_torch(tensors[0][1])
         self.copier = _TorchCopier(backend, manifest) if torch_pools else _NumpyCopier(backend, manifest)
+        if state is not None:
+            self.copier = _StateCopier(self.copier, state)
         self.host: dict[TierKey, np.ndarray] = {}
         self.staged: dict[TierKey, np.ndarray] = {}
         self.stats = OffloadStats()

@@ -61,6 +61,26 @@ class StateStore:
         for pool, new in zip(self.pools, new_states):
             pool[slots] = new
 
+    def layout(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(dtype, shape) of one slot's row of each pool, in order: what `read` returns back to back."""
+        return [(str(p.dtype), tuple(int(x) for x in p.shape[1:])) for p in self.pools]
+
+    def read(self, slot: int) -> np.ndarray:
+        """Slot `slot` of every pool, back to back (1-D uint8, a copy): a checkpoint's bytes for the
+        KV tiers and the disaggregated hand-off (execution/kv_offload.py, io.STATE_GROUP)."""
+        self.reserve(slot + 1)
+        return np.concatenate([np.ascontiguousarray(p[slot]).reshape(-1).view(np.uint8) for p in self.pools])
+
+    def write(self, slot: int, payload: np.ndarray) -> None:
+        """Slot `slot` of every pool from `read`'s bytes (in place: the pools keep their arrays)."""
+        self.reserve(slot + 1)
+        at = 0
+        for p in self.pools:
+            n = p[slot].nbytes
+            p[slot] = payload[at:at + n].view(p.dtype).reshape(p.shape[1:])
+            at += n
+        assert at == payload.size, "a payload holds exactly one slot of every pool"
+
     def copy(self, src: int, dst: int) -> None:
         """Slot dst holds what slot src holds (a prefix-cache checkpoint saved or restored)."""
         self.reserve(max(src, dst) + 1)

@@ -20,11 +20,12 @@ and reports, per run, TTFT p50/p99 (from when a turn is queued), output and tota
 cached prompt tokens (the prefix-cache hit rate) and tier hits, and whether every answer equals the
 `off` run's.
 
-A hybrid build (gated DeltaNet layers: runtime/core/state_pool.py) has no KV tiers (they hold no
-recurrent state; refused by name), so it runs HYBRID_MODES instead: `off` (prefix caching in the pool,
-resuming from state checkpoints) and `recompute` (no prefix caching): the hit rate beside an attention
-model's, and answers equal to recomputation's. Pool sizes count the KV of the layers that hold KV
-(`io.kv_bytes_per_token_layers`: a hybrid's attention layers, a shared cache once).
+A hybrid build (gated DeltaNet layers: runtime/core/state_pool.py) resumes from recurrent-state
+checkpoints, which go to the tiers with the KV blocks (io.STATE_GROUP); its engine keeps the checkpoint
+slots of as many conversations as the pool holds (`hybrid_checkpoints`), so the tiers hold the rest,
+and it runs one more: `recompute` (no prefix caching), whose answers every run's must equal too. Pool
+sizes count the KV of the layers that hold KV (`io.kv_bytes_per_token_layers`: a hybrid's attention
+layers, a shared cache once); the host tier's sizes add the checkpoints (`checkpoint_bytes`).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from ..engine import LLMEngine
 from ..sampling_params import SamplingParams
 
 MODES = ("off", "host", "host+disk", "restart")
-HYBRID_MODES = ("off", "recompute")  # a hybrid build: no KV tiers (module doc)
+HYBRID_MODES = MODES + ("recompute",)  # a hybrid build: and recomputation (module doc)
 
 
 def kv_bytes_per_token(manifest) -> int:
@@ -61,6 +62,26 @@ def kv_bytes_per_token(manifest) -> int:
 
 def is_hybrid(manifest) -> bool:
     return manifest.model.spec.get("linear_attn") is not None
+
+
+def conversation_checkpoints(manifest, config: EngineConfig, shape: "ChatShape") -> int:
+    """The recurrent-state checkpoints one conversation leaves (0: not a hybrid): each turn's prompt end
+    and answer, and one every state_checkpoint_blocks blocks of its own part (core/state_pool.py)."""
+    if io.state_dims(manifest.model.spec) is None:
+        return 0
+    return 2 * shape.turns + shape.private_tokens // (config.state_checkpoint_blocks * manifest.kv.block_size)
+
+
+def hybrid_checkpoints(manifest, config: EngineConfig, shape: "ChatShape") -> int:
+    """A hybrid's checkpoint slots in these runs, sized as the pool is: the shared system prompt's, and every
+    checkpoint of the conversations the pool holds (the tiers hold the others')."""
+    return 1 + shape.pool_conversations * conversation_checkpoints(manifest, config, shape)
+
+
+def checkpoint_bytes(manifest, config: EngineConfig, shape: "ChatShape") -> int:
+    """Bytes of the checkpoints one conversation leaves (0: not a hybrid)."""
+    n = conversation_checkpoints(manifest, config, shape)
+    return n * io.state_bytes_per_sequence(*io.state_dims(manifest.model.spec)) if n else 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,21 +143,21 @@ def run_chat(build_dir: str | Path, config: EngineConfig, shape: ChatShape, prog
     pool = (shape.system_tokens + shape.pool_conversations * (shape.private_tokens + 2 * block) + block) * per_token
     base = replace(config, kv_cache_memory=int(pool), max_num_seqs=shape.pool_conversations,
                    kv_offload_memory="0", kv_offload_dir="")
+    if hybrid:
+        base = replace(base, state_checkpoints=hybrid_checkpoints(manifest, config, shape))
+    conv_bytes += checkpoint_bytes(manifest, config, shape)  # a hybrid's checkpoints go to the tiers too
     host_all = parse_size(config.kv_offload_memory) or int(1.25 * shape.conversations * conv_bytes)
-    own_dir = not config.kv_offload_dir and not hybrid
-    folder = Path(config.kv_offload_dir or (tempfile.gettempdir() if hybrid else
-                                            tempfile.mkdtemp(prefix="kvexport-chat-bench-"))) / "kv"
-    if folder.exists() and not hybrid:
+    own_dir = not config.kv_offload_dir
+    folder = Path(config.kv_offload_dir or tempfile.mkdtemp(prefix="kvexport-chat-bench-")) / "kv"
+    if folder.exists():
         raise ConfigError(f"chat bench: {folder} exists; give a --kv-offload-dir whose 'kv' subfolder is new")
     runs = {}
     try:
         configs = {"off": base, "host": replace(base, kv_offload_memory=host_all),
                    "host+disk": replace(base, kv_offload_memory=int(conv_bytes), kv_offload_dir=str(folder),
                                         kv_offload_disk=config.kv_offload_disk),
-                   }
+                   "recompute": replace(base, enable_prefix_caching=False)}
         configs["restart"] = configs["host+disk"]
-        if hybrid:
-            configs = {"off": base, "recompute": replace(base, enable_prefix_caching=False)}
         answers = {}
         for mode in (HYBRID_MODES if hybrid else MODES):
             runs[mode], answers[mode] = _run(build_dir, configs[mode], shape, mode, progress)
@@ -149,6 +170,7 @@ def run_chat(build_dir: str | Path, config: EngineConfig, shape: ChatShape, prog
             "model": manifest.model.family, "dtype": manifest.dtype, "kv_dtype": manifest.kv.dtype,
             "hybrid": hybrid, "kv_bytes_per_token": per_token,
             "state_checkpoint_blocks": config.state_checkpoint_blocks if hybrid else None,
+            "state_checkpoints": base.state_checkpoints if hybrid else None,
             "shape": {f.name: getattr(shape, f.name) for f in fields(ChatShape)},
             "kv_cache_memory_bytes": int(pool), "host_tier_bytes": {"host": host_all, "host+disk": int(conv_bytes)},
             "disk_tier_bytes": parse_size(config.kv_offload_disk), "threads": config.threads, "runs": runs}
@@ -238,10 +260,13 @@ def turn2_ttft(build_dir: str | Path, config: EngineConfig, shape: ChatShape, re
     base = replace(config, kv_cache_memory=int(pool), kv_offload_memory="0", kv_offload_dir="")
     folder = Path(tempfile.mkdtemp(prefix="kvexport-turn2-")) / "kv"
     disk = replace(base, kv_offload_dir=str(folder), kv_offload_disk=config.kv_offload_disk)
-    configs = {"off": base, "host": replace(base, kv_offload_memory=int(4 * shape.conversations * pool)),
+    host = int(4 * shape.conversations * (pool + checkpoint_bytes(manifest, config, shape)))
+    configs = {"off": base, "host": replace(base, kv_offload_memory=host),
                "disk": disk, "restart": disk}
-    if is_hybrid(manifest):  # no KV tiers (module doc)
-        configs = {"off": base, "recompute": replace(base, enable_prefix_caching=False)}
+    if is_hybrid(manifest):  # checkpoint slots for what the pool holds; the tiers hold the rest (module doc)
+        slots = hybrid_checkpoints(manifest, config, replace(shape, pool_conversations=2))
+        configs = {m: replace(c, state_checkpoints=slots) for m, c in configs.items()}
+        configs["recompute"] = replace(base, enable_prefix_caching=False)
     params = SamplingParams(max_tokens=shape.answer_tokens, ignore_eos=True)
     out = {}
     try:

@@ -21,10 +21,8 @@ import signal
 from pathlib import Path
 from typing import Callable
 
-from kvexport import manifest as mf
 from kvexport.errors import ConfigError, KvExportError
 
-from ..core import state_pool
 from ..engine import LLMEngine
 from .dynamo_disagg import DecodeWorker, PrefillWorker
 from .dynamo_events import check_event_plane, loopback_defaults
@@ -180,12 +178,6 @@ def serve_dynamo(build_dir: str | Path, opts: DynamoWorkerOptions = DynamoWorker
     path)` is called once the model is registered and the endpoint is about to serve."""
     import_dynamo()  # before loading the engine: a missing extra fails in a second, not after the load
     salt_key = opts.load_salt_key()  # likewise a bad key file
-    try:
-        spec = mf.load(Path(build_dir), check_graphs=False).model.spec
-    except KvExportError:
-        spec = None  # not a (complete) build: the frontend's and the engine's checks below say what is wrong
-    if spec is not None and (why := state_pool.disaggregation_refusal(spec, opts.mode)) is not None:
-        raise ConfigError(why)  # before the engine loads (a hybrid's state does not travel with its blocks)
     discovery = opts.discovery_backend or os.environ.get("DYN_DISCOVERY_BACKEND", "etcd")
     loopback_defaults(discovery)  # one machine: listen on loopback unless told otherwise
     log.info("event plane: %s", check_event_plane(discovery, opts.public_event_plane).where)  # or refuse

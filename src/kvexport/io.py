@@ -216,6 +216,11 @@ OBSERVATION_LENS = "observation_lens"
 # KV cache groups (see the module docstring): the full group uses the names above
 FULL_GROUP = "full"
 LOCAL_GROUP = "local"
+# A hybrid's recurrent-state checkpoints ("Recurrent state" below) as the runtime moves them: a group
+# beside the KV groups whose "block" is one checkpoint slot (every state pool's row) keyed by the
+# prefix-cache key of the block it ends, so the KV tiers and the disaggregated hand-off carry a
+# checkpoint the way they carry a KV block. It is no graph input (its graphs read the state pools).
+STATE_GROUP = "state"
 
 
 def kv_groups(layer_windows) -> tuple[str, ...]:

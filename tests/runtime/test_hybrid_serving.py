@@ -3,8 +3,8 @@ attention layer) with smollm2-135m's tokenizer and chat template, served by `kve
 subprocess on 127.0.0.1), by the real `tritonserver` (nvidia-pytriton, CPU) and by a real Dynamo frontend +
 `kvexport dynamo` worker (file discovery, loopback). Each returns the runtime's own greedy tokens (LLM on the
 same build), and a repeated prompt resumes from a recurrent-state checkpoint (prefix-cache hits on a hybrid,
-with the same tokens). What a hybrid cannot carry yet is refused by name: the host/disk KV tiers (they hold
-KV blocks, not state checkpoints) and disaggregated prefill -> decode (the hand-off moves blocks, not state)."""
+with the same tokens). Disaggregated prefill -> decode through Dynamo hands the recurrent state over with the
+KV blocks (the KV tiers carrying checkpoints: tests/runtime/test_hybrid_tiers.py)."""
 
 import json
 import os
@@ -18,7 +18,6 @@ import httpx
 import pytest
 
 from kvexport import LLM, SamplingParams
-from kvexport.errors import ConfigError
 from kvexport.exporter.build import BuildOptions, build
 from kvexport.runtime.config import EngineConfig
 
@@ -67,20 +66,29 @@ def test_openai_server_serves_a_hybrid_and_hits_its_checkpoints(hybrid_build, wa
     assert "".join(c["choices"][0]["text"] for c in chunks) == want.text and "data: [DONE]" in lines
 
 
-def test_tiers_and_disaggregation_are_refused_by_name(hybrid_build, tmp_path):
-    with pytest.raises(ConfigError, match="kv_offload_memory / kv_offload_dir .*hybrid"):
-        LLM(hybrid_build, kv_cache_memory="1MiB", kv_offload_memory="1MiB")
-    with pytest.raises(ConfigError, match="kv_offload_memory / kv_offload_dir .*hybrid"):
-        LLM(hybrid_build, kv_cache_memory="1MiB", kv_offload_dir=str(tmp_path / "tier"))
-    assert not (tmp_path / "tier").exists()  # refused before the disk tier's folder is made
+def test_dynamo_disaggregates_a_hybrid(hybrid_build, want, tmp_path):
+    """A real Dynamo frontend, a `--mode prefill` and a `--mode decode` worker (request-plane hand-off, no
+    NIXL needed): the prompt's 6 KV blocks and the recurrent state after them (io.STATE_GROUP) move to the
+    decode worker, which resumes there (its prefix-cache hits) and gives the runtime's own tokens."""
     pytest.importorskip("dynamo.llm", reason="the dynamo extra is not installed (scripts/install_dev.sh)")
-    from kvexport.runtime.serving.dynamo_serve import serve_dynamo
-    from kvexport.runtime.serving.dynamo_worker import DynamoWorkerOptions
+    from testkit.bench import script
 
-    for mode in ("prefill", "decode"):
-        with pytest.raises(ConfigError, match=f"--mode {mode}: a hybrid .*--mode agg"):
-            serve_dynamo(hybrid_build, DynamoWorkerOptions(mode=mode, kv_transfer="request-plane",
-                                                           discovery_backend="file"))
+    bench = script("dynamo_routing")
+    with bench.local_cluster(hybrid_build, tmp_path / "dynamo", 2, "kv",
+                             ("--kv-cache-memory", "4MiB", "--state-checkpoint-blocks", "2",
+                              "--kv-transfer", "request-plane"),
+                             namespace="kvxhybdis", model="hyb",
+                             each_worker_args=[("--mode", "prefill"), ("--mode", "decode")]) as c:
+        body = {"model": "hyb", "prompt": PROMPT, "max_tokens": 8, "ignore_eos": True, "temperature": 0,
+                "logprobs": 0, "return_tokens_as_token_ids": True}
+        r = httpx.post(f"{c.base}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text + c.log_text()
+        assert [int(t.removeprefix("token_id:")) for t in r.json()["choices"][0]["logprobs"]["tokens"]] \
+            == want.token_ids
+        prefill, decode = c.worker_metrics(0), c.worker_metrics(1)
+        assert prefill["kvexport_disagg_offered_blocks_total"] == 7  # (26 - 1) // 4 KV blocks + the state
+        assert decode["kvexport_disagg_pulled_blocks_total"] == 7 and decode["kvexport_disagg_recomputed_total"] == 0
+        assert decode["kvexport_prefix_cache_hits_total"] == 6  # resumed at token 24, not recomputed
 
 
 def test_tritonserver_serves_a_hybrid(hybrid_build, want, tmp_path, free_ports):
@@ -155,16 +163,19 @@ def test_dynamo_worker_serves_a_hybrid(hybrid_build, want, tmp_path):
 
 
 def test_chat_bench_on_a_hybrid_hits_and_equals_recomputation(hybrid_build):
-    """`kvexport bench --chat` on a hybrid: no tier runs (refused), prefix caching in the pool (state
-    checkpoints at the shared system prompt's end, each prompt's end and each answer's last block) against
-    recomputation: the same answers, and most prompt tokens cached."""
+    """`kvexport bench --chat` on a hybrid: the KV tiers' runs (the state checkpoints go to the tiers with the
+    blocks; the pool keeps only as many checkpoints as conversations it holds) and recomputation: every run's
+    answers equal, most prompt tokens cached, the host tier's run hitting at least as much as the pool alone."""
     from kvexport.runtime.serving.chat_bench import ChatShape, markdown, run_chat
 
     shape = ChatShape(conversations=4, turns=3, system_tokens=24, user_tokens=6, answer_tokens=5,
                       pool_conversations=2)
     r = run_chat(hybrid_build, EngineConfig(threads=1), shape)
-    assert r["hybrid"] and list(r["runs"]) == ["off", "recompute"] and r["kv_bytes_per_token"] == 2 * 2 * 16 * 4
-    off, again = r["runs"]["off"], r["runs"]["recompute"]
-    assert off["answers_equal_off"] and again["answers_equal_off"]
-    assert again["cached_prompt_tokens"] == 0 and off["hit_rate"] > 0.4
+    assert r["hybrid"] and r["kv_bytes_per_token"] == 2 * 2 * 16 * 4 and r["state_checkpoints"] == 1 + 2 * 6
+    assert list(r["runs"]) == ["off", "host", "host+disk", "restart", "recompute"]
+    runs = r["runs"]
+    assert all(run["answers_equal_off"] for run in runs.values())
+    assert runs["recompute"]["cached_prompt_tokens"] == 0 and runs["off"]["hit_rate"] > 0.4
+    assert runs["host"]["hit_rate"] >= runs["off"]["hit_rate"] and runs["host"]["tier_hits"]["host"] > 0
+    assert runs["restart"]["tier_hits"]["disk"] > 0  # warm from the disk tier after a restart
     assert "| recompute |" in markdown(r)

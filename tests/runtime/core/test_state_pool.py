@@ -12,8 +12,8 @@ from kvexport.runtime.config import EngineConfig
 from kvexport.runtime.core.block_hash import hash_full_blocks
 from kvexport.runtime.core.block_pool import BlockPool
 from kvexport.runtime.core.kv_cache_manager import KVCacheManager
-from kvexport.runtime.core.state_pool import (StatefulKVCacheManager, StatePool, StateStep, clip_chunk,
-                                              disaggregation_refusal, refusal)
+from kvexport.runtime.core.kv_tiers import DISK, HOST, STAGED, TierEvents, TierIndex
+from kvexport.runtime.core.state_pool import StatefulKVCacheManager, StatePool, StateStep, clip_chunk, refusal
 from kvexport.runtime.execution.state_store import StateStore, restore_checkpoints, save_checkpoints
 
 
@@ -48,7 +48,9 @@ def test_chunks_end_on_checkpoint_boundaries_inside_the_prompt():
     kv = manager(every=2)  # 8 tokens
     assert kv.clip(0, 20, 30) == 8 and kv.clip(8, 20, 30) == 8 and kv.clip(3, 4, 30) == 4
     assert kv.clip(24, 20, 30) == 4  # the prompt's last block boundary (28) is a checkpoint too
-    assert kv.clip(28, 20, 30) == 20 and kv.clip(24, 20, 32) == 20  # no boundary before the prompt's end
+    assert kv.clip(28, 20, 30) == 20 and kv.clip(28, 20, 32) == 20  # no boundary before the prompt's end
+    # a prompt of whole blocks (32): also the last boundary its own lookup can hit (28: it leaves a token)
+    assert kv.clip(24, 20, 32) == 4
     assert kv.clip(30, 1, 30) == 1  # decoding
     assert clip_chunk(KVCacheManager(BlockPool(8, 4)), 0, 20, 30) == 20  # not a hybrid
 
@@ -170,7 +172,86 @@ def test_engine_features_a_hybrid_cannot_carry_are_named():
     assert refusal(EngineConfig()) is None
     assert "kv_eviction 'snapkv'" in refusal(EngineConfig(kv_eviction="snapkv", kv_budget_tokens=64))
     assert "speculative 'ngram'" in refusal(EngineConfig(speculative="ngram"))
-    assert "kv_offload_memory / kv_offload_dir" in refusal(EngineConfig(kv_offload_memory="1MiB"))
-    assert "kv_offload_memory / kv_offload_dir" in refusal(EngineConfig(kv_offload_dir="/tmp/x"))
-    assert disaggregation_refusal({"linear_attn": {}}, "prefill").startswith("--mode prefill: a hybrid")
-    assert disaggregation_refusal({"linear_attn": {}}, "agg") is None and disaggregation_refusal({}, "decode") is None
+    # the KV tiers carry state checkpoints (tests/runtime/test_hybrid_tiers.py)
+    assert refusal(EngineConfig(kv_offload_memory="1MiB", kv_offload_dir="/tmp/x")) is None
+
+
+def tiered(blocks=32, slots=1, checkpoints=1, every=1, host=1 << 20, disk=0):
+    """A hybrid's manager with KV tiers below it (checkpoints are io.STATE_GROUP "blocks" of 100 bytes)."""
+    tiers = TierIndex({io.FULL_GROUP: 10, io.STATE_GROUP: 100}, host, disk)
+    return StatefulKVCacheManager(KVCacheManager(BlockPool(blocks, 4, enable_prefix_caching=True), tiers),
+                                  StatePool(slots, checkpoints), every), tiers
+
+
+def _prompt_done(kv, rid, prompt):
+    """Admit `prompt`, run it in chunks as the scheduler would (saving its checkpoints), and finish it."""
+    start = kv.get_computed_blocks(prompt).num_computed_tokens
+    kv.allocate_slots(rid, kv.clip(start, len(prompt), len(prompt), rid), kv.get_computed_blocks(prompt))
+    while start < len(prompt):
+        n = kv.clip(start, len(prompt) - start, len(prompt), rid)
+        if kv.num_slots(rid) < start + n:
+            kv.allocate_slots(rid, start + n - kv.num_slots(rid))
+        kv.step(rid, start, n, prompt, len(prompt))
+        start += n
+        kv.cache_blocks(rid, prompt, start)
+    kv.free(rid)
+
+
+def test_an_evicted_checkpoint_goes_to_the_host_tier_and_resumes_from_there():
+    kv, tiers = tiered(checkpoints=1)
+    a, b = list(range(10, 19)), list(range(40, 49))  # 9 tokens: checkpoints at 4 and 8 (every block)
+    _prompt_done(kv, "a", a)
+    ops = tiers.take_ops()  # a's checkpoint at 4 was evicted for its checkpoint at 8 (one slot): saved first
+    assert [(type(o).__name__, o.group, o.block_id) for o in ops] == [("SaveBlock", io.STATE_GROUP, 1)]
+    _prompt_done(kv, "b", b)  # b's checkpoints push a's last one out too
+    tiers.take_ops()
+    assert not kv.state.has(hash_full_blocks(a[:8], 4)[-1])
+    hit = kv.get_computed_blocks(a)
+    assert hit.num_computed_tokens == 8  # KV in the pool, the state after it in the host tier
+    kv.allocate_slots("a2", 1, hit)
+    load = [o for o in tiers.take_ops() if type(o).__name__ == "LoadBlock"]
+    # loaded straight into the request's running slot (no restore from a checkpoint slot)
+    assert [(o.group, o.block_id, o.tier) for o in load] == [(io.STATE_GROUP, 0, HOST)]
+    assert kv.step("a2", 8, 1, a, 9) == StateStep(0) and kv.state.tier_hits == 1
+
+
+def test_a_checkpoint_on_disk_is_read_before_the_request_is_admitted():
+    kv, tiers = tiered(checkpoints=1, host=0, disk=1 << 20)
+    a = list(range(10, 19))
+    _prompt_done(kv, "a", a)
+    _prompt_done(kv, "b", list(range(40, 49)))
+    tiers.take_ops()
+    key = (io.STATE_GROUP, hash_full_blocks(a[:8], 4)[-1])
+    hit = kv.get_computed_blocks(a)
+    assert hit.num_computed_tokens == 8 and tiers.where(key) == DISK
+    assert kv.prefetch_tier_hits(hit) is True  # waits: the checkpoint is read off the step
+    assert [type(o).__name__ for o in tiers.take_ops()] == ["Prefetch"]
+    tiers.apply(TierEvents(prefetched=(key,)))
+    hit = kv.get_computed_blocks(a)
+    assert kv.prefetch_tier_hits(hit) is False and kv.allocate_slots("a2", 1, hit) is not None
+    assert [(type(o).__name__, o.tier) for o in tiers.take_ops()] == [("LoadBlock", STAGED)]
+    # a read that failed: that checkpoint is forgotten, so the hit is cut back to the one before it
+    kv.free("a2")
+    _prompt_done(kv, "c", list(range(70, 79)))
+    _prompt_done(kv, "d", list(range(80, 89)))
+    tiers.apply(TierEvents(failed=((io.STATE_GROUP, hash_full_blocks(list(range(70, 78)), 4)[-1]),)))
+    assert kv.get_computed_blocks(list(range(70, 79))).num_computed_tokens == 4  # the earlier one, at 4, on disk
+
+
+def test_checkpoints_handed_over_are_pinned_until_released():
+    """The connector's view (CheckpointPool): slots taken, written, published and pinned; a pinned
+    checkpoint is never evicted for a new one; released, it is evictable again."""
+    kv = manager(slots=1, checkpoints=2)
+    pool = kv.checkpoints
+    assert pool.num_free_blocks == 2
+    slots = pool.get_new_blocks(2)
+    assert sorted(slots) == [1, 2] and pool.get_new_blocks(1) is None
+    keys = [b"k1" * 16, b"k2" * 16]
+    assert pool.cache_full_blocks(slots, keys) == 2 and pool.get_cached_block(keys[0]) == slots[0]
+    assert pool.num_free_blocks == 0 and kv.state.take_slot() is None  # both pinned: nothing to evict
+    pool.free_blocks(slots[:1])
+    assert pool.num_free_blocks == 1 and kv.state.take_slot() == slots[0]  # the released one goes first
+    unused = pool.get_new_blocks(1)  # (none free now: the pinned one stays)
+    assert unused is None
+    pool.free_blocks(slots[1:])
+    assert pool.cached_blocks() == [(slots[1], keys[1])]

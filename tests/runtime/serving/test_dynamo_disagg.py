@@ -41,6 +41,7 @@ def _builds(hf_folder, tmp_path_factory):
         "int4": lambda: build(str(hf_folder("llama", num_key_value_heads=2, hidden_size=128, num_attention_heads=4)),
                               root / "int4", BuildOptions(**onnx, kv_dtype=io.DType.INT4))[0],
         "gemma2": lambda: build(str(hf_folder("gemma2")), root / "g2", BuildOptions(**onnx))[0],
+        "qwen3_5": lambda: build(str(hf_folder("qwen3_5_text")), root / "q35", BuildOptions(**onnx))[0],
     }
 
 
@@ -93,17 +94,21 @@ def _local(payload):
                            else np.empty(0, np.uint8))
 
 
-@pytest.mark.parametrize("name", ["fp32", "int8", "int4", "gemma2"])
+@pytest.mark.parametrize("name", ["fp32", "int8", "int4", "gemma2", "qwen3_5"])
 def test_decode_engine_continues_with_the_prefill_engines_blocks(builds, name):
+    """qwen3_5: a gated DeltaNet hybrid; its recurrent state after the handed-over blocks travels with
+    them (io.STATE_GROUP), so the decode engine resumes there instead of recomputing the prompt."""
     out = builds(name)
     agg = _run(LLMEngine(out, EngineConfig(**CFG)), PROMPT, GEN)
     prefill = LLMEngine(out, EngineConfig(**CFG))
     entries, payload = _prefill(prefill, PROMPT)
     groups = {g for g, *_ in entries}
-    hybrid = name == "gemma2"
-    assert groups == ({io.FULL_GROUP, io.LOCAL_GROUP} if hybrid else {io.FULL_GROUP})
+    assert groups == {"gemma2": {io.FULL_GROUP, io.LOCAL_GROUP}, "qwen3_5": {io.FULL_GROUP, io.STATE_GROUP}}.get(
+        name, {io.FULL_GROUP})
     full = [e for e in entries if e[0] == io.FULL_GROUP]
     assert [e[1] for e in full] == [0, 1, 2, 3, 4]  # (23 - 1) // 4 blocks
+    if name == "qwen3_5":  # the state after block 4, where the decode engine's lookup ends
+        assert [e[1] for e in entries if e[0] == io.STATE_GROUP] == [4]
     decode = LLMEngine(out, EngineConfig(**CFG))
     got, pulled = _decode(decode, PROMPT, entries, _local(payload))
     assert got.token_ids == agg.token_ids
