@@ -280,7 +280,14 @@ class LLMEngine:
         return {"blocks_total": self.pool.num_usable_blocks, "blocks_used": self.pool.num_used_blocks,
                 "usage": self.pool.usage, "prefix_queries": st.queries, "prefix_hits": st.hits,
                 "preemptions": self.scheduler.num_preemptions, "context_shifts": self.scheduler.num_context_shifts,
-                **self.tier_stats(), **self._spec_counts()}
+                **self.tier_stats(), **self._spec_counts(), **self._state_counts()}
+
+    def _state_counts(self) -> dict:
+        """A hybrid's recurrent-state checkpoints (core/state_pool.py; all 0 for other builds): saved,
+        resumed from (pool or tier), and of those loaded from a KV tier."""
+        st = self.kv.state if isinstance(self.kv, state_pool.StatefulKVCacheManager) else None
+        return {"state_checkpoints_saved": st.saved if st else 0, "state_checkpoint_hits": st.hits if st else 0,
+                "state_checkpoint_tier_hits": st.tier_hits if st else 0}
 
     def _spec_counts(self) -> dict:
         """Speculative decoding's counters for kv_stats (all 0 when it is off; core/speculation.py)."""

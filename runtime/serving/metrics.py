@@ -83,6 +83,13 @@ METRICS: tuple[Metric, ...] = (
            lambda c, _: c.kv.get("offload_loads", 0)),
     Metric("kv_offload_disk_errors_total", COUNTER, "Corrupt, truncated or foreign block files refused (recomputed)",
            lambda c, _: c.kv.get("offload_disk_errors", 0)),
+    # a hybrid's recurrent-state checkpoints (runtime/core/state_pool.py): all 0 for other builds
+    Metric("state_checkpoints_saved_total", COUNTER, "Hybrids: recurrent-state checkpoints saved at block boundaries",
+           lambda c, _: c.kv.get("state_checkpoints_saved", 0)),
+    Metric("state_checkpoint_hits_total", COUNTER, "Hybrids: prefix-cache hits resumed from a state checkpoint "
+           "(the pool's or a KV tier's)", lambda c, _: c.kv.get("state_checkpoint_hits", 0)),
+    Metric("state_checkpoint_tier_hits_total", COUNTER, "Hybrids: state checkpoints loaded from the host or disk "
+           "KV tier (also counted in kv_offload_*_hits_total)", lambda c, _: c.kv.get("state_checkpoint_tier_hits", 0)),
     # speculative decoding (--speculative; runtime/core/speculation.py): all 0 when it is off
     Metric("spec_decode_drafts_total", COUNTER, "Speculative decoding: decode steps that verified drafts",
            lambda c, _: c.kv.get("spec_drafts", 0)),

@@ -58,6 +58,9 @@ def test_a_checkpoint_resumes_from_the_host_tier(hybrid, want):
     assert again.token_ids == want
     assert again.num_cached_prompt_tokens == 28  # 7 blocks and the state after them, from host memory
     assert engine.kv.state.tier_hits == 1 and engine.tier_stats()["offload_host_hits"] == 8  # 7 KV + 1 state
+    stats = engine.kv_stats()  # /metrics: kvexport_state_checkpoint_*
+    assert stats["state_checkpoint_tier_hits"] == 1 and stats["state_checkpoint_hits"] == 1
+    assert stats["state_checkpoints_saved"] > 2  # more than the pool's 2 slots hold: the rest went to the tier
 
 
 def test_without_tiers_the_evicted_prompt_is_recomputed(hybrid, want):
