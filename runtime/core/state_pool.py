@@ -465,10 +465,12 @@ class StatefulKVCacheManager:
 
     def _offload_evicted(self) -> None:
         """The ready checkpoints capacity just evicted go to the KV tiers (saved before the step, whose
-        saves overwrite their slots after its compute: kv_tiers.py's NOTE)."""
+        saves overwrite their slots after its compute: kv_tiers.py's NOTE), those whose KV is still held
+        somewhere (the pool or a tier): a checkpoint without the blocks it ends is no hit, not worth a copy."""
         tiers = self.inner.tiers
         for slot, key in self.state.pop_evicted():
-            if tiers is not None:
+            if tiers is not None and (self.inner.pool.get_cached_block(key) is not None
+                                      or tiers.where((self.inner.group, key)) is not None):
                 tiers.offer(STATE_GROUP, slot, key)
 
 

@@ -255,3 +255,21 @@ def test_checkpoints_handed_over_are_pinned_until_released():
     assert unused is None
     pool.free_blocks(slots[1:])
     assert pool.cached_blocks() == [(slots[1], keys[1])]
+
+
+
+
+def test_a_checkpoint_whose_blocks_are_gone_is_not_copied_to_a_tier():
+    """A checkpoint is copied to a tier only while the block it ends is held somewhere (the pool, a tier):
+    without it the checkpoint is no hit, and the copy would be wasted."""
+    kv, tiers = tiered(checkpoints=1)
+
+    def saved():
+        return [o.block_hash for o in tiers.take_ops() if o.group == io.STATE_GROUP and type(o).__name__ == "SaveBlock"]
+
+    a, b = list(range(10, 19)), list(range(40, 49))
+    _prompt_done(kv, "a", a)
+    assert saved() == [hash_full_blocks(a[:4], 4)[-1]]  # evicted for a's next one, its block still cached
+    assert kv.inner.pool.reset_prefix_cache()  # a's KV gone from the pool, never offered to the tier
+    _prompt_done(kv, "b", b)  # b's first checkpoint evicts a's last one: not copied
+    assert saved() == [hash_full_blocks(b[:4], 4)[-1]]
