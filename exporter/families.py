@@ -94,7 +94,7 @@ class Family:
     model_types: tuple[str, ...]
     gguf_archs: tuple[str, ...]
     norm: str  # "rmsnorm" | "layernorm"
-    position: str  # "rope" | "learned"
+    position: str  # "rope" | "learned" (spec "none": rope_theta_optional)
     gated_mlp: bool
     qkv_bias: Flag
     o_bias: Flag
@@ -125,6 +125,9 @@ class Family:
     extra_fields: Callable[[Any], dict[str, Any]] | None = None
     # config -> the config read_spec reads (a heterogeneous config's global view: gemma4.global_view)
     config_view: Callable[[Any], Any] | None = None
+    # rope_parameters without a rope_theta (or none at all) means no RoPE on any layer (spec position
+    # "none"), as transformers then builds no rotary embedding (OLMo-Hybrid's released checkpoints)
+    rope_theta_optional: bool = False
 
 
 def _np(t) -> np.ndarray:
@@ -226,10 +229,14 @@ def deepseek_weights(sd: dict, spec: ModelSpec) -> ModelWeights:
 
 
 def hybrid_weights(sd: dict, spec: ModelSpec) -> ModelWeights:
-    """Gated DeltaNet hybrids (Qwen3.5, Qwen3-Next): linear layers' weights (exporter/linear_attention.py
-    read_weights; Qwen3-Next's grouped in_proj_qkvz / in_proj_ba re-laid out), attention layers' q_proj
-    [heads x (query | gate) per head] split into the query (qkv_w) and the output gate (attn_gate_w);
-    (1 + w) norms, dense or routed MLPs (exporter/moe.py mlp_weights)."""
+    """Gated DeltaNet hybrids (Qwen3.5, Qwen3-Next, OLMo-Hybrid): linear layers' weights
+    (exporter/linear_attention.py read_weights, any of its CHECKPOINT_LAYOUTS) with their norms before
+    the mixer and the MLP (PRE_NORMS); attention layers' norms where the family's LayerNorms says
+    (OLMo-Hybrid: after, as olmo2's), their q_proj [heads x (query | gate) per head] split into the query
+    (qkv_w) and the output gate (attn_gate_w) where spec.attn_output_gate (Qwen); the family's norm
+    offset ((1 + w) for Qwen), dense or routed MLPs (exporter/moe.py mlp_weights).
+    NOTE: the same checkpoint name, post_attention_layernorm, is the linear layers' norm before the MLP
+    and OLMo-Hybrid's attention layers' norm of the attention output (LayerNorms' NOTE)."""
     la = spec.linear_attn
     fam = FAMILIES[spec.family]
     h, d = spec.num_heads, spec.head_dim
@@ -237,24 +244,28 @@ def hybrid_weights(sd: dict, spec: ModelSpec) -> ModelWeights:
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
         a = p + "self_attn."
-        n = lambda name: _norm_w(sd, p + name + ".weight", spec)  # noqa: E731
+        n = lambda name: _norm_w(sd, p + name + ".weight" if name else None, spec)  # noqa: E731
+        linear = la is not None and i in la.layers
+        norms = PRE_NORMS if linear else fam.norms
         up_w, up_b, down_w, down_b, experts = mlp_weights(sd, i, spec, fam.moe)
-        lw = LayerWeights(n("input_layernorm"), None, None, None, None, None, n("post_attention_layernorm"), None,
-                          up_w, up_b, down_w, down_b, moe=experts)
-        if la is not None and i in la.layers:
-            lw.linear = linear_attention.read_weights(sd, p + "linear_attn.", la, _np,
-                                                      fused=p + "linear_attn.in_proj_qkvz.weight" in sd)
-        else:
-            qg = _np(sd[a + "q_proj.weight"]).reshape(h, 2, d, -1)  # [H, query | gate, D, hidden]
-            q, gate = qg[:, 0].reshape(h * d, -1), qg[:, 1].reshape(h * d, -1)
-            lw.qkv_w = np.ascontiguousarray(np.concatenate([q, _np(sd[a + "k_proj.weight"]),
-                                                            _np(sd[a + "v_proj.weight"])]).T)
-            lw.qkv_b = (np.concatenate([_np(sd[a + "q_proj.bias"]).reshape(h, 2, d)[:, 0].reshape(-1)]
-                                       + [_np(sd[a + f"{x}_proj.bias"]) for x in "kv"]) if spec.qkv_bias else None)
+        lw = LayerWeights(n(norms.pre_attn), None, None, None, None, None, n(norms.pre_mlp), None,
+                          up_w, up_b, down_w, down_b, n(norms.post_attn), n(norms.post_mlp), moe=experts)
+        if linear:
+            lw.linear = linear_attention.read_weights(sd, p + "linear_attn.", la, _np)
+            layers.append(lw)
+            continue
+        q_w, q_b = _np(sd[a + "q_proj.weight"]), _opt(sd, a + "q_proj.bias")
+        if spec.attn_output_gate:
+            qg = q_w.reshape(h, 2, d, -1)  # [H, query | gate, D, hidden]
+            q_w, gate = qg[:, 0].reshape(h * d, -1), qg[:, 1].reshape(h * d, -1)
+            q_b = q_b.reshape(h, 2, d)[:, 0].reshape(-1) if q_b is not None else None
             lw.attn_gate_w = np.ascontiguousarray(gate.T)
-            lw.o_w = np.ascontiguousarray(_np(sd[a + "o_proj.weight"]).T)
-            lw.o_b = _opt(sd, a + "o_proj.bias")
-            lw.q_norm_w, lw.k_norm_w = n("self_attn.q_norm"), n("self_attn.k_norm")
+        lw.qkv_w = np.ascontiguousarray(np.concatenate([q_w, _np(sd[a + "k_proj.weight"]),
+                                                        _np(sd[a + "v_proj.weight"])]).T)
+        lw.qkv_b = (np.concatenate([q_b] + [_np(sd[a + f"{x}_proj.bias"]) for x in "kv"]) if spec.qkv_bias else None)
+        lw.o_w = np.ascontiguousarray(_np(sd[a + "o_proj.weight"]).T)
+        lw.o_b = _opt(sd, a + "o_proj.bias")
+        lw.q_norm_w, lw.k_norm_w = n("self_attn.q_norm"), n("self_attn.k_norm")
         layers.append(lw)
     weights = _final(sd, spec, _np(sd["model.embed_tokens.weight"]), "model.norm", "lm_head.weight", None, layers)
     weights.final_norm_w = _norm_w(sd, "model.norm.weight", spec)
@@ -438,12 +449,12 @@ register(Family(
 register(Family(
     name="qwen3_5_text", model_types=("qwen3_5_text",), gguf_archs=(), norm="rmsnorm", position="rope",
     gated_mlp=True, qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias=False,
-    weights=hybrid_weights, qk_norm="head", norm_offset=1.0, extra_fields=linear_attention.read_fields,
+    weights=hybrid_weights, qk_norm="head", norm_offset=1.0, extra_fields=linear_attention.QWEN.read_fields,
     rope_types=("default",), recipe="qwen3_5_text.yaml"))
 register(Family(
     name="qwen3_next", model_types=("qwen3_next",), gguf_archs=(), norm="rmsnorm", position="rope",
     gated_mlp=True, qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias=False,
-    weights=hybrid_weights, qk_norm="head", norm_offset=1.0, extra_fields=linear_attention.read_fields,
+    weights=hybrid_weights, qk_norm="head", norm_offset=1.0, extra_fields=linear_attention.QWEN.read_fields,
     rope_types=("default",),
     moe=MoEFields(experts="num_experts", norm_topk_prob="norm_topk_prob", layers="qwen",
                   shared_size="shared_expert_intermediate_size", shared_gate=True, shared="shared_expert"),
@@ -455,11 +466,22 @@ register(Family(
 register(Family(
     name="qwen3_5_moe", model_types=("qwen3_5_moe_text",), gguf_archs=(), norm="rmsnorm", position="rope",
     gated_mlp=True, qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias=False,
-    weights=hybrid_weights, qk_norm="head", norm_offset=1.0, extra_fields=linear_attention.read_fields,
+    weights=hybrid_weights, qk_norm="head", norm_offset=1.0, extra_fields=linear_attention.QWEN.read_fields,
     rope_types=("default",),
     moe=MoEFields(experts="num_experts", norm_topk_prob=True, shared_size="shared_expert_intermediate_size",
                   shared_gate=True, shared="shared_expert"),
     recipe="qwen3_5_moe.yaml"))
+
+# OLMo-Hybrid (olmo_hybrid): gated DeltaNet layers as Qwen3.5's, but with separate q/k/v/g(ate)/b/a projections,
+# beta × 2 (linear_allow_neg_eigval: eigenvalues in [-1, 1]), the gated norm's eps fixed at 1e-5 and plain-weight
+# norms before the mixer and the MLP; beside them OLMo-2 attention layers (norms after attention and MLP, none
+# before; q/k RMSNorm over all heads; no output gate); RoPE on the attention layers, or none at all where
+# rope_parameters has no rope_theta (the released checkpoints)
+register(Family(
+    name="olmo_hybrid", model_types=("olmo_hybrid",), gguf_archs=(), norm="rmsnorm", position="rope",
+    gated_mlp=True, qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias=False,
+    weights=hybrid_weights, norms=POST_NORMS, qk_norm="all", extra_fields=linear_attention.OLMO_HYBRID.read_fields,
+    rope_theta_optional=True, recipe="olmo_hybrid.yaml"))
 
 # transformers layer_types entries kvexport implements (anything else is refused by name)
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -521,7 +543,10 @@ def read_spec(config) -> ModelSpec:
     act = getattr(config, fam.activation_field, None) or getattr(config, "activation_function", None)
     layer_types = _layer_types(config, fam)
     rope = rope_local = layer_rope = None
-    if fam.position == "rope":
+    position = fam.position
+    if fam.rope_theta_optional and (getattr(config, "rope_parameters", None) or {}).get("rope_theta") is None:
+        position = "none"  # NoPE: transformers' rotary_emb is None, every layer unrotated
+    if position == "rope":
         params = dict(getattr(config, "rope_parameters", None) or {})
         if fam.local_rope:  # gemma3: {"full_attention": {...}, "sliding_attention": {...}}
             rope_local = _rope(dict(params.get("sliding_attention") or {}), config)
@@ -563,7 +588,7 @@ def read_spec(config) -> ModelSpec:
         norm=fam.norm, norm_eps=float(eps if eps is not None else 1e-5), activation=str(act),
         gated_mlp=fam.gated_mlp, qkv_bias=_flag(config, fam.qkv_bias),
         o_bias=_flag(config, fam.o_bias), mlp_bias=_flag(config, fam.mlp_bias),
-        position=fam.position, rope=rope, sliding_window=window,
+        position=position, rope=rope, sliding_window=window,
         tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         bos_token_id=getattr(config, "bos_token_id", None), eos_token_ids=eos_ids,
         layer_windows=layer_windows, layer_rope=layer_rope, rope_local=rope_local,

@@ -374,7 +374,7 @@ class DecoderGraph:
         b, spec = self.b, self.spec
         b.scope = f"/layers.{i}"
         p = f"model.layers.{i}."
-        pre = spec.layer_norms != "post"
+        pre = spec.norms_at(i) != "post"  # a hybrid's linear layers pre, its attention layers as the family's
         hn = self.norm(x, lw.ln1_w, lw.ln1_b, p + "input_layernorm") if pre else x
         if spec.mla is not None:  # multi-head latent attention: one latent pool (exporter/mla.py)
             a, kv = mla.attention(self, i, lw, hn, cos, sin, ctx)

@@ -1,8 +1,8 @@
-"""Gated DeltaNet linear-attention layers (Qwen3.5, Qwen3-Next): the spec a hybrid model's config
-declares, one layer's weights, and the layer's subgraph in standard ONNX ops, with its recurrent
+"""Gated DeltaNet linear-attention layers (Qwen3.5, Qwen3-Next, OLMo-Hybrid): the spec a hybrid model's
+config declares, one layer's weights, and the layer's subgraph in standard ONNX ops, with its recurrent
 state as explicit graph I/O (kvexport/io.py "Recurrent state").
 
-A hybrid interleaves these layers with gated full-attention layers per `config.layer_types`
+A hybrid interleaves these layers with full-attention layers (gated in Qwen) per `config.layer_types`
 ("linear_attention" / "full_attention"). The attention layers keep the paged KV cache; a linear
 layer keeps, per sequence, a fixed-size state: the causal short convolution's last kernel - 1
 inputs [K-1, conv_dim] and the delta rule's matrix per value head [Hv, Dk, Dv]. The runtime
@@ -10,12 +10,13 @@ holds them in a state pool (runtime/core/state_pool.py), one slot per running se
 
 The layer, as transformers' Qwen3_5GatedDeltaNet computes it::
 
-    x ─> [qkv | z | b | a] = x @ W                        (one matmul; Qwen3-Next's grouped qkvz/ba re-laid out)
+    x ─> [qkv | z | b | a] = x @ W       (one matmul: Qwen3-Next's grouped qkvz/ba re-laid out, OLMo-Hybrid's
+                                          separate q/k/v/g/b/a projections stacked; CHECKPOINT_LAYOUTS)
     qkv ─> causal depthwise conv (kernel K, the state's K-1 inputs first) ─> silu ─> q, k [Hk, Dk], v [Hv, Dv]
     q, k ─> l2norm; q × Dk^-0.5; repeat to Hv heads
-    beta = sigmoid(b); g = -exp(A_log) × softplus(a + dt_bias)              (log decay, <= 0)
+    beta = sigmoid(b) × beta_scale (OLMo's allow_neg_eigval: 2); g = -exp(A_log) × softplus(a + dt_bias)  (log decay)
     S_t = exp(g_t) S_{t-1} + k_t (beta_t (v_t - S_{t-1}ᵀ k_t exp(g_t)))ᵀ;  o_t = S_tᵀ q_t   (per value head)
-    o ─> RMSNorm(o) × w × silu(z) ─> out_proj
+    o ─> RMSNorm(o) × w × silu(z) ─> out_proj     (the norm's eps: the model's, or the family's own: OLMo's 1e-5)
 
 Two forms of the rule, per build (`--attention`): `plugin` emits one kvexport::GatedDeltaRule node per
 linear layer (plugins/gated_delta/: the native CPU op, Triton kernel, TensorRT plugin), fed the packed
@@ -58,6 +59,10 @@ class LinearAttnSpec:
     k_head_dim: int  # Dk, elements
     v_head_dim: int  # Dv, elements
     conv_kernel: int  # K: the causal conv's taps; the conv state keeps K - 1 inputs
+    # NOTE: the fields below are left out of to_json() at their defaults, so the manifests of builds made
+    # before them (Qwen3.5, Qwen3-Next) stay byte-identical
+    beta_scale: float = 1.0  # beta = sigmoid(b) × it: 2 lets the state's eigenvalues go negative (OLMo-Hybrid)
+    norm_eps: float | None = None  # the gated RMSNorm's eps; None: the model's norm_eps (OLMo-Hybrid: 1e-5)
 
     def __post_init__(self) -> None:
         for name, cfg in {v: k for k, v in _FIELDS.items()}.items():
@@ -69,6 +74,11 @@ class LinearAttnSpec:
                               f"'linear_num_key_heads' ({self.num_k_heads}): inconsistent state dims")
         if self.conv_kernel < 2:
             raise ConfigError(f"config field 'linear_conv_kernel_dim' must be >= 2, got {self.conv_kernel}")
+        if self.beta_scale not in (1.0, 2.0):
+            raise ConfigError(f"linear_attn beta_scale must be 1 or 2 (linear_allow_neg_eigval), "
+                              f"got {self.beta_scale!r}")
+        if self.norm_eps is not None and not self.norm_eps > 0:
+            raise ConfigError(f"linear_attn norm_eps must be > 0 or null, got {self.norm_eps!r}")
 
     @property
     def conv_dim(self) -> int:
@@ -82,6 +92,9 @@ class LinearAttnSpec:
     def to_json(self) -> dict:
         d = asdict(self)
         d["layers"] = list(self.layers)
+        for name, default in (("beta_scale", 1.0), ("norm_eps", None)):  # see the NOTE on the fields
+            if d[name] == default:
+                del d[name]
         return d
 
     @classmethod
@@ -89,9 +102,11 @@ class LinearAttnSpec:
         return cls(**{**d, "layers": tuple(d["layers"])})
 
 
-def read_linear_attn(config, layer_types: tuple[str, ...]) -> LinearAttnSpec | None:
-    """The linear-attention spec of a hybrid's config (None when no layer is linear). A
-    `layer_types` entry other than linear_attention / full_attention is refused by name."""
+def read_linear_attn(config, layer_types: tuple[str, ...], beta_scale: float = 1.0,
+                     norm_eps: float | None = None) -> LinearAttnSpec | None:
+    """The linear-attention spec of a hybrid's config (None when no layer is linear), with the
+    family's fixed beta scale and gated-norm eps (`Hybrid`). A `layer_types` entry other than
+    linear_attention / full_attention is refused by name."""
     for t in layer_types:
         if t not in (LINEAR, FULL):
             raise UnsupportedModelError(f"config field 'layer_types' has {t!r}, which kvexport does not support in a "
@@ -110,7 +125,7 @@ def read_linear_attn(config, layer_types: tuple[str, ...]) -> LinearAttnSpec | N
         if value is None:
             raise ConfigError(f"config field {cfg!r} is missing (gated DeltaNet layers)")
         kw[name] = value
-    return LinearAttnSpec(layers=layers, **kw)
+    return LinearAttnSpec(layers=layers, beta_scale=beta_scale, norm_eps=norm_eps, **kw)
 
 
 # ---- weights ---------------------------------------------------------------------------------
@@ -126,11 +141,40 @@ class LinearWeights:
     out_w: np.ndarray  # [Hv*Dv, hidden]
 
 
-def read_weights(sd: dict[str, Any], prefix: str, la: LinearAttnSpec, np_: Any, fused: bool) -> LinearWeights:
-    """Layer weights under `prefix` (model.layers.{i}.linear_attn.). `fused`: Qwen3-Next's
-    in_proj_qkvz / in_proj_ba, grouped per key head, re-laid out to Qwen3.5's q | k | v | z | b | a."""
+@dataclass(frozen=True, slots=True)
+class CheckpointLayout:
+    """Checkpoint names (under model.layers.{i}.linear_attn.) of one way to store a linear layer."""
+
+    in_proj: tuple[str, ...]  # projections whose rows, stacked in order, are q | k | v | z | b | a
+    norm: str  # the gated RMSNorm
+    out: str  # the output projection
+    grouped: bool = False  # in_proj_qkvz / in_proj_ba grouped per key head (Qwen3-Next), re-laid out when read
+
+
+# told apart by their first projection's name (a checkpoint holds exactly one of them)
+CHECKPOINT_LAYOUTS = (
+    CheckpointLayout(("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"), "norm", "out_proj"),  # Qwen3.5
+    CheckpointLayout(("in_proj_qkvz", "in_proj_ba"), "norm", "out_proj", grouped=True),  # Qwen3-Next
+    CheckpointLayout(("q_proj", "k_proj", "v_proj", "g_proj", "b_proj", "a_proj"), "o_norm", "o_proj"),  # OLMo-Hybrid
+)
+
+
+def checkpoint_layout(sd: dict[str, Any], prefix: str) -> CheckpointLayout:
+    """The layout of the linear layer under `prefix`, or ConfigError naming the weights looked for."""
+    for lay in CHECKPOINT_LAYOUTS:
+        if f"{prefix}{lay.in_proj[0]}.weight" in sd:
+            return lay
+    raise ConfigError(f"no linear-attention projection under {prefix}: looked for "
+                      f"{', '.join(lay.in_proj[0] + '.weight' for lay in CHECKPOINT_LAYOUTS)}")
+
+
+def read_weights(sd: dict[str, Any], prefix: str, la: LinearAttnSpec, np_: Any) -> LinearWeights:
+    """Layer weights under `prefix` (model.layers.{i}.linear_attn.), in any of CHECKPOINT_LAYOUTS:
+    Qwen3-Next's grouped in_proj_qkvz / in_proj_ba re-laid out to Qwen3.5's q | k | v | z | b | a,
+    OLMo-Hybrid's q/k/v/g/b/a projections stacked in that order (its g_proj is the gate z)."""
     hk, hv, dk, dv = la.num_k_heads, la.num_v_heads, la.k_head_dim, la.v_head_dim
-    if fused:
+    lay = checkpoint_layout(sd, prefix)
+    if lay.grouped:
         r = hv // hk
         qkvz = np_(sd[prefix + "in_proj_qkvz.weight"]).reshape(hk, 2 * dk + 2 * r * dv, -1)  # [Hk, per group, H]
         q, k, v, z = np.split(qkvz, [dk, 2 * dk, 2 * dk + r * dv], axis=1)
@@ -139,7 +183,7 @@ def read_weights(sd: dict[str, Any], prefix: str, la: LinearAttnSpec, np_: Any, 
         flat = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731  [Hk * per group, H], head-major
         rows = [flat(q), flat(k), flat(v), flat(z), flat(b), flat(a)]
     else:
-        rows = [np_(sd[prefix + f"in_proj_{n}.weight"]) for n in ("qkv", "z", "b", "a")]
+        rows = [np_(sd[f"{prefix}{n}.weight"]) for n in lay.in_proj]
     conv = np_(sd[prefix + "conv1d.weight"])  # [conv_dim, 1, K]
     if conv.shape != (la.conv_dim, 1, la.conv_kernel):
         raise ConfigError(f"weight {prefix}conv1d.weight is {list(conv.shape)}, but the config's linear_* fields "
@@ -149,8 +193,8 @@ def read_weights(sd: dict[str, Any], prefix: str, la: LinearAttnSpec, np_: Any, 
         conv_w=np.ascontiguousarray(conv[:, 0, :].T.astype(np.float32)),
         a_neg=-np.exp(np_(sd[prefix + "A_log"]).astype(np.float32)),
         dt_bias=np_(sd[prefix + "dt_bias"]).astype(np.float32),
-        norm_w=np_(sd[prefix + "norm.weight"]).astype(np.float32),
-        out_w=np.ascontiguousarray(np_(sd[prefix + "out_proj.weight"]).T))
+        norm_w=np_(sd[f"{prefix}{lay.norm}.weight"]).astype(np.float32),
+        out_w=np.ascontiguousarray(np_(sd[f"{prefix}{lay.out}.weight"]).T))
 
 
 # ---- the graph -------------------------------------------------------------------------------
@@ -243,7 +287,7 @@ def layer(g, i: int, j: int, lw: LinearWeights, hn: str, ctx: LinearContext,
     q, k = (_heads(g, _l2norm(g, b.op("Reshape", t, b.const([0, 0, hk, dk])), dk), hk, hv) for t in (q, k))
     q = b.op("Mul", q, b.const(dk ** -0.5, "float32"))  # [S, L, Hv, Dk]
     v = b.op("Reshape", v, b.const([0, 0, hv, dv]))  # [S, L, Hv, Dv]
-    beta = b.op("Mul", b.op("Sigmoid", bb), ctx.valid)  # [S, L, Hv]: 0 on pad rows (no update)
+    beta = b.op("Mul", _beta(g, bb, la), ctx.valid)  # [S, L, Hv]: 0 on pad rows (no update)
     sp = b.op("Softplus", b.op("Add", aa, g.f32(p + "dt_bias", lw.dt_bias)))
     decay = b.op("Mul", b.op("Mul", sp, g.f32(p + "A_neg", lw.a_neg)), ctx.valid)  # [S, L, Hv] log decay, 0 on pads
     rec0 = b.op("Gather", io.recurrent_state(j), io.STATE_SLOTS, axis=0)  # [S, Hv, Dk, Dv]
@@ -266,7 +310,7 @@ def _plugin_rule(g, j: int, p: str, conv: str, packed_ba: tuple[str, str], lw: L
     """The rule as one kvexport::GatedDeltaRule node (plugins/gated_delta/spec.py) on packed rows:
 
         conv [S, L, cd] ─> unpad ─> q, k [T, Hk, Dk], v [T, Hv, Dv]       (l2norm and q scale: in the node)
-        b, a [T, Hv] ─> beta = sigmoid(b), decay = -exp(A_log) softplus(a + dt_bias)
+        b, a [T, Hv] ─> beta = sigmoid(b) × beta_scale, decay = -exp(A_log) softplus(a + dt_bias)
         recurrent_state.{j} (the pool), state_slots, seq_lens, query_start_loc ─> node ─> out [T, Hv, Dv],
                                                                                  new state [S, Hv, Dk, Dv]
     """
@@ -279,7 +323,7 @@ def _plugin_rule(g, j: int, p: str, conv: str, packed_ba: tuple[str, str], lw: L
     q, k = (b.op("Reshape", t, b.const([0, hk, dk])) for t in (q, k))  # [T, Hk, Dk]
     v = b.op("Reshape", v, b.const([0, hv, dv]))  # [T, Hv, Dv]
     bb, aa = packed_ba
-    beta = b.op("Sigmoid", bb)  # [T, Hv]
+    beta = _beta(g, bb, la)  # [T, Hv]
     decay = b.op("Mul", b.op("Softplus", b.op("Add", aa, g.f32(p + "dt_bias", lw.dt_bias))),
                  g.f32(p + "A_neg", lw.a_neg))  # [T, Hv] log decay
     attrs = GatedDeltaAttrs.for_layer(la)
@@ -289,12 +333,19 @@ def _plugin_rule(g, j: int, p: str, conv: str, packed_ba: tuple[str, str], lw: L
     return out, rec
 
 
+def _beta(g, bb: str, la: LinearAttnSpec) -> str:
+    """sigmoid(b) [.., Hv], × 2 where the family lets the state's eigenvalues go negative (la.beta_scale)."""
+    beta = g.b.op("Sigmoid", bb)
+    return beta if la.beta_scale == 1.0 else g.b.op("Mul", beta, g.b.const(la.beta_scale, "float32"))
+
+
 def _output_tail(g, p: str, out: str, z: str, lw: LinearWeights, la: LinearAttnSpec) -> str:
     """out [T, Hv, Dv] ─> gated RMSNorm (× silu(z)) ─> out_proj ─> [T, hidden]."""
     b = g.b
     hv, dv = la.num_v_heads, la.v_head_dim
+    eps = la.norm_eps if la.norm_eps is not None else g.spec.norm_eps
     var = b.op("ReduceMean", b.op("Mul", out, out), b.const([-1]), keepdims=1)
-    out = b.op("Div", out, b.op("Sqrt", b.op("Add", var, b.const(g.spec.norm_eps, "float32"))))
+    out = b.op("Div", out, b.op("Sqrt", b.op("Add", var, b.const(eps, "float32"))))
     out = b.op("Mul", out, g.f32(p + "norm.weight", lw.norm_w))
     z = b.op("Reshape", z, b.const([0, hv, dv]))
     out = b.op("Mul", out, b.op("Mul", z, b.op("Sigmoid", z)))  # [T, Hv, Dv]
@@ -429,18 +480,40 @@ class _LoopBody:
                                  outs)
 
 
-def read_fields(config) -> dict:
-    """The spec fields a hybrid family reads (Family.extra_fields): the linear layers
-    (`read_linear_attn` over config.layer_types) and the attention output gate."""
-    types = getattr(config, "layer_types", None)
-    n = getattr(config, "num_hidden_layers", None)
-    if not isinstance(types, (list, tuple)) or len(types) != n:
-        raise ConfigError(f"config field 'layer_types' must list one type for each of the {n} layers, got {types!r}")
-    gate = getattr(config, "attn_output_gate", True)
-    if gate is not True:
-        raise UnsupportedModelError(f"config field 'attn_output_gate' is {gate!r}; kvexport supports the gated "
-                                    f"attention of Qwen3.5 / Qwen3-Next only (true)")
-    return {"linear_attn": read_linear_attn(config, tuple(types)), "attn_output_gate": True}
+@dataclass(frozen=True, slots=True)
+class Hybrid:
+    """What a hybrid family's modeling code fixes beyond its config; `read_fields` is the family's
+    Family.extra_fields."""
+
+    name: str  # the family, for messages
+    attn_output_gate: bool  # attention output × sigmoid(gate) from q_proj's second half (Qwen); False: none
+    neg_eigval_field: str | None = None  # config bool: beta = 2 sigmoid(b) when true (OLMo's linear_allow_neg_eigval)
+    norm_eps: float | None = None  # the gated RMSNorm's own eps; None: the config's rms_norm_eps (Qwen)
+
+    def read_fields(self, config) -> dict:
+        """The spec fields of a hybrid (`read_linear_attn` over config.layer_types) and its attention
+        output gate; a config asking for what the family's code does not do is refused by name."""
+        types = getattr(config, "layer_types", None)
+        n = getattr(config, "num_hidden_layers", None)
+        if not isinstance(types, (list, tuple)) or len(types) != n:
+            raise ConfigError(f"config field 'layer_types' must list one type for each of the {n} layers, "
+                              f"got {types!r}")
+        if self.attn_output_gate and (gate := getattr(config, "attn_output_gate", True)) is not True:
+            raise UnsupportedModelError(f"config field 'attn_output_gate' is {gate!r}; kvexport supports the gated "
+                                        f"attention of {self.name} only (true)")
+        scale = 1.0
+        if self.neg_eigval_field is not None:
+            allow = getattr(config, self.neg_eigval_field, True)  # NOTE: transformers' default is true
+            if not isinstance(allow, bool):
+                raise ConfigError(f"config field {self.neg_eigval_field!r} must be true or false, got {allow!r}")
+            scale = 2.0 if allow else 1.0
+        return {"linear_attn": read_linear_attn(config, tuple(types), scale, self.norm_eps),
+                "attn_output_gate": self.attn_output_gate}
+
+
+QWEN = Hybrid("Qwen3.5 / Qwen3-Next", attn_output_gate=True)
+# OLMo-Hybrid: ungated OLMo-2 attention layers; FLA's gated-norm eps (1e-5, fixed in its modeling code)
+OLMO_HYBRID = Hybrid("OLMo-Hybrid", attn_output_gate=False, neg_eigval_field="linear_allow_neg_eigval", norm_eps=1e-5)
 
 
 def graph_io_fields(spec, opts) -> dict[str, Any]:

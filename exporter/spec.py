@@ -14,7 +14,7 @@ from .moe import MoESpec
 
 NORMS = ("rmsnorm", "layernorm")
 ACTIVATIONS = ("silu", "gelu_new", "gelu_pytorch_tanh", "gelu")
-POSITIONS = ("rope", "learned")
+POSITIONS = ("rope", "learned", "none")  # "none": no position encoding on any layer (NoPE: OLMo-Hybrid)
 # "proportional" (Gemma 4's global layers): rotate-half over the whole head with zero frequencies past
 # partial_rotary_factor, read as partial_rotary_factor 1.0 (transformers' tables are head_dim / 2 wide)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "proportional")
@@ -77,8 +77,8 @@ class ModelSpec:
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
-    position: str  # "rope" | "learned"
-    rope: RopeSpec | None  # None for learned positions
+    position: str  # one of POSITIONS
+    rope: RopeSpec | None  # None for learned positions and none
     sliding_window: int | None  # tokens a query may look back, including itself; None = full
     tie_embeddings: bool  # lm_head shares the embedding matrix
     bos_token_id: int | None
@@ -89,7 +89,7 @@ class ModelSpec:
     layer_windows: tuple[int | None, ...] | None = None  # window per layer; None: `sliding_window` for all
     layer_rope: tuple[str, ...] | None = None  # per layer one of ROPE_KINDS; None: "global" for all
     rope_local: RopeSpec | None = None  # RoPE of "local" layers (gemma3's rope_local_base_freq)
-    layer_norms: str = "pre"  # one of LAYER_NORMS
+    layer_norms: str = "pre"  # one of LAYER_NORMS (a hybrid: its attention layers'; `norms_at`)
     qk_norm: str | None = None  # one of QK_NORMS, None: no q/k norms
     norm_offset: float = 0.0  # norms scale by (offset + w): 1.0 for Gemma; folded into the weights when read
     embed_scale: float | None = None  # embeddings multiplied by it (Gemma: sqrt(hidden)); None: 1
@@ -208,6 +208,15 @@ class ModelSpec:
         """(KV heads, head_dim) of layer i."""
         return (self.layer_kv_heads[i] if self.layer_kv_heads is not None else self.num_kv_heads,
                 self.layer_head_dims[i] if self.layer_head_dims is not None else self.head_dim)
+
+    def norms_at(self, i: int) -> str:
+        """Where layer i's norms sit (one of LAYER_NORMS): a gated DeltaNet layer's before its mixer and
+        its MLP, every other layer's `layer_norms`.
+        NOTE: pre for the linear layers of every hybrid transformers has (Qwen3.5, Qwen3-Next, OLMo-Hybrid),
+        whatever its attention layers do (OLMo-Hybrid's: post, as olmo2's)."""
+        if self.linear_attn is not None and i in self.linear_attn.layers:
+            return "pre"
+        return self.layer_norms
 
     def kv_source(self, i: int) -> int:
         """The layer whose KV cache layer i reads (i itself unless it shares an earlier layer's)."""

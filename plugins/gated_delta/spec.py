@@ -1,5 +1,5 @@
 """The `kvexport::GatedDeltaRule` op: the gated delta rule of a gated DeltaNet layer (Qwen3.5,
-Qwen3-Next) over packed variable-length sequences, each reading its recurrent state from the
+Qwen3-Next, OLMo-Hybrid) over packed variable-length sequences, each reading its recurrent state from the
 state pool by slot — inputs, outputs, attributes, tolerances.
 
 One spec, shared by every implementation (the float64 reference, the native CPU op, the Triton
@@ -33,7 +33,8 @@ Inputs (in order)::
     1 key              [num_tokens, Hk, Dk]  same dtype
     2 value            [num_tokens, Hv, Dv]  same dtype
     3 g                [num_tokens, Hv]      float32: log decay (<= 0): -exp(A_log) * softplus(a + dt_bias)
-    4 beta             [num_tokens, Hv]      float32: sigmoid(b), the update's strength
+    4 beta             [num_tokens, Hv]      float32: sigmoid(b), the update's strength (2 sigmoid(b), in
+                                             [0, 2], for OLMo-Hybrid's linear_allow_neg_eigval)
     5 recurrent_state  [num_state_slots, Hv, Dk, Dv]  float32: the layer's state pool (io.recurrent_state(j))
     6 state_slots      [num_seqs] int64      each sequence's slot (io.STATE_SLOTS)
     7 seq_lens         [num_seqs] int64      tokens after this step (ctx = seq_lens - q_len; 0: zero state)

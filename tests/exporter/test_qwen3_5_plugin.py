@@ -82,15 +82,7 @@ def test_served_like_the_onnx_form(built):
 
 
 def test_prefix_cache_resumes_from_a_state_checkpoint(built):
-    """Prompts sharing a 27-token prefix, one at a time, a checkpoint every 2 blocks: later prompts resume
-    from the checkpoint at 24 tokens, with the tokens of recomputation and of transformers."""
+    """Later prompts resume from a state checkpoint with the tokens of recomputation and transformers
+    (testkit.parity.check_hybrid_prefix_resume)."""
     out, _, model = built("qwen3_5_text")
-    prefix = parity.random_prompts(1, 128, 27, 28, seed=5)[0]
-    prompts = parity.random_prompts(4, 128, 2, 9, seed=2, prefix=prefix)
-    params = SamplingParams(max_tokens=10, ignore_eos=True)
-    llm = LLM(out, kv_cache_memory="1MiB", max_num_seqs=1, state_checkpoint_blocks=2, state_checkpoints=8)
-    assert llm.engine.runner.backend.attention_impl == "plugin (native CPU op)"
-    got = llm.generate(prompts, params)
-    assert llm.engine.kv.state.hits == 3 and [o.num_cached_prompt_tokens for o in got] == [0, 24, 24, 24]
-    again = LLM(out, kv_cache_memory="1MiB", max_num_seqs=1, enable_prefix_caching=False).generate(prompts, params)
-    assert [o.token_ids for o in got] == [o.token_ids for o in again] == parity.hf_greedy(model, prompts, 10)
+    parity.check_hybrid_prefix_resume(out, model)

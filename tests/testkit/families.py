@@ -98,6 +98,10 @@ CASES_HYBRID = {
 # every layer, top-k always renormalized
 CASES_HYBRID_MOE = {"qwen3_5_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                         shared_expert_intermediate_size=40)}
+# OLMo-Hybrid (tests/exporter/test_olmo_hybrid.py): the same shapes with OLMo's layers (separate q/k/v/g/b/a
+# projections, beta x 2 by its default linear_allow_neg_eigval, OLMo-2 post-norm attention layers beside pre-norm
+# linear layers) and no RoPE, as the released checkpoints (rope_theta null); the RoPE form is a variant there
+CASES_OLMO_HYBRID = {"olmo_hybrid": dict(rope_parameters=dict(rope_type="default", rope_theta=None))}
 BUILDS_PAGED_ONNX = [("paged", "onnx")]
 # parity modules whose families refuse `--attention plugin` by name (no native op for their layers yet; the
 # refusal is tested there): module -> why
@@ -117,6 +121,7 @@ PARITY_MODULES = {
     # hybrids: paged only (linear_attention.py); the plugin form's parity is test_qwen3_5_plugin.py's
     "test_qwen3_5": (CASES_HYBRID, BUILDS_PAGED_ONNX + [("paged", "plugin")]),
     "test_qwen3_5_moe": (CASES_HYBRID_MOE, BUILDS_PAGED_ONNX + [("paged", "plugin")]),
+    "test_olmo_hybrid": (CASES_OLMO_HYBRID, BUILDS_PAGED_ONNX + [("paged", "plugin")]),
 }
 
 
@@ -141,6 +146,10 @@ def tiny_config(family: str, **overrides):
         from transformers import Qwen3_5MoeTextConfig
 
         return Qwen3_5MoeTextConfig(**{**TINY_HYBRID, **CASES_HYBRID_MOE[family], **overrides})
+    if family in CASES_OLMO_HYBRID:
+        from transformers import OlmoHybridConfig
+
+        return OlmoHybridConfig(**{**TINY_HYBRID, **CASES_OLMO_HYBRID[family], **overrides})
     if family in CASES_HYBRID:
         from transformers import Qwen3_5TextConfig, Qwen3NextConfig
 
@@ -191,6 +200,10 @@ def _init(family: str, model) -> None:
             for name, p in model.named_parameters():
                 if "norm" in name:
                     p.copy_(torch.rand_like(p) * 0.5 + (0.75 if name.endswith("linear_attn.norm.weight") else 0.0))
+        if family in CASES_OLMO_HYBRID:  # every norm (the gated one too) inits to 1: random, so a missed one shows
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.copy_(0.5 + torch.rand_like(p))
         if family == "gemma4_text":  # norms init to 1 and scalars to 1 would hide a swapped or missed weight
             for name, p in list(model.named_parameters()) + list(model.named_buffers()):
                 if name.endswith("norm.weight") or name.endswith("layer_scalar"):

@@ -23,3 +23,21 @@ def random_prompts(n: int, vocab: int, lo: int, hi: int, seed: int = 0, prefix=(
     """`n` prompts of ids in [3, vocab) (clear of pad/bos/eos), lengths in [lo, hi), after `prefix`."""
     rng = np.random.default_rng(seed)
     return [list(prefix) + rng.integers(3, vocab, size=int(rng.integers(lo, hi))).tolist() for _ in range(n)]
+
+
+def check_hybrid_prefix_resume(build_dir, model) -> None:
+    """A hybrid (gated DeltaNet) build on its default `plugin` attention: four prompts sharing a 27-token
+    prefix, one at a time, a state checkpoint every 2 blocks of 4 (8 tokens): the later three resume from
+    the checkpoint at 24 tokens, with the tokens of recomputation (no prefix caching) and of transformers."""
+    from kvexport import LLM, SamplingParams
+
+    prefix = random_prompts(1, 128, 27, 28, seed=5)[0]
+    prompts = random_prompts(4, 128, 2, 9, seed=2, prefix=prefix)
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    llm = LLM(build_dir, kv_cache_memory="1MiB", max_num_seqs=1, state_checkpoint_blocks=2, state_checkpoints=8)
+    assert llm.engine.runner.backend.attention_impl == "plugin (native CPU op)"
+    got = llm.generate(prompts, params)
+    assert llm.engine.kv.state.hits == 3 and [o.num_cached_prompt_tokens for o in got] == [0, 24, 24, 24]
+    again = LLM(build_dir, kv_cache_memory="1MiB", max_num_seqs=1, enable_prefix_caching=False).generate(prompts,
+                                                                                                      params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in again] == hf_greedy(model, prompts, 10)
