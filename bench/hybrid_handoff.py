@@ -59,7 +59,8 @@ def one(build: str, n: int, threads: int, vocab: int) -> dict:
     ttft_handed, toks = _first_token_s(decode, prompt, gen)
     dkv.release(holds)
     ttft_alone, ref = _first_token_s(alone, prompt, gen)
-    return {"prompt_tokens": n, "kv_bytes": by_group.get(io.FULL_GROUP, 0), "state_bytes": by_group.get(io.STATE_GROUP, 0),
+    return {"prompt_tokens": n, "kv_bytes": by_group.get(io.FULL_GROUP, 0),
+            "state_bytes": by_group.get(io.STATE_GROUP, 0),
             "export_ms": round(1e3 * export_s, 2), "import_ms": round(1e3 * import_s, 2),
             "decode_ttft_handed_over_s": round(ttft_handed, 4), "decode_ttft_recomputed_s": round(ttft_alone, 4),
             "tokens_equal": toks == ref}

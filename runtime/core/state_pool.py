@@ -12,8 +12,9 @@ instead of computing its whole prefix again (prefix caching that hits on hybrids
                                 into the request's slot before its first chunk)
                               - prompt chunks end at checkpoint boundaries, and a chunk that ends on one
                                 saves the state there: every `checkpoint_blocks` blocks, the prompt's last
-                                block boundary (and the last its own lookup can hit), and where the prompt's KV hit ended past its checkpoint (a
-                                branch point: a shared system prompt's end); decode keeps one checkpoint per
+                                block boundary (and the last one its own lookup can hit), and where the
+                                prompt's KV hit ended past its checkpoint (a branch point: a shared system
+                                prompt's end); decode keeps one checkpoint per
                                 sequence at the last block boundary it crossed (the next chat turn's resume
                                 point), so a hybrid hits where an attention model's blocks would
                               - free releases the slot
@@ -375,7 +376,7 @@ class StatefulKVCacheManager:
             return None
         key = self._checkpoint_key(computed_blocks) if computed_blocks is not None else None
         from_tier = key is not None and not self.state.has(key)
-        assert not from_tier or self._in_tier(key) is not None, "a hit is cut back to a checkpoint (get_computed_blocks)"
+        assert not from_tier or self._in_tier(key) is not None, "a hit ends at a checkpoint (get_computed_blocks)"
         if from_tier:  # NOTE: the evictions inner's allocation makes must not push it out of its tier
             self.inner.tiers.pin([(STATE_GROUP, key)])
         got = self.inner.allocate_slots(request_id, num_new_tokens, computed_blocks)

@@ -89,7 +89,8 @@ METRICS: tuple[Metric, ...] = (
     Metric("state_checkpoint_hits_total", COUNTER, "Hybrids: prefix-cache hits resumed from a state checkpoint "
            "(the pool's or a KV tier's)", lambda c, _: c.kv.get("state_checkpoint_hits", 0)),
     Metric("state_checkpoint_tier_hits_total", COUNTER, "Hybrids: state checkpoints loaded from the host or disk "
-           "KV tier (also counted in kv_offload_*_hits_total)", lambda c, _: c.kv.get("state_checkpoint_tier_hits", 0)),
+           "KV tier (also counted in kv_offload_*_hits_total)",
+           lambda c, _: c.kv.get("state_checkpoint_tier_hits", 0)),
     # speculative decoding (--speculative; runtime/core/speculation.py): all 0 when it is off
     Metric("spec_decode_drafts_total", COUNTER, "Speculative decoding: decode steps that verified drafts",
            lambda c, _: c.kv.get("spec_drafts", 0)),
