@@ -172,7 +172,7 @@ TOOL_FAMILIES: dict[str, tuple[str, str] | None] = {
     "deepseek_v2": ("deepseek", "<｜tool▁calls▁begin｜>"),
     "deepseek_v3": ("deepseek", "<｜tool▁calls▁begin｜>"),
     "gpt_oss": ("harmony", "<|channel|>commentary to=functions."),
-    "gpt2": None, "olmo2": None, "gemma2": None, "gemma3_text": None, "gemma4_text": None,
+    "gpt2": None, "olmo2": None, "olmo_hybrid": None, "gemma2": None, "gemma3_text": None, "gemma4_text": None,
 }
 
 
