@@ -12,7 +12,7 @@ import numpy as np
 
 from kvexport.errors import ConfigError, UnsupportedModelError
 
-from . import gemma4, linear_attention, mla
+from . import gemma4, linear_attention, mla, short_conv
 from .moe import ExpertWeights, MoEFields, mlp_weights, read_moe
 from .spec import MLASpec, ModelSpec, RopeSpec
 
@@ -482,6 +482,17 @@ register(Family(
     gated_mlp=True, qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias=False,
     weights=hybrid_weights, norms=POST_NORMS, qk_norm="all", extra_fields=linear_attention.OLMO_HYBRID.read_fields,
     rope_theta_optional=True, recipe="olmo_hybrid.yaml"))
+
+# LFM2 (lfm2; exporter/short_conv.py): short-conv layers (in_proj -> B, C, x; B * x through a causal depthwise
+# conv whose last K-1 inputs are the sequence's state; C * conv; out_proj) interleaved per layer_types with GQA
+# attention layers (per-head q/k RMSNorm, RoPE, out_proj); operator_norm / ffn_norm before the mixer and the SwiGLU
+# feed_forward (its width by transformers' Lfm2MLP rule), the final embedding_norm; norms' eps from norm_eps. lfm2_moe
+# is another model_type (refused by family_for)
+register(Family(
+    name="lfm2", model_types=("lfm2",), gguf_archs=(), norm="rmsnorm", position="rope",
+    gated_mlp=True, qkv_bias=False, o_bias=False, mlp_bias=False, weights=short_conv.lfm2_weights,
+    norms=LayerNorms("operator_norm", None, "ffn_norm", None), qk_norm="head", rope_types=("default",),
+    extra_fields=short_conv.read_fields, recipe="lfm2.yaml"))
 
 # transformers layer_types entries kvexport implements (anything else is refused by name)
 LAYER_TYPES = ("full_attention", "sliding_attention")

@@ -21,7 +21,7 @@ import torch
 from kvexport import io
 
 from . import attention as attn
-from . import gemma4, kv_int4, linear_attention, mla, moe
+from . import gemma4, kv_int4, linear_attention, mla, moe, short_conv
 from .families import LayerWeights, ModelWeights
 from .onnx_builder import GraphBuilder, WeightStore, onnx_dtype
 from .quantize import CHANNEL, QUANTIZED_EMBED, QUANTIZED_HEAD, QuantizedMatrix, stored_codes
@@ -319,9 +319,10 @@ class DecoderGraph:
                            else attn.contiguous_context(b, spec, w))
 
         kv_out: list[tuple[str, ...]] = []  # per layer its KV outputs, in graph_io's order
-        # gated DeltaNet layers (exporter/linear_attention.py): their index tensors, their new states
+        # gated DeltaNet / short-conv layers (exporter/linear_attention.py, short_conv.py): their index tensors
+        # (the conv's state comes first in a sequence's padded rows), their new states
         self.linear_ctx = linear_attention.context(self, spec.linear_attn) if spec.linear_attn is not None else None
-        self.state_out: list[tuple[str, str]] = []
+        self.state_out: list[tuple[str, ...]] = []  # per state layer: (conv,) or (conv, recurrent)
         for i, lw in enumerate(self.w.layers):
             cos, sin = rope.get(spec.rope_kind(i), (None, None))
             h, kv = self.layer(i, lw, h, cos, sin, ctxs.get(spec.window(i)))
@@ -378,9 +379,9 @@ class DecoderGraph:
         hn = self.norm(x, lw.ln1_w, lw.ln1_b, p + "input_layernorm") if pre else x
         if spec.mla is not None:  # multi-head latent attention: one latent pool (exporter/mla.py)
             a, kv = mla.attention(self, i, lw, hn, cos, sin, ctx)
-        elif lw.linear is not None:  # gated DeltaNet: recurrent state, no KV (exporter/linear_attention.py)
-            a, state = linear_attention.layer(self, i, len(self.state_out), lw.linear, hn, self.linear_ctx,
-                                              spec.linear_attn)
+        elif lw.linear is not None:  # gated DeltaNet or LFM2's short conv: state, no KV (their modules)
+            mixer = short_conv if isinstance(lw.linear, short_conv.ShortConvWeights) else linear_attention
+            a, state = mixer.layer(self, i, len(self.state_out), lw.linear, hn, self.linear_ctx, spec.linear_attn)
             self.state_out.append(state)
             kv = ()
         else:

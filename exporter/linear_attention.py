@@ -32,7 +32,7 @@ decode graph (one token per sequence) runs the recurrent update directly.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from onnx import TensorProto, helper
@@ -52,6 +52,8 @@ _FIELDS = {"linear_num_key_heads": "num_k_heads", "linear_num_value_heads": "num
 @dataclass(frozen=True, slots=True)
 class LinearAttnSpec:
     """The gated DeltaNet layers of a hybrid model (ModelSpec.linear_attn)."""
+
+    KIND: ClassVar[str] = "gated DeltaNet (linear attention)"  # for messages and `kvexport plan`'s note
 
     layers: tuple[int, ...]  # the linear-attention layers' indices, ascending; the others are full attention
     num_k_heads: int  # Hk: query/key heads
@@ -88,6 +90,20 @@ class LinearAttnSpec:
     def state_dims(self) -> io.StateDims:
         return io.StateDims(conv_width=self.conv_kernel - 1, conv_dim=self.conv_dim, num_v_heads=self.num_v_heads,
                             k_head_dim=self.k_head_dim, v_head_dim=self.v_head_dim)
+
+    def matmul_shapes(self, hidden: int) -> list[tuple[int, int]]:
+        """[K, N] of one linear layer's matmuls: in_proj (q | k | v | z | b | a) and out_proj."""
+        v = self.num_v_heads * self.v_head_dim
+        return [(hidden, self.conv_dim + v + 2 * self.num_v_heads), (v, hidden)]
+
+    def float32_elements(self) -> int:
+        """Elements of every linear layer's float32 tensors: conv taps [K, conv_dim], A and dt_bias [Hv], the
+        gated norm's weight [Dv]."""
+        return len(self.layers) * (self.conv_kernel * self.conv_dim + 2 * self.num_v_heads + self.v_head_dim)
+
+    def bias_elements(self) -> int:
+        """Elements of every linear layer's matmul biases: none."""
+        return 0
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -253,8 +269,7 @@ def layer(g, i: int, j: int, lw: LinearWeights, hn: str, ctx: LinearContext,
     b = g.b
     b.scope = f"/layers.{i}/linear_attn"
     p = f"model.layers.{i}.linear_attn."
-    hk, hv, dk, dv, kw = la.num_k_heads, la.num_v_heads, la.k_head_dim, la.v_head_dim, la.conv_kernel
-    cd = la.conv_dim
+    hk, hv, dk, dv, cd = la.num_k_heads, la.num_v_heads, la.k_head_dim, la.v_head_dim, la.conv_dim
     proj = g.cast(g.linear(hn, g.matrix(p + "in_proj.weight", lw.in_w), None), g.act, "float32")  # [T, cd + Hv*Dv + 2Hv]
     qkv, z, bb, aa = b.op("Split", proj, b.const([cd, hv * dv, hv, hv]), axis=-1, outputs=4)
     packed_ba = (bb, aa)  # [T, Hv] each: the plugin node's beta / decay are computed packed
@@ -262,24 +277,8 @@ def layer(g, i: int, j: int, lw: LinearWeights, hn: str, ctx: LinearContext,
     padded = b.op("Gather", b.op("Concat", qkv, bb, aa, axis=-1), ctx.gather_idx, axis=0)  # [S*L, cd + 2Hv]
     padded = b.op("Reshape", padded, b.op("Concat", ctx.pad_shape, b.const([cd + 2 * hv]), axis=0))  # [S, L, .]
     qkv, bb, aa = b.op("Split", padded, b.const([cd, hv, hv]), axis=-1, outputs=3)
-    # ---- the states of this step's sequences (zero for a sequence that starts here)
-    conv0 = b.op("Gather", io.conv_state(j), io.STATE_SLOTS, axis=0)  # [S, K-1, cd]
-    conv0 = b.op("Where", ctx.fresh, b.const(0.0, "float32"), conv0)
-    # ---- causal depthwise conv over [state | chunk] ─> silu
-    stream = b.op("Concat", conv0, qkv, axis=1)  # [S, K-1+L, cd]
-    conv_w = g.f32(p + "conv.weight", lw.conv_w)  # [K, cd]
-    taps = b.op("Split", conv_w, b.const([1] * kw), axis=0, outputs=kw) if kw > 1 else [conv_w]
-    length = b.op("Gather", ctx.pad_shape, b.const(1), axis=0)
-    acc = None
-    for tap in range(kw):  # out[t] = sum_j w[j] * stream[t + j]
-        rows = b.op("Slice", stream, b.op("Unsqueeze", b.const(tap), b.const([0])),
-                    b.op("Unsqueeze", b.op("Add", length, b.const(tap)), b.const([0])), b.const([1]))
-        term = b.op("Mul", rows, taps[tap])
-        acc = term if acc is None else b.op("Add", acc, term)
-    conv = b.op("Mul", acc, b.op("Sigmoid", acc))  # [S, L, cd]
-    new_conv = b.op("GatherElements", stream, b.op("Expand", ctx.last_idx, b.op(
-        "Concat", b.op("Slice", b.op("Shape", ctx.last_idx), b.const([0]), b.const([2])), b.const([cd]), axis=0)),
-        axis=1)  # [S, K-1, cd]
+    # ---- the conv over [its state | this step's rows] ─> silu; its new state
+    conv, new_conv = causal_conv(g, j, qkv, p + "conv", lw.conv_w, None, ctx, silu=True)
     if g.plugin:
         out, rec = _plugin_rule(g, j, p, conv, packed_ba, lw, ctx, la)  # [T, Hv, Dv], [S, Hv, Dk, Dv]
         return _output_tail(g, p, out, z, lw, la), (new_conv, rec)
@@ -303,6 +302,41 @@ def layer(g, i: int, j: int, lw: LinearWeights, hn: str, ctx: LinearContext,
     out = b.op("Reshape", b.op("Transpose", out, perm=[0, 2, 1, 3]), b.const([-1, hv, dv]))  # [S*L, Hv, Dv]
     out = b.op("Gather", out, ctx.unpad_idx, axis=0)  # [T, Hv, Dv]
     return _output_tail(g, p, out, z, lw, la), (new_conv, rec)
+
+
+def causal_conv(g, j: int, x: str, name: str, w: np.ndarray, bias: np.ndarray | None, ctx: LinearContext,
+                silu: bool) -> tuple[str, str]:
+    """The causal depthwise conv of state layer j on this step's padded rows x [S, L, cd] (float32), its
+    state's K-1 inputs first (zero for a sequence that starts here), with the taps w [K, cd] and bias [cd]
+    (or None) stored as float32 `name`.weight / .bias: (output [S, L, cd] (silu where asked), new conv state
+    [S, K-1, cd]: the stream's last K-1 inputs). Shared by the gated DeltaNet layer (silu, no bias) and
+    LFM2's short conv (exporter/short_conv.py: conv_bias, no activation).
+
+        conv_state.{j}[state_slots] ─> Where(fresh, 0) ─┐
+                                              x [S, L, cd] ─> Concat ─> stream [S, K-1+L, cd]
+        out[t] = Σ_tap conv_w[tap] × stream[t + tap]         (conv_w [K, cd]; tap K-1: this token)
+    """
+    b = g.b
+    kw, cd = w.shape
+    conv0 = b.op("Gather", io.conv_state(j), io.STATE_SLOTS, axis=0)  # [S, K-1, cd]
+    conv0 = b.op("Where", ctx.fresh, b.const(0.0, "float32"), conv0)
+    stream = b.op("Concat", conv0, x, axis=1)  # [S, K-1+L, cd]
+    conv_w = g.f32(name + ".weight", w)  # [K, cd]
+    taps = b.op("Split", conv_w, b.const([1] * kw), axis=0, outputs=kw) if kw > 1 else [conv_w]
+    length = b.op("Gather", ctx.pad_shape, b.const(1), axis=0)
+    acc = None
+    for tap in range(kw):  # out[t] = sum_j w[j] * stream[t + j]
+        rows = b.op("Slice", stream, b.op("Unsqueeze", b.const(tap), b.const([0])),
+                    b.op("Unsqueeze", b.op("Add", length, b.const(tap)), b.const([0])), b.const([1]))
+        term = b.op("Mul", rows, taps[tap])
+        acc = term if acc is None else b.op("Add", acc, term)
+    if bias is not None:
+        acc = b.op("Add", acc, g.f32(name + ".bias", bias))
+    out = b.op("Mul", acc, b.op("Sigmoid", acc)) if silu else acc  # [S, L, cd]
+    new_conv = b.op("GatherElements", stream, b.op("Expand", ctx.last_idx, b.op(
+        "Concat", b.op("Slice", b.op("Shape", ctx.last_idx), b.const([0]), b.const([2])), b.const([cd]), axis=0)),
+        axis=1)  # [S, K-1, cd]
+    return out, new_conv
 
 
 def _plugin_rule(g, j: int, p: str, conv: str, packed_ba: tuple[str, str], lw: LinearWeights,
@@ -523,12 +557,12 @@ def graph_io_fields(spec, opts) -> dict[str, Any]:
     Its KV may be any form (exporter/kv_forms.py): only the attention layers hold KV, so int8 scales
     and the int4 key transform are calibrated for them alone (a row per layer of spec.kv_layers,
     exporter/calibrate.py); the linear layers' recurrent state stays float32 whatever the KV."""
-    la = spec.linear_attn
+    la = spec.linear_attn  # NOTE: LFM2's short-conv layers too (exporter/short_conv.py ShortConvSpec)
     if la is None:
         return {}
     if opts.layout is not io.KVLayout.PAGED:
         raise UnsupportedModelError(f"--layout {opts.layout.value} is not supported for a {spec.model_type} model "
-                                    f"(gated DeltaNet layers: recurrent state is paged-layout graph I/O); build "
+                                    f"({la.KIND} layers: recurrent state is paged-layout graph I/O); build "
                                     f"with --layout paged")
     return {"kv_layers": spec.kv_layers, "state": (len(la.layers), la.state_dims())}
 

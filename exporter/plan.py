@@ -385,7 +385,7 @@ def plan(model: str, memory: str | int | None = None, *, weights: str | None = N
     state = 0
     if (la := spec.linear_attn) is not None:  # hybrids: constant state per sequence beside the attention layers' KV
         state = io.state_bytes_per_sequence(len(la.layers), la.state_dims())
-        notes.append(f"{len(la.layers)} of the {spec.num_layers} layers are gated DeltaNet (linear attention): no KV, "
+        notes.append(f"{len(la.layers)} of the {spec.num_layers} layers are {la.KIND}: no KV, "
                      f"{state:,} bytes ({_size(state)}) of recurrent state per running sequence whatever its length; "
                      f"the fit gives each sequence that state beside the KV of the {len(spec.kv_layers)} attention "
                      f"layers and holds {engine.state_checkpoints} prefix-cache checkpoints of it (the default "

@@ -50,20 +50,16 @@ class WeightsEstimate:
 
 
 def _linear_attn_shapes(spec: ModelSpec) -> list[tuple[int, int]]:
-    """[K, N] of a gated DeltaNet layer's matmuls (exporter/linear_attention.py): in_proj (q | k | v | z | b | a)
-    and out_proj."""
-    la, h = spec.linear_attn, spec.hidden_size
-    v = la.num_v_heads * la.v_head_dim
-    return [(h, la.conv_dim + v + 2 * la.num_v_heads), (v, h)]
+    """[K, N] of a state layer's matmuls: a gated DeltaNet's in_proj (q | k | v | z | b | a) and out_proj
+    (exporter/linear_attention.py), an LFM2 short conv's in_proj (B | C | x) and out_proj (exporter/short_conv.py)."""
+    return spec.linear_attn.matmul_shapes(spec.hidden_size)
 
 
 def _linear_attn_float32(spec: ModelSpec) -> int:
-    """Elements of every gated DeltaNet layer's float32 tensors: conv taps [K, conv_dim], A and dt_bias [Hv],
-    the gated norm's weight [Dv]; 0 without linear layers."""
+    """Elements of every state layer's float32 tensors (gated DeltaNet: conv taps [K, conv_dim], A and dt_bias
+    [Hv], the gated norm's weight [Dv]; short conv: its taps and bias); 0 without state layers."""
     la = spec.linear_attn
-    if la is None:
-        return 0
-    return len(la.layers) * (la.conv_kernel * la.conv_dim + 2 * la.num_v_heads + la.v_head_dim)
+    return la.float32_elements() if la is not None else 0
 
 
 def _matmul_shapes(spec: ModelSpec) -> list[tuple[int, int]]:
@@ -173,6 +169,8 @@ def weights_estimate(spec: ModelSpec, precision: str, max_len: int) -> WeightsEs
     pos = spec.max_positions * spec.hidden_size if spec.position == "learned" else 0
     matmul = sum(k * n for k, n in shapes)
     biases = _layer_biases(spec) * spec.num_layers
+    if spec.linear_attn is not None:  # an LFM2 short conv's in_proj / out_proj biases (conv_bias)
+        biases += spec.linear_attn.bias_elements()
     if spec.moe is not None and spec.moe.expert_bias:  # gpt_oss: each expert's up and down biases
         biases += len(spec.moe.sparse_layers) * spec.moe.num_experts * (2 * spec.moe.expert_intermediate_size
                                                                           + spec.hidden_size)

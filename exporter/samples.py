@@ -57,7 +57,7 @@ def sample_feeds(manifest, phase: io.Phase, seed: int = 0) -> dict[str, np.ndarr
     if (found := io.state_dims(manifest.model.spec)) is not None:  # a hybrid: slots 0, 1 of two-slot state pools
         num_linear, sd = found
         feeds[io.STATE_SLOTS] = np.arange(2, dtype=np.int64)
-        for name, shape in zip(io.state_names(num_linear), [sd.conv_shape, sd.recurrent_shape] * num_linear):
+        for name, shape in zip(io.state_names(num_linear, sd.recurrent), sd.shapes * num_linear):
             feeds[name] = (0.1 * rng.standard_normal((2, *shape))).astype(np.float32)
     return feeds
 

@@ -7,10 +7,12 @@ from __future__ import annotations
 import math
 from dataclasses import MISSING, asdict, dataclass, fields, replace
 
+from kvexport import io
 from kvexport.errors import ConfigError, KvExportError, UnsupportedModelError
 
 from .linear_attention import LinearAttnSpec
 from .moe import MoESpec
+from .short_conv import ShortConvSpec
 
 NORMS = ("rmsnorm", "layernorm")
 ACTIVATIONS = ("silu", "gelu_new", "gelu_pytorch_tanh", "gelu")
@@ -122,8 +124,9 @@ class ModelSpec:
     v_norm: bool = False  # values RMS-normed per head, without a weight, before the cache (Gemma 4)
     per_layer_input: int | None = None  # per-layer input embedding width (Gemma 4's hidden_size_per_layer_input)
     # ---- gated DeltaNet hybrids (Qwen3.5, Qwen3-Next; exporter/linear_attention.py): the linear layers and
-    # their state dims (they hold recurrent state, no KV); None: every layer attention
-    linear_attn: LinearAttnSpec | None = None
+    # their state dims (they hold recurrent state, no KV); LFM2's short-conv layers (exporter/short_conv.py: a
+    # conv state alone) the same way; None: every layer attention
+    linear_attn: LinearAttnSpec | ShortConvSpec | None = None
     attn_output_gate: bool = False  # attention output × sigmoid(x @ gate) before o_proj (q_proj holds the gate)
 
     def __post_init__(self) -> None:
@@ -210,8 +213,8 @@ class ModelSpec:
                 self.layer_head_dims[i] if self.layer_head_dims is not None else self.head_dim)
 
     def norms_at(self, i: int) -> str:
-        """Where layer i's norms sit (one of LAYER_NORMS): a gated DeltaNet layer's before its mixer and
-        its MLP, every other layer's `layer_norms`.
+        """Where layer i's norms sit (one of LAYER_NORMS): a gated DeltaNet (or LFM2 short-conv) layer's before
+        its mixer and its MLP, every other layer's `layer_norms`.
         NOTE: pre for the linear layers of every hybrid transformers has (Qwen3.5, Qwen3-Next, OLMo-Hybrid),
         whatever its attention layers do (OLMo-Hybrid's: post, as olmo2's)."""
         if self.linear_attn is not None and i in self.linear_attn.layers:
@@ -295,8 +298,9 @@ class ModelSpec:
             kw["mla"] = MLASpec(**kw["mla"])
         if isinstance(kw.get("moe"), dict):
             kw["moe"] = MoESpec.from_json(kw["moe"])
-        if isinstance(kw.get("linear_attn"), dict):
-            kw["linear_attn"] = LinearAttnSpec.from_json(kw["linear_attn"])
+        if isinstance(kw.get("linear_attn"), dict):  # told apart by the short conv's "mixer" (io.SHORT_CONV)
+            cls_ = ShortConvSpec if kw["linear_attn"].get("mixer") == io.SHORT_CONV else LinearAttnSpec
+            kw["linear_attn"] = cls_.from_json(kw["linear_attn"])
         for name in ("eos_token_ids", "generation_eos_token_ids", "layer_windows", "layer_rope") + _LAYER_TUPLES:
             if kw.get(name) is not None:
                 kw[name] = tuple(kw[name])

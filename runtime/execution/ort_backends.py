@@ -517,7 +517,8 @@ def native_library_for(manifest: Manifest) -> tuple[Path | None, str]:
 
     if not manifest.kv.latent:
         lib, why = native.library_for(manifest)
-        if lib is not None and manifest.model.spec.get("linear_attn") is not None:  # hybrids: GatedDeltaRule too
+        state = io.state_dims(manifest.model.spec)
+        if lib is not None and state is not None and state[1].recurrent:  # gated DeltaNet hybrids: GatedDeltaRule too
             from kvexport.plugins.gated_delta import native as gdn_native
 
             lib, why = gdn_native.library_or_why()

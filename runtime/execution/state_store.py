@@ -1,8 +1,9 @@
-"""The recurrent state pools of a hybrid build (gated DeltaNet layers: kvexport/io.py "Recurrent
-state"): per linear layer one conv-state and one delta-rule-state array of `num_slots` rows, in host
-memory beside the KV pools. The scheduler side hands out the row numbers (runtime/core/state_pool.py);
-this side holds the numbers' contents, feeds the graphs the pools and the step's slots, stores the
-states a step returns, and copies slots (prefix-cache checkpoints).
+"""The recurrent state pools of a hybrid build (gated DeltaNet or short-conv layers: kvexport/io.py
+"Recurrent state"): per linear layer one conv-state and one delta-rule-state array of `num_slots` rows
+(an LFM2 short-conv layer: the conv state's alone), in host memory beside the KV pools. The scheduler
+side hands out the row numbers (runtime/core/state_pool.py); this side holds the numbers' contents,
+feeds the graphs the pools and the step's slots, stores the states a step returns, and copies slots
+(prefix-cache checkpoints).
 
 NOTE: like the `onnx` attention's KV, a step's graphs read the pools and return the new states; the
 backend stores them only after the call succeeded, so a step that fails (and is re-run in halves by
@@ -23,10 +24,9 @@ class StateStore:
 
     def __init__(self, num_linear: int, dims: io.StateDims, num_slots: int = DEFAULT_SLOTS):
         self.num_linear, self.dims = num_linear, dims
-        self.names = io.state_names(num_linear)
-        self.out_names = io.new_state_names(num_linear)
-        shapes = [dims.conv_shape, dims.recurrent_shape] * num_linear
-        self.pools = [np.zeros((num_slots, *s), np.float32) for s in shapes]
+        self.names = io.state_names(num_linear, dims.recurrent)
+        self.out_names = io.new_state_names(num_linear, dims.recurrent)
+        self.pools = [np.zeros((num_slots, *s), np.float32) for s in dims.shapes * num_linear]
 
     @classmethod
     def for_model(cls, model_spec: dict, num_slots: int = DEFAULT_SLOTS) -> "StateStore | None":

@@ -173,6 +173,8 @@ TOOL_FAMILIES: dict[str, tuple[str, str] | None] = {
     "deepseek_v3": ("deepseek", "<｜tool▁calls▁begin｜>"),
     "gpt_oss": ("harmony", "<|channel|>commentary to=functions."),
     "gpt2": None, "olmo2": None, "olmo_hybrid": None, "gemma2": None, "gemma3_text": None, "gemma4_text": None,
+    # LFM2's pythonic calls (<|tool_call_start|>[name(k=v)]<|tool_call_end|>) have no parser yet: the hermes path
+    "lfm2": None,
 }
 
 

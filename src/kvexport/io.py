@@ -400,34 +400,44 @@ def q_channel_scale(i: int) -> str:
     return f"kv_offsets.{i}.query_scale"
 
 
-# ---- recurrent state (hybrid linear-attention models: Qwen3.5, Qwen3-Next; paged only) -------
+# ---- recurrent state (hybrid models: Qwen3.5, Qwen3-Next, OLMo-Hybrid, LFM2; paged only) -------
 # Each gated DeltaNet layer keeps a fixed-size state per sequence instead of a growing KV cache: the
-# causal short conv's last K-1 inputs and the delta rule's matrix per value head. The runtime holds
+# causal short conv's last K-1 inputs and the delta rule's matrix per value head; an LFM2 short-conv
+# layer keeps the conv's inputs alone (no recurrent matrix: SHORT_CONV). The runtime holds
 # them in a STATE POOL of slots (runtime/core/state_pool.py: one per running sequence, plus prefix-
 # cache checkpoints) beside the KV pool; `state_slots` says which slot each sequence of the step
 # reads. Like the `onnx` attention's KV, the graphs read the pools and return the sequences' new
 # states, which the runtime stores back at those slots. A sequence whose first token in the step is
 # at position 0 starts from a zero state whatever its slot holds (fresh prompts, preemption by
-# recompute). The state pools are numbered j = 0.. over the linear layers (the manifest's
-# model.linear_attn.layers); only the other (attention) layers hold KV pools (`kv_layout`)::
+# recompute). The state pools are numbered j = 0.. over the state-holding ("linear") layers (the
+# manifest's model.linear_attn.layers); only the other (attention) layers hold KV pools (`kv_layout`)::
 #
 #   state_slots [num_seqs] int64
 #   conv_state.{j} [num_state_slots, K-1, conv_dim] float32
-#   recurrent_state.{j} [num_state_slots, Hv, Dk, Dv] float32
+#   recurrent_state.{j} [num_state_slots, Hv, Dk, Dv] float32          (gated DeltaNet layers only)
 #   -> new_conv_state.{j} [num_seqs, K-1, conv_dim], new_recurrent_state.{j} [num_seqs, Hv, Dk, Dv]
 STATE_SLOTS = "state_slots"
 NUM_STATE_SLOTS = "num_state_slots"
+# the manifest's model.linear_attn["mixer"] of short-conv layers (LFM2: exporter/short_conv.py), whose state
+# is the conv's alone; a gated DeltaNet's linear_attn has no "mixer" key (builds made before it unchanged)
+SHORT_CONV = "short_conv"
 
 
 @dataclass(frozen=True, slots=True)
 class StateDims:
-    """One linear layer's state shapes (from the manifest's model.linear_attn: `state_dims`)."""
+    """One state-holding layer's state shapes (from the manifest's model.linear_attn: `state_dims`).
+    A short-conv layer (LFM2) has no recurrent matrix: num_v_heads (and the head dims) 0."""
 
     conv_width: int  # K - 1: conv inputs kept
-    conv_dim: int  # channels of the short conv (q, k and v)
-    num_v_heads: int  # Hv
-    k_head_dim: int  # Dk
-    v_head_dim: int  # Dv
+    conv_dim: int  # channels of the short conv (q, k and v; LFM2: hidden_size)
+    num_v_heads: int = 0  # Hv; 0: no delta-rule state (SHORT_CONV)
+    k_head_dim: int = 0  # Dk
+    v_head_dim: int = 0  # Dv
+
+    @property
+    def recurrent(self) -> bool:
+        """The layer holds a delta-rule matrix beside its conv state (recurrent_state.{j})."""
+        return self.num_v_heads > 0
 
     @property
     def conv_shape(self) -> tuple[int, int]:
@@ -437,13 +447,21 @@ class StateDims:
     def recurrent_shape(self) -> tuple[int, int, int]:
         return (self.num_v_heads, self.k_head_dim, self.v_head_dim)
 
+    @property
+    def shapes(self) -> tuple[tuple[int, ...], ...]:
+        """One slot's row shape of each of one layer's pools, `state_names` order."""
+        return (self.conv_shape, self.recurrent_shape) if self.recurrent else (self.conv_shape,)
+
 
 def state_dims(model: dict) -> tuple[int, StateDims] | None:
-    """(linear layers, their state shapes) of a build from its manifest's model spec
-    (exporter/linear_attention.py LinearAttnSpec.to_json), or None: no recurrent state."""
+    """(state-holding layers, their state shapes) of a build from its manifest's model spec
+    (exporter/linear_attention.py LinearAttnSpec.to_json, exporter/short_conv.py ShortConvSpec.to_json),
+    or None: no recurrent state."""
     la = model.get("linear_attn")
     if la is None:
         return None
+    if la.get("mixer") == SHORT_CONV:  # LFM2: the conv state alone
+        return len(la["layers"]), StateDims(la["conv_kernel"] - 1, la["conv_dim"])
     hk, dk, hv, dv = la["num_k_heads"], la["k_head_dim"], la["num_v_heads"], la["v_head_dim"]
     return len(la["layers"]), StateDims(la["conv_kernel"] - 1, 2 * hk * dk + hv * dv, hv, dk, dv)
 
@@ -466,20 +484,24 @@ def new_recurrent_state(j: int) -> str:
     return f"new_recurrent_state.{j}"
 
 
-def state_names(num_linear_layers: int) -> list[str]:
-    """Every state pool input, in graph order: conv_state.{j}, recurrent_state.{j} per linear layer."""
-    return [n for j in range(num_linear_layers) for n in (conv_state(j), recurrent_state(j))]
+def state_names(num_linear_layers: int, recurrent: bool = True) -> list[str]:
+    """Every state pool input, in graph order: conv_state.{j}, recurrent_state.{j} per linear layer
+    (`recurrent` False, short-conv layers: conv_state.{j} alone; StateDims.recurrent)."""
+    return [n for j in range(num_linear_layers)
+            for n in ((conv_state(j), recurrent_state(j)) if recurrent else (conv_state(j),))]
 
 
-def new_state_names(num_linear_layers: int) -> list[str]:
+def new_state_names(num_linear_layers: int, recurrent: bool = True) -> list[str]:
     """The graphs' new-state outputs, one per pool of `state_names` (same order)."""
-    return [n for j in range(num_linear_layers) for n in (new_conv_state(j), new_recurrent_state(j))]
+    return [n for j in range(num_linear_layers)
+            for n in ((new_conv_state(j), new_recurrent_state(j)) if recurrent else (new_conv_state(j),))]
 
 
 def state_bytes_per_sequence(num_linear_layers: int, dims: StateDims) -> int:
     """Memory one sequence's recurrent state occupies whatever its length (float32): layers x
     (conv_width x conv_dim + Hv x Dk x Dv) x 4 (a Qwen3.5-0.8B-shaped model, 18 linear layers of 16 x 128 x 128
-    and conv_dim 6144: 18 x (3 x 6144 + 262,144) x 4 = 20,201,472). `kvexport plan` shows exactly this."""
+    and conv_dim 6144: 18 x (3 x 6144 + 262,144) x 4 = 20,201,472; an LFM2-1.2B-shaped one, 10 short-conv
+    layers of 2 x 2048 and no matrix: 10 x 4096 x 4 = 163,840). `kvexport plan` shows exactly this."""
     per = dims.conv_width * dims.conv_dim + dims.num_v_heads * dims.k_head_dim * dims.v_head_dim
     return num_linear_layers * per * 4
 
@@ -623,11 +645,9 @@ def graph_io(
 def _state_io(num_linear: int, dims: StateDims, rows: str, inputs: bool) -> list[TensorSpec]:
     """The recurrent-state inputs (state_slots, then the pools) or outputs (the new states)."""
     out = [TensorSpec(STATE_SLOTS, "int64", (NUM_SEQS,))] if inputs else []
-    names = state_names(num_linear) if inputs else new_state_names(num_linear)
-    for j in range(num_linear):
-        out += [TensorSpec(names[2 * j], "float32", (rows, *dims.conv_shape)),
-                TensorSpec(names[2 * j + 1], "float32", (rows, *dims.recurrent_shape))]
-    return out
+    names = (state_names if inputs else new_state_names)(num_linear, dims.recurrent)
+    shapes = dims.shapes * num_linear
+    return out + [TensorSpec(n, "float32", (rows, *shape)) for n, shape in zip(names, shapes)]
 
 
 def paged_pool_shape(num_blocks, num_kv_heads: int, block_size: int, head_dim: int, kv_dtype: str = "float32") -> tuple:

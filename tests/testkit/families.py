@@ -102,6 +102,14 @@ CASES_HYBRID_MOE = {"qwen3_5_moe": dict(num_experts=4, num_experts_per_tok=2, mo
 # projections, beta x 2 by its default linear_allow_neg_eigval, OLMo-2 post-norm attention layers beside pre-norm
 # linear layers) and no RoPE, as the released checkpoints (rope_theta null); the RoPE form is a variant there
 CASES_OLMO_HYBRID = {"olmo_hybrid": dict(rope_parameters=dict(rope_type="default", rope_theta=None))}
+# LFM2 (tests/exporter/test_lfm2.py): 3 short-conv : 1 attention layer (an attention layer between conv layers),
+# GQA (4 query : 2 KV heads, q/k RMSNorm per head), RoPE; the MLP width by transformers' Lfm2MLP rule (100 -> 2/3
+# -> x 1.5 -> up to a multiple of 16: 112), the norms' own eps field (norm_eps), tied embeddings as released
+TINY_LFM2 = dict(vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=100, block_multiple_of=16, block_ffn_dim_multiplier=1.5, norm_eps=1e-6,
+                 max_position_embeddings=256, layer_types=["conv", "conv", "full_attention", "conv"],
+                 pad_token_id=0, bos_token_id=1, eos_token_id=2)
+CASES_LFM2 = {"lfm2": {}}
 BUILDS_PAGED_ONNX = [("paged", "onnx")]
 # parity modules whose families refuse `--attention plugin` by name (no native op for their layers yet; the
 # refusal is tested there): module -> why
@@ -122,6 +130,7 @@ PARITY_MODULES = {
     "test_qwen3_5": (CASES_HYBRID, BUILDS_PAGED_ONNX + [("paged", "plugin")]),
     "test_qwen3_5_moe": (CASES_HYBRID_MOE, BUILDS_PAGED_ONNX + [("paged", "plugin")]),
     "test_olmo_hybrid": (CASES_OLMO_HYBRID, BUILDS_PAGED_ONNX + [("paged", "plugin")]),
+    "test_lfm2": (CASES_LFM2, BUILDS_PAGED_ONNX + [("paged", "plugin")]),
 }
 
 
@@ -150,6 +159,10 @@ def tiny_config(family: str, **overrides):
         from transformers import OlmoHybridConfig
 
         return OlmoHybridConfig(**{**TINY_HYBRID, **CASES_OLMO_HYBRID[family], **overrides})
+    if family in CASES_LFM2:
+        from transformers import Lfm2Config
+
+        return Lfm2Config(**{**TINY_LFM2, **CASES_LFM2[family], **overrides})
     if family in CASES_HYBRID:
         from transformers import Qwen3_5TextConfig, Qwen3NextConfig
 
@@ -204,6 +217,12 @@ def _init(family: str, model) -> None:
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):
                     p.copy_(0.5 + torch.rand_like(p))
+        if family in CASES_LFM2:  # norms init to 1, biases (conv_bias) to 0: random, so a missed or swapped one shows
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.copy_(0.5 + torch.rand_like(p))
+                elif name.endswith(".bias"):
+                    p.copy_(torch.randn_like(p) * 0.5)
         if family == "gemma4_text":  # norms init to 1 and scalars to 1 would hide a swapped or missed weight
             for name, p in list(model.named_parameters()) + list(model.named_buffers()):
                 if name.endswith("norm.weight") or name.endswith("layer_scalar"):
