@@ -22,7 +22,7 @@ from kvexport import io
 
 from . import attention as attn
 from . import gemma4, kv_int4, linear_attention, mla, moe, short_conv
-from .families import LayerWeights, ModelWeights
+from .model_weights import LayerWeights, ModelWeights
 from .onnx_builder import GraphBuilder, WeightStore, onnx_dtype
 from .quantize import CHANNEL, QUANTIZED_EMBED, QUANTIZED_HEAD, QuantizedMatrix, stored_codes
 from .spec import ModelSpec

@@ -31,6 +31,7 @@ from kvexport import io
 from kvexport.errors import ConfigError, UnsupportedModelError
 
 from . import linear_attention
+from .model_weights import LayerWeights, ModelWeights
 
 CONV, FULL = "conv", "full_attention"  # LFM2's config.layer_types entries
 
@@ -156,13 +157,11 @@ def read_weights(sd: dict[str, Any], prefix: str, sc: ShortConvSpec, np_: Any) -
         out_w=np.ascontiguousarray(np_(sd[prefix + "out_proj.weight"]).T), out_b=opt("out_proj.bias"))
 
 
-def lfm2_weights(sd: dict, spec) -> Any:
-    """LFM2 checkpoints (exporter/families.py ModelWeights): conv layers (`read_weights`) or attention layers
+def lfm2_weights(sd: dict, spec) -> ModelWeights:
+    """LFM2 checkpoints (exporter/model_weights.py ModelWeights): conv layers (`read_weights`) or attention layers
     (q/k/v_proj, out_proj, per-head q_layernorm / k_layernorm), each with operator_norm before its mixer and
     ffn_norm before its SwiGLU feed_forward (w1 gate, w3 up, w2 down); the final norm is model.embedding_norm;
     lm_head tied to the embeddings unless the checkpoint has its own (and tie_word_embeddings is false)."""
-    from .families import LayerWeights, ModelWeights  # NOTE: here, not at the top: families imports this module
-
     np_ = lambda t: t.detach().to("cpu").float().numpy()  # noqa: E731
     sc, inter = spec.linear_attn, spec.intermediate_size
     layers = []
