@@ -55,6 +55,16 @@ def _linear_attn_shapes(spec: ModelSpec) -> list[tuple[int, int]]:
     return spec.linear_attn.matmul_shapes(spec.hidden_size)
 
 
+def _float_matmul_shapes(spec: ModelSpec) -> list[tuple[int, int]]:
+    """[K, N] of the matmuls among `_model_matmul_shapes` that no weight quantization touches: every state
+    layer's in_proj / out_proj, and an output-gated attention layer's gate (q_proj's second half)."""
+    la = spec.linear_attn
+    out = _linear_attn_shapes(spec) * len(la.layers) if la is not None else []
+    if spec.attn_output_gate:
+        out += [(spec.hidden_size, spec.num_heads * spec.head_dim)] * (spec.num_layers - (len(la.layers) if la else 0))
+    return out
+
+
 def _linear_attn_float32(spec: ModelSpec) -> int:
     """Elements of every state layer's float32 tensors (gated DeltaNet: conv taps [K, conv_dim], A and dt_bias
     [Hv], the gated norm's weight [Dv]; short conv: its taps and bias); 0 without state layers."""
@@ -164,6 +174,9 @@ def weights_estimate(spec: ModelSpec, precision: str, max_len: int) -> WeightsEs
     if precision not in WEIGHT_PRECISIONS:
         raise ConfigError(f"--weights must be one of {', '.join(WEIGHT_PRECISIONS)}, got {precision!r}")
     act, shapes = ACT_BYTES[precision], _model_matmul_shapes(spec)
+    # NOTE: some matmuls stay in the activation dtype in every build (exporter/quantize.py float_linears
+    # quantizes the attention's qkv / o, the MLPs and the experts only)
+    float_shapes = _float_matmul_shapes(spec)
     table = spec.vocab_size * spec.hidden_size
     tables = 1 if spec.tie_embeddings else 2
     pos = spec.max_positions * spec.hidden_size if spec.position == "learned" else 0
@@ -179,6 +192,7 @@ def weights_estimate(spec: ModelSpec, precision: str, max_len: int) -> WeightsEs
         block = _weight_block(spec, precision)
         head_block = block or HEAD_CHANNEL_BUILDS_BLOCK
         matmul_bytes = sum(_quantized_bytes(k, n, BITS[precision], block, act) for k, n in shapes)
+        matmul_bytes += sum(k * n * act - _quantized_bytes(k, n, BITS[precision], block, act) for k, n in float_shapes)
         table_bytes = tables * _quantized_bytes(spec.hidden_size, spec.vocab_size, HEAD_BITS, head_block, act)
     else:
         matmul_bytes, table_bytes = matmul * act, tables * table * act

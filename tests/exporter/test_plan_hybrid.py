@@ -5,6 +5,8 @@ inputs saved in a build are the graphs' own inputs (their pools, a hybrid's stat
 onnxruntime; `kvexport plan` counts a hybrid's weights layer by layer (the bytes the build stores) and its fit
 gives each sequence its recurrent state beside its KV, with the engine's pools for the KV budget it reports."""
 
+import dataclasses
+
 import onnx
 import onnxruntime as ort
 import pytest
@@ -22,8 +24,9 @@ from testkit.families import CASES_HYBRID
 def builds(hf_folder, tmp_path_factory):
     root = tmp_path_factory.mktemp("plan-hybrid")
     opts = BuildOptions(block_size=4, max_seq_len=64, validate=False, attention=io.Attention.ONNX)
-    return {"hybrid": build(str(hf_folder("qwen3_5_text", **CASES_HYBRID["qwen3_5_text"])), root / "hybrid",
-                            opts)[0],
+    hybrid = str(hf_folder("qwen3_5_text", **CASES_HYBRID["qwen3_5_text"]))
+    return {"hybrid": build(hybrid, root / "hybrid", opts)[0],
+            "hybrid-int4": build(hybrid, root / "hybrid-int4", dataclasses.replace(opts, weights="int4"))[0],
             "gemma4": build(str(hf_folder("gemma4_text")), root / "gemma4", opts)[0]}
 
 
@@ -54,17 +57,19 @@ def test_samples_are_the_graphs_inputs_and_run(builds, name):
         assert "key_cache.0" not in feeds and feeds["key_cache.3"].shape[0] == 2
 
 
-def test_weight_estimate_of_a_hybrid_is_the_bytes_it_stores(builds):
+@pytest.mark.parametrize("name", ["hybrid", "hybrid-int4"])
+def test_weight_estimate_of_a_hybrid_is_the_bytes_it_stores(builds, name):
     """Linear layers: in_proj / out_proj matmuls, float32 conv taps, A, dt_bias and norm; the attention layer's
-    q_proj holds its output gate: the estimate equals the parameters and the tensors in weights.data."""
-    m = load(builds["hybrid"])
+    q_proj holds its output gate: the estimate equals the parameters and the tensors in weights.data. int4: the
+    attention and MLP matmuls are quantized, the linear layers' in_proj / out_proj stay float (as built)."""
+    m = load(builds[name])
     stored = {}
     for graph in (io.PREFILL_GRAPH, io.DECODE_GRAPH):
-        for t in onnx.load(str(builds["hybrid"] / graph), load_external_data=False).graph.initializer:
+        for t in onnx.load(str(builds[name] / graph), load_external_data=False).graph.initializer:
             where = {e.key: e.value for e in t.external_data}
             if where:
                 stored[int(where["offset"])] = int(where["length"])
-    e = next(e for e in plan(str(builds["hybrid"])).weights if e.precision == (m.weights.precision or m.dtype))
+    e = next(e for e in plan(str(builds[name])).weights if e.precision == (m.weights.precision or m.dtype))
     assert (e.parameters, e.bytes) == (m.weights.parameters, sum(stored.values()))
 
 
