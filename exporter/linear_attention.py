@@ -527,11 +527,7 @@ class Hybrid:
     def read_fields(self, config) -> dict:
         """The spec fields of a hybrid (`read_linear_attn` over config.layer_types) and its attention
         output gate; a config asking for what the family's code does not do is refused by name."""
-        types = getattr(config, "layer_types", None)
-        n = getattr(config, "num_hidden_layers", None)
-        if not isinstance(types, (list, tuple)) or len(types) != n:
-            raise ConfigError(f"config field 'layer_types' must list one type for each of the {n} layers, "
-                              f"got {types!r}")
+        types = config_layer_types(config)
         if self.attn_output_gate and (gate := getattr(config, "attn_output_gate", True)) is not True:
             raise UnsupportedModelError(f"config field 'attn_output_gate' is {gate!r}; kvexport supports the gated "
                                         f"attention of {self.name} only (true)")
@@ -541,8 +537,17 @@ class Hybrid:
             if not isinstance(allow, bool):
                 raise ConfigError(f"config field {self.neg_eigval_field!r} must be true or false, got {allow!r}")
             scale = 2.0 if allow else 1.0
-        return {"linear_attn": read_linear_attn(config, tuple(types), scale, self.norm_eps),
+        return {"linear_attn": read_linear_attn(config, types, scale, self.norm_eps),
                 "attn_output_gate": self.attn_output_gate}
+
+
+def config_layer_types(config) -> tuple[str, ...]:
+    """config.layer_types of a hybrid: one entry per layer, else ConfigError naming the field."""
+    types = getattr(config, "layer_types", None)
+    n = getattr(config, "num_hidden_layers", None)
+    if not isinstance(types, (list, tuple)) or len(types) != n:
+        raise ConfigError(f"config field 'layer_types' must list one type for each of the {n} layers, got {types!r}")
+    return tuple(types)
 
 
 QWEN = Hybrid("Qwen3.5 / Qwen3-Next", attn_output_gate=True)

@@ -109,10 +109,7 @@ def read_fields(config) -> dict:
     """LFM2's spec fields beyond read_spec's (Family.extra_fields): the conv layers per config.layer_types,
     the MLP width (`ff_dim`), the norms' eps (config norm_eps) and the MLP's silu (fixed in its code).
     A layer type other than conv / full_attention, or no attention layer, is refused by name."""
-    n = getattr(config, "num_hidden_layers", None)
-    types = getattr(config, "layer_types", None)
-    if not isinstance(types, (list, tuple)) or len(types) != n:
-        raise ConfigError(f"config field 'layer_types' must list one type for each of the {n} layers, got {types!r}")
+    types = linear_attention.config_layer_types(config)
     for t in types:
         if t not in (CONV, FULL):
             raise UnsupportedModelError(f"config field 'layer_types' has {t!r}, which kvexport does not support in an "

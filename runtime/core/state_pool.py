@@ -201,7 +201,9 @@ class StatePool:
     def pop_evicted(self) -> list[tuple[int, BlockHash]]:
         """(slot, key) of the ready checkpoints evicted since the last call: their slots still hold
         the state until this step's compute (saves run after it), so a tier saves them first."""
-        out, self._evicted = self._evicted or [], [] if self._evicted is not None else None
+        if not self._evicted:
+            return []
+        out, self._evicted = self._evicted, []
         return out
 
     def _drop(self, request_id: str, key: BlockHash | None) -> None:
@@ -239,15 +241,16 @@ class CheckpointPool:
         get_cached_block(key)     the ready checkpoint's slot (no LRU touch), or None
         num_free_blocks           slots `get_new_blocks` can hand out (free, or evictable: not pinned)
         get_new_blocks(n)         n slots, held until `free_blocks` (evicting least recently used
-                                  checkpoints: `pop_evicted` hands them to the KV tiers)
+                                  checkpoints: `pop_evicted` hands them to the KV tiers, those
+                                  `worth_keeping` says are: the ones whose KV is still held)
         cache_full_blocks(...)    held slots, written, offered to lookups under their keys (and
                                   pinned while held: a hand-off's request is admitted first)
         free_blocks(ids)          the hold dropped (a slot never published goes back)
         cached_blocks()           every ready checkpoint, least recently used first (persistence)
     """
 
-    def __init__(self, state: StatePool, block_size: int):
-        self.state, self.block_size = state, block_size
+    def __init__(self, state: StatePool, block_size: int, worth_keeping=lambda key: True):
+        self.state, self.block_size, self.worth_keeping = state, block_size, worth_keeping
         self.enable_prefix_caching = True
         self._held: dict[int, BlockHash | None] = {}  # slot -> its key once published
 
@@ -255,7 +258,8 @@ class CheckpointPool:
         self.state.record_evictions()
 
     def pop_evicted(self) -> list[tuple[int, BlockHash]]:
-        return self.state.pop_evicted()
+        """The evicted checkpoints worth a copy in a KV tier (`worth_keeping`); the others are dropped."""
+        return [(slot, key) for slot, key in self.state.pop_evicted() if self.worth_keeping(key)]
 
     def get_cached_block(self, block_hash: BlockHash) -> int | None:
         return self.state.peek(block_hash)
@@ -310,7 +314,7 @@ class StatefulKVCacheManager:
         # request -> where its prompt's KV hit ended beyond its checkpoint (a branch point: a checkpoint there)
         self._branch: dict[str, int] = {}
         self._lookup: tuple[tuple, int] = ((), 0)  # the last lookup: its block hashes, its KV hit before the cut (tokens)
-        self._checkpoints = CheckpointPool(state, inner.block_size)
+        self._checkpoints = CheckpointPool(state, inner.block_size, self._kv_held)
         if getattr(inner, "tiers", None) is not None:  # evicted checkpoints go to the KV tiers (host, disk)
             state.record_evictions()
 
@@ -466,13 +470,18 @@ class StatefulKVCacheManager:
 
     def _offload_evicted(self) -> None:
         """The ready checkpoints capacity just evicted go to the KV tiers (saved before the step, whose
-        saves overwrite their slots after its compute: kv_tiers.py's NOTE), those whose KV is still held
-        somewhere (the pool or a tier): a checkpoint without the blocks it ends is no hit, not worth a copy."""
+        saves overwrite their slots after its compute: kv_tiers.py's NOTE), those worth it (`_kv_held`)."""
         tiers = self.inner.tiers
-        for slot, key in self.state.pop_evicted():
-            if tiers is not None and (self.inner.pool.get_cached_block(key) is not None
-                                      or tiers.where((self.inner.group, key)) is not None):
+        for slot, key in self._checkpoints.pop_evicted():
+            if tiers is not None:
                 tiers.offer(STATE_GROUP, slot, key)
+
+    def _kv_held(self, key: BlockHash) -> bool:
+        """The block a checkpoint ends is held somewhere (the pool, a KV tier): without it the checkpoint is
+        no hit, not worth a copy in a tier."""
+        tiers = self.inner.tiers
+        return self.inner.pool.get_cached_block(key) is not None or (
+            tiers is not None and tiers.where((self.inner.group, key)) is not None)
 
 
 def clip_chunk(kv: Any, start: int, n: int, prompt_len: int, request_id: str | None = None) -> int:

@@ -10,7 +10,7 @@ recomputation and transformers, and from the host KV tier; `kvexport plan`'s byt
 import onnx
 import pytest
 
-from kvexport import LLM, SamplingParams, io
+from kvexport import SamplingParams, io
 from kvexport.errors import UnsupportedModelError
 from kvexport.exporter import source
 from kvexport.exporter.build import BuildOptions, build
@@ -23,6 +23,7 @@ from kvexport.runtime.config import EngineConfig
 from kvexport.runtime.engine import LLMEngine
 from kvexport.runtime.execution.state_store import StateStore
 from testkit import parity
+from testkit.builds import stored_tensors
 from testkit.families import CASES_LFM2, tiny_config
 
 FAMILY = "lfm2"
@@ -114,18 +115,8 @@ def test_served_batched_chunked_preempted(built):
     """6 prompts of 10..30 tokens in 8-token chunks on 14 usable 4-token blocks (batching, the conv state carried
     across chunks, preemption by recompute), then a 150-token prompt in one step beside short ones: tokens equal
     transformers' greedy ones."""
-    out, m, model = built(io.Attention.ONNX)
-    prompts = parity.random_prompts(6, 128, 10, 31, seed=1)
-    per_token = io.kv_bytes_per_token(1, m.kv.num_kv_heads, m.kv.head_dim, io.DType(m.kv.dtype))  # layer 2's KV only
-    llm = LLM(out, kv_cache_memory=15 * 4 * per_token, max_num_batched_tokens=8)
-    got = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
-    assert llm.engine.scheduler.num_preemptions > 0
-    want = parity.hf_greedy(model, prompts, 12)
-    assert [o.token_ids for o in got] == want and len({t for w in want for t in w}) > 12  # not one repeated token
-    long = parity.random_prompts(1, 128, 150, 151, seed=3) + parity.random_prompts(2, 128, 5, 9, seed=4)
-    roomy = LLM(out, kv_cache_memory="2MiB", max_num_batched_tokens=256, enable_prefix_caching=False)
-    got = roomy.generate(long, SamplingParams(max_tokens=8, ignore_eos=True))
-    assert [o.token_ids for o in got] == parity.hf_greedy(model, long, 8)
+    _, want = parity.check_hybrid_served(*built(io.Attention.ONNX))
+    assert len({t for w in want for t in w}) > 12  # not one repeated token
 
 
 def test_prefix_cache_resumes_from_a_state_checkpoint(built):
@@ -170,12 +161,7 @@ def test_plan_counts_the_bytes_the_build_stores(built):
     each sequence its conv state (layers x (K-1) x hidden x 4 bytes)."""
     for variant in VARIANTS:
         out, m, _ = built(io.Attention.ONNX, variant)
-        stored = {}
-        for graph in (io.PREFILL_GRAPH, io.DECODE_GRAPH):
-            for t in onnx.load(str(out / graph), load_external_data=False).graph.initializer:
-                where = {e.key: e.value for e in t.external_data}
-                if where:
-                    stored[int(where["offset"])] = int(where["length"])
+        stored = stored_tensors(out)
         p = plan(str(out), m.weights.bytes + 1_000_000, max_num_seqs=2, max_num_batched_tokens=16)
         e = next(e for e in p.weights if e.precision == (m.weights.precision or m.dtype))
         assert (e.parameters, e.bytes) == (m.weights.parameters, sum(stored.values())), variant

@@ -22,6 +22,7 @@ from kvexport.exporter.validate import MIN_AGREEMENT, TOLERANCE
 
 
 
+from testkit.builds import stored_tensors  # noqa: E402
 from testkit.families import tiny_config  # noqa: E402  (deepseek: 2 layers: dense, then 8 experts + 1 shared)
 EXPERTS = 8
 OPTS = dict(block_size=4, max_seq_len=64, validate_steps=8)
@@ -148,12 +149,7 @@ def test_plan_counts_the_mla_matrices(built, folder, tmp_path):
                     BuildOptions(weights="fp16", validate=False, **OPTS))
     for out in (built("deepseek_v3", "int4", "plugin")[0], built("deepseek_v2", "int8", "plugin")[0], fp16):
         m = load(out)
-        stored = {}
-        for graph in (io.PREFILL_GRAPH, io.DECODE_GRAPH):
-            for t in onnx.load(str(out / graph), load_external_data=False).graph.initializer:
-                where = {e.key: e.value for e in t.external_data}
-                if where:
-                    stored[int(where["offset"])] = int(where["length"])
+        stored = stored_tensors(out)
         e = next(e for e in plan(str(out)).weights if e.precision == m.weights.precision)
         assert (e.parameters, e.bytes) == (m.weights.parameters, sum(stored.values())), (m.weights.precision, e)
         assert e.block_size == (32 if m.weights.quantization else None)

@@ -165,17 +165,11 @@ def test_parity_fp32(built, family, layout, attention, request):
 def test_plan_counts_every_expert(built):
     """`kvexport plan`'s weights estimate of a MoE build: its parameters exactly and the bytes of
     every tensor in weights.data (experts, float32 routers), as for dense builds (test_plan.py)."""
-    import onnx
-
     from kvexport.exporter.plan import plan
+    from testkit.builds import stored_tensors
 
     out, m, _ = built("qwen3_moe", "paged", "onnx")
-    stored = {}
-    for graph in (io.PREFILL_GRAPH, io.DECODE_GRAPH):
-        for t in onnx.load(str(out / graph), load_external_data=False).graph.initializer:
-            where = {e.key: e.value for e in t.external_data}
-            if where:
-                stored[int(where["offset"])] = int(where["length"])
+    stored = stored_tensors(out)
     e = next(e for e in plan(str(out)).weights if e.precision == "fp32")
     assert (e.parameters, e.bytes) == (m.weights.parameters, sum(stored.values()))
 

@@ -11,7 +11,7 @@ transformers; and the refusals."""
 import onnx
 import pytest
 
-from kvexport import LLM, SamplingParams, io
+from kvexport import io
 from kvexport.errors import UnsupportedModelError
 from kvexport.exporter import source
 from kvexport.exporter.build import BuildOptions, build
@@ -100,17 +100,7 @@ def test_served_batched_chunked_preempted(built):
     """6 prompts of 10..30 tokens in 8-token chunks on 14 usable 4-token blocks (batching, state carried
     across chunks, preemption by recompute), then a 150-token prompt in one step beside short ones (three
     64-token chunks of the chunked rule, beta up to 2): tokens equal transformers' greedy ones."""
-    out, m, model = built(io.Attention.ONNX)
-    prompts = parity.random_prompts(6, 128, 10, 31, seed=1)
-    per_token = io.kv_bytes_per_token(1, m.kv.num_kv_heads, m.kv.head_dim, io.DType(m.kv.dtype))  # layer 3's KV only
-    llm = LLM(out, kv_cache_memory=15 * 4 * per_token, max_num_batched_tokens=8)
-    got = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
-    assert llm.engine.scheduler.num_preemptions > 0
-    assert [o.token_ids for o in got] == parity.hf_greedy(model, prompts, 12)
-    long = parity.random_prompts(1, 128, 150, 151, seed=3) + parity.random_prompts(2, 128, 5, 9, seed=4)
-    roomy = LLM(out, kv_cache_memory="2MiB", max_num_batched_tokens=256, enable_prefix_caching=False)
-    got = roomy.generate(long, SamplingParams(max_tokens=8, ignore_eos=True))
-    assert [o.token_ids for o in got] == parity.hf_greedy(model, long, 8)
+    parity.check_hybrid_served(*built(io.Attention.ONNX))
 
 
 def test_prefix_cache_resumes_from_a_state_checkpoint(built):

@@ -207,17 +207,11 @@ def test_the_engine_and_the_plan_allocate_the_same_pools(builds, name):
 def test_weight_estimates_are_the_bytes_a_build_stores(builds, name):
     """The estimate of the build's own precision: its parameters exactly, and the bytes of every
     tensor in weights.data (the file adds only the 4 KiB alignment of each)."""
-    import onnx
-
     from kvexport.manifest import load
+    from testkit.builds import stored_tensors
 
     m = load(builds[name])
-    stored = {}
-    for graph in (io.PREFILL_GRAPH, io.DECODE_GRAPH):
-        for t in onnx.load(str(builds[name] / graph), load_external_data=False).graph.initializer:
-            where = {e.key: e.value for e in t.external_data}
-            if where:
-                stored[int(where["offset"])] = int(where["length"])
+    stored = stored_tensors(builds[name])
     e = next(e for e in plan(str(builds[name])).weights if e.precision == (m.weights.precision or m.dtype))
     assert (e.parameters, e.bytes) == (m.weights.parameters, sum(stored.values()))
     assert e.bytes <= m.weights.bytes < e.bytes + 4096 * len(stored)

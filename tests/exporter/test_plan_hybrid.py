@@ -7,7 +7,6 @@ gives each sequence its recurrent state beside its KV, with the engine's pools f
 
 import dataclasses
 
-import onnx
 import onnxruntime as ort
 import pytest
 
@@ -17,6 +16,7 @@ from kvexport.exporter.plan import plan
 from kvexport.exporter.samples import sample_feeds
 from kvexport.manifest import load
 from kvexport.runtime.config import EngineConfig
+from testkit.builds import stored_tensors
 from testkit.families import CASES_HYBRID
 
 
@@ -63,12 +63,7 @@ def test_weight_estimate_of_a_hybrid_is_the_bytes_it_stores(builds, name):
     q_proj holds its output gate: the estimate equals the parameters and the tensors in weights.data. int4: the
     attention and MLP matmuls are quantized, the linear layers' in_proj / out_proj stay float (as built)."""
     m = load(builds[name])
-    stored = {}
-    for graph in (io.PREFILL_GRAPH, io.DECODE_GRAPH):
-        for t in onnx.load(str(builds[name] / graph), load_external_data=False).graph.initializer:
-            where = {e.key: e.value for e in t.external_data}
-            if where:
-                stored[int(where["offset"])] = int(where["length"])
+    stored = stored_tensors(builds[name])
     e = next(e for e in plan(str(builds[name])).weights if e.precision == (m.weights.precision or m.dtype))
     assert (e.parameters, e.bytes) == (m.weights.parameters, sum(stored.values()))
 

@@ -70,19 +70,9 @@ def test_served_batched_chunked_preempted(built):
     """6 prompts of 10..30 tokens in 8-token chunks on 14 usable 4-token blocks: batching, state carried
     across chunks, preemptions (recompute from a zero state); then one 150-token prompt in a single step
     (three 64-token chunks of the chunked rule) beside short ones. Tokens equal transformers' greedy ones."""
-    out, m, model = built("qwen3_5_text")
-    prompts = parity.random_prompts(6, 128, 10, 31, seed=1)
-    per_token = io.kv_bytes_per_token(1, m.kv.num_kv_heads, m.kv.head_dim, io.DType(m.kv.dtype))  # layer 3's KV only
-    llm = LLM(out, kv_cache_memory=15 * 4 * per_token, max_num_batched_tokens=8)
+    llm, _ = parity.check_hybrid_served(*built("qwen3_5_text"))
     assert llm.engine.pool.num_usable_blocks == 14
-    got = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
-    assert llm.engine.scheduler.num_preemptions > 0
-    assert [o.token_ids for o in got] == parity.hf_greedy(model, prompts, 12)
     assert llm.engine.pool.num_used_blocks == 0 and not llm.engine.kv.state._by_request  # slots freed
-    long = parity.random_prompts(1, 128, 150, 151, seed=3) + parity.random_prompts(2, 128, 5, 9, seed=4)
-    roomy = LLM(out, kv_cache_memory="2MiB", max_num_batched_tokens=256, enable_prefix_caching=False)
-    got = roomy.generate(long, SamplingParams(max_tokens=8, ignore_eos=True))
-    assert [o.token_ids for o in got] == parity.hf_greedy(model, long, 8)
 
 
 def test_prefix_cache_resumes_from_a_state_checkpoint(built):

@@ -41,3 +41,24 @@ def check_hybrid_prefix_resume(build_dir, model) -> None:
     again = LLM(build_dir, kv_cache_memory="1MiB", max_num_seqs=1, enable_prefix_caching=False).generate(prompts,
                                                                                                       params)
     assert [o.token_ids for o in got] == [o.token_ids for o in again] == hf_greedy(model, prompts, 10)
+
+
+def check_hybrid_served(build_dir, manifest, model):
+    """A hybrid build served as transformers computes it: 6 prompts of 10..30 tokens in 8-token chunks on 14
+    usable 4-token blocks (batching, state carried across chunks, preemption by recompute), then a 150-token
+    prompt in one step beside short ones. Returns (the pressed LLM, transformers' tokens for the 6 prompts)."""
+    from kvexport import LLM, SamplingParams, io
+
+    m = manifest
+    prompts = random_prompts(6, 128, 10, 31, seed=1)
+    per_token = io.kv_bytes_per_token(1, m.kv.num_kv_heads, m.kv.head_dim, io.DType(m.kv.dtype))  # one KV layer
+    llm = LLM(build_dir, kv_cache_memory=15 * 4 * per_token, max_num_batched_tokens=8)
+    got = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+    assert llm.engine.scheduler.num_preemptions > 0
+    want = hf_greedy(model, prompts, 12)
+    assert [o.token_ids for o in got] == want
+    long = random_prompts(1, 128, 150, 151, seed=3) + random_prompts(2, 128, 5, 9, seed=4)
+    roomy = LLM(build_dir, kv_cache_memory="2MiB", max_num_batched_tokens=256, enable_prefix_caching=False)
+    got = roomy.generate(long, SamplingParams(max_tokens=8, ignore_eos=True))
+    assert [o.token_ids for o in got] == hf_greedy(model, long, 8)
+    return llm, want
