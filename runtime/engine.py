@@ -303,9 +303,11 @@ class LLMEngine:
         with no step running): write the prefix-cache blocks the pool and the host tier still hold
         to the disk tier (most recently used first, within its budget) and wait up to `timeout_s`
         for the writes, so a restart on the same kv_offload_dir finds them; then release the
-        folder (its lock) and stop using the disk tier. No-op without a disk tier."""
+        folder (its lock) and stop using the disk tier (no-op without one); and stop the grammar
+        compiles' child processes."""
         self.kv_connector.persist(timeout_s)
         self.kv_connector.close()
+        self.structured.close()
 
     def tier_stats(self) -> dict:
         """The KV tiers' figures (all 0 without tiers): blocks held, hits and bytes moved per tier,

@@ -231,7 +231,9 @@ class ModelRunner:
         if not at or logits is None:
             return
         try:
-            mask_grammars(logits, [r for r, _ in at], [s.sampler for _, s in at])
+            for i in mask_grammars(logits, [r for r, _ in at], [s.sampler for _, s in at]):
+                failed[at[i][1].request_id] = ("structured output: the grammar allows no token at this point of the "
+                                               "output (no token of this model continues it); fix the grammar")
         except Exception as e:  # noqa: BLE001 - the grammar's requests fail, the rest go on
             log.exception("filling grammar masks failed")
             failed.update({s.request_id: f"structured output failed: {e}" for _, s in at})

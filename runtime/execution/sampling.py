@@ -22,13 +22,16 @@ from ..sampling_params import SamplerState
 from .structured import mask_logits
 
 
-def mask_grammars(logits: np.ndarray, rows: Sequence[int], states: Sequence[SamplerState | None]) -> None:
+def mask_grammars(logits: np.ndarray, rows: Sequence[int], states: Sequence[SamplerState | None]) -> list[int]:
     """Structured output's hook: every logit row whose sequence has a grammar (SamplerState.grammar)
     gets the tokens its grammar disallows set to -inf, in place, for the whole step at once
-    (runtime/execution/structured.py). rows[i]: the row of states[i]; None states are skipped."""
-    keep = [(r, s.grammar) for r, s in zip(rows, states) if s is not None and s.grammar is not None]
-    if keep:
-        mask_logits(logits, [r for r, _ in keep], [g for _, g in keep])
+    (runtime/execution/structured.py). rows[i]: the row of states[i]; None states are skipped.
+    Returns the i whose grammar allows no token here (their requests must fail: mask_logits)."""
+    keep = [(i, r, s.grammar) for i, (r, s) in enumerate(zip(rows, states)) if s is not None and s.grammar is not None]
+    if not keep:
+        return []
+    dead = mask_logits(logits, [r for _, r, _ in keep], [g for _, _, g in keep])
+    return [keep[j][0] for j in dead]
 
 
 LOGPROB_FLOOR = -9999.0  # the log-probability reported for -inf (vLLM's OpenAI server: max(logprob, -9999.0))

@@ -44,7 +44,9 @@ def verify_drafts(rows: np.ndarray, drafts: Sequence[int], state: SamplerState, 
     out: list[SampledToken] = []
     for i in range(len(rows)):
         if getattr(state, "grammar", None) is not None:  # structured output: the mask after the tokens before it
-            mask_grammars(rows, [i], [state])
+            if mask_grammars(rows, [i], [state]):  # NOTE: a dead end fails this request alone (model_runner)
+                raise ValueError("structured output: the grammar allows no token at this point of the output (no "
+                                 "token of this model continues it); fix the grammar")
         tok, lp, top = sample(rows[i], state, state.prompt_tokens, num_generated + i, eos_ids)
         out.append(SampledToken(tok, lp, tuple(top) if top is not None else None))
         if i == len(drafts) or tok != drafts[i]:

@@ -13,9 +13,10 @@ llguidance: ~15x cheaper masks per token, the cost every decode step pays; compi
 
 NOTE: compiling runs off the server's event loop and off the engine thread: the front ends call
 `compile()` in a worker thread while they parse a request, so the engine's own call in
-`matcher()` is a cache hit. A compile that takes longer than `compile_timeout_s` is refused
-(GrammarError, a 400 naming the field); its thread finishes in the background (C++ cannot be
-interrupted) and stays cached: a later request for the same spec waits for that compile, never starts another.
+`matcher()` is a cache hit. A new spec is compiled first in a child process killed at
+`compile_timeout_s` (grammar_trial.py: a refused compile stops costing CPU and memory at once;
+at most MAX_PENDING wait, more are a 503), then here. Refusals are cached like grammars: the same
+spec again is refused at once. A grammar that admits no output at all is refused when compiled.
 
 NOTE: keywords xgrammar 0.2.8 accepts but does not enforce (it compiles them and generates output
 that may break them) are refused by name (UNSUPPORTED_KEYWORDS), never silently ignored.
@@ -30,17 +31,18 @@ last n accepted tokens.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Sequence
 
 import numpy as np
 
-from ..request_checks import RequestError
 from ..sampling_params import StructuredOutputs
+from .grammar_trial import CompileTrials, GrammarBusyError, GrammarError
 
-__all__ = ["GrammarError", "Matcher", "StructuredOutputManager", "StructuredOutputs", "mask_logits",
+__all__ = ["GrammarBusyError", "GrammarError", "Matcher", "StructuredOutputManager", "StructuredOutputs", "mask_logits",
            "UNSUPPORTED_KEYWORDS", "check_json_schema", "missing_packages"]
 
 COMPILE_TIMEOUT_S = 10.0  # a grammar that takes longer to compile is refused (400)
@@ -57,10 +59,6 @@ UNSUPPORTED_KEYWORDS = frozenset({
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SCHEMA_ONE = ("items", "additionalProperties", "additionalItems")
-
-
-class GrammarError(RequestError):
-    """A structured-output spec that cannot be served: invalid, unsupported, too slow to compile."""
 
 
 # the packages structured output needs (import name -> what pip installs); NOTE: a Triton execution
@@ -104,6 +102,17 @@ def check_json_schema(schema: Any, param: str) -> None:
                                f"(at {path or '/'}) {'are' if len(bad) > 1 else 'is'} not supported by this server's "
                                f"constrained decoding; remove {'them' if len(bad) > 1 else 'it'} and check the "
                                f"output yourself", param, code="unsupported_schema_keyword")
+        ref = s.get("$ref")
+        if isinstance(ref, str) and not ref.startswith("#"):
+            raise GrammarError(f"{param}: \"$ref\": {ref[:100]!r} (at {path or '/'}) points outside the schema; this "
+                               f"server resolves only references within it (\"#/$defs/...\") and fetches nothing: "
+                               f"put the referenced schema under $defs", param, code="unsupported_schema_keyword")
+        lengths = sorted({"minLength", "maxLength"} & s.keys())
+        if "pattern" in s and lengths:
+            raise GrammarError(f"{param}: pattern together with {' and '.join(lengths)} (at {path or '/'}) is not "
+                               f"enforced by this server's constrained decoding (the pattern alone is); put the "
+                               f"length into the pattern (e.g. {{1,3}}) and drop {' and '.join(lengths)}", param,
+                               code="unsupported_schema_keyword")
         if isinstance(s.get("allOf"), list) and len(s["allOf"]) > 1:
             raise GrammarError(f"{param}: allOf with more than one schema (at {path or '/'}) is not supported by "
                                f"this server's constrained decoding; merge them into one schema", param,
@@ -184,10 +193,76 @@ class Matcher:
         return bool(self._m.is_terminated())
 
 
+MAX_DIGITS = 16  # digits of a JSON number's integral part at most; its fraction and exponent: MAX_DIGITS - 1
+_DIGIT_RULE = re.compile(r"^(\w+) ::= \(\(\[0-9\]\)\)$", re.M)  # a rule that is one digit: `name ::= (([0-9]))`
+_UNBOUNDED = re.compile(r"(\w+)\{(\d+), -1\}")  # `rule{k, -1}`: k or more
+
+
+def bound_numbers(ebnf: str) -> str:
+    """xgrammar's EBNF for a JSON schema with every run of digits bounded: `[0-9]*` and a digit rule's
+    `{k, -1}` repetition take at most MAX_DIGITS - 1 digits (so an integral part is at most MAX_DIGITS
+    long, as llama.cpp's JSON-schema grammars bound it). NOTE: unbounded, a small model's loop
+    (`"population": 1111111111...`) became the whole output until max_tokens cut the JSON (issue 48);
+    bounded, the grammar makes it close. Whitespace needs no bound: the grammars allow none (any_whitespace
+    off). The language only shrinks (a valid output stays valid for the schema)."""
+    digit_rules = set(_DIGIT_RULE.findall(ebnf))
+    ebnf = ebnf.replace("[0-9]*", f"[0-9]{{0, {MAX_DIGITS - 1}}}")
+    return _UNBOUNDED.sub(lambda m: f"{m.group(1)}{{{m.group(2)}, {MAX_DIGITS - 1}}}" if m.group(1) in digit_rules
+                          else m.group(0), ebnf)
+
+
+def compile_spec(compiler: Any, spec: StructuredOutputs, param: str) -> Any:
+    """`spec` compiled by an xgrammar GrammarCompiler; GrammarError naming `param` when it is invalid or
+    unsupported. The same function runs in the trial's child (grammar_trial.py) and in the server."""
+    import xgrammar as xgr
+
+    try:
+        if spec.json is not None:
+            check_json_schema(json.loads(spec.json), param)
+            return compiler.compile_grammar(bound_numbers(str(xgr.Grammar.from_json_schema(
+                spec.json, any_whitespace=False, strict_mode=True))))
+        if spec.json_object:  # NOTE: an object, as OpenAI's json_object asks (xgrammar's builtin takes any value)
+            return compiler.compile_grammar(bound_numbers(str(xgr.Grammar.from_json_schema(
+                '{"type": "object"}', any_whitespace=False, strict_mode=False))))
+        if spec.regex is not None:
+            return compiler.compile_regex(spec.regex)
+        if spec.choice is not None:
+            return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(s) for s in spec.choice))
+        assert spec.grammar is not None
+        return compiler.compile_grammar(spec.grammar)
+    except GrammarError:
+        raise
+    except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError with the reason
+        said = " ".join(str(e).split())
+        said = said.split(": ", 1)[-1] if said.startswith("[") else said  # drop "[time] file.cc:line: "
+        raise GrammarError(f"{param}: this {spec.kind} cannot be compiled: {said[:300]}", param,
+                           code="invalid_grammar") from None
+
+
+def check_admits_output(compiled: Any, spec: StructuredOutputs, param: str) -> None:
+    """Refuse (GrammarError naming `param`) a compiled grammar that allows no first token at all, not even
+    the end of the output (a regex like `[^\\s\\S]`, a rule that only calls itself): otherwise every
+    logit is masked and the request fails as if the weights held NaN."""
+    import xgrammar as xgr
+
+    m = xgr.GrammarMatcher(compiled)
+    words = bitmask_words(compiled.tokenizer_info.vocab_size)
+    bitmask = np.zeros((1, words), np.int32)
+    if not m.is_terminated():
+        m.fill_next_token_bitmask(bitmask, 0)
+        if not bitmask.any():
+            raise GrammarError(f"{param}: this {spec.kind} admits no output at all (no token can start it); "
+                               f"fix it so some text matches", param, code="empty_grammar")
+
+
 class StructuredOutputManager:
     """Compiles StructuredOutputs for one tokenizer (xgrammar, loaded on first use) and caches
-    the results by spec. Thread-safe: front ends compile in worker threads, the engine thread
-    makes matchers."""
+    the results by spec, refusals too. Thread-safe: front ends compile in worker threads, the engine
+    thread makes matchers.
+
+    Each new spec is first compiled in a child process killed at compile_timeout_s (CompileTrials:
+    a refused compile stops costing CPU and memory), then compiled here, on one thread (the specs
+    the trial passed: each about as fast as its trial)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int],
                  compile_timeout_s: float = COMPILE_TIMEOUT_S):
@@ -195,7 +270,9 @@ class StructuredOutputManager:
         self.eos = tuple(int(t) for t in eos_token_ids if 0 <= t < vocab_size)
         self.compile_timeout_s = compile_timeout_s
         self._compiler: Any = None
+        self._trials: CompileTrials | None = None
         self._lock = threading.Lock()
+        self._compiling = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
 
     def _xgr_compiler(self, param: str = "response_format") -> Any:
@@ -217,11 +294,13 @@ class StructuredOutputManager:
                 info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
                                                           stop_token_ids=list(self.eos) or None)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+                self._trials = CompileTrials(info.serialize_json(), self.compile_timeout_s)
             return self._compiler
 
     def compile(self, spec: StructuredOutputs, param: str | None = None) -> Any:
-        """The compiled grammar of `spec` (cached). GrammarError naming `param` (default: the spec's
-        own field name) when it is invalid, unsupported, or takes longer than compile_timeout_s."""
+        """The compiled grammar of `spec` (cached, and so are refusals). GrammarError naming `param`
+        (default: the spec's own field name) when it is invalid, unsupported, admits no output or takes
+        longer than compile_timeout_s to compile; GrammarBusyError when too many compiles are waiting."""
         param = param or spec.field
         key = spec.key
         self._xgr_compiler(param)  # NOTE: the tokenizer's tables (once, seconds) are not the client's grammar: no limit
@@ -233,41 +312,21 @@ class StructuredOutputManager:
                 fut = self._cache[key] = Future()
                 while len(self._cache) > CACHE_SIZE:
                     self._cache.popitem(last=False)
-                threading.Thread(target=self._run, args=(spec, param, fut), daemon=True,
-                                 name="grammar-compile").start()
-        try:
-            return fut.result(timeout=self.compile_timeout_s)
-        except TimeoutError:
-            raise GrammarError(f"{param}: compiling this {spec.kind} took longer than {self.compile_timeout_s:g} s, "
-                               f"so it was refused; simplify it", param, code="grammar_compile_timeout") from None
+                threading.Thread(target=self._run, args=(spec, param, key, fut), daemon=True,
+                                 name="grammar-trial").start()
+        return fut.result()  # NOTE: bounded: the trial's deadline, then a compile the trial showed is as fast
 
-    def _run(self, spec: StructuredOutputs, param: str, fut: Future) -> None:
+    def _run(self, spec: StructuredOutputs, param: str, key: tuple, fut: Future) -> None:
         try:
-            fut.set_result(self._compile(spec, param))
+            assert self._trials is not None
+            self._trials.run(spec, param)
+            fut.set_result(self._compiling.submit(compile_spec, self._compiler, spec, param).result())
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits (a 400, or a server error)
+            if isinstance(e, GrammarBusyError):  # NOTE: not the spec's fault: not cached
+                with self._lock:
+                    if self._cache.get(key) is fut:
+                        del self._cache[key]
             fut.set_exception(e)
-
-    def _compile(self, spec: StructuredOutputs, param: str) -> Any:
-        c = self._xgr_compiler()
-        try:
-            if spec.json is not None:
-                check_json_schema(json.loads(spec.json), param)
-                return c.compile_json_schema(spec.json, any_whitespace=False, strict_mode=True)
-            if spec.json_object:  # NOTE: an object, as OpenAI's json_object asks (xgrammar's builtin takes any value)
-                return c.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
-            if spec.regex is not None:
-                return c.compile_regex(spec.regex)
-            if spec.choice is not None:
-                return c.compile_grammar("root ::= " + " | ".join(json.dumps(s) for s in spec.choice))
-            assert spec.grammar is not None
-            return c.compile_grammar(spec.grammar)
-        except GrammarError:
-            raise
-        except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError with the reason
-            said = " ".join(str(e).split())
-            said = said.split(": ", 1)[-1] if said.startswith("[") else said  # drop "[time] file.cc:line: "
-            raise GrammarError(f"{param}: this {spec.kind} cannot be compiled: {said[:300]}", param,
-                               code="invalid_grammar") from None
 
     def matcher(self, spec: StructuredOutputs | None) -> Matcher | None:
         """A fresh matcher for one sequence (None without a spec); compiles when not cached."""
@@ -277,21 +336,32 @@ class StructuredOutputManager:
 
         return Matcher(xgr.GrammarMatcher(self.compile(spec)), self.eos)
 
+    def close(self) -> None:
+        """Stop the compile trials' child processes (the server is stopping)."""
+        if self._trials is not None:
+            self._trials.close()
+        self._compiling.shutdown(wait=False, cancel_futures=True)
+
 
 def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-def mask_logits(logits: np.ndarray, rows: Sequence[int], matchers: Sequence[Matcher]) -> None:
+def mask_logits(logits: np.ndarray, rows: Sequence[int], matchers: Sequence[Matcher]) -> list[int]:
     """Set, in place, every logit a row's grammar does not allow to -inf: logits [R, vocab]
     (float), rows[i] is the row of matchers[i]. One bitmask [len(rows), ceil(vocab/32)] is filled
-    (each matcher its row), unpacked and applied to all rows at once."""
+    (each matcher its row), unpacked and applied to all rows at once. Returns the i whose grammar allows
+    no token at all here (a dead end no token of the model continues): their rows are left as they were,
+    for the caller to fail those requests alone (NOTE: masked, they would read as NaN weights)."""
     if not rows:
-        return
+        return []
     vocab = logits.shape[1]
     bitmask = np.zeros((len(rows), bitmask_words(vocab)), np.int32)  # [B, words]
     for i, m in enumerate(matchers):
         m.fill(bitmask, i)
+    dead = np.flatnonzero(~bitmask.any(axis=1))
+    bitmask[dead] = -1
     allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab].astype(bool)  # [B, V]
     idx = np.asarray(rows, np.intp)
     logits[idx] = np.where(allowed, logits[idx], -np.inf)
+    return dead.tolist()

@@ -39,7 +39,9 @@ class ApiError(Exception):
 
     @classmethod
     def from_request_error(cls, e: RequestError) -> "ApiError":
-        return cls(400, str(e), param=e.param, code=e.code)
+        status = getattr(e, "status", 400)  # NOTE: a few refusals are the server's state, not the request (503)
+        return cls(status, str(e), type="invalid_request_error" if status < 500 else "server_error", param=e.param,
+                   code=e.code)
 
 
 # ---- request bodies -------------------------------------------------------------------------

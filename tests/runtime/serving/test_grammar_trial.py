@@ -1,0 +1,149 @@
+"""Grammar compiles that cannot run away (issue 48): a compile over the time limit is refused and its
+child process killed (nothing keeps computing it), the refusal cached (the same spec again starts no
+compile), a queue beyond MAX_PENDING refused as busy (503) and not cached; grammars that admit no
+output, `$ref`s outside the schema and pattern + length refused by name; numbers bounded so a
+constrained answer always closes. Real xgrammar, the real smollm2 tokenizer; no timing asserted."""
+
+import json
+import re
+import threading
+from pathlib import Path
+
+import pytest
+import xgrammar as xgr
+
+from kvexport import manifest as mf
+from kvexport.runtime.execution.grammar_trial import CompileTrials
+from kvexport.runtime.execution.structured import (MAX_DIGITS, GrammarBusyError, GrammarError,
+                                                   StructuredOutputManager, bound_numbers)
+from kvexport.runtime.sampling_params import StructuredOutputs
+from kvexport.runtime.serving.openai_protocol import ApiError
+from kvexport.runtime.tokenizer import load_build_tokenizer
+
+# NOTE: 2,000 optional properties take xgrammar 0.2.8 ~90 s to compile (measured: 1,000 -> 11 s); the limit here is 2 s
+SLOW = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(2000)}}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_build):
+    return load_build_tokenizer(Path(smollm2_build), mf.load(Path(smollm2_build)).tokenizer)
+
+
+@pytest.fixture(scope="module")
+def manager(tokenizer):
+    m = StructuredOutputManager(tokenizer, 49152, (2,), compile_timeout_s=2.0)
+    yield m
+    m.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_refused_compile_is_killed_and_its_refusal_cached(tokenizer):
+    manager = StructuredOutputManager(tokenizer, 49152, (2,), compile_timeout_s=2.0)
+    manager.compile(StructuredOutputs(regex="[a-z]+"))  # the child is up
+    trials = manager._trials
+    (child,) = [c for c in trials._idle if c is not None]
+    with pytest.raises(GrammarError) as e:
+        manager.compile(StructuredOutputs(json=SLOW), "response_format.json_schema.schema")
+    assert e.value.param == "response_format.json_schema.schema" and e.value.code == "grammar_compile_timeout"
+    assert not _alive(child.proc.pid), "the child compiling the refused grammar still runs"
+    assert trials.killed == 1
+    with pytest.raises(GrammarError) as again:  # cached: no new child, no new compile
+        manager.compile(StructuredOutputs(json=SLOW), "response_format.json_schema.schema")
+    assert again.value.code == "grammar_compile_timeout" and trials.started == 1
+    # the next grammar gets a fresh child and compiles
+    assert manager.compile(StructuredOutputs(choice=["yes", "no"])) is not None
+    assert trials.started == 2
+    manager.close()
+
+
+def test_a_queue_beyond_the_cap_is_busy_and_not_cached(tokenizer):
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=49152, stop_token_ids=[2])
+    trials = CompileTrials(info.serialize_json(), timeout_s=3.0, workers=1, max_pending=1)
+    try:
+        done = threading.Event()
+        t = threading.Thread(target=lambda: (pytest.raises(GrammarError, trials.run, StructuredOutputs(json=SLOW),
+                                                           "a"), done.set()))
+        t.start()
+        while trials._pending == 0:
+            threading.Event().wait(0.01)
+        with pytest.raises(GrammarBusyError) as e:
+            trials.run(StructuredOutputs(regex="x+"), "response_format")
+        assert e.value.code == "grammar_compile_busy" and ApiError.from_request_error(e.value).status == 503
+        t.join()
+        assert done.is_set()
+        trials.run(StructuredOutputs(regex="x+"), "response_format")  # after the queue drained: compiled
+    finally:
+        trials.close()
+
+
+@pytest.mark.parametrize("spec, param", [
+    (StructuredOutputs(regex=r"[^\s\S]"), "regex"),
+    (StructuredOutputs(grammar="root ::= root"), "grammar"),
+    (StructuredOutputs(json={"$ref": "#"}), "json"),
+])
+def test_a_grammar_that_admits_no_output_is_refused(manager, spec, param):
+    with pytest.raises(GrammarError) as e:
+        manager.compile(spec)
+    assert e.value.param == param and e.value.code in ("empty_grammar", "invalid_grammar"), e.value
+
+
+@pytest.mark.parametrize("schema, words", [
+    ({"type": "object", "properties": {"a": {"$ref": "https://example.com/s.json"}}}, "points outside the schema"),
+    ({"$ref": "file:///etc/passwd"}, "points outside the schema"),
+    ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}, "put the length into the pattern"),
+    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "x", "minLength": 2}}},
+     "put the length into the pattern"),
+])
+def test_schema_parts_the_grammar_would_drop_are_refused(manager, schema, words):
+    with pytest.raises(GrammarError) as e:
+        manager.compile(StructuredOutputs(json=schema), "response_format.json_schema.schema")
+    assert e.value.param == "response_format.json_schema.schema" and words in str(e.value), e.value
+
+
+@pytest.mark.parametrize("spec", [
+    StructuredOutputs(json={"type": "object", "properties": {"n": {"type": "integer", "minimum": 0},
+                                                              "x": {"type": "number"}}, "required": ["n", "x"]}),
+    StructuredOutputs(json_object=True),
+])
+def test_numbers_are_bounded_so_the_json_can_close(manager, spec):
+    m = xgr.GrammarMatcher(manager.compile(spec))
+    assert m.accept_string(('{"n": ' if spec.json else '{"k": ') + "1" * MAX_DIGITS)
+    assert not m.accept_string("1"), "an integral digit beyond MAX_DIGITS was allowed"
+    assert m.accept_string(', "x": 0.' if spec.json else ".")
+    assert m.accept_string("5" * (MAX_DIGITS - 1)) and not m.accept_string("5"), "an unbounded fraction"
+    assert m.accept_string("}")
+
+
+def test_bound_numbers_leaves_other_repetitions_alone():
+    ebnf = str(xgr.Grammar.from_json_schema(json.dumps({"type": "array", "items": {"type": "number"}}),
+                                            any_whitespace=False))
+    out = bound_numbers(ebnf)
+    digit_rules = re.findall(r"^(\w+) ::= \(\(\[0-9\]\)\)$", out, re.M)
+    assert "[0-9]*" not in out and digit_rules and all(f"{r}{{1, -1}}" not in out for r in digit_rules)
+    assert "basic_array_items{0, -1}" in out  # arrays stay as long as the schema allows
+    assert out.count("::=") == ebnf.count("::=")
+
+
+def test_a_dead_end_inside_the_output_fails_that_request_alone(manager, tokenizer):
+    """The trial sees the first token only; a grammar whose second token cannot exist is caught at its
+    mask: reported (the row left unmasked) so the runner fails that request, not a NaN-weights error,
+    and the other rows of the step are masked as usual."""
+    import numpy as np
+
+    from kvexport.runtime.execution.structured import mask_logits
+
+    dead_end = manager.matcher(StructuredOutputs(grammar='root ::= "a" x\nx ::= x "b"'))
+    fine = manager.matcher(StructuredOutputs(regex="[0-9]+"))
+    (a,) = tokenizer.encode("a", add_special_tokens=False)
+    assert dead_end.accept(a)
+    logits = np.zeros((3, 49152), np.float32)
+    assert mask_logits(logits, [0, 2], [dead_end, fine]) == [0]
+    assert np.isfinite(logits[0]).all()  # left for the runner to fail
+    assert np.isfinite(logits[2]).sum() < 49152 and np.isfinite(logits[2]).any()
