@@ -53,6 +53,7 @@ from .engine_thread import Deliver, EngineThread, Event
 from .openai_protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from .cache_salts import SaltKey, accept_salt
 from .requests import MAX_BODY_BYTES, RequestError, RequestParser
+from .tool_parsers import tool_parser
 from ..sampling_params import SamplingParams
 
 DISCONNECT_POLL_S = 1.0  # how often a running request checks whether its client left (and the shutdown)
@@ -125,9 +126,12 @@ class OpenAIServer:
     that owns it, the request parser, the served name."""
 
     def __init__(self, engine: LLMEngine, model_name: str, worker: EngineThread | None = None,
-                 salt_key: SaltKey | None = None):
+                 salt_key: SaltKey | None = None, tool_call_parser: str | None = None):
         self.engine = engine
         self.salt_key = salt_key  # with one, only gateway-signed cache_salts are taken (cache_salts.py)
+        # the tool-call format outputs are read in (--tool-call-parser; ConfigError unless registered);
+        # None: the one the chat template tells (tools.py)
+        self.tool_call_parser = tool_parser(tool_call_parser).name if tool_call_parser is not None else None
         self.worker = worker or EngineThread(engine)
         self.parser = RequestParser.for_engine(engine)
         self.model_name = model_name
@@ -272,7 +276,7 @@ class OpenAIServer:
             tools.check_messages([m.model_dump(exclude_none=True) for m in body.messages])
             plan = tools.plan(body.tools, body.tool_choice, body.parallel_tool_calls,
                               getattr(self.engine.tokenizer, "chat_template", None), functions=body.functions,
-                              function_call=body.function_call)
+                              function_call=body.function_call, tool_call_parser=self.tool_call_parser)
         prompts = proto.prompts(body, self.parser, plan.prepare if plan is not None else None)
         spec, field_ = proto.structured(body)
         if plan is not None and plan.structured is not None:
@@ -454,12 +458,13 @@ async def _internal_error(request: Request, e: Exception):
 
 def create_app(build_dir: str | Path, config: EngineConfig = EngineConfig(), served_model_name: str | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, api_keys: auth.ApiKeys | None = None,
-               salt_key: SaltKey | None = None) -> FastAPI:
+               salt_key: SaltKey | None = None, tool_call_parser: str | None = None) -> FastAPI:
     """The FastAPI app serving `build_dir` (named `served_model_name`, or the build folder's name); with
-    `salt_key`, only cache_salts a gateway signed with it are taken (runtime/serving/cache_salts.py)."""
+    `salt_key`, only cache_salts a gateway signed with it are taken (runtime/serving/cache_salts.py); with
+    `tool_call_parser`, tool calls are read in that format (runtime/serving/tool_parsers/), not the template's."""
     engine = LLMEngine(build_dir, config)
-    return build_app(OpenAIServer(engine, served_model_name or Path(build_dir).resolve().name, salt_key=salt_key),
-                     max_body_bytes, api_keys)
+    return build_app(OpenAIServer(engine, served_model_name or Path(build_dir).resolve().name, salt_key=salt_key,
+                                  tool_call_parser=tool_call_parser), max_body_bytes, api_keys)
 
 
 def build_app(server: OpenAIServer, max_body_bytes: int = MAX_BODY_BYTES,
@@ -552,9 +557,11 @@ def listen(host: str, port: int) -> socket.socket:
 def serve(build_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, config: EngineConfig = EngineConfig(),
           served_model_name: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
           shutdown_grace: float = SHUTDOWN_GRACE_S, on_ready: Callable[[str], None] | None = None,
-          api_keys: auth.ApiKeys | None = None, salt_key: SaltKey | None = None) -> None:
+          api_keys: auth.ApiKeys | None = None, salt_key: SaltKey | None = None,
+          tool_call_parser: str | None = None) -> None:
     """Serve `build_dir` on host:port until SIGTERM/SIGINT (with `api_keys`: to their holders
-    only; with `salt_key`: only cache_salts a gateway signed). The port is bound first, then the
+    only; with `salt_key`: only cache_salts a gateway signed; with `tool_call_parser`: tool calls
+    read in that registered format, not the chat template's). The port is bound first, then the
     model loaded; `on_ready(url)` is called once both are done and requests are taken (url:
     http://host:port, with the real port when `port` is 0). On shutdown, running requests have
     `shutdown_grace` s to finish; what is left is ended with 503. Raises ServeError (or the
@@ -563,7 +570,7 @@ def serve(build_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, conf
         raise ConfigError(f"shutdown_grace must be a number of seconds >= 0, got {shutdown_grace!r}")
     sock = listen(host, port)
     try:
-        app = create_app(build_dir, config, served_model_name, max_body_bytes, api_keys, salt_key)
+        app = create_app(build_dir, config, served_model_name, max_body_bytes, api_keys, salt_key, tool_call_parser)
         # NOTE: what loading left (torch, transformers, the graphs: ~10^6 objects) is never garbage; frozen, the
         # collector no longer walks it, which took the GIL for 0.5 s whenever a big request triggered a full collection
         gc.freeze()

@@ -9,6 +9,8 @@ import sys
 import click
 from rich.markup import escape
 
+from kvexport.runtime.serving.tool_parsers import TOOL_PARSERS, tool_parser
+
 from .options import SafePath, clip, console, engine_config, engine_options, finite, new_path, print_error, quote
 from ..errors import ConfigError, KvExportError
 
@@ -194,8 +196,12 @@ def _chat_bench(build_dir, chat: str, pool_conversations: int, json_out, cfg, tu
 @click.option("--cache-salt-key", envvar="KVEXPORT_CACHE_SALT_KEY", metavar="FILE",
               help="Take only cache_salts a gateway signed with a key in FILE, and refuse requests without one "
                    "(tenants behind a gateway; docs/DEPLOYMENT.md) [$KVEXPORT_CACHE_SALT_KEY; none: salts as sent].")
+@click.option("--tool-call-parser", metavar="NAME",
+              help=f"Read tool calls in this format: {', '.join(sorted(TOOL_PARSERS))} [the one the chat template "
+                   f"tells].")
 @engine_options
-def serve(build_dir, host, port, served_model_name, shutdown_grace, api_keys, cache_salt_key, **settings):
+def serve(build_dir, host, port, served_model_name, shutdown_grace, api_keys, cache_salt_key, tool_call_parser,
+          **settings):
     """Serve a paged build over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
     from kvexport.runtime.serving.auth import ApiKeys
     from kvexport.runtime.serving.cache_salts import SaltKey
@@ -204,10 +210,12 @@ def serve(build_dir, host, port, served_model_name, shutdown_grace, api_keys, ca
     cfg = engine_config(settings)
     keys = ApiKeys.load(api_keys) if api_keys else None  # before the port and the model: a bad file fails at once
     salt_key = SaltKey.load(cache_salt_key) if cache_salt_key else None  # likewise
+    if tool_call_parser is not None:
+        tool_parser(tool_call_parser)  # likewise: an unknown name fails naming the registered ones
     guard = f" ({len(keys.tenants)} tenant(s) with API keys)" if keys else ""
     guard += " (cache_salts: gateway-signed only)" if salt_key else ""
     run_server(build_dir, host, port, cfg, served_model_name, shutdown_grace=shutdown_grace, api_keys=keys,
-               salt_key=salt_key,
+               salt_key=salt_key, tool_call_parser=tool_call_parser,
                on_ready=lambda url: console.print(f"serving {escape(str(build_dir))} on {escape(url)}/v1{guard}",
                                                   highlight=False))
 

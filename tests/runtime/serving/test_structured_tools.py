@@ -67,7 +67,7 @@ def tok():
      [("get_weather", {"city": "San Jose", "days": 3})]),
 ])
 def test_each_family_parses_its_calls(fam, text, content, calls):
-    got_content, got = tools.PARSERS[fam](text)
+    got_content, got = tools.TOOL_PARSERS[fam].parse(text)
     assert got_content == content
     assert [(c.name, json.loads(c.arguments)) for c in got] == calls
 
@@ -164,7 +164,7 @@ def test_every_model_family_has_its_tool_family():
     for name, entry in tools.TOOL_FAMILIES.items():
         if entry is not None:
             assert tools.family(entry[1]) == (entry[0], True), name
-            assert entry[0] in tools.PARSERS and entry[0] in tools.CALL_STARTS
+            assert entry[0] in tools.TOOL_PARSERS  # parses whole and streaming (tests/runtime/serving/test_tool_parsers.py)
 
 
 STREAMED = [  # (family, choice, text): calls whose arguments must stream in several fragments
