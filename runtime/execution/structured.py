@@ -129,6 +129,52 @@ def check_json_schema(schema: Any, param: str) -> None:
             walk(s.get(k), f"{path}/{k}")
 
     walk(schema, "")
+    _check_ref_cycles(schema, param)
+
+
+_ANNOTATIONS = frozenset({"$ref", "$defs", "definitions", "title", "description", "$comment", "$schema", "$id",
+                          "examples", "default"})
+
+
+def _resolve(root: Any, ref: str) -> Any:
+    """The subschema a local `$ref` ("#", "#/$defs/X") points at; None when it points nowhere."""
+    node = root
+    for part in ref[1:].lstrip("/").split("/") if ref != "#" else ():
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def _check_ref_cycles(schema: Any, param: str) -> None:
+    """Refuse a `$ref` that leads only to `$ref`s back to itself ({"$ref": "#"}: a value that never begins;
+    the grammar admits a prefix and then no token)."""
+    def refs(s: Any):
+        if isinstance(s, dict):
+            if isinstance(s.get("$ref"), str) and s["$ref"].startswith("#"):
+                yield s["$ref"]
+            for v in s.values():
+                yield from refs(v)
+        elif isinstance(s, list):
+            for v in s:
+                yield from refs(v)
+
+    for ref in set(refs(schema)):
+        seen, cur = {ref}, ref
+        while True:
+            target = _resolve(schema, cur)
+            if not isinstance(target, dict) or not isinstance(target.get("$ref"), str) or target.keys() - _ANNOTATIONS:
+                break
+            cur = target["$ref"]
+            if cur in seen:
+                raise GrammarError(f"{param}: \"$ref\": {ref!r} refers only to itself (through {' -> '.join(sorted(seen))}): "
+                                   f"no value can match it; give the referenced schema a type", param,
+                                   code="invalid_grammar")
+            seen.add(cur)
 
 
 class Matcher:

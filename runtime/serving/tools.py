@@ -91,6 +91,22 @@ def check_tools(tools: Any, param: str = "tools") -> list[dict]:
     return out
 
 
+def _has_ref(schema: Any) -> bool:
+    if isinstance(schema, Mapping):
+        return isinstance(schema.get("$ref"), str) or any(_has_ref(v) for v in schema.values())
+    return isinstance(schema, list) and any(_has_ref(v) for v in schema)
+
+
+def _rebase_refs(schema: Any, base: str) -> Any:
+    """`schema` with every local `$ref` ("#...") moved under `base` (a JSON pointer such as "#/$defs/tool0")."""
+    if isinstance(schema, Mapping):
+        return {k: (base + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else _rebase_refs(v, base))
+                for k, v in schema.items()}
+    if isinstance(schema, list):
+        return [_rebase_refs(v, base) for v in schema]
+    return schema
+
+
 def _tool_choice(choice: Any, tools: list[dict]) -> str:
     """tool_choice -> "none" | "auto" | "required" | a tool's name (RequestError naming tool_choice)."""
     if choice is None:
@@ -171,9 +187,18 @@ class ToolPlan:
             return StructuredOutputs(json=by_name[self.named])
         if self.choice != "required":
             return None
-        items = [{"type": "object", "properties": {"name": {"const": n}, "parameters": p},
-                  "required": ["name", "parameters"], "additionalProperties": False} for n, p in by_name.items()]
+        # NOTE: a tool's `$ref`s ("#", "#/$defs/X") point into its own parameters; nested in this array they would
+        # resolve against the array (issue 48: {"$ref": "#"} took the server's wrapper): then each tool's schema
+        # goes under the array's $defs, its references rebased there
+        refs = any(_has_ref(p) for p in by_name.values())
+        defs = {f"tool{i}": _rebase_refs(p, f"#/$defs/tool{i}") for i, p in enumerate(by_name.values())} if refs else {}
+        items = [{"type": "object", "properties": {"name": {"const": n}, "parameters": {"$ref": f"#/$defs/tool{i}"}
+                                                   if refs else p},
+                  "required": ["name", "parameters"], "additionalProperties": False}
+                 for i, (n, p) in enumerate(by_name.items())]
         arr = {"type": "array", "items": items[0] if len(items) == 1 else {"anyOf": items}, "minItems": 1}
+        if defs:
+            arr["$defs"] = defs
         if not self.parallel:
             arr["maxItems"] = 1
         return StructuredOutputs(json=arr)

@@ -147,3 +147,21 @@ def test_a_dead_end_inside_the_output_fails_that_request_alone(manager, tokenize
     assert mask_logits(logits, [0, 2], [dead_end, fine]) == [0]
     assert np.isfinite(logits[0]).all()  # left for the runner to fail
     assert np.isfinite(logits[2]).sum() < 49152 and np.isfinite(logits[2]).any()
+
+
+def test_a_tools_references_resolve_in_its_own_parameters(manager):
+    """tool_choice "required" nests each tool's parameters in an array of calls; a `$ref` of the tool's
+    (a pydantic model's `#/$defs/...`, or `#` itself) must point into its own parameters, never the array."""
+    from kvexport.runtime.serving import tools
+
+    unit = {"type": "object", "properties": {"unit": {"$ref": "#/$defs/Unit"}}, "required": ["unit"],
+            "$defs": {"Unit": {"enum": ["c", "f"]}}}
+    plan = tools.ToolPlan(tools.check_tools([{"type": "function", "function": {"name": "temp", "parameters": unit}}]),
+                          "required", False, "hermes", False)
+    m = xgr.GrammarMatcher(manager.compile(plan.structured, "tools"))
+    assert m.accept_string('[{"name": "temp", "parameters": {"unit": "c"}}]') and m.accept_token(2)  # 2: the end
+    m = xgr.GrammarMatcher(manager.compile(plan.structured, "tools"))
+    assert not m.accept_string('[{"name": "temp", "parameters": {"unit": "k"')
+    with pytest.raises(GrammarError) as e:  # itself, forever: refused with the tool (before: the server's array)
+        tools.check_tools([{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#"}}}])
+    assert e.value.param == "tools[0].function.parameters" and "refers only to itself" in str(e.value)
