@@ -189,10 +189,11 @@ def load(src: source.ModelSource, plan: Plan, progress: Progress) -> Loaded:
     """The "load" stage: transformers loads the model; the family reads its weights."""
     spec = plan.spec
     with progress("loading weights"):
+        tokenizer = source.load_tokenizer(src)
+        source.check_tokenizer(tokenizer, spec.vocab_size, src)  # NOTE: before the weights: a refusal costs nothing
         model = source.load_model(src)
         weights = FAMILIES[spec.family].weights(model.state_dict(), spec)
         rope = model_rope_tables(spec, model.model.rotary_emb, plan.max_len) if spec.position == "rope" else None
-        tokenizer = source.load_tokenizer(src)
     return Loaded(model=model, weights=weights, rope=rope, tokenizer=tokenizer)
 
 

@@ -306,3 +306,20 @@ def load_tokenizer(src: ModelSource):
         return None
 
 
+def check_tokenizer(tokenizer, vocab_size: int, src: ModelSource) -> None:
+    """Refuse a tokenizer whose ids reach past the model's vocabulary (config.json's vocab_size rows
+    of the embedding and lm_head): a prompt holding such an id has no embedding row. SourceError
+    naming both sizes and the ids out of range; checked before any weight is loaded."""
+    if tokenizer is None:
+        return
+    vocab = tokenizer.get_vocab()  # token -> id, added tokens included
+    over = sorted((i, t) for t, i in vocab.items() if i >= vocab_size)
+    if not over:
+        return
+    size = max(len(tokenizer), max(vocab.values()) + 1)
+    shown = ", ".join(f"{i} {t!r}" for i, t in over[:3]) + (", ..." if len(over) > 3 else "")
+    raise SourceError(
+        f"the tokenizer of {src.name} has {size} token ids, more than config.json's vocab_size {vocab_size} (the "
+        f"model's embedding rows): {len(over)} of its ids ({shown}) have no embedding. Give the model the "
+        f"tokenizer its weights were trained with (tokenizer.json / tokenizer_config.json next to config.json), "
+        f"or remove the tokenizer files to build without one")

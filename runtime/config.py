@@ -99,6 +99,16 @@ class EngineConfig:
                               f"not of {self.kv_eviction!r}: set --kv-eviction snapkv, or leave the budget unset")
         if self.speculative not in SPECULATIVE:
             raise ConfigError(f"speculative must be one of {', '.join(SPECULATIVE)}, got {self.speculative!r}")
+        if self.kv_eviction == "h2o" and self.speculative != "none":
+            # NOTE: not exact, so refused: h2o adds each decoded token's attention to its blocks' scores and may
+            # release a block after any token; a speculative step computes the token and its drafts at once, and
+            # the attention op sums its observed rows, so their scores (a rejected draft's too) cannot be told
+            # apart nor a block released between them (runtime/core/importance.py, "Speculative decoding")
+            raise ConfigError(f"--kv-eviction h2o cannot be combined with --speculative {self.speculative}: h2o "
+                              f"scores every decoded token's attention on its own step, and a speculative step "
+                              f"decodes several tokens at once, so greedy text would differ from decoding "
+                              f"without it; give --speculative none, or --kv-eviction snapkv (it scores the "
+                              f"prompt only, and speculates exactly)")
         if not isinstance(self.speculative_cost_model, bool):
             raise ConfigError(f"speculative_cost_model must be true or false, got {self.speculative_cost_model!r}")
         if not isinstance(self.draft_model, str) or bool(self.draft_model) != (self.speculative == "draft"):

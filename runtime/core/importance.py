@@ -35,14 +35,25 @@ when nobody holds it, and tiers / KV events see it evicted as usual). A sequence
 looks the prefix cache up only to its prompt's last w tokens (`prefix_lookup`): a prompt the cache holds
 whole still computes, and is observed by, its whole window, not the one token after the hit.
 Preemption: the sequence is recomputed whole and scored again when its prompt completes.
+
+Speculative decoding: snapkv scores only the chunk that completes a prompt, which never carries drafts
+(drafts ride only on a step of one token, the sequence's last, once it has an output: that token lies
+past the prompt, so a recomputed sequence's scoring chunk is never such a step), so its greedy text is
+the same with and without speculation. h2o is refused with it (runtime/config.py EngineConfig): a
+plain decode scores each token's own row and may release a block before the next one attends, while a
+speculative step computes the token and its drafts against one table and the op returns its observed
+rows' attention summed (plugins/paged_attention/spec.py "Attention scores"): a rejected draft's row
+cannot be left out nor the per-row block maxima recovered. NOTE (what would make it exact, not done):
+per-row scores from the op ([num_seqs, rows, kv_heads, score_len]), each accepted row accumulated in
+order, and drafts cut so that no step crosses a release (a block released between two of its rows).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -56,6 +67,7 @@ from .request import Request
 from .streaming import compact
 
 IMPORTANCE_EVICTIONS = ("snapkv", "h2o")  # --kv-eviction values this module serves
+Fix = tuple[tuple[str, str, int], ...]  # a refusal's suggested settings: (option, "<=" or ">=", bound), ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,8 +217,9 @@ def importance_budget(*, policy: str, budget_tokens: int | None, budget_fraction
                       recent_tokens: int | None, observation_tokens: int, block_size: int,
                       max_model_len: int) -> ImportanceBudget:
     """The budget for `--kv-eviction snapkv|h2o`. Raises ConfigError naming the setting when no budget
-    is given, a budget is smaller than sinks + recent window + one block or larger than the context,
-    or the window settings are out of range."""
+    is given, a budget is larger than the context, the window settings are out of range, or the sinks +
+    recent window + one block do not fit the context or the budget (`_fit_refusal`: it names the option
+    at fault first, each with a bound that is accepted)."""
     if policy not in IMPORTANCE_EVICTIONS:
         raise ConfigError(f"--kv-eviction {policy!r} is not an importance policy ({', '.join(IMPORTANCE_EVICTIONS)})")
     if budget_tokens is None and budget_fraction is None:
@@ -214,24 +227,132 @@ def importance_budget(*, policy: str, budget_tokens: int | None, budget_fraction
                           f"--kv-budget-fraction F (of the prompt, e.g. 0.25)")
     if observation_tokens < 1:
         raise ConfigError(f"--kv-observation-tokens {observation_tokens} must be >= 1")
-    recent = observation_tokens if recent_tokens is None else recent_tokens
-    if recent < observation_tokens:
-        raise ConfigError(f"--kv-recent-tokens {recent} is smaller than --kv-observation-tokens {observation_tokens}: "
-                          f"the observation window is always kept; raise --kv-recent-tokens")
-    b = ImportanceBudget(block_size, budget_tokens, budget_fraction, -(-sink_tokens // block_size), recent,
-                         observation_tokens, policy == "h2o")
-    if budget_tokens is not None:
-        if budget_tokens < b.min_tokens:
-            raise ConfigError(
-                f"--kv-budget-tokens {budget_tokens} is smaller than the sinks ({b.sink_blocks * block_size} tokens: "
-                f"--kv-sink-tokens {sink_tokens} in whole blocks of {block_size}) + --kv-recent-tokens {recent} + one "
-                f"block: give at least {b.min_tokens}, or lower --kv-sink-tokens / --kv-recent-tokens")
-        if budget_tokens > max_model_len:
-            raise ConfigError(f"--kv-budget-tokens {budget_tokens} is larger than the context (max_model_len "
-                              f"{max_model_len}): nothing would ever be evicted; give at most {max_model_len}")
     if budget_fraction is not None and not 0 < budget_fraction < 1:
         raise ConfigError(f"--kv-budget-fraction {budget_fraction} must be in (0, 1): the share of a prompt's KV kept")
-    return b
+    settings = _Window(sink_tokens, recent_tokens, observation_tokens, budget_tokens)
+    if not settings.fits(block_size, max_model_len):
+        raise ConfigError(_fit_refusal(settings, block_size, max_model_len))
+    recent = observation_tokens if recent_tokens is None else recent_tokens
+    return ImportanceBudget(block_size, budget_tokens, budget_fraction, -(-sink_tokens // block_size), recent,
+                            observation_tokens, policy == "h2o")
+
+
+@dataclass(frozen=True, slots=True)
+class _Window:
+    """The settings `importance_budget` checks against each other: what a sequence always keeps."""
+
+    sink_tokens: int  # --kv-sink-tokens
+    recent_tokens: int | None  # --kv-recent-tokens; None: the observation window
+    observation_tokens: int  # --kv-observation-tokens
+    budget_tokens: int | None  # --kv-budget-tokens; None: only a fraction (bounded by the context)
+
+    OPTIONS: ClassVar[dict[str, str]] = {  # option -> field
+        "--kv-sink-tokens": "sink_tokens", "--kv-recent-tokens": "recent_tokens",
+        "--kv-observation-tokens": "observation_tokens", "--kv-budget-tokens": "budget_tokens"}
+
+    @property
+    def recent(self) -> int:
+        return self.observation_tokens if self.recent_tokens is None else self.recent_tokens
+
+    def sinks(self, bs: int) -> int:
+        return -(-self.sink_tokens // bs) * bs
+
+    def need(self, bs: int) -> int:
+        """The smallest budget that leaves room to evict (ImportanceBudget.min_tokens)."""
+        return self.sinks(bs) + self.recent + bs
+
+    def fits(self, bs: int, max_model_len: int) -> bool:
+        cap = max_model_len if self.budget_tokens is None else self.budget_tokens
+        return (self.observation_tokens >= 1 and self.recent >= self.observation_tokens and self.sink_tokens >= 0
+                and cap <= max_model_len and self.need(bs) <= cap)
+
+    def applied(self, fix: Fix) -> "_Window":
+        return replace(self, **{self.OPTIONS[option]: value for option, _, value in fix})
+
+
+def _fit_refusal(w: _Window, bs: int, max_model_len: int) -> str:
+    """The message for settings `_Window.fits` refuses: a budget larger than the context, a recent
+    window shorter than the observation window, or sinks + recent window + one block that do not fit
+    the context or the budget. It leads with the option at fault — the budget, the one that alone does
+    not fit the context, else the budget that is too small, else sinks and window together — and names
+    fixes: one option's bound each, or where none suffices alone, bounds for those at fault together;
+    each kept only where the settings with it applied are accepted, so no suggestion is refused in turn."""
+    M, obs, recent, sinks = max_model_len, w.observation_tokens, w.recent, w.sinks(bs)
+    window = "--kv-observation-tokens" if w.recent_tokens is None else "--kv-recent-tokens"
+    cap = M if w.budget_tokens is None else min(w.budget_tokens, M)
+    kept = (f"the sinks ({sinks} tokens: --kv-sink-tokens {w.sink_tokens} in whole blocks of {bs}) + {window} "
+            f"{recent} + one block to evict ({w.need(bs)} tokens)")
+    sink_fix: Fix = (("--kv-sink-tokens", "<=", (cap - bs - recent) // bs * bs),)  # the most sinks beside the window
+    room = cap - bs - sinks  # the most recent tokens the cap leaves beside the sinks and one block
+    single: list[Fix]
+    if w.budget_tokens is not None and w.budget_tokens > M:
+        lead = (f"--kv-budget-tokens {w.budget_tokens} is larger than the context (max_model_len {M}): nothing "
+                f"would ever be evicted")
+        single = [(("--kv-budget-tokens", "<=", M),)]
+    elif w.recent_tokens is not None and recent < obs and obs + bs <= M:
+        lead = (f"--kv-recent-tokens {recent} is smaller than --kv-observation-tokens {obs}: the observation window "
+                f"is always kept")
+        single = [(("--kv-recent-tokens", ">=", obs),), (("--kv-observation-tokens", "<=", recent),)]
+    elif max(obs, recent) + bs > M:  # the window alone does not fit the context: the option given is at fault
+        big = "--kv-observation-tokens" if obs > recent else window
+        what = "the recent window" if big == "--kv-recent-tokens" else "the observation window"
+        lead = (f"{big} {max(obs, recent)} ({what}, always kept) + one block to evict is more than the context "
+                f"(max_model_len {M})")
+        single = [((big, "<=", room if big == window else min(room, recent)),)]
+    elif sinks + bs + 1 > M:  # the sinks alone leave no room for any window
+        lead = (f"--kv-sink-tokens {w.sink_tokens} ({sinks} tokens in whole blocks of {bs}) + one block to evict "
+                f"leaves no room in the context (max_model_len {M}) for {window} {recent}")
+        single = [sink_fix]
+    elif w.budget_tokens is not None and w.need(bs) <= M:
+        lead = f"--kv-budget-tokens {w.budget_tokens} is smaller than {kept}"
+        single = [(("--kv-budget-tokens", ">=", w.need(bs)),), sink_fix, ((window, "<=", room),)]
+    else:
+        lead = f"{kept} are more than the context (max_model_len {M})"
+        single = [sink_fix, ((window, "<=", room),)]
+    fixes = [f for f in single if w.applied(f).fits(bs, M)]
+    if not fixes:  # several settings at fault: bounds for them together
+        fixes = [f for f in (_together(w, bs, M, cap), _together(w, bs, M, M)) if f and w.applied(f).fits(bs, M)][:1]
+    if not fixes:  # nothing fits beside one block: the context itself is too small
+        return (f"{lead}: importance eviction keeps at least one recent token and one block of {bs} to evict; raise "
+                f"--max-model-len above {bs}, or serve it with --kv-eviction none")
+    if cap < M and not lead.startswith("--kv-budget-tokens") and not any(o == "--kv-budget-tokens"
+                                                                          for f in fixes for o, _, _ in f):
+        lead += f" (the bounds below keep it within --kv-budget-tokens {cap})"
+    return f"{lead}: {', or '.join(_say(f) for f in fixes)}"
+
+
+def _say(fix: Fix) -> str:
+    """("--kv-sink-tokens", "<=", 16), ... -> "lower --kv-sink-tokens to <= 16 and ..." (a verb where it changes)."""
+    words, verb = [], None
+    for opt, op, v in fix:
+        now = "lower" if op == "<=" else "raise"
+        words.append(f"{now + ' ' if now != verb else ''}{opt} to {op} {v}")
+        verb = now
+    return " and ".join(words)
+
+
+def _together(w: _Window, bs: int, max_model_len: int, cap: int) -> Fix:
+    """Bounds for every setting at fault at once, within `cap` tokens (the budget, or the context and
+    the budget raised to what is kept): the sinks get at most half of what one block to evict leaves,
+    the recent window the rest; only the settings that change are named."""
+    room = cap - bs  # sinks + recent window
+    if room < 1:
+        return ()
+    sinks = min(w.sinks(bs), room // 2 // bs * bs)
+    recent = min(w.recent, room - sinks)
+    obs = min(w.observation_tokens, recent)
+    fix: list[tuple[str, str, int]] = []
+    if sinks < w.sinks(bs):
+        fix.append(("--kv-sink-tokens", "<=", sinks))
+    if obs < w.observation_tokens:
+        fix.append(("--kv-observation-tokens", "<=", obs))
+    if w.recent_tokens is not None and recent < w.recent_tokens:
+        fix.append(("--kv-recent-tokens", "<=", recent))
+    if w.budget_tokens is not None and w.budget_tokens > max_model_len:
+        fix.append(("--kv-budget-tokens", "<=", max_model_len))
+    elif w.budget_tokens is not None and w.budget_tokens < sinks + recent + bs:
+        fix.append(("--kv-budget-tokens", ">=", sinks + recent + bs))
+    return tuple(fix)
 
 
 def check_request_budget(value, budget: ImportanceBudget | None, max_model_len: int) -> None:
