@@ -1,13 +1,13 @@
 """The draft-model proposer of speculative decoding (`--speculative draft --draft-model BUILD`): a
 second kvexport build with the target's vocabulary drafts greedily, with its own small KV pool,
-stepped inside the target's engine loop (core/speculation.py calls `propose` while scheduling).
+stepped inside the target's engine loop, beside the runner (execution/proposers.py's Drafter calls it
+before each schedule).
 
     propose_many([(req, k), ..]):  per request: the draft's KV tokens vs req.token_ids ─▶ keep the
                       common prefix (rollback)
                    ─▶ ONE call: every request's tokens the draft has not seen ─▶ argmax d_1 each
                    ─▶ k - 1 calls, each one token for every request still drafting ─▶ d_2 .. d_k
-    (core/speculation.py asks for a step's drafting requests together in begin_step; `propose`
-    is the one-request form)
+    (the Drafter asks for a step's drafting requests together; `propose` is the one-request form)
 
 NOTE: drafts are the draft model's argmax, so the proposal is a point mass and the target's
 verification (execution/spec_sampling.py) keeps the output distribution exactly the target's

@@ -1,7 +1,8 @@
-"""The engine: requests in, `RequestOutput`s out. One `step()` is three lines:
+"""The engine: requests in, `RequestOutput`s out. One `step()`:
 
-    schedule ──SchedulerOutput──▶ run ──ModelRunnerOutput──▶ postprocess
-    Scheduler.schedule()          ModelRunner.execute()      Scheduler.update_from_output() -> OutputProcessor.process()
+    (draft) ──▶ schedule ──SchedulerOutput──▶ run ──ModelRunnerOutput──▶ postprocess
+    Drafter.draft()   Scheduler.schedule()   ModelRunner.execute()   Scheduler.update_from_output() -> OutputProcessor.process()
+    (speculative decoding only: the proposers run beside the runner, execution/proposers.py)
 
     Scheduler ⇄ KVCacheManager ⇄ BlockPool        (token counts, block ids)
     ModelRunner: pack() -> ModelInput -> Backend.execute() -> logits -> sample()
@@ -46,7 +47,7 @@ from .tokenizer import load_build_tokenizer
 from .core.importance import check_request_budget, importance_policy
 from .core.scheduler import Scheduler, SchedulerConfig, Status
 from .core.streaming import StreamingWindow, check_model, streaming_window
-from .speculative import speculation_policy
+from .speculative import drafter_for, speculation_policy
 
 __all__ = ["EngineConfig", "LLMEngine", "RequestOutput"]
 
@@ -114,6 +115,8 @@ class LLMEngine:
         max_model_len = min(config.max_model_len or kv.max_seq_len, kv.max_seq_len)
         streaming = self._streaming(config, max_model_len) if config.kv_eviction == "streaming" else None
         self.speculation = speculation_policy(self.build_dir, self.manifest, config)  # None: off (core/speculation.py)
+        # its proposer, run beside the runner before each schedule (execution/proposers.py); None: off
+        self.drafter = drafter_for(self.build_dir, self.manifest, config, self.speculation)
         # importance eviction (core/importance.py); None: the one SchedulerConfig asks for
         self.importance = importance_policy(self.build_dir, self.manifest, config, max_model_len)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len,
@@ -251,6 +254,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns the outputs that changed (new tokens or finished)."""
+        if self.drafter is not None:  # the drafts of the running sequences, before the scheduler budgets them
+            self.drafter.draft(self.scheduler.running)
         scheduled = self.scheduler.schedule()
         # NOTE: a step with only KV tier transfers (or a disk read to wait for) still goes to the runner
         busy = scheduled.scheduled or scheduled.kv_ops or self.scheduler.tiers_loading

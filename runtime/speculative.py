@@ -1,6 +1,7 @@
 """Speculative decoding as the engine sets it up: the policy `EngineConfig.speculative` asks for,
-checked against the build (core/speculation.py has the policy and the n-gram proposer; the draft
-model's proposer is runtime/draft_model.py, since it runs a second build's graphs)."""
+checked against the build (core/speculation.py), and the proposer that drafts for it beside the
+runner (execution/proposers.py: the n-gram lookup and the `Drafter`; runtime/draft_model.py: the
+draft model, since it runs a second build's graphs)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from kvexport.errors import ConfigError
 from kvexport.manifest import Manifest
 
 from .config import EngineConfig
-from .core.speculation import NgramProposer, SpeculativeDecoding
+from .core.speculation import SpeculativeDecoding
+from .execution.proposers import Drafter, NgramProposer
 
 
 def speculation_policy(build_dir: Path, manifest: Manifest, config: EngineConfig) -> SpeculativeDecoding | None:
@@ -22,14 +24,21 @@ def speculation_policy(build_dir: Path, manifest: Manifest, config: EngineConfig
         raise ConfigError(f"speculative {config.speculative!r}: {build_dir} returns only each sequence's last logits "
                           f"(made before logits_indices), so drafts cannot be verified; rebuild it with this kvexport "
                           f"(`kvexport build MODEL --force`) or serve it with --speculative none")
-    if config.speculative == "ngram":
-        proposer = NgramProposer()
-    else:
-        from .draft_model import DraftModelProposer
-
-        proposer = DraftModelProposer.open(config.draft_model, build_dir, manifest, config)
-    return SpeculativeDecoding(proposer, config.num_speculative_tokens, config.speculative_max_batch,
+    return SpeculativeDecoding(config.num_speculative_tokens, config.speculative_max_batch,
                                cost_model=config.speculative_cost_model)
 
 
-__all__ = ["speculation_policy"]
+def drafter_for(build_dir: Path, manifest: Manifest, config: EngineConfig,
+                policy: SpeculativeDecoding | None) -> Drafter | None:
+    """The proposer `config.speculative` names, drafting for `policy` (None when speculation is off).
+    The draft model is opened and checked against the build here (ConfigError naming draft_model)."""
+    if policy is None:
+        return None
+    if config.speculative == "ngram":
+        return Drafter(NgramProposer(), policy)
+    from .draft_model import DraftModelProposer
+
+    return Drafter(DraftModelProposer.open(config.draft_model, build_dir, manifest, config), policy)
+
+
+__all__ = ["drafter_for", "speculation_policy"]

@@ -147,7 +147,8 @@ class SpeculationPolicy(Policy):
     draft never becomes a prefix-cache or tier block and its slots are written again by a later
     step. The scheduler then appends the drafts the runner accepted (`result.accepted`, whose KV
     is stored) and the token it sampled (`result.sampled`), applying the stop rules to each in
-    turn. Speculative decoding itself (proposers, adaptive back-off) is core/speculation.py.
+    turn. Speculative decoding itself (adaptive back-off, the cost model) is core/speculation.py; its
+    proposers run beside the runner (execution/proposers.py), never from here.
     """
 
     key = "speculation"

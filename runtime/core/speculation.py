@@ -1,18 +1,13 @@
-"""Speculative decoding: the scheduler's speculation policy and its proposers.
+"""Speculative decoding: the scheduler's speculation policy. Its proposers run beside the model
+runner (execution/proposers.py: the n-gram lookup, the draft model), never in here: the engine's
+`Drafter` asks `plan` whom to draft for before each schedule and hands the drafts to `offer`.
 
-    schedule():  SpeculativeDecoding.propose(req, room) ── Proposer.propose(req, k) ──▶ drafts d_1..d_k
+    engine:      Drafter.draft ── plan(running) ──▶ [(req, k)] ── Proposer ──▶ offer({id: drafts})
+    schedule():  SpeculativeDecoding.propose(req, room) ──▶ the offered drafts d_1..d_k within the room
                  (the step carries the next token + the drafts, packed like a prompt chunk)
     runner:      logits at those 1 + k rows ── execution/spec_sampling.verify_drafts ──▶ accepted + 1 token
     update:      SpeculativeDecoding.verify ──▶ rollback = k - accepted (num_computed_tokens moves back
                  before the prefix cache sees the step), counters, adaptive back-off
-
-Proposers (one small interface, `Proposer`):
-- `NgramProposer` — prompt lookup: the last n tokens (n = max_n down to min_n) matched against the
-  request's own prompt and output so far; the tokens that followed the latest match are the drafts.
-  No model, nothing to roll back.
-- `DraftModelProposer` (runtime/draft_model.py: it runs a second build's graphs) — another kvexport
-  build with the same vocabulary, drafting greedily with its own KV pool. A proposer with
-  `propose_many` (this one) drafts for all of a step's sequences together in `begin_step`.
 
 Adaptive back-off:
 - per sequence: a step whose drafts were all accepted lets the sequence draft one more next time
@@ -43,9 +38,7 @@ from __future__ import annotations
 import heapq
 import time
 from dataclasses import dataclass
-from typing import Protocol, Sequence
-
-import numpy as np
+from typing import Mapping, Sequence
 
 from .outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from .policies import SpeculationPolicy
@@ -54,51 +47,6 @@ from .request import Request, Status
 MAX_SPECULATIVE_TOKENS = 16  # k at most (num_speculative_tokens)
 _MAX_COOLDOWN = 32  # steps a sequence whose drafts keep failing sits out, at most
 _EXPLORE_TRIALS = 3  # a sequence drafts at least one token until its acceptance rests on this many trials
-
-
-class Proposer(Protocol):
-    """What drafts tokens for a decoding sequence."""
-
-    def propose(self, req: Request, k: int) -> tuple[int, ...]:
-        """Up to k tokens expected to follow req.token_ids (which ends with the step's next token)."""
-        ...
-
-    def release(self, request_id: str) -> None:
-        """The request finished: drop whatever the proposer keeps for it."""
-        ...
-
-
-class NgramProposer:
-    """Prompt lookup (llama.cpp's and vLLM's n-gram speculation): find the latest earlier
-    occurrence of the sequence's last n tokens (longest n first) in its own tokens and propose
-    the k tokens that followed it."""
-
-    def __init__(self, min_n: int = 1, max_n: int = 4):
-        assert 1 <= min_n <= max_n
-        self.min_n, self.max_n = min_n, max_n
-
-    def propose(self, req: Request, k: int) -> tuple[int, ...]:
-        return ngram_lookup(req.token_ids, k, self.min_n, self.max_n)
-
-    def release(self, request_id: str) -> None:
-        pass
-
-
-def ngram_lookup(tokens, k: int, min_n: int = 1, max_n: int = 4) -> tuple[int, ...]:
-    """Up to k tokens that followed the latest earlier match of the last n tokens of `tokens`
-    (n from max_n down to min_n); () when none matches."""
-    a = np.asarray(tokens, dtype=np.int64)
-    size = len(a)
-    for n in range(min(max_n, size - 1), min_n - 1, -1):
-        # a match starts at i < size - n with a[i:i + n] == a[-n:]
-        cand = np.ones(size - n, dtype=bool)
-        for j in range(n):
-            cand &= a[j:size - n + j] == a[size - n + j]
-        hits = np.flatnonzero(cand)
-        if hits.size:
-            start = int(hits[-1]) + n  # the latest match; what followed it
-            return tuple(int(t) for t in a[start:start + k])
-    return ()
 
 
 @dataclass(slots=True)
@@ -192,19 +140,18 @@ class SpecStats:
 
 
 class SpeculativeDecoding(SpeculationPolicy):
-    """The speculation policy: drafts from a proposer, at most `num_tokens` per step, with
-    per-sequence and global back-off (module docstring). A request with
+    """The speculation policy: at most `num_tokens` drafts per step (offered by the engine's Drafter,
+    execution/proposers.py), with per-sequence and global back-off (module docstring). A request with
     SamplingParams.speculative False never drafts."""
 
-    def __init__(self, proposer: Proposer, num_tokens: int, max_batch: int = 16, adaptive: bool = True,
-                 cost_model: bool = True):
-        self.proposer, self.num_tokens, self.max_batch, self.adaptive = proposer, num_tokens, max_batch, adaptive
+    def __init__(self, num_tokens: int, max_batch: int = 16, adaptive: bool = True, cost_model: bool = True):
+        self.num_tokens, self.max_batch, self.adaptive = num_tokens, max_batch, adaptive
         # the step-cost model (module docstring); None: drafts bounded by the back-off and max_batch only
         self.cost: StepCost | None = StepCost() if adaptive and cost_model else None
-        self._on = True  # this step's global verdict (begin_step)
-        self._drafted: dict[str, tuple[int, ...]] = {}  # this step's drafts, proposed in begin_step
-        self._known: dict[str, Request] = {}  # requests that drafted, to release finished ones
-        self._t0: float | None = None  # when this step began (begin_step), for the cost model
+        self._on = True  # this step's global verdict (plan)
+        self._drafted: dict[str, tuple[int, ...]] = {}  # this step's drafts (offer)
+        self._planned = False  # plan() ran for the step being scheduled
+        self._t0: float | None = None  # when this step began (plan / begin_step), for the cost model
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self._accepted = self._trials = 0  # the engine's per-token acceptance (p's prior)
 
@@ -214,37 +161,36 @@ class SpeculativeDecoding(SpeculationPolicy):
     def stats(self) -> SpecStats:
         return SpecStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens)
 
-    def begin_step(self, num_running: int, running: Sequence[Request] = ()) -> None:
-        self._t0 = time.perf_counter()
-        self._on = num_running <= self.max_batch
-        for rid, req in list(self._known.items()):
-            if req.status is Status.FINISHED:
-                del self._known[rid]
-                self.proposer.release(rid)
-        self._drafted = {}
+    def plan(self, running: Sequence[Request], allot_first: bool = False) -> list[tuple[Request, int]]:
+        """Before the step is scheduled: the running sequences to draft for and how many drafts each
+        ([(request, k)]; empty with more than max_batch running). With `allot_first` (a proposer that
+        runs a model: drafting is the cost saved) the cost model's allotment is applied here."""
+        self._t0, self._planned, self._drafted = time.perf_counter(), True, {}
+        self._on = len(running) <= self.max_batch
         if not self._on:
-            return
+            return []
         wanted = [(req, k) for req in running if (k := self._wants(req)) > 0]
-        if not wanted:
-            return
-        self._known.update((req.request_id, req) for req, _ in wanted)
         fit = self.cost.fit() if self.cost is not None else None
-        many = getattr(self.proposer, "propose_many", None)
-        if many is not None:
-            # NOTE: a proposer that runs a model (the draft model) drafts for every sequence of the step
-            # at once, here, the cost model's allotment first (drafting is the cost it saves). Sequences
-            # the scheduler does not ask for after all (a prompt chunk, no room) only cost their drafting.
-            if fit is not None:
-                keep = self._allot([(req, k) for req, k in wanted], running, fit)
-                wanted = [(req, keep[req.request_id]) for req, _ in wanted if keep[req.request_id] > 0]
-            self._drafted = {rid: tuple(d) for rid, d in many(wanted).items()} if wanted else {}
-            return
-        # a cheap proposer (n-gram lookup) proposes first: a sequence with nothing to propose costs nothing
-        drafted = {req.request_id: tuple(self.proposer.propose(req, k))[:k] for req, k in wanted}
-        if fit is not None:
-            keep = self._allot([(req, len(drafted[req.request_id])) for req, _ in wanted], running, fit)
+        if wanted and allot_first and fit is not None:
+            keep = self._allot(wanted, running, fit)
+            wanted = [(req, keep[req.request_id]) for req, _ in wanted if keep[req.request_id] > 0]
+        return wanted
+
+    def offer(self, drafts: Mapping[str, Sequence[int]], running: Sequence[Request], allotted: bool) -> None:
+        """The proposer's drafts for the planned sequences ({request id: drafts}); unless `allotted`
+        (plan did it), the cost model's allotment cuts them now."""
+        drafted = {rid: tuple(d) for rid, d in drafts.items()}
+        fit = self.cost.fit() if self.cost is not None and not allotted else None
+        if fit is not None and drafted:
+            by_id = {req.request_id: req for req in running}
+            keep = self._allot([(by_id[rid], len(d)) for rid, d in drafted.items()], running, fit)
             drafted = {rid: d[:keep[rid]] for rid, d in drafted.items()}
         self._drafted = drafted
+
+    def begin_step(self, num_running: int, running: Sequence[Request] = ()) -> None:
+        if not self._planned:  # NOTE: no Drafter ran for this step: it carries no drafts
+            self._t0, self._drafted, self._on = time.perf_counter(), {}, False
+        self._planned = False
 
     def _allot(self, offers: list[tuple[Request, int]], running: Sequence[Request],
                fit: tuple[float, float]) -> dict[str, int]:
@@ -295,10 +241,7 @@ class SpeculativeDecoding(SpeculationPolicy):
         k = min(st.k, max_tokens)
         if k < 1:
             return ()
-        self._known[req.request_id] = req
-        if req.request_id in self._drafted:
-            return self._drafted.pop(req.request_id)[:k]
-        return tuple(self.proposer.propose(req, k))[:k]
+        return self._drafted.pop(req.request_id, ())[:k]
 
     def verify(self, req: Request, scheduled: ScheduledRequest, result: ModelRunnerOutput) -> int:
         k = scheduled.num_draft_tokens
@@ -326,5 +269,4 @@ class SpeculativeDecoding(SpeculationPolicy):
         return k - accepted
 
 
-__all__ = ["MAX_SPECULATIVE_TOKENS", "NgramProposer", "Proposer", "SpecStats", "SpeculativeDecoding", "StepCost",
-           "allot_drafts", "ngram_lookup"]
+__all__ = ["MAX_SPECULATIVE_TOKENS", "SpecStats", "SpeculativeDecoding", "StepCost", "allot_drafts"]

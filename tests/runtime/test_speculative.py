@@ -23,7 +23,7 @@ from kvexport.errors import ConfigError
 from kvexport.exporter.build import BuildOptions, build
 from kvexport.runtime.core.block_hash import hash_full_blocks
 from kvexport.runtime.core.block_pool import BlockStored
-from kvexport.runtime.core.speculation import ngram_lookup
+from kvexport.runtime.execution.proposers import ngram_lookup
 from kvexport.runtime.sampling_params import SamplingParams
 from testkit.families import CASES_2025, CASES_MLA, CASES_MOE
 from testkit.legacy_builds import build_without_logits_indices
@@ -261,7 +261,7 @@ def test_draft_model_speculation_is_exact_and_refuses_another_vocabulary(make_bu
 
     llm = LLM(target, kv_cache_memory="4MiB", threads=1, speculative="draft", draft_model=str(target))
     _without_cost_model(llm)
-    runner = llm.engine.speculation.proposer.runner
+    runner = llm.engine.drafter.proposer.runner
     calls, run = [], runner.logits
     runner.logits = lambda chunks, *a, **kw: calls.append(len(chunks)) or run(chunks, *a, **kw)
     same = llm.generate(PROMPTS, GREEDY)
