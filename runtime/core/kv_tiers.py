@@ -219,9 +219,6 @@ class TierIndex:
         self._loading.add(key)
         self._ops.append(Prefetch(*key))
 
-    def is_loading(self, key: TierKey) -> bool:
-        return key in self._loading
-
     def pin(self, keys) -> None:
         """Keep these hits until `load` (or `unpin`): the allocation that makes room for them
         may evict other pool blocks into the tiers, which must not push the hits out.

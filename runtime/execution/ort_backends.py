@@ -227,11 +227,6 @@ class _OrtBackend:
         where a plan has a session for them."""
         return self.plans[-1].form if self.plans[-1].form in LARGE_STEP_TOKENS else None
 
-    @property
-    def large_step_tokens(self) -> int | None:
-        """Steps of this many tokens or more run in the large-step session (None: no such session)."""
-        return self.plans[-1].min_tokens if len(self.plans) > 1 else None
-
     def session_options(self, plan: SessionPlan | None = None):
         """onnxruntime's options for the session of `plan` (default: the smallest steps')."""
         import onnxruntime as ort

@@ -65,12 +65,6 @@ def _load(path: Path) -> Any:
         raise ManifestError(f"{path} is not a readable ONNX model ({type(e).__name__}: {e}); {_REBUILD}") from None
 
 
-def read_graph_io(path: Path) -> tuple[tuple[io.TensorSpec, ...], tuple[io.TensorSpec, ...]]:
-    """A graph's declared inputs (initializers excluded) and outputs, as io.TensorSpec
-    (dims: ints for fixed axes, axis names for dynamic ones)."""
-    return _graph_io(_load(path))
-
-
 def _graph_io(model: Any) -> tuple[tuple[io.TensorSpec, ...], tuple[io.TensorSpec, ...]]:
     initializers = {t.name for t in model.graph.initializer}
     inputs = tuple(_spec(v) for v in model.graph.input if v.name not in initializers)

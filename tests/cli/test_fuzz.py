@@ -1,7 +1,7 @@
 """hypothesis-generated arguments for `kvexport build` and `kvexport generate` on a tiny model,
 run in process: whatever the values (ints negative or huge, floats incl. nan/inf, odd strings,
 paths with odd characters), the CLI answers with exit code 0, or 2 and an error line; never an
-exception, a traceback or the "internal error" of kvexport/cli.py's last-resort handler.
+exception, a traceback or the "internal error" of kvexport/cli/__init__.py's last-resort handler.
 Bounded: a few dozen examples each, `--no-validate`, a 2-layer model (~1 minute on 2 cores)."""
 
 import pytest

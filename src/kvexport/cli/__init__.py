@@ -7,7 +7,7 @@ function; options beyond a few flags live in recipes.
     build.py     build, engines, calibrate, inspect, plan
     inspect.py   `kvexport inspect`'s views of a manifest and the other tools' command lines
     serve.py     generate, bench, serve
-    deploy.py    triton, triton-serve, dynamo
+    deploy.py    triton, triton-serve, dynamo, dynamo-broker
 
 NOTE: library code (exporter, runtime, the contracts in kvexport/) never imports this package;
 the command modules import options, never this module.

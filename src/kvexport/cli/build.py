@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from kvexport.exporter.limits import WEIGHT_PRECISIONS
+from kvexport.recipes import Recipe, load_recipe, shipped_recipes
 
 from .options import SafePath, build_options, build_settings, console, new_path, option_range, rich_progress
 
@@ -16,12 +17,12 @@ from .options import SafePath, build_options, build_settings, console, new_path,
 @click.argument("model", required=False)
 @click.option("--out", type=SafePath(), callback=new_path, help="Build directory (default: build/<model name>).")
 @build_options
-@click.option("--recipe", help="A recipe YAML file, or a shipped recipe name (llama, mistral, qwen2, phi3, gpt2).")
+@click.option("--recipe", help="A recipe YAML file, or a shipped recipe name "
+              f"({', '.join(p.stem for p in shipped_recipes())}).")  # recipes/*.yaml, so the list cannot go stale
 def build(model, out, recipe, **given):
     """Export a model (HF folder, .gguf file or alias) into a validated build directory."""
     from kvexport.exporter.build import BuildOptions, build as run_build
     from kvexport.exporter.source import DEFAULT_MODEL
-    from kvexport.recipes import Recipe, load_recipe
 
     if model is not None and not model.strip():
         raise click.BadParameter("is empty: give a model folder, a .gguf file or an alias (or leave it out for "
