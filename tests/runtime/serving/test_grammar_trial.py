@@ -165,3 +165,17 @@ def test_a_tools_references_resolve_in_its_own_parameters(manager):
     with pytest.raises(GrammarError) as e:  # itself, forever: refused with the tool (before: the server's array)
         tools.check_tools([{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#"}}}])
     assert e.value.param == "tools[0].function.parameters" and "refers only to itself" in str(e.value)
+
+
+def test_a_bounded_number_closes_and_a_cut_answer_says_length(smollm2_build):
+    """Greedy smollm2 asked for a long number under an integer schema: at most MAX_DIGITS digits, then the
+    grammar ends it (finish "stop"); an object cut by max_tokens finishes with "length"."""
+    from kvexport import LLM, SamplingParams
+
+    llm = LLM(smollm2_build, kv_cache_memory="32MiB", max_num_seqs=2)
+    (out,) = llm.generate("Write the number one hundred digits long, all ones: 1111111111111111111111",
+                          SamplingParams(max_tokens=40, structured=StructuredOutputs(json={"type": "integer"})))
+    assert out.finish_reason == "stop" and len(out.text.lstrip("-")) <= MAX_DIGITS and int(out.text) is not None
+    (cut,) = llm.generate("A person as JSON:", SamplingParams(max_tokens=3, structured=StructuredOutputs(json={
+        "type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]})))
+    assert cut.finish_reason == "length", cut
