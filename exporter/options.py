@@ -1,9 +1,10 @@
 """`BuildOptions`: the one definition of a build option. Each field carries its type, default,
-unit (comment), and an `Option` spec: its help, choices or range, how the command line spells it
-and whether a recipe may set it. From it are generated the `kvexport build` flags
-(kvexport/cli/options.py `build_options`), the recipe schema and its messages (recipes/__init__.py),
-and the checks of the Python API (`BuildOptions.__post_init__`), so a new option is one field here
-(+ where it is used, + its test). Light to import (no torch, no onnx): `kvexport --help` reads it.
+unit (comment), and an `Option` spec (kvexport/option_spec.py, shared with the runtime settings):
+its help, choices or range, how the command line spells it and whether a recipe may set it. From
+it are generated the `kvexport build` flags (kvexport/cli/options.py `build_options`), the recipe
+schema and its messages (recipes/__init__.py), and the checks of the Python API
+(`BuildOptions.__post_init__`), so a new option is one field here (+ where it is used, + its
+test). Light to import (no torch, no onnx): `kvexport --help` reads it.
 
 NOTE: max_seq_len sizes the RoPE tables stored in the graphs (2 x tokens x head_dim float32)
 and calibration_tokens the calibration run, so both are capped far above any real use but
@@ -15,38 +16,17 @@ from __future__ import annotations
 import dataclasses
 import enum
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kvexport import io
 from kvexport.errors import ConfigError
 from kvexport.manifest_engines import EngineBuildOptions
 from kvexport.manifest_weights import WEIGHT_MATMUL_ACCURACY
+from kvexport.option_spec import option, spec_of  # the Option spec, shared with the runtime settings
 
 from .limits import (BACKENDS, CALIBRATED_METHODS, DTYPES, KV_DTYPES, QUANT_METHODS, WEIGHT_BLOCK_SIZES,
                      WEIGHT_PRECISIONS)
-
-
-@dataclass(frozen=True, slots=True)
-class Option:
-    """How one BuildOptions field is offered and checked."""
-
-    help: str | None = None  # the CLI help ("{default}": the field's default); None: not a CLI flag
-    choices: tuple = ()  # the values it may take (enum members for enum fields); (): any of its type
-    range: tuple[int, int] | None = None  # inclusive bounds of an integer option
-    recipe: bool = True  # a recipe may set it
-    spelled: dict[Any, str] = field(default_factory=dict)  # value -> how the CLI writes it (0 -> "channel")
-    path: bool = False  # a file path (the CLI checks it exists)
-    where: str = ""  # after "is not supported" (a choice of the type the build cannot make)
-
-
-def option(default: Any, help: str | None = None, **spec: Any) -> Any:
-    """A BuildOptions field: its default and its Option spec."""
-    return field(default=default, metadata={"option": Option(help, **spec)})
-
-
-def spec_of(f: dataclasses.Field) -> Option:
-    return f.metadata["option"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

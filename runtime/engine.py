@@ -44,10 +44,9 @@ from .kv_connector import KVConnector
 from .request_checks import RequestError, check_token_ids, prompt_logprobs_refusal
 from .sampling_params import SamplerState, SamplingParams
 from .tokenizer import load_build_tokenizer
-from .core.importance import check_request_budget, importance_policy
+from .core.importance import check_request_budget
 from .core.scheduler import Scheduler, SchedulerConfig, Status
-from .core.streaming import StreamingWindow, check_model, streaming_window
-from .speculative import drafter_for, speculation_policy
+from .policies import check_before_load, policies_for
 
 __all__ = ["EngineConfig", "LLMEngine", "RequestOutput"]
 
@@ -55,32 +54,39 @@ class LLMEngine:
     def __init__(self, build_dir: str | Path, config: EngineConfig = EngineConfig(), backend: Backend | None = None):
         self.build_dir = Path(build_dir)
         self.manifest = mf.load(self.build_dir)
-        kv = self.manifest.kv
-        if kv.layout != io.KVLayout.PAGED.value:
-            raise KvExportError(f"the runtime serves paged builds; {self.build_dir} has layout {kv.layout!r}: "
-                                f"rebuild it with `kvexport build MODEL --layout paged`")
-        if state_pool.is_hybrid(self.manifest.model.spec) and (why := state_pool.refusal(config)) is not None:
-            raise ConfigError(why)  # before the sessions load and the disk tier's folder is taken
-        budget = parse_budget(config.kv_cache_memory)
-        if budget < 1:
-            raise ConfigError(f"kv_cache_memory {config.kv_cache_memory!r} is 0 bytes: give a size such as 2GiB, or a "
-                              f"share of the free memory such as 30%")
-        if config.backend == "onnxruntime" and budget > physical_memory():  # the pool is host memory
-            raise ConfigError(f"kv_cache_memory {config.kv_cache_memory!r} ({budget / 2**30:.4g} GiB) is more than "
-                              f"this machine's memory ({physical_memory() / 2**30:.1f} GiB): give a smaller size, or "
-                              f"a share of the free memory such as 30%")
-        # the pad block is counted inside the budget
-        groups = self.manifest.layer_groups  # None: one KV cache group
-        # NOTE: the one pool sizing (`kvexport plan` calls it too): with a local group, the windowed
-        # layers' group gets what its window needs, the full group the rest
-        # Gemma 4: layers sharing KV hold no pools, layers may differ in KV shape (io.py "Shared KV")
-        kv_layers, dims = io.kv_layout(self.manifest.model.spec, kv.num_kv_heads, kv.head_dim)
-        per_token = io.kv_bytes_per_token_layers(groups or (io.FULL_GROUP,) * kv.num_layers, dims, kv_layers,
-                                                 io.DType(kv.dtype), kv.latent)
-        sizes = kv_pool_sizes(budget, kv.block_size, per_token, kv.local_window, config.max_num_seqs,
-                              config.max_num_batched_tokens)
-        num_blocks, local_blocks = sizes.num_blocks, sizes.local_num_blocks
-        # the weights file against its recorded sha256 (kvexport/verify.py), hashed while the sessions load
+        check_before_load(self.build_dir, self.manifest, config)  # before the sessions load (runtime/policies.py)
+        backend, config = self._load(config, backend)
+        self.config = config
+        kv, model = self.manifest.kv, self.manifest.model
+        self.vocab_size: int = model.vocab_size
+        eos = model.eos_token_ids
+        local = self.manifest.layer_groups is not None  # a windowed-layer KV cache group (kvexport/io.py)
+        self.kv, pools, offload = self._kv_managers(config, backend)  # and self.pool, self.tiers
+        # the one seam for moving KV blocks in or out (runtime/kv_connector.py): serving code uses only it
+        self.kv_connector = KVConnector(KVConnectorScheduler(pools, self.tiers, kv.local_window if local else None),
+                                        KVConnectorWorker(backend, self.manifest, offload))
+        max_model_len = min(config.max_model_len or kv.max_seq_len, kv.max_seq_len)
+        # eviction, speculation and its drafter (runtime/policies.py); None: off
+        p = policies_for(self.build_dir, self.manifest, config, max_model_len=max_model_len,
+                         pool_tokens=self.pool.num_usable_blocks * kv.block_size)
+        self.importance, self.speculation, self.drafter = p.importance, p.speculation, p.drafter
+        window = None if p.streaming else kv.local_window if local else model.uniform_window
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len,
+                                                   window, eos, streaming=p.streaming), self.kv,
+                                   speculation=p.speculation, eviction=p.importance)
+        self.runner = ModelRunner(backend, kv.block_size, eos, offload=offload)
+        self.tokenizer = (load_build_tokenizer(self.build_dir, self.manifest.tokenizer) if self.manifest.tokenizer
+                          else None)
+        self.outputs = OutputProcessor(self.tokenizer)
+        # structured output's grammars (execution/structured.py): compiled once per spec, one matcher per sequence
+        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, eos)
+        self._ids = 0
+
+    def _load(self, config: EngineConfig, backend: Backend | None) -> tuple[Backend, EngineConfig]:
+        """The backend (`backend`, or sessions made for the KV pool `config` budgets; create_backend
+        returns the config it settled) and the config; the weights file is checked against its
+        recorded sha256 (kvexport/verify.py) while the sessions load."""
+        num_blocks, local_blocks = self._pool_blocks(config)
         checksum = verify.Verification.start(self.build_dir, self.manifest)
         try:
             if backend is None:
@@ -90,46 +96,48 @@ class LLMEngine:
             checksum.cancel()
             raise
         checksum.wait()  # ChecksumError: a damaged weights file is refused, never served
-        self.config = config
-        model = self.manifest.model
-        self.vocab_size: int = model.vocab_size
-        eos = model.eos_token_ids
-        window = model.uniform_window
+        return backend, config
+
+    def _pool_blocks(self, config: EngineConfig) -> tuple[int, int | None]:
+        """KV blocks of the full-attention pool and of the windowed layers' (None: no such group)
+        that config.kv_cache_memory holds (the pad block counted inside the budget)."""
+        budget = parse_budget(config.kv_cache_memory)
+        if budget < 1:
+            raise ConfigError(f"kv_cache_memory {config.kv_cache_memory!r} is 0 bytes: give a size such as 2GiB, or a "
+                              f"share of the free memory such as 30%")
+        if config.backend == "onnxruntime" and budget > physical_memory():  # the pool is host memory
+            raise ConfigError(f"kv_cache_memory {config.kv_cache_memory!r} ({budget / 2**30:.4g} GiB) is more than "
+                              f"this machine's memory ({physical_memory() / 2**30:.1f} GiB): give a smaller size, or "
+                              f"a share of the free memory such as 30%")
+        kv, groups = self.manifest.kv, self.manifest.layer_groups  # groups None: one KV cache group
+        # NOTE: the one pool sizing (`kvexport plan` calls it too): with a local group, the windowed
+        # layers' group gets what its window needs, the full group the rest
+        # Gemma 4: layers sharing KV hold no pools, layers may differ in KV shape (io.py "Shared KV")
+        kv_layers, dims = io.kv_layout(self.manifest.model.spec, kv.num_kv_heads, kv.head_dim)
+        per_token = io.kv_bytes_per_token_layers(groups or (io.FULL_GROUP,) * kv.num_layers, dims, kv_layers,
+                                                 io.DType(kv.dtype), kv.latent)
+        sizes = kv_pool_sizes(budget, kv.block_size, per_token, kv.local_window, config.max_num_seqs,
+                              config.max_num_batched_tokens)
+        return sizes.num_blocks, sizes.local_num_blocks
+
+    def _kv_managers(self, config: EngineConfig,
+                     backend: Backend) -> tuple[KVCacheManagerProtocol[Any], dict[str, Any], KVOffload | None]:
+        """The KV cache manager over the pools (sets self.pool and self.tiers), the pools by KV
+        cache group (what the connector moves), and the tiers' offload worker (None: no tiers)."""
+        kv = self.manifest.kv
         self.pool = BlockPool(backend.num_blocks, kv.block_size, enable_prefix_caching=config.enable_prefix_caching)
         self.tiers, offload = self._kv_tiers(config, backend)  # KV tiers below the pool (core/kv_tiers.py)
-        self.kv: KVCacheManagerProtocol[Any] = KVCacheManager(self.pool, self.tiers)
-        pools = {io.FULL_GROUP: self.pool}
-        if groups is not None:  # two KV cache groups (kvexport/io.py): windowed layers freed behind the window
+        manager: KVCacheManagerProtocol[Any] = KVCacheManager(self.pool, self.tiers)
+        pools: dict[str, Any] = {io.FULL_GROUP: self.pool}  # by KV cache group (io.py)
+        if self.manifest.layer_groups is not None:  # two KV cache groups: windowed layers freed behind the window
             local = BlockPool(getattr(backend, "local_num_blocks", None) or backend.num_blocks, kv.block_size,
                               enable_prefix_caching=config.enable_prefix_caching)
-            window = kv.local_window
-            self.kv = HybridKVCacheManager(self.pool, local, window, self.tiers)
+            manager = HybridKVCacheManager(self.pool, local, kv.local_window, self.tiers)
             pools[io.LOCAL_GROUP] = local
-        self.kv = state_pool.for_build(self.kv, self.manifest.model.spec, config)  # hybrids: + state slots
-        if isinstance(self.kv, state_pool.StatefulKVCacheManager):  # checkpoints move as blocks (io.STATE_GROUP)
-            pools[io.STATE_GROUP] = self.kv.checkpoints
-        # the one seam for moving KV blocks in or out (runtime/kv_connector.py): serving code uses only it
-        self.kv_connector = KVConnector(
-            KVConnectorScheduler(pools, self.tiers, kv.local_window if groups is not None else None),
-            KVConnectorWorker(backend, self.manifest, offload))
-        max_model_len = min(config.max_model_len or kv.max_seq_len, kv.max_seq_len)
-        streaming = self._streaming(config, max_model_len) if config.kv_eviction == "streaming" else None
-        self.speculation = speculation_policy(self.build_dir, self.manifest, config)  # None: off (core/speculation.py)
-        # its proposer, run beside the runner before each schedule (execution/proposers.py); None: off
-        self.drafter = drafter_for(self.build_dir, self.manifest, config, self.speculation)
-        # importance eviction (core/importance.py); None: the one SchedulerConfig asks for
-        self.importance = importance_policy(self.build_dir, self.manifest, config, max_model_len)
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len,
-                                                   None if streaming else window, eos, streaming=streaming), self.kv,
-                                   speculation=self.speculation, eviction=self.importance)
-        self.runner = ModelRunner(backend, kv.block_size, eos, offload=offload)
-        self.tokenizer = None
-        if self.manifest.tokenizer:
-            self.tokenizer = load_build_tokenizer(self.build_dir, self.manifest.tokenizer)
-        self.outputs = OutputProcessor(self.tokenizer)
-        # structured output's grammars (execution/structured.py): compiled once per spec, one matcher per sequence
-        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, eos)
-        self._ids = 0
+        manager = state_pool.for_build(manager, self.manifest.model.spec, config)  # hybrids: + state slots
+        if isinstance(manager, state_pool.StatefulKVCacheManager):  # checkpoints move as blocks (io.STATE_GROUP)
+            pools[io.STATE_GROUP] = manager.checkpoints
+        return manager, pools, offload
 
     def _kv_tiers(self, config: EngineConfig, backend: Backend) -> tuple[TierIndex | None, KVOffload | None]:
         """The host and disk tiers below the pool (core/kv_tiers.py, execution/kv_offload.py), or
@@ -160,20 +168,6 @@ class LLMEngine:
         tiers = TierIndex(offload.block_bytes, host, disk, staged_cap=backend.num_blocks)
         tiers.add_disk_blocks(offload.disk_blocks())
         return tiers, offload
-
-    def _streaming(self, config: EngineConfig, max_model_len: int) -> StreamingWindow:
-        """The streaming eviction policy for this build and pool (core/streaming.py); refuses what it cannot serve."""
-        model, kv = self.manifest.model, self.manifest.kv
-        if self.manifest.layer_groups is not None:
-            raise ConfigError(f"--kv-eviction streaming: {self.build_dir} has a windowed-layer KV cache group "
-                              f"(window {kv.local_window}), which already bounds those layers' KV; serve it with "
-                              f"--kv-eviction none")
-        check_model(windows=model.layer_windows, ropes=[r for r in (model.spec.get("rope"), model.spec.get("rope_local"))
-                                                        if isinstance(r, dict)], max_model_len=max_model_len)
-        return streaming_window(sink_tokens=config.kv_sink_tokens, recent_tokens=config.kv_recent_tokens,
-                                block_size=kv.block_size, max_model_len=max_model_len,
-                                pool_tokens=self.pool.num_usable_blocks * kv.block_size,
-                                max_num_batched_tokens=config.max_num_batched_tokens)
 
     @property
     def backend(self) -> Backend:

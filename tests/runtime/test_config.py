@@ -53,3 +53,27 @@ def test_cli_refuses_out_of_range_settings(tmp_path):
     assert r.exit_code == 2 and "threads must be an integer >= 1" in r.output
     r = CliRunner().invoke(main, ["serve", str(tmp_path), "--cuda-graph-batch-sizes", "1,x"])
     assert r.exit_code == 2 and "comma-separated integers" in r.output
+
+
+def test_each_declared_range_and_choice_is_checked_naming_the_setting():
+    """The per-field checks come from the declaration (issue 43 §1): one past each bound, or a
+    value outside the choices, is refused naming the setting and what it must be."""
+    from dataclasses import fields
+
+    from kvexport.option_spec import spec_of
+    from kvexport.runtime.config import value_type
+
+    for f in fields(EngineConfig):
+        s, t = spec_of(f), value_type(f)
+        if s.choices:
+            with pytest.raises(ConfigError, match=f"{f.name} must be one of {', '.join(s.choices)}, got 'bogus'"):
+                EngineConfig(**{f.name: "bogus"})
+        elif t is int:
+            lo, hi = s.range
+            for v in (lo - 1, *(() if hi is None else (hi + 1,)), True, "1"):
+                with pytest.raises(ConfigError, match=f"^{f.name} must be an integer "):
+                    EngineConfig(**{f.name: v})
+    with pytest.raises(ConfigError, match=r"kv_budget_fraction must be a number in \(0, 1\)"):
+        EngineConfig(kv_eviction="snapkv", kv_budget_fraction=1.0)
+    with pytest.raises(ConfigError, match="cuda_graph_batch_sizes must be a tuple of integers >= 1"):
+        EngineConfig(cuda_graph_batch_sizes=(1, 0))

@@ -44,29 +44,26 @@ def quote(text: str, limit: int = 50) -> str:
 
 
 def engine_options(f):
-    """The runtime settings as options, generated from their one definition
-    (kvexport.runtime.config, runtime/config.py: EngineConfig's fields, defaults and SETTINGS help), for
-    every command that runs an engine. Values are checked by EngineConfig itself."""
+    """The runtime settings as options, generated from their one definition (runtime/config.py
+    EngineConfig: each field's flag, type or choices, default and help), for every command that
+    runs an engine. Values are checked by EngineConfig itself (its messages name the setting)."""
     from dataclasses import fields
 
-    from kvexport.runtime.config import CHOICES, FLOAT_SETTINGS, SETTINGS, EngineConfig
+    from kvexport.option_spec import spec_of
+    from kvexport.runtime.config import EngineConfig, flag, value_type
 
-    d = EngineConfig()
     opts = []
     for fld in fields(EngineConfig):
-        flag, default = "--" + fld.name.replace("_", "-"), getattr(d, fld.name)
-        if isinstance(default, bool):
-            name = fld.name.removeprefix("enable_").replace("_", "-")
-            opts.append(click.option(f"--{name}/--no-{name}", fld.name, default=default, show_default=True,
-                                     help=SETTINGS[fld.name]))
-        elif isinstance(default, tuple):  # comma-separated integers
-            opts.append(click.option(flag, fld.name, default=",".join(map(str, default)), callback=_int_list,
-                                     help=SETTINGS[fld.name]))
+        spec, default, t = spec_of(fld), fld.default, value_type(fld)
+        if t is bool:
+            opts.append(click.option(flag(fld), fld.name, default=default, show_default=True, help=spec.help))
+        elif t is tuple:  # comma-separated integers
+            opts.append(click.option(flag(fld), fld.name, default=",".join(map(str, default)), callback=_int_list,
+                                     help=spec.help))
         else:
-            typ = (click.Choice(CHOICES[fld.name]) if fld.name in CHOICES else float if fld.name in FLOAT_SETTINGS
-                   else str if isinstance(default, str) else int)
-            opts.append(click.option(flag, fld.name, type=typ, default=default, show_default=default is not None,
-                                     help=SETTINGS[fld.name]))
+            typ = click.Choice(spec.choices) if spec.choices else t if t in (int, float) else str
+            opts.append(click.option(flag(fld), fld.name, type=typ, default=default, show_default=default is not None,
+                                     help=spec.help))
     for o in reversed(opts):
         f = o(f)
     return f
