@@ -9,11 +9,14 @@ or waits); a call out of protocol (unknown request, double free) raises `KVCache
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence, TypeVar
+from typing import TYPE_CHECKING, Protocol, Sequence, TypeVar
 
 from .block_pool import BlockPool
 from .kv_cache_manager import GroupBlocks
 from .kv_tiers import TierEvents, TierOp
+
+if TYPE_CHECKING:
+    from .state_pool import StateStep
 
 
 class ComputedHits(Protocol):
@@ -63,3 +66,11 @@ class KVCacheManagerProtocol(Protocol[C]):
                             keep_first: int = 0) -> list[int]: ...
 
     def release_blocks(self, request_id: str, indices: Sequence[int]) -> list[int]: ...  # importance eviction
+
+    # per-sequence state beside the KV (a hybrid's recurrent state: core/state_pool.py); a manager without it
+    # returns n and None
+    def clip_chunk(self, start: int, n: int, prompt_len: int, request_id: str | None = None) -> int: ...  # a chunk
+    # [start, start + n) of a prompt cut where the state must be checkpointed
+
+    def state_step(self, request_id: str, start: int, n: int, tokens: Sequence[int],
+                   prompt_len: int) -> StateStep | None: ...  # the chunk's state slot, restore and checkpoint

@@ -359,6 +359,15 @@ class KVCacheManager:
         self.pool.free_blocks(reversed(released))
         return released
 
+    # ---- per-sequence state (KVCacheManagerProtocol): none here, the KV alone ------------------------
+    def clip_chunk(self, start: int, n: int, prompt_len: int, request_id: str | None = None) -> int:
+        """A prompt chunk's length: no state to checkpoint, so n."""
+        return n
+
+    def state_step(self, request_id: str, start: int, n: int, tokens: Sequence[int], prompt_len: int) -> None:
+        """No per-sequence state beside the KV (core/state_pool.py has a hybrid's)."""
+        return None
+
     def release_blocks(self, request_id: str, indices: Sequence[int]) -> list[int]:
         """Importance eviction (runtime/core/importance.py): release the request's blocks at table
         indices `indices` (each a full block before the one the next token is written to), replacing

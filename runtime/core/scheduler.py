@@ -40,7 +40,6 @@ from .outputs import EngineCoreOutput, ModelRunnerOutput, SampledToken, Schedule
 from .policies import EvictionPolicy, KeepAll, SharedPrompt, SlidingWindowEviction, SpeculationPolicy, TierPrefetch
 from .prompt_scores import PromptLogprobsPolicy
 from .request import Request, Status
-from .state_pool import clip_chunk, state_step
 from .streaming import StreamingEviction, StreamingWindow
 
 
@@ -162,7 +161,7 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             n = min(self.eviction.num_kv_tokens(req) - req.num_computed_tokens, budget)
             # hybrids: chunks end at state checkpoints
-            n = clip_chunk(self.kv, req.num_computed_tokens, n, req.num_prompt_tokens, req.request_id)
+            n = self.kv.clip_chunk(req.num_computed_tokens, n, req.num_prompt_tokens, req.request_id)
             if n <= 0:
                 continue
             drafts = self._drafts(req, n, budget)
@@ -196,7 +195,7 @@ class Scheduler:
                     # step): the running requests go on; it is looked up again next step
                     break
                 n = min(self.eviction.num_kv_tokens(req) - computed.num_computed_tokens, budget)
-                n = clip_chunk(self.kv, computed.num_computed_tokens, n, req.num_prompt_tokens, req.request_id)
+                n = self.kv.clip_chunk(computed.num_computed_tokens, n, req.num_prompt_tokens, req.request_id)
                 if self.kv.allocate_slots(req.request_id, n, computed) is None:
                     break  # FCFS: nobody overtakes the head of the queue
                 self.waiting.popleft()
@@ -320,7 +319,7 @@ class Scheduler:
             self.kv.extra_groups(req.request_id, start, total),
             targets, first, top_k, kv_gap=gap, num_draft_tokens=len(drafts),
             observation_len=self.eviction.observation_len(req, start, n),
-            state=state_step(self.kv, req.request_id, start, n, req.token_ids, req.num_prompt_tokens))
+            state=self.kv.state_step(req.request_id, start, n, req.token_ids, req.num_prompt_tokens))
 
     def _requeue(self, req: Request) -> None:
         """Back to the front of the queue to be computed again (a preemption by recompute, or a

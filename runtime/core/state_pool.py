@@ -303,8 +303,9 @@ class CheckpointPool:
 
 
 class StatefulKVCacheManager:
-    """A KV cache manager of a hybrid build: `inner`'s KV blocks plus a StatePool (module docstring).
-    Everything else is `inner`'s."""
+    """A KV cache manager of a hybrid build: `inner`'s KV blocks plus a StatePool (module docstring): the
+    recurrent/conv state is this manager's spec beside the KV's, behind the one KVCacheManagerProtocol
+    (clip_chunk / state_step are where the scheduler meets it)."""
 
     def __init__(self, inner: Any, state: StatePool, checkpoint_blocks: int = 0):
         """checkpoint_blocks: a checkpoint every that many KV blocks (0: no prefix caching for the hybrid)."""
@@ -318,8 +319,44 @@ class StatefulKVCacheManager:
         if getattr(inner, "tiers", None) is not None:  # evicted checkpoints go to the KV tiers (host, disk)
             state.record_evictions()
 
-    def __getattr__(self, name: str) -> Any:  # pool, block_size, usage, block_table, slot_mapping, tiers...
-        return getattr(self.inner, name)
+    # ---- the KV itself: `inner`'s, member by member (KVCacheManagerProtocol; NOTE: no __getattr__, so the
+    # interface stays in view) ----------------------------------------------------------------------
+    @property
+    def pool(self) -> Any:
+        return self.inner.pool
+
+    @property
+    def block_size(self) -> int:
+        return self.inner.block_size
+
+    @property
+    def usage(self) -> float:
+        return self.inner.usage
+
+    def num_slots(self, request_id: str) -> int:
+        return self.inner.num_slots(request_id)
+
+    def block_table(self, request_id: str) -> list[int]:
+        return self.inner.block_table(request_id)
+
+    def slot_mapping(self, request_id: str, start_pos: int, num_tokens: int) -> list[int]:
+        return self.inner.slot_mapping(request_id, start_pos, num_tokens)
+
+    def extra_groups(self, request_id: str, start_pos: int, num_tokens: int) -> tuple:
+        return self.inner.extra_groups(request_id, start_pos, num_tokens)
+
+    def take_tier_ops(self) -> tuple:
+        return self.inner.take_tier_ops()
+
+    def apply_tier_events(self, events: Any) -> None:
+        self.inner.apply_tier_events(events)
+
+    def free_outside_window(self, request_id: str, num_computed_tokens: int, window: int,
+                            keep_first: int = 0) -> list[int]:
+        return self.inner.free_outside_window(request_id, num_computed_tokens, window, keep_first)
+
+    def release_blocks(self, request_id: str, indices: Sequence[int]) -> list[int]:
+        return self.inner.release_blocks(request_id, indices)
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self.inner
@@ -422,7 +459,7 @@ class StatefulKVCacheManager:
         self.inner.cache_blocks(request_id, token_ids, num_computed_tokens)
         self.state.publish(request_id, num_computed_tokens)
 
-    # ---- the scheduler's hooks (`clip_chunk`, `state_step` below) ---------------------------
+    # ---- the scheduler's hooks (KVCacheManagerProtocol.clip_chunk / state_step) --------------
     def _prompt_ends(self, prompt_len: int) -> tuple[int, int]:
         """The prompt's last block boundary (a follow-up turn resumes there) and the last one a lookup
         of the prompt itself can hit (it leaves the last token to compute: the same but for a prompt
@@ -440,7 +477,7 @@ class StatefulKVCacheManager:
             return self._lookup[1]
         return 0
 
-    def clip(self, start: int, n: int, prompt_len: int, request_id: str | None = None) -> int:
+    def clip_chunk(self, start: int, n: int, prompt_len: int, request_id: str | None = None) -> int:
         """A prompt chunk [start, start + n) cut to end at the next checkpoint boundary inside the prompt:
         every `interval` tokens, the prompt's last block boundary, and where its KV hit ended (`_branch_of`)."""
         iv = self.interval
@@ -450,7 +487,7 @@ class StatefulKVCacheManager:
                 if start < b < prompt_len]
         return min(n, min(ends) - start) if ends else n
 
-    def step(self, request_id: str, start: int, n: int, tokens: Sequence[int], prompt_len: int) -> StateStep:
+    def state_step(self, request_id: str, start: int, n: int, tokens: Sequence[int], prompt_len: int) -> StateStep:
         """The chunk's StateStep: the request's slot, a pending restore, and a checkpoint to save when the
         chunk ends on a block boundary that is one (keyed by that block's prefix hash): every `interval`
         tokens, the prompt's last block boundary (prompt chunks are cut there: `clip`), and in decode each
@@ -482,20 +519,6 @@ class StatefulKVCacheManager:
         tiers = self.inner.tiers
         return self.inner.pool.get_cached_block(key) is not None or (
             tiers is not None and tiers.where((self.inner.group, key)) is not None)
-
-
-def clip_chunk(kv: Any, start: int, n: int, prompt_len: int, request_id: str | None = None) -> int:
-    """Scheduler hook: a prompt chunk's length, cut at a state checkpoint boundary for a hybrid's
-    manager (StatefulKVCacheManager), else n."""
-    return kv.clip(start, n, prompt_len, request_id) if isinstance(kv, StatefulKVCacheManager) else n
-
-
-def state_step(kv: Any, request_id: str, start: int, n: int, tokens: Sequence[int],
-               prompt_len: int) -> StateStep | None:
-    """Scheduler hook: the chunk's StateStep for a hybrid's manager, else None."""
-    if not isinstance(kv, StatefulKVCacheManager):
-        return None
-    return kv.step(request_id, start, n, tokens, prompt_len)
 
 
 def refusal(config: Any) -> str | None:

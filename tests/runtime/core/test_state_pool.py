@@ -13,7 +13,7 @@ from kvexport.runtime.core.block_hash import hash_full_blocks
 from kvexport.runtime.core.block_pool import BlockPool
 from kvexport.runtime.core.kv_cache_manager import KVCacheManager
 from kvexport.runtime.core.kv_tiers import DISK, HOST, STAGED, TierEvents, TierIndex
-from kvexport.runtime.core.state_pool import StatefulKVCacheManager, StatePool, StateStep, clip_chunk, refusal
+from kvexport.runtime.core.state_pool import StatefulKVCacheManager, StatePool, StateStep, refusal
 from kvexport.runtime.execution.state_store import StateStore, restore_checkpoints, save_checkpoints
 
 
@@ -41,18 +41,18 @@ def test_admission_needs_a_state_slot():
     assert "b" not in kv and kv.pool.num_used_blocks == 2
     kv.free("a")
     assert kv.allocate_slots("b", 5, kv.get_computed_blocks(list(range(5)))) is not None
-    assert kv.step("b", 0, 5, list(range(5)), 5) == StateStep(0)
+    assert kv.state_step("b", 0, 5, list(range(5)), 5) == StateStep(0)
 
 
 def test_chunks_end_on_checkpoint_boundaries_inside_the_prompt():
     kv = manager(every=2)  # 8 tokens
-    assert kv.clip(0, 20, 30) == 8 and kv.clip(8, 20, 30) == 8 and kv.clip(3, 4, 30) == 4
-    assert kv.clip(24, 20, 30) == 4  # the prompt's last block boundary (28) is a checkpoint too
-    assert kv.clip(28, 20, 30) == 20 and kv.clip(28, 20, 32) == 20  # no boundary before the prompt's end
+    assert kv.clip_chunk(0, 20, 30) == 8 and kv.clip_chunk(8, 20, 30) == 8 and kv.clip_chunk(3, 4, 30) == 4
+    assert kv.clip_chunk(24, 20, 30) == 4  # the prompt's last block boundary (28) is a checkpoint too
+    assert kv.clip_chunk(28, 20, 30) == 20 and kv.clip_chunk(28, 20, 32) == 20  # no boundary before the prompt's end
     # a prompt of whole blocks (32): also the last boundary its own lookup can hit (28: it leaves a token)
-    assert kv.clip(24, 20, 32) == 4
-    assert kv.clip(30, 1, 30) == 1  # decoding
-    assert clip_chunk(KVCacheManager(BlockPool(8, 4)), 0, 20, 30) == 20  # not a hybrid
+    assert kv.clip_chunk(24, 20, 32) == 4
+    assert kv.clip_chunk(30, 1, 30) == 1  # decoding
+    assert KVCacheManager(BlockPool(8, 4)).clip_chunk(0, 20, 30) == 20  # not a hybrid
 
 
 def test_a_prefix_resumes_from_the_nearest_published_checkpoint():
@@ -60,14 +60,14 @@ def test_a_prefix_resumes_from_the_nearest_published_checkpoint():
     prompt = list(range(10, 40))  # 30 tokens
     assert kv.get_computed_blocks(prompt).num_computed_tokens == 0
     kv.allocate_slots("a", 8, kv.get_computed_blocks(prompt))
-    first = kv.step("a", 0, 8, prompt, 30)
+    first = kv.state_step("a", 0, 8, prompt, 30)
     assert first.slot == 0 and first.restore_from is None and first.save_to == 2  # checkpoints after the 2 running
     # not yet completed: not offered
     kv.cache_blocks("a", prompt, 0)
     assert kv.state.lookup(hash_full_blocks(prompt[:8], 4)[-1]) is None
     kv.cache_blocks("a", prompt, 8)
     kv.allocate_slots("a", 8)
-    assert kv.step("a", 8, 8, prompt, 30).save_to == 3
+    assert kv.state_step("a", 8, 8, prompt, 30).save_to == 3
     kv.cache_blocks("a", prompt, 16)
     assert kv.state.saved == 2
     # another prompt sharing 18 tokens: KV hits 4 blocks (16 tokens), the checkpoint at 16 is there
@@ -76,7 +76,7 @@ def test_a_prefix_resumes_from_the_nearest_published_checkpoint():
     assert hit.num_computed_tokens == 16 and len(hit.block_ids) == 4
     kv.allocate_slots("b", 8, hit)
     # its chunk ends on the boundary at 24: a checkpoint for it, evicting the least recently used (at 8)
-    assert kv.step("b", 16, 8, other, 24) == StateStep(1, restore_from=3, save_to=2)
+    assert kv.state_step("b", 16, 8, other, 24) == StateStep(1, restore_from=3, save_to=2)
     assert kv.state.hits == 1
     # a third sequence finds no running slot left; "a" finishing frees one
     assert kv.allocate_slots("c", 4, kv.get_computed_blocks(other)) is None
@@ -93,17 +93,17 @@ def test_decode_keeps_one_moving_checkpoint_that_the_next_turn_resumes_from():
     kv = manager(slots=1, checkpoints=4, every=4)  # 16-token interval: the 10-token prompt has none inside
     prompt = list(range(50, 60))
     kv.allocate_slots("a", 10, kv.get_computed_blocks(prompt))
-    assert kv.clip(0, 10, 10) == 8 and kv.step("a", 0, 8, prompt, 10).save_to == 1  # the prompt's last boundary
+    assert kv.clip_chunk(0, 10, 10) == 8 and kv.state_step("a", 0, 8, prompt, 10).save_to == 1  # the prompt's last boundary
     kv.cache_blocks("a", prompt, 8)
     kv.allocate_slots("a", 2)
-    assert kv.step("a", 8, 2, prompt, 10).save_to is None
+    assert kv.state_step("a", 8, 2, prompt, 10).save_to is None
     kv.cache_blocks("a", prompt, 10)
     tokens = list(prompt)
     saves = []
     for t in range(10, 21):  # decode: tokens 10..20 computed one at a time
         tokens.append(100 + t)
         kv.allocate_slots("a", 1)
-        saves.append(kv.step("a", t, 1, tokens, 10).save_to)
+        saves.append(kv.state_step("a", t, 1, tokens, 10).save_to)
         kv.cache_blocks("a", tokens, t + 1)
     assert saves == [None, 2, None, None, None, 2, None, None, None, 2, None]  # at 12, 16, 20: one slot, reused
     assert sorted(kv.state._ckpt.values()) == [1, 2] and kv.state.saved == 4
@@ -112,7 +112,7 @@ def test_decode_keeps_one_moving_checkpoint_that_the_next_turn_resumes_from():
     hit = kv.get_computed_blocks(follow)
     assert hit.num_computed_tokens == 20
     kv.allocate_slots("b", 9, hit)
-    assert kv.step("b", 20, 8, follow, 29).restore_from == 2
+    assert kv.state_step("b", 20, 8, follow, 29).restore_from == 2
 
 
 def test_a_kv_hit_past_the_checkpoint_saves_one_where_it_ends():
@@ -123,15 +123,15 @@ def test_a_kv_hit_past_the_checkpoint_saves_one_where_it_ends():
     shared = list(range(60, 72))
     a = shared + [1, 2, 3, 4, 5, 6]
     kv.allocate_slots("a", 18, kv.get_computed_blocks(a))
-    assert kv.step("a", 0, 16, a, 18).save_to is not None  # the interval (16), also a's last block boundary
+    assert kv.state_step("a", 0, 16, a, 18).save_to is not None  # the interval (16), also a's last block boundary
     kv.cache_blocks("a", a, 18)
     kv.free("a")
     b = shared + [9, 9, 9, 9, 9]
     hit = kv.get_computed_blocks(b)
     assert hit.num_computed_tokens == 0  # no checkpoint at 12: no hit
-    assert clip_chunk(kv, 0, 17, 17, "b") == 12
+    assert kv.clip_chunk(0, 17, 17, "b") == 12
     kv.allocate_slots("b", 12, hit)
-    assert kv.step("b", 0, 12, b, 17).save_to is not None
+    assert kv.state_step("b", 0, 12, b, 17).save_to is not None
     kv.cache_blocks("b", b, 12)
     c = shared + [8, 8, 8, 8, 8]
     assert kv.get_computed_blocks(c).num_computed_tokens == 12
@@ -186,12 +186,12 @@ def tiered(blocks=32, slots=1, checkpoints=1, every=1, host=1 << 20, disk=0):
 def _prompt_done(kv, rid, prompt):
     """Admit `prompt`, run it in chunks as the scheduler would (saving its checkpoints), and finish it."""
     start = kv.get_computed_blocks(prompt).num_computed_tokens
-    kv.allocate_slots(rid, kv.clip(start, len(prompt), len(prompt), rid), kv.get_computed_blocks(prompt))
+    kv.allocate_slots(rid, kv.clip_chunk(start, len(prompt), len(prompt), rid), kv.get_computed_blocks(prompt))
     while start < len(prompt):
-        n = kv.clip(start, len(prompt) - start, len(prompt), rid)
+        n = kv.clip_chunk(start, len(prompt) - start, len(prompt), rid)
         if kv.num_slots(rid) < start + n:
             kv.allocate_slots(rid, start + n - kv.num_slots(rid))
-        kv.step(rid, start, n, prompt, len(prompt))
+        kv.state_step(rid, start, n, prompt, len(prompt))
         start += n
         kv.cache_blocks(rid, prompt, start)
     kv.free(rid)
@@ -212,7 +212,7 @@ def test_an_evicted_checkpoint_goes_to_the_host_tier_and_resumes_from_there():
     load = [o for o in tiers.take_ops() if type(o).__name__ == "LoadBlock"]
     # loaded straight into the request's running slot (no restore from a checkpoint slot)
     assert [(o.group, o.block_id, o.tier) for o in load] == [(io.STATE_GROUP, 0, HOST)]
-    assert kv.step("a2", 8, 1, a, 9) == StateStep(0) and kv.state.tier_hits == 1
+    assert kv.state_step("a2", 8, 1, a, 9) == StateStep(0) and kv.state.tier_hits == 1
 
 
 def test_a_checkpoint_on_disk_is_read_before_the_request_is_admitted():
