@@ -20,7 +20,7 @@ the KV cache managers and the scheduler:
     full attention            ceil(L / bs) blocks, for its whole life
     every layer windowed (W)  the scheduler frees blocks behind the window (one group), so a
                               sequence longer than ceil(W / bs) + 1 blocks is budgeted as the
-                              local group is (hybrid_kv_cache_manager.py `local_blocks_needed`:
+                              local group is (windowed_kv_cache_manager.py `local_blocks_needed`:
                               ceil(W / bs) + 1 each, plus one step's new tokens' blocks); the
                               scheduler still caps a sequence at the pool's tokens
     full + windowed layers    two groups, split by `kv_pool_sizes` for max_num_seqs sequences;
@@ -44,7 +44,7 @@ from kvexport import io
 from kvexport import manifest as mf
 from kvexport.errors import ConfigError, SourceError
 from kvexport.runtime.config import EngineConfig
-from kvexport.runtime.core.hybrid_kv_cache_manager import local_blocks_needed
+from kvexport.runtime.core.windowed_kv_cache_manager import local_blocks_needed
 from kvexport.runtime.core.memory import PoolSizes, kv_pool_sizes, parse_budget
 
 from . import kv_forms, source

@@ -27,7 +27,7 @@ from kvexport.errors import ConfigError, KvExportError
 from .execution.backends import create_backend
 from .core.block_pool import BlockPool
 from .config import EngineConfig
-from .core.hybrid_kv_cache_manager import HybridKVCacheManager
+from .core.windowed_kv_cache_manager import WindowedKVCacheManager
 from .core.kv_cache_interface import KVCacheManagerProtocol
 from .core.kv_cache_manager import KVCacheManager
 from .core import state_pool
@@ -132,7 +132,7 @@ class LLMEngine:
         if self.manifest.layer_groups is not None:  # two KV cache groups: windowed layers freed behind the window
             local = BlockPool(getattr(backend, "local_num_blocks", None) or backend.num_blocks, kv.block_size,
                               enable_prefix_caching=config.enable_prefix_caching)
-            manager = HybridKVCacheManager(self.pool, local, kv.local_window, self.tiers)
+            manager = WindowedKVCacheManager(self.pool, local, kv.local_window, self.tiers)
             pools[io.LOCAL_GROUP] = local
         manager = state_pool.for_build(manager, self.manifest.model.spec, config)  # hybrids: + state slots
         if isinstance(manager, state_pool.StatefulKVCacheManager):  # checkpoints move as blocks (io.STATE_GROUP)

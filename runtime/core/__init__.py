@@ -2,7 +2,7 @@
 
 BlockPool (block_pool.py: physical blocks, ref counts, free list, prefix hashes by
 block_hash.py) -> KV cache managers behind one Protocol (kv_cache_interface.py: one group,
-kv_cache_manager.py; a full and a local group, hybrid_kv_cache_manager.py) -> Scheduler
+kv_cache_manager.py; a full and a local group, windowed_kv_cache_manager.py) -> Scheduler
 (scheduler.py, over the requests of request.py) -> the step types (outputs.py). The features the
 scheduler serves are policies (policies.py: eviction, speculation, tier prefetch, shared prompts;
 streaming.py; prompt_scores.py). memory.py sizes the pool; errors.py holds the KV protocol error.

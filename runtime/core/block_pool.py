@@ -234,7 +234,7 @@ class BlockPool:
 
     def count_lookup(self, queries: int, hits: int) -> None:
         """Count a lookup made with `get_cached_block` (a caller that decides the hits itself,
-        e.g. runtime/core/hybrid_kv_cache_manager.py) in `stats`, as `lookup` counts its own."""
+        e.g. runtime/core/windowed_kv_cache_manager.py) in `stats`, as `lookup` counts its own."""
         self._queries += queries
         self._hits += hits
 

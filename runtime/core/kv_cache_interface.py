@@ -1,7 +1,7 @@
 """The one interface of the KV cache managers, as the scheduler uses it: a request's block
 table and slots, prefix hits, growth, caching and release. Two implementations:
 `KVCacheManager` (one KV cache group, runtime/core/kv_cache_manager.py) and
-`HybridKVCacheManager` (a full and a local group, runtime/core/hybrid_kv_cache_manager.py).
+`WindowedKVCacheManager` (a full and a local group, runtime/core/windowed_kv_cache_manager.py).
 
 NOTE: running out of blocks returns ``None`` from `allocate_slots` (the scheduler preempts
 or waits); a call out of protocol (unknown request, double free) raises `KVCacheError`.

@@ -96,7 +96,7 @@ class KVCacheManager:
         self.pool = pool
         self.block_size = pool.block_size  # tokens per block
         self._reqs: dict[str, _RequestBlocks] = {}
-        # the KV tiers below the pool (kv_tiers.py; shared by a hybrid build's groups), this pool's group
+        # the KV tiers below the pool (kv_tiers.py; shared by a windowed build's two groups), this pool's group
         self.tiers, self.group = tiers, group
         if tiers is not None:
             pool.record_evictions()
@@ -234,8 +234,8 @@ class KVCacheManager:
                 f"allocate_slots({request_id!r}, computed_blocks=...): the request already holds "
                 "blocks; append without computed_blocks, or free() it first"
             )
-        # NOTE: PAD_BLOCK_ID hits: blocks a sliding window no longer needs (a hybrid build's
-        # local group, runtime/core/hybrid_kv_cache_manager.py): kept as released, never touched
+        # NOTE: PAD_BLOCK_ID hits: blocks a sliding window no longer needs (a windowed build's
+        # local group, runtime/core/windowed_kv_cache_manager.py): kept as released, never touched
         hits = list(computed.block_ids)
         held = [b for b in hits if b not in (PAD_BLOCK_ID, TIER_BLOCK)]
         num_tier = hits.count(TIER_BLOCK)
@@ -389,7 +389,7 @@ class KVCacheManager:
 
     def extra_groups(self, request_id: str, start_pos: int, num_tokens: int) -> tuple[GroupBlocks, ...]:
         """The request's blocks in other KV cache groups: none (one group; see
-        runtime/core/hybrid_kv_cache_manager.py)."""
+        runtime/core/windowed_kv_cache_manager.py)."""
         return ()
 
     def slot_mapping(self, request_id: str, start_pos: int, num_tokens: int) -> list[int]:

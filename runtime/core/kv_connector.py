@@ -36,7 +36,7 @@ from kvexport import io
 
 from .block_hash import BlockHash, hash_full_blocks
 from .block_pool import BlockPool, BlockRemoved, BlockStored
-from .hybrid_kv_cache_manager import first_needed_block
+from .windowed_kv_cache_manager import first_needed_block
 from .kv_tiers import TierIndex, TierKey, TierOp
 
 
@@ -100,7 +100,7 @@ class KVConnectorScheduler:
     def prompt_blocks(self, prompt: Sequence[int], salt: str | None = None) -> list[BlockRef]:
         """The blocks a prefix lookup of `prompt` can hit: the full group's first n = (L - 1) //
         block_size blocks (the last token is always computed), then the local group's blocks of
-        those that the next token's window reaches (core/hybrid_kv_cache_manager.py), then for a
+        those that the next token's window reaches (core/windowed_kv_cache_manager.py), then for a
         hybrid (gated DeltaNet) build the checkpoint of its recurrent state after block n - 1
         (io.STATE_GROUP, core/state_pool.py: a lookup resumes only where one is)."""
         bs = self.block_size

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from kvexport.errors import ConfigError
 from kvexport.io import FULL_GROUP, LOCAL_GROUP, PAD_BLOCK_ID
 
-from .hybrid_kv_cache_manager import split_budget
+from .windowed_kv_cache_manager import split_budget
 
 # Unit (lower case) -> bytes. SI prefixes are powers of 1000, IEC ("i") of 1024.
 _UNITS = {
@@ -103,7 +103,7 @@ def kv_pool_sizes(budget_bytes: int, block_size: int, bytes_per_token: Mapping[s
     """The KV pools `budget_bytes` buys, exactly as the engine allocates them. `bytes_per_token`:
     `kvexport.io.kv_bytes_per_token_by_group` of the build's layers (group -> bytes); `local_window`:
     the local group's window, tokens (the manifest's ``kv.local_window``; None: one group, sized by
-    `num_blocks_for_budget`). With a local group, `split_budget` (hybrid_kv_cache_manager.py) gives
+    `num_blocks_for_budget`). With a local group, `split_budget` (windowed_kv_cache_manager.py) gives
     it what `max_num_seqs` windows and one step of `max_num_batched_tokens` need, the full group
     the rest. Raises `ConfigError` when the budget holds less than the minimum."""
     if local_window is None:

@@ -125,7 +125,7 @@ class KeepAll(EvictionPolicy):
 
 class SlidingWindowEviction(EvictionPolicy):
     """The model's sliding window: blocks entirely outside it are released after every step (every
-    layer's, or a HybridKVCacheManager's local group)."""
+    layer's, or a WindowedKVCacheManager's local group)."""
 
     def __init__(self, window: int):
         self.window = window  # tokens the next token attends to, itself included

@@ -49,7 +49,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512  # tokens per step (prompt chunks + decodes)
     max_model_len: int = 2048  # prompt + output tokens per sequence
     # the window of the layers whose blocks are freed once entirely outside it: every layer's
-    # (one KV group), or the windowed layers' (a HybridKVCacheManager's local group); None: keep all
+    # (one KV group), or the windowed layers' (a WindowedKVCacheManager's local group); None: keep all
     sliding_window: int | None = None
     eos_token_ids: tuple[int, ...] = ()  # a sampled one finishes the request ("stop") unless ignore_eos
     streaming: StreamingWindow | None = None  # --kv-eviction streaming (core/streaming.py); None: keep all

@@ -155,13 +155,13 @@ def test_windowed_layers_hold_only_the_window_while_serving(served, attention, r
     window reaches (<= 3 of 4 tokens), the full group every block; the tokens equal transformers'."""
     if attention == "plugin":
         request.getfixturevalue("cpu_op")
-    from kvexport.runtime.core.hybrid_kv_cache_manager import HybridKVCacheManager
+    from kvexport.runtime.core.windowed_kv_cache_manager import WindowedKVCacheManager
 
     out, m, model = served("gemma3_text", attention)
     prompt = engine_parity.random_prompts(1, 128, 40, 41, seed=7)[0]
     llm = LLM(out, kv_cache_memory="1MiB", max_num_batched_tokens=8, max_num_seqs=4)
     kv = llm.engine.kv
-    assert isinstance(kv, HybridKVCacheManager) and kv.window == 8
+    assert isinstance(kv, WindowedKVCacheManager) and kv.window == 8
     rid = llm.engine.add_request(prompt, SamplingParams(max_tokens=16, ignore_eos=True))
     held_local = []
     while llm.engine.has_unfinished():
@@ -225,7 +225,7 @@ def served(folder, tmp_path_factory):
 # family, extra overrides, the window the scheduler frees blocks behind (None: keeps them all)
 # NOTE: gemma2/gemma3 and qwen3 with max_window_layers=1 mix windowed and full-attention layers:
 # their windowed layers' KV is a second cache group whose blocks behind the window are freed
-# (runtime/core/hybrid_kv_cache_manager.py); the full-attention layers keep every block
+# (runtime/core/windowed_kv_cache_manager.py); the full-attention layers keep every block
 SERVED = [("qwen3", {}, None), ("olmo2", {}, None), ("gemma2", {}, 8), ("gemma3_text", {}, 8),
           ("smollm3", {}, None),
           # every layer windowed alike: blocks behind the window are freed while serving

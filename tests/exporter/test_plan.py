@@ -14,7 +14,7 @@ from kvexport.errors import ConfigError, SourceError, UnsupportedModelError
 from kvexport.exporter.build import BuildOptions, build
 from kvexport.exporter.plan import plan
 from kvexport.runtime.core.block_pool import BlockPool
-from kvexport.runtime.core.hybrid_kv_cache_manager import hybrid_manager
+from kvexport.runtime.core.windowed_kv_cache_manager import windowed_manager
 from kvexport.runtime.core.kv_cache_manager import KVCacheManager
 
 GiB = 2**30
@@ -115,7 +115,7 @@ def test_gemma3_local_and_global_groups_by_hand(tmp_path):
     assert (f16.max_seqs, f16.num_blocks, f16.local_num_blocks) == (23, 12_028, 792)
     assert _fit(fit, "fp16", "contiguous").max_seqs == GiB // (8192 * 26_624) == 4  # every layer, every token
     # the runtime's managers over those pools hold the 23 sequences: 512-token chunks, released behind the window
-    m, sizes = hybrid_manager(GiB, 16, 4_096, 22_528, 512, max_num_seqs=23, max_num_batched_tokens=512)
+    m, sizes = windowed_manager(GiB, 16, 4_096, 22_528, 512, max_num_seqs=23, max_num_batched_tokens=512)
     assert (sizes.full_blocks, sizes.local_blocks) == (12_028, 792)
     for s in range(23):
         for done in range(0, 8192, 512):

@@ -1,5 +1,5 @@
 """KV memory per request for builds with two KV cache groups (kvexport/io.py: models whose
-layers mix full attention and a sliding window, e.g. gemma2/gemma3). `HybridKVCacheManager`
+layers mix full attention and a sliding window, e.g. gemma2/gemma3). `WindowedKVCacheManager`
 owns one `KVCacheManager` (over its own `BlockPool`) per group and keeps the two in step:
 
     full   every full-attention layer's KV: keeps all of a request's blocks
@@ -37,8 +37,8 @@ from .kv_tiers import TierEvents, TierIndex, TierOp
 
 
 @dataclass(frozen=True, slots=True)
-class HybridComputedBlocks:
-    """What `HybridKVCacheManager.get_computed_blocks` found, per group; pass it unchanged, in
+class WindowedComputedBlocks:
+    """What `WindowedKVCacheManager.get_computed_blocks` found, per group; pass it unchanged, in
     the same step, to `allocate_slots`."""
 
     full: ComputedBlocks  # the full group's hits
@@ -101,7 +101,7 @@ def split_budget(budget_bytes: int, block_size: int, full_bytes_per_token: int, 
     return GroupSizes(int(full), int(local), fb, lb)
 
 
-class HybridKVCacheManager:
+class WindowedKVCacheManager:
     """Per-request block tables over a full and a local `BlockPool` (see the module doc)."""
 
     def __init__(self, full: BlockPool, local: BlockPool, window: int, tiers: TierIndex | None = None) -> None:
@@ -148,12 +148,12 @@ class HybridKVCacheManager:
                 + held(self.local.block_table(request_id)) * local_bytes_per_block)
 
     # ---- prefix cache --------------------------------------------------------------
-    def get_computed_blocks(self, request_tokens: Sequence[int], salt: str | None = None) -> HybridComputedBlocks:
+    def get_computed_blocks(self, request_tokens: Sequence[int], salt: str | None = None) -> WindowedComputedBlocks:
         """The longest cached prefix both groups can serve (see the module doc), at most
         ``(len - 1) // block_size`` blocks. References nothing; counts queries and hits in
         the full pool's stats."""
         if not self.pool.enable_prefix_caching:
-            return HybridComputedBlocks(ComputedBlocks.empty(salt), ComputedBlocks.empty(salt))
+            return WindowedComputedBlocks(ComputedBlocks.empty(salt), ComputedBlocks.empty(salt))
         bs = self.block_size
         hashes = hash_full_blocks(request_tokens, bs, salt)
         max_hits = max(len(request_tokens) - 1, 0) // bs
@@ -171,7 +171,7 @@ class HybridKVCacheManager:
         self.pool.count_lookup(max_hits, n)
         pad = (io.PAD_BLOCK_ID,) * min(lo, n)
         local_ids = tuple(b for b in local if b is not None)
-        return HybridComputedBlocks(
+        return WindowedComputedBlocks(
             ComputedBlocks(tuple(full[:n]), n * bs, tuple(hashes), salt,
                            self._tier_hits(io.FULL_GROUP, full[:n], hashes),
                            tier_tokens(full[:n], request_tokens, bs)),
@@ -191,7 +191,7 @@ class HybridKVCacheManager:
                      for i, b in enumerate(block_ids) if b == TIER_BLOCK)
 
     # ---- KV tiers (kv_tiers.py) ------------------------------------------------------
-    def prefetch_tier_hits(self, computed: HybridComputedBlocks) -> bool:
+    def prefetch_tier_hits(self, computed: WindowedComputedBlocks) -> bool:
         """Both groups' disk hits asked for; True while any is still on disk or being read."""
         a = self.full.prefetch_tier_hits(computed.full)
         return self.local.prefetch_tier_hits(computed.local) or a
@@ -214,7 +214,7 @@ class HybridKVCacheManager:
 
     # ---- allocation ----------------------------------------------------------------
     def allocate_slots(self, request_id: str, num_new_tokens: int,
-                       computed_blocks: HybridComputedBlocks | None = None) -> list[int] | None:
+                       computed_blocks: WindowedComputedBlocks | None = None) -> list[int] | None:
         """Reserve slots in both groups; returns the full group's new block ids, or None
         (nothing changed in either group) when either pool is short."""
         bs = self.block_size
@@ -257,7 +257,7 @@ class HybridKVCacheManager:
         return None
 
     def release_blocks(self, request_id: str, indices: Sequence[int]) -> list[int]:
-        """Importance eviction is not served on hybrid (local + full group) builds: the engine refuses
+        """Importance eviction is not served on windowed (local + full group) builds: the engine refuses
         `--kv-eviction snapkv` for them (runtime/core/importance.py)."""
         raise KVCacheError("release_blocks: importance eviction is not served on builds with a windowed-layer "
                            "KV cache group")
@@ -268,17 +268,17 @@ class HybridKVCacheManager:
         return self.local.free_outside_window(request_id, num_computed_tokens, window)
 
 
-def hybrid_manager(budget_bytes: int, block_size: int, full_bytes_per_token: int, local_bytes_per_token: int,
+def windowed_manager(budget_bytes: int, block_size: int, full_bytes_per_token: int, local_bytes_per_token: int,
                    window: int, max_num_seqs: int, max_num_batched_tokens: int,
                    enable_prefix_caching: bool = True, tiers: TierIndex | None = None
-                   ) -> tuple[HybridKVCacheManager, GroupSizes]:
-    """A hybrid manager whose pools split `budget_bytes` as `split_budget` says."""
+                   ) -> tuple[WindowedKVCacheManager, GroupSizes]:
+    """A windowed manager whose pools split `budget_bytes` as `split_budget` says."""
     sizes = split_budget(budget_bytes, block_size, full_bytes_per_token, local_bytes_per_token, window,
                          max_num_seqs, max_num_batched_tokens)
     pools = (BlockPool(sizes.full_blocks, block_size, enable_prefix_caching),
              BlockPool(sizes.local_blocks, block_size, enable_prefix_caching))
-    return HybridKVCacheManager(*pools, window, tiers), sizes
+    return WindowedKVCacheManager(*pools, window, tiers), sizes
 
 
-__all__ = ["GroupSizes", "HybridComputedBlocks", "HybridKVCacheManager", "first_needed_block", "hybrid_manager",
+__all__ = ["GroupSizes", "WindowedComputedBlocks", "WindowedKVCacheManager", "first_needed_block", "windowed_manager",
            "local_blocks_needed", "split_budget"]

@@ -1,4 +1,4 @@
-"""HybridKVCacheManager: two KV cache groups (full-attention layers, windowed layers) with
+"""WindowedKVCacheManager: two KV cache groups (full-attention layers, windowed layers) with
 exact block ids; the windowed group releases blocks behind the window while the full group
 keeps them; allocation in both or neither; prefix hits across both; the budget split and the
 bytes a long sequence holds. block_size 4, window 8 unless said; fresh pools hand out
@@ -10,17 +10,17 @@ from kvexport import io
 from kvexport.errors import ConfigError
 from kvexport.io import PAD_BLOCK_ID as PAD
 from kvexport.runtime.core.block_pool import BlockPool
-from kvexport.runtime.core.hybrid_kv_cache_manager import (HybridKVCacheManager, hybrid_manager, local_blocks_needed,
+from kvexport.runtime.core.windowed_kv_cache_manager import (WindowedKVCacheManager, windowed_manager, local_blocks_needed,
                                                       split_budget)
 
 BS, W = 4, 8
 
 
-def manager(full=17, local=9, caching=True) -> HybridKVCacheManager:
-    return HybridKVCacheManager(BlockPool(full, BS, caching), BlockPool(local, BS, caching), W)
+def manager(full=17, local=9, caching=True) -> WindowedKVCacheManager:
+    return WindowedKVCacheManager(BlockPool(full, BS, caching), BlockPool(local, BS, caching), W)
 
 
-def step(m: HybridKVCacheManager, rid: str, tokens: list[int], done: int, n: int) -> None:
+def step(m: WindowedKVCacheManager, rid: str, tokens: list[int], done: int, n: int) -> None:
     """What the scheduler does around one step of `n` tokens of a request with `done` stored."""
     if done == 0:
         computed = m.get_computed_blocks(tokens)
@@ -114,7 +114,7 @@ def test_held_bytes_follow_global_context_plus_local_window():
         (io.LOCAL_GROUP,) * 5 + (io.FULL_GROUP,) + (io.LOCAL_GROUP,) * 5 + (io.FULL_GROUP,) + (io.LOCAL_GROUP,) * 2
     per_token = io.kv_bytes_per_token_by_group(groups, 1, 256, io.DType.FP16)
     assert per_token == {io.LOCAL_GROUP: 2 * 22 * 256 * 2, io.FULL_GROUP: 2 * 4 * 256 * 2}
-    m, sizes = hybrid_manager(2 ** 30, bs, per_token[io.FULL_GROUP], per_token[io.LOCAL_GROUP], window,
+    m, sizes = windowed_manager(2 ** 30, bs, per_token[io.FULL_GROUP], per_token[io.LOCAL_GROUP], window,
                               max_num_seqs=8, max_num_batched_tokens=512)
     done = 0
     while done < ctx:  # 512-token prefill chunks, then the window's release after each
