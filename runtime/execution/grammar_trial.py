@@ -37,23 +37,13 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from ..request_checks import RequestError
+from .grammars import GrammarError
 
 log = logging.getLogger(__name__)
 
 TRIAL_WORKERS = 1  # child processes compiling at once (each one thread): what refused grammars can cost
 MAX_PENDING = 8  # trials waiting or running at most; more are refused as busy (503)
 START_TIMEOUT_S = 120.0  # a child's start (imports, the tokenizer's tables): not the client's grammar
-
-
-class GrammarError(RequestError):
-    """A structured-output spec that cannot be served: invalid, unsupported, too slow to compile."""
-
-
-class GrammarBusyError(GrammarError):
-    """Too many grammars are being compiled right now; the client may retry (HTTP 503)."""
-
-    status = 503
 
 
 def _python() -> str:
@@ -103,6 +93,12 @@ class _Child:
     def kill(self) -> None:
         self.proc.kill()
         self.proc.wait()
+
+
+class GrammarBusyError(GrammarError):
+    """Too many grammars are being compiled right now; the client may retry (HTTP 503)."""
+
+    status = 503
 
 
 class CompileTrials:
@@ -174,7 +170,7 @@ def _serve() -> None:
     import xgrammar as xgr
 
     from ..sampling_params import StructuredOutputs
-    from .structured import GrammarError, check_admits_output, compile_spec  # NOTE: not __main__'s own class
+    from .grammars import GrammarError, check_admits_output, compile_spec  # NOTE: not __main__'s own class
 
     compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.deserialize_json(sys.stdin.readline()), max_threads=1,
                                    cache_enabled=False)

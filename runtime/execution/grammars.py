@@ -1,0 +1,200 @@
+"""One structured-output spec made into an xgrammar grammar: the checks a JSON schema must pass (the
+keywords xgrammar would not enforce, `$ref`s outside the schema or only to themselves), the numbers bounded
+(`bound_numbers`), the compile itself (`compile_spec`) and the check that the grammar admits some output
+(`check_admits_output`). Used by the server (structured.py) and by the trial's child process
+(grammar_trial.py), which is why it stands apart from both.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import numpy as np
+
+from ..request_checks import RequestError
+from ..sampling_params import StructuredOutputs
+
+
+class GrammarError(RequestError):
+    """A structured-output spec that cannot be served: invalid, unsupported, too slow to compile."""
+
+
+# JSON-schema keywords xgrammar 0.2.8 compiles without enforcing (measured: bench/structured.py; the
+# tests try each): refused by name. `allOf` is refused with more than one branch (xgrammar: "support
+# for allOf with multiple options is still ongoing").
+UNSUPPORTED_KEYWORDS = frozenset({
+    "uniqueItems", "not", "if", "then", "else", "contains", "minContains", "maxContains", "propertyNames",
+    "dependentRequired", "dependentSchemas", "dependencies", "unevaluatedProperties", "unevaluatedItems"})
+# keywords whose value is a map of names to subschemas / a list of subschemas: walked as schemas
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_ONE = ("items", "additionalProperties", "additionalItems")
+
+
+def check_json_schema(schema: Any, param: str) -> None:
+    """Refuse (GrammarError naming `param`) a schema that is not valid JSON Schema (jsonschema's
+    metaschema check) or uses a keyword in UNSUPPORTED_KEYWORDS (named, with where it is)."""
+    import jsonschema
+
+    if not isinstance(schema, (dict, bool)):
+        raise GrammarError(f"{param} must be a JSON schema (an object), got {type(schema).__name__}", param)
+    try:
+        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        where = "/".join(str(p) for p in e.absolute_path) or "the top level"
+        raise GrammarError(f"{param} is not a valid JSON schema (at {where}): {e.message}", param) from None
+
+    def walk(s: Any, path: str) -> None:
+        if not isinstance(s, dict):
+            return
+        bad = sorted(UNSUPPORTED_KEYWORDS & s.keys())
+        if bad:
+            raise GrammarError(f"{param}: the JSON-schema keyword{'s' if len(bad) > 1 else ''} {', '.join(bad)} "
+                               f"(at {path or '/'}) {'are' if len(bad) > 1 else 'is'} not supported by this server's "
+                               f"constrained decoding; remove {'them' if len(bad) > 1 else 'it'} and check the "
+                               f"output yourself", param, code="unsupported_schema_keyword")
+        ref = s.get("$ref")
+        if isinstance(ref, str) and not ref.startswith("#"):
+            raise GrammarError(f"{param}: \"$ref\": {ref[:100]!r} (at {path or '/'}) points outside the schema; this "
+                               f"server resolves only references within it (\"#/$defs/...\") and fetches nothing: "
+                               f"put the referenced schema under $defs", param, code="unsupported_schema_keyword")
+        lengths = sorted({"minLength", "maxLength"} & s.keys())
+        if "pattern" in s and lengths:
+            raise GrammarError(f"{param}: pattern together with {' and '.join(lengths)} (at {path or '/'}) is not "
+                               f"enforced by this server's constrained decoding (the pattern alone is); put the "
+                               f"length into the pattern (e.g. {{1,3}}) and drop {' and '.join(lengths)}", param,
+                               code="unsupported_schema_keyword")
+        if isinstance(s.get("allOf"), list) and len(s["allOf"]) > 1:
+            raise GrammarError(f"{param}: allOf with more than one schema (at {path or '/'}) is not supported by "
+                               f"this server's constrained decoding; merge them into one schema", param,
+                               code="unsupported_schema_keyword")
+        for k in _SCHEMA_MAPS:
+            if isinstance(s.get(k), dict):
+                for name, sub in s[k].items():
+                    walk(sub, f"{path}/{k}/{name}")
+        for k in _SCHEMA_LISTS:
+            if isinstance(s.get(k), list):
+                for i, sub in enumerate(s[k]):
+                    walk(sub, f"{path}/{k}/{i}")
+        for k in _SCHEMA_ONE:
+            walk(s.get(k), f"{path}/{k}")
+
+    walk(schema, "")
+    _check_ref_cycles(schema, param)
+
+
+_ANNOTATIONS = frozenset({"$ref", "$defs", "definitions", "title", "description", "$comment", "$schema", "$id",
+                          "examples", "default"})
+
+
+def _resolve(root: Any, ref: str) -> Any:
+    """The subschema a local `$ref` ("#", "#/$defs/X") points at; None when it points nowhere."""
+    node = root
+    for part in ref[1:].lstrip("/").split("/") if ref != "#" else ():
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def _check_ref_cycles(schema: Any, param: str) -> None:
+    """Refuse a `$ref` that leads only to `$ref`s back to itself ({"$ref": "#"}: a value that never begins;
+    the grammar admits a prefix and then no token)."""
+    def refs(s: Any):
+        if isinstance(s, dict):
+            if isinstance(s.get("$ref"), str) and s["$ref"].startswith("#"):
+                yield s["$ref"]
+            for v in s.values():
+                yield from refs(v)
+        elif isinstance(s, list):
+            for v in s:
+                yield from refs(v)
+
+    for ref in set(refs(schema)):
+        seen, cur = {ref}, ref
+        while True:
+            target = _resolve(schema, cur)
+            if not isinstance(target, dict) or not isinstance(target.get("$ref"), str) or target.keys() - _ANNOTATIONS:
+                break
+            cur = target["$ref"]
+            if cur in seen:
+                raise GrammarError(f"{param}: \"$ref\": {ref!r} refers only to itself (through {' -> '.join(sorted(seen))}): "
+                                   f"no value can match it; give the referenced schema a type", param,
+                                   code="invalid_grammar")
+            seen.add(cur)
+
+
+MAX_DIGITS = 16  # digits of a JSON number's integral part at most; its fraction and exponent: MAX_DIGITS - 1
+_DIGIT_RULE = re.compile(r"^(\w+) ::= \(\(\[0-9\]\)\)$", re.M)  # a rule that is one digit: `name ::= (([0-9]))`
+_UNBOUNDED = re.compile(r"(\w+)\{(\d+), -1\}")  # `rule{k, -1}`: k or more
+
+
+def bound_numbers(ebnf: str) -> str:
+    """xgrammar's EBNF for a JSON schema with every run of digits bounded: `[0-9]*` and a digit rule's
+    `{k, -1}` repetition take at most MAX_DIGITS - 1 digits (so an integral part is at most MAX_DIGITS
+    long, as llama.cpp's JSON-schema grammars bound it). NOTE: unbounded, a small model's loop
+    (`"population": 1111111111...`) became the whole output until max_tokens cut the JSON (issue 48);
+    bounded, the grammar makes it close. Whitespace needs no bound: the grammars allow none (any_whitespace
+    off). The language only shrinks (a valid output stays valid for the schema)."""
+    digit_rules = set(_DIGIT_RULE.findall(ebnf))
+    ebnf = ebnf.replace("[0-9]*", f"[0-9]{{0, {MAX_DIGITS - 1}}}")
+    return _UNBOUNDED.sub(lambda m: f"{m.group(1)}{{{m.group(2)}, {MAX_DIGITS - 1}}}" if m.group(1) in digit_rules
+                          else m.group(0), ebnf)
+
+
+def compile_spec(compiler: Any, spec: StructuredOutputs, param: str) -> Any:
+    """`spec` compiled by an xgrammar GrammarCompiler; GrammarError naming `param` when it is invalid or
+    unsupported. The same function runs in the trial's child (grammar_trial.py) and in the server."""
+    import xgrammar as xgr
+
+    try:
+        if spec.json is not None:
+            check_json_schema(json.loads(spec.json), param)
+            return compiler.compile_grammar(bound_numbers(str(xgr.Grammar.from_json_schema(
+                spec.json, any_whitespace=False, strict_mode=True))))
+        if spec.json_object:  # NOTE: an object, as OpenAI's json_object asks (xgrammar's builtin takes any value)
+            return compiler.compile_grammar(bound_numbers(str(xgr.Grammar.from_json_schema(
+                '{"type": "object"}', any_whitespace=False, strict_mode=False))))
+        if spec.regex is not None:
+            return compiler.compile_regex(spec.regex)
+        if spec.choice is not None:
+            return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(s) for s in spec.choice))
+        assert spec.grammar is not None
+        return compiler.compile_grammar(spec.grammar)
+    except GrammarError:
+        raise
+    except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError with the reason
+        said = " ".join(str(e).split())
+        said = said.split(": ", 1)[-1] if said.startswith("[") else said  # drop "[time] file.cc:line: "
+        raise GrammarError(f"{param}: this {spec.kind} cannot be compiled: {said[:300]}", param,
+                           code="invalid_grammar") from None
+
+
+def check_admits_output(compiled: Any, spec: StructuredOutputs, param: str) -> None:
+    """Refuse (GrammarError naming `param`) a compiled grammar that allows no first token at all, not even
+    the end of the output (a regex like `[^\\s\\S]`, a rule that only calls itself): otherwise every
+    logit is masked and the request fails as if the weights held NaN."""
+    import xgrammar as xgr
+
+    m = xgr.GrammarMatcher(compiled)
+    words = bitmask_words(compiled.tokenizer_info.vocab_size)
+    bitmask = np.zeros((1, words), np.int32)
+    if not m.is_terminated():
+        m.fill_next_token_bitmask(bitmask, 0)
+        if not bitmask.any():
+            raise GrammarError(f"{param}: this {spec.kind} admits no output at all (no token can start it); "
+                               f"fix it so some text matches", param, code="empty_grammar")
+
+
+def bitmask_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+__all__ = ["GrammarError", "MAX_DIGITS", "UNSUPPORTED_KEYWORDS", "bitmask_words", "bound_numbers", "check_admits_output",
+           "check_json_schema", "compile_spec"]
