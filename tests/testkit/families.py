@@ -81,6 +81,22 @@ TINY_GEMMA4 = dict(vocab_size=128, hidden_size=64, num_hidden_layers=6, num_atte
                    vocab_size_per_layer_input=128, use_double_wide_mlp=True, final_logit_softcapping=5.0,
                    pad_token_id=0, bos_token_id=1, eos_token_id=2)
 CASES_GEMMA4 = {"gemma4_text": {}}
+# Gemma 4's parity variants (tests/exporter/test_gemma4.py test_parity_variants), built with 16-token blocks over
+# the validation's prompts of 5..30 tokens + 16 steps: each changes a few TINY_GEMMA4 fields
+GEMMA4_VARIANTS = {
+    # the window (8) inside one block; layers 3, 4, 5 read layers 1, 1, 2 (TINY_GEMMA4 as it is)
+    "window-lt-block": {},
+    # a 32-token window over two blocks; 2 sharing layers (4 reads 3, 5 reads 2); global layers 2 KV heads × 32
+    # with their own v_proj
+    "window-32-no-k-eq-v": dict(sliding_window=32, num_kv_shared_layers=2, attention_k_eq_v=False),
+    # a window longer than any sequence; no sharing; keys as values; no per-layer inputs
+    "window-gt-prompt-no-ple": dict(sliding_window=64, num_kv_shared_layers=0, hidden_size_per_layer_input=0),
+    # every layer 2 KV heads × 16 (one KV shape: no per-layer dims); 2 sharing layers
+    "uniform-heads": dict(global_head_dim=16, num_global_key_value_heads=2, num_kv_shared_layers=2),
+    # a window of 4 (most keys of a block hidden); global layers 2 KV heads × 64, keys as values; no sharing
+    "window-4-wide-global": dict(sliding_window=4, global_head_dim=64, num_global_key_value_heads=2,
+                                 num_kv_shared_layers=0),
+}
 
 # ---- gated DeltaNet hybrids (tests/exporter/test_qwen3_5.py): 3 linear : 1 full attention (the default
 # full_attention_interval 4); GQA in both kinds (2 key heads : 4 value heads; 4 query : 2 KV heads), partial

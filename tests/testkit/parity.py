@@ -62,3 +62,40 @@ def check_hybrid_served(build_dir, manifest, model):
     got = roomy.generate(long, SamplingParams(max_tokens=8, ignore_eos=True))
     assert [o.token_ids for o in got] == hf_greedy(model, long, 8)
     return llm, want
+
+
+def float64_reference(folder, steps: int = 16) -> tuple[list[list[int]], list[list[int]], list[np.ndarray]]:
+    """(prompts, greedy tokens, logits per step) of the validation's check (exporter/validate.py: its
+    random prompts of a tokenizer-less tiny model, `steps` steps) from transformers run in float64: the
+    exact model (its logits returned in float32: 1e-7), so `float64_gap` measures a build's own rounding alone.
+
+    NOTE: the build's validation compares with transformers in float32, whose own rounding is part
+    of that |Δ|: on tiny Gemma 4 models (attention scale 1, random norm weights, 6 layers) it is
+    1e-5..2e-4 from float64 alone, where gemma3_text's is 1.5e-6. sdpa: eager attention rounds its
+    softmax to float32 whatever the model's dtype."""
+    from transformers import AutoModelForCausalLM
+
+    from kvexport.exporter import validate
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64, attn_implementation="sdpa").eval()
+    prompts = validate.prompt_ids(None, model.config.vocab_size)
+    forced, logits = validate.reference(model, prompts, steps)
+    return prompts, forced, logits
+
+
+def float64_gap(build_dir, manifest, reference) -> float:
+    """Max |Δ logits| of a fp32 build against `float64_reference`'s logits, run as the validation runs
+    it (paged: prefill in two chunks, then the decode graph fed the reference's tokens; plugin graphs
+    on the native op where it is built)."""
+    from pathlib import Path
+
+    from kvexport import io
+    from kvexport.exporter import validate
+
+    prompts, forced, exact = reference
+    steps = len(exact) - 1
+    paged = manifest.kv.layout == io.KVLayout.PAGED.value
+    driver = (validate.PagedDriver(Path(build_dir), manifest) if paged
+              else validate.ContiguousDriver(Path(build_dir), manifest))
+    ours = driver.run(prompts, forced, steps)
+    return max(float(np.abs(a.astype(np.float64) - r).max()) for a, r in zip(ours, exact))
