@@ -34,6 +34,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from dataclasses import asdict
 from typing import Any
 
@@ -44,6 +45,7 @@ log = logging.getLogger(__name__)
 TRIAL_WORKERS = 1  # child processes compiling at once (each one thread): what refused grammars can cost
 MAX_PENDING = 8  # trials waiting or running at most; more are refused as busy (503)
 START_TIMEOUT_S = 120.0  # a child's start (imports, the tokenizer's tables): not the client's grammar
+IDLE_EXIT_S = 300.0  # a child idle this long exits (~300 MB each); the server starts another when it needs one
 
 
 def _python() -> str:
@@ -66,6 +68,7 @@ class _Child:
         self.proc = subprocess.Popen([_python(), "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, bufsize=0)
         self._buf = b""
+        self.last_used = time.monotonic()
         self.send(tokenizer_info_json)
         if self.read_line(START_TIMEOUT_S) != "ready":
             self.kill()
@@ -114,6 +117,8 @@ class CompileTrials:
         self._lock = threading.Lock()
         self._pending = 0
         self.started = self.killed = 0
+        # NOTE: an engine dropped without close() (a script's LLM) takes its children with it
+        weakref.finalize(self, _kill_all, self._idle)
 
     def run(self, spec: Any, param: str) -> None:
         """Compile `spec` in a child within timeout_s (the wait for a free child not counted). Returns
@@ -129,9 +134,13 @@ class CompileTrials:
                 with self._lock:
                     child = self._idle.pop()
                 try:
+                    if child is not None and time.monotonic() - child.last_used > IDLE_EXIT_S - 10:
+                        child.kill()  # NOTE: about to exit on its own (idle): not raced, replaced
+                        child = None
                     if child is None:
                         child = _Child(self._info)
                         self.started += 1
+                    child.last_used = time.monotonic()
                     child.send(json.dumps({"spec": asdict(spec), "param": param}))
                     line = child.read_line(self.timeout_s)
                     died = line is None and child.proc.poll() is not None
@@ -158,9 +167,15 @@ class CompileTrials:
     def close(self) -> None:
         """Stop the children."""
         with self._lock:
-            children, self._idle = [c for c in self._idle if c is not None], [None] * len(self._idle)
-        for c in children:
+            _kill_all(self._idle)
+
+
+def _kill_all(slots: list[_Child | None]) -> None:
+    """Kill the children in `slots` (left empty: a later trial starts new ones)."""
+    for i, c in enumerate(slots):
+        if c is not None:
             c.kill()
+            slots[i] = None
 
 
 def _serve() -> None:
@@ -175,7 +190,10 @@ def _serve() -> None:
     compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.deserialize_json(sys.stdin.readline()), max_threads=1,
                                    cache_enabled=False)
     print("ready", flush=True)
-    for line in sys.stdin:
+    while select.select([sys.stdin], [], [], IDLE_EXIT_S)[0]:  # NOTE: one line at a time: nothing sits buffered
+        line = sys.stdin.readline()
+        if not line:  # the server is gone
+            return
         ask = json.loads(line)
         spec, param = StructuredOutputs(**ask["spec"]), ask["param"]
         try:

@@ -179,3 +179,16 @@ def test_a_bounded_number_closes_and_a_cut_answer_says_length(smollm2_build):
     (cut,) = llm.generate("A person as JSON:", SamplingParams(max_tokens=3, structured=StructuredOutputs(json={
         "type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]})))
     assert cut.finish_reason == "length", cut
+
+
+def test_a_dropped_manager_takes_its_child_with_it(tokenizer):
+    """An engine dropped without close() (a script's LLM, a test's) leaves no compile process behind."""
+    import gc
+
+    m = StructuredOutputManager(tokenizer, 49152, (2,))
+    m.compile(StructuredOutputs(regex="a+"))
+    (child,) = [c for c in m._trials._idle if c is not None]
+    pid = child.proc.pid
+    del m, child
+    gc.collect()
+    assert not _alive(pid)
