@@ -65,8 +65,11 @@ class _Child:
     """One child process and the bytes it has written that are not a whole line yet."""
 
     def __init__(self, tokenizer_info_json: str):
+        # NOTE: the parent's import path, so the child finds kvexport and xgrammar wherever the parent did (an
+        # embedding host's interpreter may not be the environment's)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         self.proc = subprocess.Popen([_python(), "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, bufsize=0)
+                                     stderr=subprocess.DEVNULL, bufsize=0, env=env)
         self._buf = b""
         self.last_used = time.monotonic()
         self.send(tokenizer_info_json)
