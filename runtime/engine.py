@@ -41,6 +41,7 @@ from .execution.model_runner import ModelRunner
 from .execution.output_processor import OutputProcessor, RequestOutput
 from .execution.structured import StructuredOutputManager
 from .kv_connector import KVConnector
+from .frontend import RequestPrep
 from .request_checks import RequestError, check_token_ids, prompt_logprobs_refusal
 from .sampling_params import SamplerState, SamplingParams
 from .tokenizer import load_build_tokenizer
@@ -190,6 +191,12 @@ class LLMEngine:
     def streaming(self) -> bool:
         """--kv-eviction streaming: max_tokens is not bounded by max_model_len."""
         return self.scheduler.streaming is not None
+
+    @property
+    def prep(self) -> RequestPrep:
+        """What front ends may use from their own threads to prepare requests (runtime/frontend.py)."""
+        return RequestPrep(self.tokenizer, self.vocab_size, self.max_model_len, self.check_params,
+                           self.structured.compile)
 
     def check_params(self, params: SamplingParams) -> None:
         """What a request's settings ask of this engine (prompt scores, speculation, a KV budget):

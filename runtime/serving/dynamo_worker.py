@@ -287,7 +287,7 @@ class DynamoWorker:
             return refusal(self.errors.InvalidArgument(str(e)), self._loop)
         structured = getattr(params, "structured", None)
         if structured is not None and self._loop is not None:
-            return _AfterCompile(lambda: self.engine.structured.compile(structured),
+            return _AfterCompile(lambda: self.engine.prep.compile(structured),
                                  lambda: self._generate(prompt, params, salt, context),
                                  self.errors.InvalidArgument, self._loop)
         return self._generate(prompt, params, salt, context)

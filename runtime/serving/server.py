@@ -8,7 +8,9 @@ is runtime/serving/requests.py; the metrics table is runtime/serving/metrics.py.
 The engine is not thread-safe, so one background thread owns it (`engine_thread.py`): it
 takes new requests and aborts from a thread-safe inbox, calls `engine.step()` while work
 exists, and pushes an `Event` for each changed output to the asyncio queue of the HTTP
-request that owns it. Handlers never touch the engine. A client that disconnects (streaming
+request that owns it. Handlers never step the engine nor reach its pool: they prepare requests in
+worker threads with `LLMEngine.prep` alone (runtime/frontend.py: the tokenizer, the settings
+checks, grammar compiles; read-only or thread-safe) and hand them to the engine thread. A client that disconnects (streaming
 or not) aborts its request within DISCONNECT_POLL_S, so its KV blocks go back to the pool.
 All prompts x n samples of one HTTP request form one group of the engine thread's fair
 admission; more than `max_sequences_per_request` of them are refused.
@@ -127,7 +129,8 @@ class OpenAIServer:
 
     def __init__(self, engine: LLMEngine, model_name: str, worker: EngineThread | None = None,
                  salt_key: SaltKey | None = None, tool_call_parser: str | None = None):
-        self.engine = engine
+        self.engine = engine  # NOTE: stepped by the engine thread only; handlers prepare requests with `prep`
+        self.prep = engine.prep  # the engine's parts request preparation may use from any thread (runtime/frontend.py)
         self.salt_key = salt_key  # with one, only gateway-signed cache_salts are taken (cache_salts.py)
         # the tool-call format outputs are read in (--tool-call-parser; ConfigError unless registered);
         # None: the one the chat template tells (tools.py)
@@ -148,7 +151,7 @@ class OpenAIServer:
         self.shutdown_deadline = time.monotonic() + grace
 
     def decode(self, token_id: int) -> str:
-        tok = self.engine.tokenizer
+        tok = self.prep.tokenizer
         return str(tok.decode([token_id])) if tok is not None else str(token_id)
 
     async def body(self, request: Request, model: type[proto.BaseModel]):
@@ -253,7 +256,7 @@ class OpenAIServer:
             return JSONResponse(ApiError(499, "client disconnected").body(), status_code=499)
         vllm: list[list | None] = [None] * n
         if prompt.scored:
-            parts = await asyncio.to_thread(lambda: [prompt.parts(self.engine.tokenizer, i, scores[i])
+            parts = await asyncio.to_thread(lambda: [prompt.parts(self.prep.tokenizer, i, scores[i])
                                                      for i in range(n)])
             for i, (echo_lp, vllm[i]) in enumerate(parts):
                 lps[i] = proto.merge_logprobs(echo_lp, lps[i], chat)  # the prompt's first
@@ -275,7 +278,7 @@ class OpenAIServer:
         if isinstance(body, ChatCompletionRequest):
             tools.check_messages([m.model_dump(exclude_none=True) for m in body.messages])
             plan = tools.plan(body.tools, body.tool_choice, body.parallel_tool_calls,
-                              getattr(self.engine.tokenizer, "chat_template", None), functions=body.functions,
+                              getattr(self.prep.tokenizer, "chat_template", None), functions=body.functions,
                               function_call=body.function_call, tool_call_parser=self.tool_call_parser)
         prompts = proto.prompts(body, self.parser, plan.prepare if plan is not None else None)
         spec, field_ = proto.structured(body)
@@ -286,14 +289,14 @@ class OpenAIServer:
             spec, field_ = plan.structured, "tools"
         params = proto.sampling_params(body, self.parser, max(len(p) for p in prompts), spec)
         proto.check_fanout(body, len(prompts), params.n, self.max_sequences)
-        self.engine.check_params(params)  # what the engine's settings refuse (RequestError: a 400 naming the field)
+        self.prep.check_params(params)  # what the engine's settings refuse (RequestError: a 400 naming the field)
         if spec is not None:
-            self.engine.structured.compile(spec, field_)  # GrammarError: a 400 naming the field
+            self.prep.compile(spec, field_)  # GrammarError: a 400 naming the field
         return prompts, params, plan
 
     def echo_texts(self, body: CompletionRequest, prompts: list[list[int]]) -> list[str]:
         """What `echo` repeats of each prompt (echo.prompt_text)."""
-        tok = self.engine.tokenizer
+        tok = self.prep.tokenizer
         return [echo.prompt_text(tok, src, ids) for src, ids in zip(proto.prompt_sources(body), prompts)]
 
     async def stream(self, request: Request, chat: bool, prompts: list[list[int]], params: SamplingParams, rid: str,
@@ -324,7 +327,7 @@ class OpenAIServer:
                 if not started[i]:  # a choice's first chunk starts with the prompt's part
                     started[i], head = True, prompt.text(i)
                     if prompt.scored:
-                        head_lp, vllm = await asyncio.to_thread(prompt.parts, self.engine.tokenizer, i,
+                        head_lp, vllm = await asyncio.to_thread(prompt.parts, self.prep.tokenizer, i,
                                                                 ev.prompt_logprobs)
                     offsets[i] += len(head)
                 lp = proto.logprobs_block(chat, ev.new_token_ids, ev.logprobs, ev.top_logprobs, offsets[i],

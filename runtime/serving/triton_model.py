@@ -316,7 +316,7 @@ class TritonPythonModel:
                 prompt, params, stream = parse_request(arrays, self.parser, json.loads(request.parameters() or "{}"))
                 if params.structured is not None:  # compiled here, not in the engine's step (structured.py)
                     field = "response_format" if "response_format" in arrays else "structured_outputs"
-                    self.engine.structured.compile(params.structured, field)  # errors name the input
+                    self.engine.prep.compile(params.structured, field)  # errors name the input
                 salt = parse_cache_salt(arrays, self.salt_key)
             except Exception as e:  # noqa: BLE001 - a bad request gets an error, the model keeps serving
                 msg = str(e) if isinstance(e, KvExportError) else f"invalid request: {e}"

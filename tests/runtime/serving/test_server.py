@@ -363,6 +363,9 @@ def fake():
                              config=EngineConfig(max_sequences_per_request=8),
                              manifest=SimpleNamespace(all_logits=True, scores_prompts=True), build_dir="m", streaming=False,
                              check_params=lambda params: None)
+    from kvexport.runtime.frontend import RequestPrep
+
+    engine.prep = RequestPrep(engine.tokenizer, 50, 32, engine.check_params, lambda spec, param: None)
     with TestClient(build_app(OpenAIServer(engine, "m", worker), max_body_bytes=2048)) as c:
         yield c, worker
 
