@@ -137,8 +137,9 @@ class CompileTrials:
                 with self._lock:
                     child = self._idle.pop()
                 try:
-                    if child is not None and time.monotonic() - child.last_used > IDLE_EXIT_S - 10:
-                        child.kill()  # NOTE: about to exit on its own (idle): not raced, replaced
+                    if child is not None and (child.proc.poll() is not None
+                                              or time.monotonic() - child.last_used > IDLE_EXIT_S - 10):
+                        child.kill()  # NOTE: gone (killed from outside), or about to exit idle: replaced, not raced
                         child = None
                     if child is None:
                         child = _Child(self._info)
