@@ -79,7 +79,9 @@ class _Child:
 
     def send(self, line: str) -> None:
         assert self.proc.stdin is not None
-        self.proc.stdin.write(line.encode() + b"\n")
+        data = memoryview(line.encode() + b"\n")
+        while data:  # NOTE: unbuffered: a write may take part of it (the tokenizer's tables are ~1.6 MB)
+            data = data[self.proc.stdin.write(data):]
 
     def read_line(self, timeout_s: float) -> str | None:
         """The next line the child writes, or None when `timeout_s` passes (or it died) first."""
