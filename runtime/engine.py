@@ -81,6 +81,9 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         # structured output's grammars (execution/structured.py): compiled once per spec, one matcher per sequence
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, eos)
+        # what front ends may use from their own threads to prepare requests (runtime/frontend.py)
+        self.prep = RequestPrep(self.tokenizer, self.vocab_size, self.max_model_len, self.check_params,
+                                self.structured.compile)
         self._ids = 0
 
     def _load(self, config: EngineConfig, backend: Backend | None) -> tuple[Backend, EngineConfig]:
@@ -191,12 +194,6 @@ class LLMEngine:
     def streaming(self) -> bool:
         """--kv-eviction streaming: max_tokens is not bounded by max_model_len."""
         return self.scheduler.streaming is not None
-
-    @property
-    def prep(self) -> RequestPrep:
-        """What front ends may use from their own threads to prepare requests (runtime/frontend.py)."""
-        return RequestPrep(self.tokenizer, self.vocab_size, self.max_model_len, self.check_params,
-                           self.structured.compile)
 
     def check_params(self, params: SamplingParams) -> None:
         """What a request's settings ask of this engine (prompt scores, speculation, a KV budget):
