@@ -9,13 +9,14 @@ import importlib.metadata
 import json
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvexport.errors import ConfigError, SourceError, UnsupportedModelError
 from kvexport.manifest import sha256
 
-from . import config_fields
+from . import config_fields, gguf_cache
 from .families import FAMILIES, family_for, supported_gguf_archs
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,10 @@ def gguf_metadata(path: Path) -> dict[str, object]:
 
 @functools.lru_cache(maxsize=8)
 def _gguf_metadata(path: str, size: int, mtime_ns: int) -> dict[str, object]:
+    return gguf_cache.metadata(Path(path), lambda: _read_gguf_metadata(path))
+
+
+def _read_gguf_metadata(path: str) -> dict[str, object]:
     import gguf
 
     try:
@@ -248,8 +253,10 @@ def load_config(src: ModelSource):
 
     try:
         if src.gguf_file:
-            return AutoConfig.from_pretrained(src.directory, gguf_file=src.gguf_file,
-                                              **gguf_config_fields(src.directory / src.gguf_file))
+            return _cached(src, "config", lambda d: _named(AutoConfig.from_pretrained(d, trust_remote_code=False), src),
+                           lambda: AutoConfig.from_pretrained(src.directory, gguf_file=src.gguf_file,
+                                                              **gguf_config_fields(src.directory / src.gguf_file)),
+                           lambda config, d: config.save_pretrained(d))
         return AutoConfig.from_pretrained(src.directory, trust_remote_code=False)
     except Exception as e:  # noqa: BLE001 - transformers/huggingface_hub raise many types (strict dataclasses)
         raise ConfigError(f"cannot read the config of {src.name} ({type(e).__name__}: {e}); fix "
@@ -261,7 +268,6 @@ def load_model(src: ModelSource):
     checkpoint is read by exporter/prequantized.py, an MXFP4 one by exporter/mxfp4.py (their codes
     dequantized exactly, no kernels)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     if src.kind == "hf":
         from . import mxfp4, prequantized
@@ -273,13 +279,24 @@ def load_model(src: ModelSource):
             return mxfp4.load_model(src)
     kwargs = dict(dtype=torch.float32, trust_remote_code=False, low_cpu_mem_usage=True)
     if src.gguf_file:
-        kwargs.update(gguf_file=src.gguf_file, **gguf_config_fields(src.directory / src.gguf_file))
-    elif src.allow_pickle and src.weight_files[0].suffix == ".bin":
+        return _cached(src, "model", lambda d: _named(_from_pretrained(src, d, use_safetensors=True, **kwargs), src),
+                       # NOTE: the config passed (cached after the read stage) spares a parse of the whole file
+                       lambda: _from_pretrained(src, src.directory, gguf_file=src.gguf_file, config=load_config(src),
+                                                **kwargs),
+                       gguf_cache.save_model,
+                       keep=gguf_cache.fits)
+    if src.allow_pickle and src.weight_files[0].suffix == ".bin":
         kwargs["use_safetensors"] = False  # transformers loads .bin with weights_only=True
     else:
         kwargs["use_safetensors"] = True
+    return _from_pretrained(src, src.directory, **kwargs)
+
+
+def _from_pretrained(src: ModelSource, directory: Path, **kwargs):
+    from transformers import AutoModelForCausalLM
+
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(src.directory, output_loading_info=True, **kwargs)
+        model, info = AutoModelForCausalLM.from_pretrained(directory, output_loading_info=True, **kwargs)
     except Exception as e:  # noqa: BLE001 - transformers raises many types for bad files
         raise SourceError(f"cannot load the weights of {src.name}: {type(e).__name__}: {e}") from None
     if info.get("missing_keys"):  # transformers would silently fill them with random values
@@ -296,7 +313,9 @@ def load_tokenizer(src: ModelSource):
 
     try:
         if src.gguf_file:
-            return AutoTokenizer.from_pretrained(src.directory, gguf_file=src.gguf_file)
+            return _cached(src, "tokenizer", lambda d: AutoTokenizer.from_pretrained(d, trust_remote_code=False),
+                           lambda: AutoTokenizer.from_pretrained(src.directory, gguf_file=src.gguf_file),
+                           lambda tokenizer, d: tokenizer.save_pretrained(d))
         if not any((src.directory / f).exists() for f in ("tokenizer.json", "tokenizer_config.json",
                                                           "tokenizer.model", "vocab.json")):
             return None
@@ -304,6 +323,32 @@ def load_tokenizer(src: ModelSource):
     except Exception as e:  # noqa: BLE001
         log.warning("tokenizer of %s could not be loaded (%s); the build will have none", src.name, e)
         return None
+
+
+def _cached(src: ModelSource, name: str, read: Callable[[Path], object], convert: Callable[[], object],
+            save: Callable[[object, Path], None], keep: Callable[[object], bool] = lambda _: True):
+    """Part `name` of a GGUF source (exporter/gguf_cache.py): read from the cache when it is there, else
+    converted by transformers and stored. A cached part that cannot be read is dropped and converted again."""
+    path = src.directory / src.gguf_file
+    cached = gguf_cache.part(path, name)
+    if cached is not None:
+        try:
+            return read(cached)
+        except Exception:  # noqa: BLE001 - a damaged cache is converted again, never an error
+            gguf_cache.drop(path, name)
+    value = convert()
+    if keep(value):
+        gguf_cache.store(path, name, lambda d: save(value, d))
+    return value
+
+
+def _named(loaded, src: ModelSource):
+    """A config or model read from the GGUF cache, named by the GGUF's folder as transformers' own load names it."""
+    config = getattr(loaded, "config", loaded)
+    config._name_or_path = str(src.directory)
+    if loaded is not config:
+        loaded.name_or_path = str(src.directory)
+    return loaded
 
 
 def check_tokenizer(tokenizer, vocab_size: int, src: ModelSource) -> None:
