@@ -30,7 +30,7 @@ from kvexport import __version__, io, outputs
 from kvexport.errors import ConfigError, ValidationError
 from kvexport.manifest import GraphEntry, KVSpec, Manifest, ModelEntry, WeightsEntry, sha256, versions
 
-from . import end_tokens, interop, linear_attention, mla, source
+from . import end_tokens, interop, linear_attention, lora, mla, source
 from .families import FAMILIES, read_spec
 from .graph import DecoderGraph, GraphOptions, model_rope_tables
 from .kv_forms import KVConstants, KVForm, kv_constants, kv_form
@@ -57,6 +57,7 @@ class Plan:
     kv: KVForm  # the KV form (exporter/kv_forms.py)
     max_len: int  # longest context served, tokens
     attention_note: str | None = None  # why the attention fell back to onnx (None: it did not)
+    lora: Any = None  # exporter/lora.py LoraAdapter merged into the weights (--lora); None: none
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -181,8 +182,16 @@ def read_model(src: source.ModelSource, opts: BuildOptions, progress: Progress) 
                           f"of this model")
     if spec.mla is not None:
         mla.check_build(spec, opts.layout, opts.weight_quantization())
+    adapter = lora.read(opts.lora) if opts.lora else None  # NOTE: checked before any weight is loaded
+    if adapter is not None and src.kind == "hf":
+        from . import prequantized
+
+        if prequantized.config_of(src.directory) is not None:
+            raise ConfigError(f"--lora: {src.name} is pre-quantized (its codes are kept exactly, and a merged adapter "
+                              f"would change them); merge into the float checkpoint it was quantized from, then "
+                              f"quantize with --weights int8|int4")
     return Plan(opts=opts, config=config, spec=spec, kv=kv_form(opts.kv, spec), max_len=max_len,
-                attention_note=attention_note)
+                attention_note=attention_note, lora=adapter)
 
 
 def load(src: source.ModelSource, plan: Plan, progress: Progress) -> Loaded:
@@ -192,6 +201,8 @@ def load(src: source.ModelSource, plan: Plan, progress: Progress) -> Loaded:
         tokenizer = source.load_tokenizer(src)
         source.check_tokenizer(tokenizer, spec.vocab_size, src)  # NOTE: before the weights: a refusal costs nothing
         model = source.load_model(src)
+        if plan.lora is not None:  # the merged model is also the validation reference
+            lora.merge_into(model, plan.lora)
         weights = FAMILIES[spec.family].weights(model.state_dict(), spec)
         rope = model_rope_tables(spec, model.model.rotary_emb, plan.max_len) if spec.position == "rope" else None
     return Loaded(model=model, weights=weights, rope=rope, tokenizer=tokenizer)
@@ -271,7 +282,8 @@ def make_manifest(src: source.ModelSource, plan: Plan, kv: KVConstants, wf: Weig
                      latent_rank=spec.mla.kv_lora_rank if latent else None,
                      attention_scores=True if scores_declared(opts, spec) else None)
     return Manifest(
-        schema_version=io.SCHEMA_VERSION, kvexport_version=__version__, source=src.to_json(),
+        schema_version=io.SCHEMA_VERSION, kvexport_version=__version__,
+        source=src.to_json() | ({"lora": plan.lora.to_json()} if plan.lora is not None else {}),
         model=ModelEntry(spec.to_json()), dtype=opts.dtype.value, kv=kv_spec, graphs=graphs.entries,
         weights=WeightsEntry(io.WEIGHTS_FILE, graphs.weight_bytes, graphs.parameters, wf.quantization.precision,
                              wf.record, sha256=graphs.weights_sha256),

@@ -83,6 +83,10 @@ class BuildOptions:
         None, "int8/int4: how onnxruntime's CPU serves the weights by default (the manifest records it; serving "
               "commands' --weight-matmul-accuracy overrides it): auto (int8 pairs, ~exact), int8 (fastest), float "
               "(exact) [int8 for smoothquant, else auto].", choices=WEIGHT_MATMUL_ACCURACY)
+    # a PEFT LoRA adapter folder merged into the weights (exporter/lora.py); None: the base model alone
+    lora: str | None = option(
+        None, "A PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors) merged into the weights: "
+              "the build serves base + that adapter at the base's speed.", path="dir")
     validate_steps: int = option(16, range=(1, 1024))  # greedy decode steps compared with transformers
     engines: EngineBuildOptions | None = option(None)  # TensorRT engine limits / precision; None: the defaults
 
@@ -225,7 +229,7 @@ def _check(f: dataclasses.Field, v: Any) -> None:
             raise ConfigError(f"{label} must be {one_of(words)}, got {v!r}")
     elif s.path:
         if not isinstance(v, str):
-            raise ConfigError(f"{name} must be a file path, got {v!r}")
+            raise ConfigError(f"{name} must be a {'folder' if s.path == 'dir' else 'file'} path, got {v!r}")
     elif isinstance(t, type) and not isinstance(v, t):
         raise ConfigError(f"{name} must be an {t.__name__}, got {v!r}")
 

@@ -24,7 +24,7 @@ class Option:
     range: tuple[Any, Any] | None = None
     recipe: bool = True  # a recipe may set it
     spelled: dict[Any, str] = field(default_factory=dict)  # value -> how the CLI writes it (0 -> "channel")
-    path: bool = False  # a file path (the CLI checks it exists)
+    path: bool | str = False  # True: a file path, "dir": a folder (the CLI checks it exists)
     where: str = ""  # after "is not supported" (a choice of the type the build cannot make)
     # runtime settings (runtime/config.py):
     group: str = ""  # the concern it belongs to (cache, limits, execution, tiers, eviction, speculation, state)

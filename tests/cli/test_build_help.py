@@ -29,6 +29,9 @@ BEFORE = [
     # NOTE: changed on purpose (issue 43 §5): every recipe in recipes/, no longer 5 names written by hand
     ("--recipe", "StringParamType", False,
      f"A recipe YAML file, or a shipped recipe name ({', '.join(sorted(p.stem for p in RECIPE_DIR.glob('*.yaml')))})."),
+    # NOTE: added on purpose (issue 44): one PEFT LoRA adapter merged into the build
+    ("--lora", "SafePath", False, "A PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors) "
+     "merged into the weights: the build serves base + that adapter at the base's speed."),
     ("--allow-pickle", "BoolParamType", True, "Accept pickled *.bin weights (loaded with weights_only=True)."),
     ("--force", "BoolParamType", True, "Replace an earlier kvexport build at --out (never anything else)."),
     ("--no-validate", "BoolParamType", True, "Skip the comparison with transformers."),

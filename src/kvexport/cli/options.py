@@ -140,7 +140,8 @@ def build_options(f):
         if isinstance(default, bool):
             kw.update(is_flag=True, default=None)
         elif spec.path:
-            kw.update(type=SafePath(exists=True, dir_okay=False, readable=True))
+            folder = spec.path == "dir"
+            kw.update(type=SafePath(exists=True, dir_okay=folder, file_okay=not folder, readable=True))
         elif spec.range is not None:
             kw.update(type=option_range(fld.name))
         else:

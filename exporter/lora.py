@@ -1,0 +1,199 @@
+"""PEFT LoRA adapters: a folder read and checked (`read`), and merged into the transformers model before the
+graphs are built from it (`merge_into`: `kvexport build MODEL --lora PATH`, one adapter's fast path).
+
+    adapter_config.json ──checks──> LoraAdapter (ranks, scales, targets)
+    adapter_model.safetensors ──────┘        │
+    transformers model ──W += s · B @ A per adapted module──> the build's weights and validation reference
+
+What a PEFT LoRA folder may say, and what is read (peft 0.21's LoraConfig names):
+- `r`, `lora_alpha`, `use_rslora` (scale alpha/√r instead of alpha/r), `rank_pattern` / `alpha_pattern` (a module's
+  own rank / alpha: the first key that matches the end of its name, as peft's `get_pattern_key`), `target_modules`
+  (names or a regex: the modules adapted are those the weights file holds, checked against the model),
+  `fan_in_fan_out` (weights stored [in, out], as gpt2's Conv1D: must agree with the module's kind).
+- Refused by name: another `peft_type`, `use_dora`, `bias` other than "none", `modules_to_save`,
+  `trainable_token_indices`, `target_parameters` (MoE expert tensors), embedding adapters (`lora_embedding_A`),
+  `lm_head` of a model whose head is tied to its embeddings, pickled weights (`adapter_model.bin`), a tensor whose
+  module the model lacks or whose shape is not that module's (an adapter of another base model).
+
+Merged exactly in float32: W' = W + s · B @ A (B [out, r], A [r, in]; transposed for fan_in_fan_out).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kvexport.errors import ConfigError, SourceError
+from kvexport.manifest import sha256
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+# <module>.<kind>[.<adapter name>][.weight|.bias]: peft saves without the adapter name, loads either
+_TENSOR = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.(?P<kind>lora_A|lora_B|lora_embedding_A|"
+                     r"lora_embedding_B|lora_magnitude_vector)(?:\.(?P<adapter>[^.]+))??(?:\.(?P<param>weight|bias))?$")
+
+
+@dataclass(frozen=True, slots=True)
+class ModuleLora:
+    a: np.ndarray  # [r, in] float32
+    b: np.ndarray  # [out, r] float32
+    scale: float  # alpha / r, or alpha / sqrt(r) with use_rslora
+
+
+@dataclass(frozen=True, slots=True)
+class LoraAdapter:
+    path: Path  # the adapter folder
+    sha256: str  # of its weights file
+    rank: int  # the config's r (a module's own rank may differ: rank_pattern)
+    alpha: float  # the config's lora_alpha
+    use_rslora: bool
+    fan_in_fan_out: bool
+    modules: dict[str, ModuleLora]  # adapted module name (as the model names it) -> its low-rank pair
+
+    @property
+    def max_rank(self) -> int:
+        return max(m.a.shape[0] for m in self.modules.values())
+
+    def to_json(self) -> dict:
+        return {"path": str(self.path), "sha256": self.sha256, "r": self.rank, "lora_alpha": self.alpha,
+                "use_rslora": self.use_rslora, "max_rank": self.max_rank, "modules": len(self.modules),
+                "targets": sorted({name.rsplit(".", 1)[-1] for name in self.modules})}
+
+
+def _refuse(path: Path, field: str, value, why: str) -> ConfigError:
+    return ConfigError(f"{CONFIG_FILE} field '{field}' of {path} is {value!r}: {why}")
+
+
+def _pattern_value(pattern: dict, module: str, default):
+    """peft's get_pattern_key: the first key matching the end of `module` ('(.*\\.)?KEY$'), else `default`."""
+    for key, value in pattern.items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+def read(path: str | Path) -> LoraAdapter:
+    """The PEFT LoRA folder at `path`, checked (module docstring): ConfigError / SourceError naming the field."""
+    d = Path(path)
+    if not d.is_dir():
+        raise SourceError(f"--lora {path}: no such folder; give a PEFT adapter folder ({CONFIG_FILE} + {WEIGHTS_FILE})")
+    cfg_path = d / CONFIG_FILE
+    if not cfg_path.is_file():
+        raise SourceError(f"--lora {d} has no {CONFIG_FILE}: not a PEFT adapter folder (save it with "
+                          f"peft's save_pretrained)")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise ConfigError(f"{cfg_path} is not valid JSON ({e}); save the adapter again") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{cfg_path} must hold a JSON object, got {type(cfg).__name__}")
+    checks = [("peft_type", lambda v: v in (None, "LORA"), "only LoRA adapters are read"),
+              ("use_dora", lambda v: not v, "DoRA's magnitude vectors are not supported; use a plain LoRA adapter"),
+              ("bias", lambda v: v in (None, "none"), "adapters that train biases are not supported (bias: none)"),
+              ("lora_bias", lambda v: not v, "a bias on lora_B is not supported"),
+              ("modules_to_save", lambda v: not v, "fully trained modules beside the adapter are not supported"),
+              ("trainable_token_indices", lambda v: not v, "trained embedding rows are not supported"),
+              ("target_parameters", lambda v: not v, "adapters on raw parameters (MoE experts) are not supported"),
+              ("layers_to_transform", lambda v: v is None, "read the layers from the weights file instead: save the "
+                                                           "adapter without it")]
+    for field, ok, why in checks:
+        if not ok(cfg.get(field)):
+            raise _refuse(d, field, cfg.get(field), why)
+    rank, alpha = cfg.get("r", 8), cfg.get("lora_alpha", 8)
+    for field, v in (("r", rank), ("lora_alpha", alpha)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1 << 16:
+            raise _refuse(d, field, v, "must be a positive number below 65536")
+    rank_pattern, alpha_pattern = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
+    for field, pattern in (("rank_pattern", rank_pattern), ("alpha_pattern", alpha_pattern)):
+        if not isinstance(pattern, dict):
+            raise _refuse(d, field, pattern, "must map module names to numbers")
+    rslora, fan = bool(cfg.get("use_rslora", False)), bool(cfg.get("fan_in_fan_out", False))
+    weights = d / WEIGHTS_FILE
+    if not weights.is_file():
+        pickled = d / "adapter_model.bin"
+        raise SourceError(f"--lora {d} has no {WEIGHTS_FILE}" + (
+            f"; its {pickled.name} is pickled (it can run code when loaded): save the adapter with "
+            f"safe_serialization=True" if pickled.is_file() else ""))
+    pairs = _pairs(weights)
+    modules = {}
+    for module, (a, b) in sorted(pairs.items()):
+        r = a.shape[0]
+        want = _pattern_value(rank_pattern, module, rank)
+        if r != want or b.shape[1] != r:
+            raise SourceError(f"{weights} module {module}: lora_A {list(a.shape)} and lora_B {list(b.shape)} are not "
+                              f"of rank {want} (r / rank_pattern of {CONFIG_FILE}); save the adapter again")
+        a_ = float(_pattern_value(alpha_pattern, module, alpha))
+        modules[module] = ModuleLora(a, b, a_ / (r ** 0.5) if rslora else a_ / r)
+    if not modules:
+        raise SourceError(f"{weights} holds no lora_A / lora_B tensors; it is not a LoRA adapter's weights file")
+    return LoraAdapter(d, sha256(weights), int(rank), float(alpha), rslora, fan, modules)
+
+
+def _pairs(weights: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(weights), framework="np") as st:
+            tensors = {k: st.get_tensor(k) for k in st.keys()}
+    except Exception as e:  # noqa: BLE001 - SafetensorError and OS errors alike
+        raise SourceError(f"{weights} is not a readable safetensors file ({e}); save the adapter again") from None
+    found: dict[str, dict[str, np.ndarray]] = {}
+    for key, t in tensors.items():
+        m = _TENSOR.match(key)
+        if m is None:
+            raise SourceError(f"{weights} holds {key!r}, which is not a LoRA tensor (lora_A / lora_B); "
+                              f"adapters that save other tensors are not supported")
+        if m["kind"] in ("lora_embedding_A", "lora_embedding_B"):
+            raise SourceError(f"{weights} adapts the embedding {m['module']} ({key}); embedding adapters are "
+                              f"not supported: train the adapter without it in target_modules")
+        if m["kind"] == "lora_magnitude_vector":
+            raise SourceError(f"{weights} holds DoRA magnitudes ({key}); DoRA is not supported")
+        if m["param"] == "bias":
+            raise SourceError(f"{weights} holds a LoRA bias ({key}); adapters with lora_bias are not supported")
+        if t.ndim != 2:
+            raise SourceError(f"{weights} tensor {key} is {t.ndim}-D; LoRA matrices are 2-D")
+        found.setdefault(m["module"], {})[m["kind"]] = np.asarray(t, np.float32)
+    missing = sorted(k for k, v in found.items() if len(v) != 2)
+    if missing:
+        raise SourceError(f"{weights}: module(s) {', '.join(missing[:3])} lack lora_A or lora_B; save it again")
+    return {k: (v["lora_A"], v["lora_B"]) for k, v in found.items()}
+
+
+def merge_into(model, adapter: LoraAdapter) -> None:
+    """W += scale · B @ A for every adapted module of the transformers `model` (in place, float32). Checked
+    first, nothing changed on a refusal: each module exists and is linear, its shape is the adapter's, and
+    fan_in_fan_out agrees with how the module stores its weight."""
+    import torch
+
+    named = dict(model.named_modules())
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    updates = []
+    for name, m in adapter.modules.items():
+        module = named.get(name)
+        if module is None:
+            raise SourceError(f"--lora {adapter.path}: the adapter adapts {name}, which the model does not have "
+                              f"(an adapter for another base model?)")
+        if name.rsplit(".", 1)[-1] == "lm_head" and tied:
+            raise SourceError(f"--lora {adapter.path}: the adapter adapts lm_head, which this model ties to its "
+                              f"embeddings; an adapter that changes the head would change the embeddings too")
+        w = getattr(module, "weight", None)
+        conv1d = type(module).__name__ == "Conv1D"  # transformers' gpt2 linear: weight [in, out]
+        if w is None or w.ndim != 2 or not (isinstance(module, torch.nn.Linear) or conv1d):
+            raise SourceError(f"--lora {adapter.path}: {name} is a {type(module).__name__}, not a linear layer")
+        if adapter.fan_in_fan_out != conv1d:
+            raise _refuse(adapter.path, "fan_in_fan_out", adapter.fan_in_fan_out,
+                          f"{name} stores its weight as {'[in, out]' if conv1d else '[out, in]'}")
+        out_f, in_f = (w.shape[1], w.shape[0]) if conv1d else tuple(w.shape)
+        if m.a.shape[1] != in_f or m.b.shape[0] != out_f:
+            raise SourceError(f"--lora {adapter.path}: {name} is [{out_f} x {in_f}] in the model, but the adapter's "
+                              f"lora_B @ lora_A is [{m.b.shape[0]} x {m.a.shape[1]}]: an adapter for another base "
+                              f"model")
+        delta = torch.from_numpy(m.b) @ torch.from_numpy(m.a) * m.scale  # [out, in]
+        updates.append((w, delta.T if conv1d else delta))
+    with torch.no_grad():
+        for w, delta in updates:
+            w += delta.to(w.dtype)
