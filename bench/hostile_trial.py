@@ -157,7 +157,7 @@ def generate(build, prompts, max_tokens, n=1, **settings):
         if not e.has_unfinished():
             break
         e.step()
-        used = max(used, e.kv_stats()["blocks_used"])
+        used = max(used, e.stats().kv_blocks_used)
     return [e.output(r) for r in rids], e, used
 
 
@@ -198,8 +198,8 @@ def streaming(trial: Trial, b: dict, quick: bool = False) -> None:
         if want is not None and got != want:
             first = next(i for i, (g, w) in enumerate(zip(got[0], want[0])) if g != w) if got[0] != want[0] else -1
             trial.record(S, case, "wrong_output", f"tokens differ from the oracle (first at {first})")
-        elif e.kv_stats()["blocks_used"] != 0 or (n == 1 and len(prompts) == 1 and used > limit):
-            trial.record(S, case, "wrong_output", f"blocks used {used} > {limit} or left {e.kv_stats()['blocks_used']}")
+        elif e.stats().kv_blocks_used != 0 or (n == 1 and len(prompts) == 1 and used > limit):
+            trial.record(S, case, "wrong_output", f"blocks used {used} > {limit} or left {e.stats().kv_blocks_used}")
         else:
             trial.record(S, case, "ok", f"{max_tokens} tokens, shifts {e.scheduler.num_context_shifts}, "
                                         f"max blocks {used}")
@@ -490,14 +490,14 @@ def _graph_constants(build) -> list:
 
 # ---- (c) kill -9 during disk-tier writes -----------------------------------------------------------------
 _WORKER = r"""
-import json, os, sys
+import dataclasses, json, os, sys
 from kvexport.runtime.config import EngineConfig
 from kvexport.runtime.engine import LLMEngine
 from kvexport.runtime.sampling_params import SamplingParams
 build, folder, mode, prompts = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 e = LLMEngine(build, EngineConfig(kv_cache_memory="256KiB", threads=1, max_num_batched_tokens=64,
                                   kv_offload_memory=sys.argv[5], kv_offload_dir=folder, kv_offload_disk="64MiB"))
-print("STARTED", json.dumps(e.kv_stats()), flush=True)
+print("STARTED", json.dumps(dataclasses.asdict(e.stats().tiers)), flush=True)
 outs = []
 for p in prompts:
     rid = e.add_request(p, SamplingParams(max_tokens=4, ignore_eos=True))
@@ -506,7 +506,7 @@ for p in prompts:
     outs.append(list(e.output(rid).token_ids))
     print("DONE", len(outs), flush=True)
 print("OUTPUTS", json.dumps(outs), flush=True)
-print("STATS", json.dumps(e.kv_stats()), flush=True)
+print("STATS", json.dumps(dataclasses.asdict(e.stats().tiers)), flush=True)
 if mode == "persist":
     print("PERSIST", flush=True)
     e.close()
@@ -558,13 +558,13 @@ def kill9(trial: Trial, b: dict, tmp: Path, kills: int) -> None:
             trial.record(S, label, "wrong_output", "outputs after the restart differ from a run without tiers")
         elif leftovers:
             trial.record(S, label, "wrong_output", f"temporary files left: {leftovers[:3]}")
-        elif stats["offload_disk_errors"] < planted:  # NOTE: temp files count at start, damaged blocks when read
-            trial.record(S, label, "wrong_output", f"{planted} torn files removed, {stats['offload_disk_errors']} "
-                                                   f"counted (offload_disk_errors)")
+        elif stats["disk_errors"] < planted:  # NOTE: temp files count at start, damaged blocks when read
+            trial.record(S, label, "wrong_output", f"{planted} torn files removed, {stats['disk_errors']} "
+                                                   f"counted (stats().tiers.disk_errors)")
         else:
-            trial.record(S, label, "ok", f"disk blocks at start {started['offload_disk_blocks']}, disk hits "
-                                         f"{stats['offload_disk_hits']}, errors counted {stats['offload_disk_errors']} "
-                                         f"({started['offload_disk_errors']} at start)")
+            trial.record(S, label, "ok", f"disk blocks at start {started['disk_blocks']}, disk hits "
+                                         f"{stats['disk_hits']}, errors counted {stats['disk_errors']} "
+                                         f"({started['disk_errors']} at start)")
 
     # kill -9 while writes are in flight: when a temporary file shows in blocks/
     for k in range(kills):
@@ -637,8 +637,8 @@ def kill9(trial: Trial, b: dict, tmp: Path, kills: int) -> None:
     if rc or rc2 or got != oracle:
         trial.record(S, "clean persist then restart", "data_loss", (out + out2)[-300:])
     else:
-        trial.record(S, "clean persist then restart", "ok" if st["offload_disk_hits"] > 0 else "data_loss",
-                     f"disk hits after the restart {st['offload_disk_hits']}")
+        trial.record(S, "clean persist then restart", "ok" if st["disk_hits"] > 0 else "data_loss",
+                     f"disk hits after the restart {st['disk_hits']}")
 
 
 def main() -> None:

@@ -12,7 +12,7 @@ and ratios.
         [--presses snapkv,expected_attention,tova,kvzip] [--out bench/results/longctx_kvpress.json]
     # the table (markdown) of both:
     .venv/bin/python bench/longctx.py table bench/results/longctx_kvexport.json bench/results/longctx_kvpress.json
-    # KV memory per sequence (kv_stats / /metrics blocks used) and decode step time by budget:
+    # KV memory per sequence (stats().kv_blocks_used / /metrics blocks used) and decode step time by budget:
     .venv/bin/python bench/longctx.py memory --build BUILD --contexts 4096 [--out bench/results/longctx_memory.json]
 
 Tasks (RULER, Hsieh et al. 2024, its shapes with our own generator): niah_single (one "special magic
@@ -231,7 +231,7 @@ def run_kvexport(args) -> dict:
 
 
 def run_memory(args) -> dict:
-    """KV memory held per sequence (the engine's kv_stats "blocks_used", what /metrics exports as
+    """KV memory held per sequence (the engine's stats().kv_blocks_used, what /metrics exports as
     kvexport_kv_blocks_used) and decode step time, by budget: one prompt (the first niah_single case of
     the first context) served alone with request budgets (SamplingParams.kv_budget_tokens) of each
     fraction. Prefix caching on, so the prompt is computed once: later requests hit it up to their
@@ -254,7 +254,7 @@ def run_memory(args) -> dict:
         req = eng.scheduler.requests[rid]
         while req.num_computed_tokens < len(prompt):  # the prompt's chunks (or the token after its cached blocks)
             eng.step()
-        used = eng.kv_stats()["blocks_used"]  # scored and evicted to the budget
+        used = eng.stats().kv_blocks_used  # scored and evicted to the budget
         t0, steps = time.perf_counter(), 0
         while eng.has_unfinished():
             eng.step()

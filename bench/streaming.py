@@ -13,7 +13,7 @@ the < 16 tokens of its chunk before it, and the window is released once per chun
   window            streaming, 0 sinks: a plain sliding window of --recent tokens (+ < 1 block)
   sinks + window    streaming, --sinks sink tokens (whole blocks) + --recent tokens
 Generation: one greedy request of --generate tokens with streaming at --gen-max-model-len (context
-shifts every ~(max_model_len - sinks - recent) tokens); blocks in use (the engine's kv_stats, what
+shifts every ~(max_model_len - sinks - recent) tokens); blocks in use (the engine's stats().kv_blocks_used, what
 /metrics exports as kvexport_kv_blocks_used) and decode time per 1000 tokens.
 """
 
@@ -63,7 +63,7 @@ def long_generation(build: str, prompt: list[int], n: int, **settings) -> dict:
         steps.append(time.perf_counter() - ts)
         if outs:
             produced = len(outs[0].token_ids)
-        used.append(e.kv_stats()["blocks_used"])
+        used.append(e.stats().kv_blocks_used)
         if produced % 1000 == 0 and (not marks or marks[-1] != produced):
             t = time.time()
             windows.append({"tokens": produced, "seconds": round(t - t0, 2),
@@ -75,7 +75,7 @@ def long_generation(build: str, prompt: list[int], n: int, **settings) -> dict:
     o = e.output(rid)
     text = e.tokenizer.decode(o.token_ids[-200:]) if e.tokenizer is not None else ""
     return {"generated": len(o.token_ids), "finish_reason": o.finish_reason, "windows": windows,
-            "context_shifts": e.scheduler.num_context_shifts, "blocks_total": e.kv_stats()["blocks_total"],
+            "context_shifts": e.scheduler.num_context_shifts, "blocks_total": e.stats().kv_blocks_total,
             "last_200_tokens_text": text}
 
 

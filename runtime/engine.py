@@ -47,6 +47,7 @@ from .sampling_params import SamplerState, SamplingParams
 from .tokenizer import load_build_tokenizer
 from .core.importance import check_request_budget
 from .core.scheduler import Scheduler, SchedulerConfig, Status
+from .core.stats import SchedulerStats, SpecDecodingStats, StateCheckpointStats
 from .policies import check_before_load, policies_for
 
 __all__ = ["EngineConfig", "LLMEngine", "RequestOutput"]
@@ -241,9 +242,13 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def stats(self):
-        """The scheduler's counts (core/scheduler.py SchedulerStats: running, waiting, tokens stored)."""
-        return self.scheduler.stats()
+    def stats(self) -> SchedulerStats:
+        """The engine's statistics now (core/stats.py SchedulerStats: queues, KV pool and prefix
+        cache, preemptions, tiers, checkpoints, speculation): the one producer every reader
+        (/metrics, Triton, Dynamo, the benches) takes its figures from."""
+        st = self.kv.state if isinstance(self.kv, state_pool.StatefulKVCacheManager) else None
+        return self.scheduler.stats(tiers=self.kv_connector.tier_stats(),
+                                    state=st.stats() if st is not None else StateCheckpointStats())
 
     def free_seq_slots(self) -> int:
         """How many more sequences add_request may queue now: max_num_seqs less those running and waiting."""
@@ -274,32 +279,9 @@ class LLMEngine:
         self.scheduler.remove(request_id)
         return self.outputs.pop(request_id)
 
-    def spec_stats(self):
-        """Speculative decoding's counts (core/speculation.py SpecStats), or None when it is off."""
+    def spec_stats(self) -> SpecDecodingStats | None:
+        """Speculative decoding's figures (core/stats.py SpecDecodingStats), or None when it is off."""
         return self.speculation.stats() if self.speculation is not None else None
-
-    def kv_stats(self) -> dict:
-        st = self.pool.stats
-        return {"blocks_total": self.pool.num_usable_blocks, "blocks_used": self.pool.num_used_blocks,
-                "usage": self.pool.usage, "prefix_queries": st.queries, "prefix_hits": st.hits,
-                "preemptions": self.scheduler.num_preemptions, "context_shifts": self.scheduler.num_context_shifts,
-                **self.tier_stats(), **self._spec_counts(), **self._state_counts()}
-
-    def _state_counts(self) -> dict:
-        """A hybrid's recurrent-state checkpoints (core/state_pool.py; all 0 for other builds): saved,
-        resumed from (pool or tier), and of those loaded from a KV tier."""
-        st = self.kv.state if isinstance(self.kv, state_pool.StatefulKVCacheManager) else None
-        return {"state_checkpoints_saved": st.saved if st else 0, "state_checkpoint_hits": st.hits if st else 0,
-                "state_checkpoint_tier_hits": st.tier_hits if st else 0}
-
-    def _spec_counts(self) -> dict:
-        """Speculative decoding's counters for kv_stats (all 0 when it is off; core/speculation.py)."""
-        st = self.spec_stats()
-        cost = self.speculation.cost if self.speculation is not None else None
-        fit = cost.fit() if cost is not None else None  # the step-cost model's (a, b) seconds; None: not fitted
-        return {"spec_drafts": st.num_drafts if st else 0, "spec_draft_tokens": st.num_draft_tokens if st else 0,
-                "spec_accepted_tokens": st.num_accepted_tokens if st else 0,
-                "spec_step_seconds": fit[0] if fit else 0.0, "spec_row_seconds": fit[1] if fit else 0.0}
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Before the process ends (a server stopping; call it from the thread that owns the engine,
@@ -311,9 +293,3 @@ class LLMEngine:
         self.kv_connector.persist(timeout_s)
         self.kv_connector.close()
         self.structured.close()
-
-    def tier_stats(self) -> dict:
-        """The KV tiers' figures (all 0 without tiers): blocks held, hits and bytes moved per tier,
-        load time (seconds, tier hits copied into the pool plus disk reads) and blocks loaded."""
-        return self.kv_connector.tier_stats()
-

@@ -17,7 +17,7 @@ Who calls what (all on the engine thread, between steps):
     shutdown          LLMEngine.close -> persist (every group's cached blocks and the host tier's to
                       the disk tier), close (the folder's lock released)
     router events     record_events / pop_events / usage (runtime/serving/dynamo_worker.py)
-    metrics           tier_stats (LLMEngine.kv_stats: /metrics, Triton's metrics, bench)
+    metrics           tier_stats -> KVTierStats (in LLMEngine.stats(): /metrics, Triton's metrics, bench)
 
 Blocks are named by `BlockRef` (group, index in the prompt, prefix-cache key): full and local
 (windowed) groups alike; a block's bytes are its group's payload (K/V codes, int8/int4 scales
@@ -36,16 +36,12 @@ from kvexport import io
 from .core.block_pool import BlockRemoved, BlockStored
 from .core.kv_connector import BlockHold, BlockImport, BlockRef, KVConnectorScheduler, KVUsage
 from .core.kv_tiers import TierKey
+from .core.stats import KVTierStats
 from .execution.kv_connector import KVConnectorWorker
 
 log = logging.getLogger(__name__)
 
-TIER_STAT_KEYS = ("offload_host_blocks", "offload_disk_blocks", "offload_host_hits", "offload_disk_hits",
-                  "offload_host_write_bytes", "offload_host_read_bytes", "offload_disk_write_bytes",
-                  "offload_disk_read_bytes", "offload_load_seconds", "offload_loads", "offload_disk_errors",
-                  "offload_disk_on")
-
-__all__ = ["TIER_STAT_KEYS", "BlockHold", "BlockImport", "BlockRef", "KVConnector", "KVUsage"]
+__all__ = ["BlockHold", "BlockImport", "BlockRef", "KVConnector", "KVUsage"]
 
 
 class KVConnector:
@@ -157,17 +153,15 @@ class KVConnector:
         """The full group's blocks, used and usable."""
         return self.scheduler.usage()
 
-    def tier_stats(self) -> dict[str, int | float]:
-        """The KV tiers' figures, TIER_STAT_KEYS (all 0 without tiers): blocks held, hits and bytes
-        moved per tier, load time (seconds) and blocks loaded, whether the disk tier is on."""
+    def tier_stats(self) -> KVTierStats:
+        """The KV tiers' figures (core/stats.py; all 0 without tiers): blocks held, hits and bytes
+        moved per tier, load time and blocks loaded, whether the disk tier is on."""
         tiers, offload = self.scheduler.tiers, self.worker.offload
         if tiers is None or offload is None:
-            return dict.fromkeys(TIER_STAT_KEYS, 0)
+            return KVTierStats()
         t, o = tiers.stats(), offload.stats
-        return {"offload_host_blocks": t.host_blocks, "offload_disk_blocks": t.disk_blocks,
-                "offload_host_hits": t.host_hits, "offload_disk_hits": t.disk_hits,
-                "offload_host_write_bytes": o.host_write_bytes, "offload_host_read_bytes": o.host_read_bytes,
-                "offload_disk_write_bytes": o.disk_write_bytes, "offload_disk_read_bytes": o.disk_read_bytes,
-                "offload_load_seconds": o.load_seconds, "offload_loads": o.loads,
-                "offload_disk_errors": o.disk_errors, "offload_disk_on": int(t.disk_on)}
-
+        return KVTierStats(host_blocks=t.host_blocks, disk_blocks=t.disk_blocks, host_hits=t.host_hits,
+                           disk_hits=t.disk_hits, host_write_bytes=o.host_write_bytes,
+                           host_read_bytes=o.host_read_bytes, disk_write_bytes=o.disk_write_bytes,
+                           disk_read_bytes=o.disk_read_bytes, load_seconds=o.load_seconds, loads=o.loads,
+                           disk_errors=o.disk_errors, disk_on=t.disk_on)

@@ -3,7 +3,8 @@
 BlockPool (block_pool.py: physical blocks, ref counts, free list, prefix hashes by
 block_hash.py) -> KV cache managers behind one Protocol (kv_cache_interface.py: one group,
 kv_cache_manager.py; a full and a local group, windowed_kv_cache_manager.py) -> Scheduler
-(scheduler.py, over the requests of request.py) -> the step types (outputs.py). The features the
+(scheduler.py, over the requests of request.py) -> the step types (outputs.py) and the engine's
+typed statistics (stats.py). The features the
 scheduler serves are policies (policies.py: eviction, speculation, tier prefetch, shared prompts;
 streaming.py; prompt_scores.py). memory.py sizes the pool; errors.py holds the KV protocol error.
 kv_tiers.py indexes the host and disk tiers; kv_connector.py is the KV connector's scheduler side

@@ -40,6 +40,7 @@ from .kv_cache_interface import ComputedHits, KVCacheManagerProtocol
 from .kv_tiers import TierOp
 from .outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from .request import Request, Status
+from .stats import SpecDecodingStats
 
 
 class Policy:
@@ -167,6 +168,10 @@ class SpeculationPolicy(Policy):
 
     def end_step(self, output: SchedulerOutput) -> None:
         """The step scheduled by the last `begin_step` ran; its results are being recorded."""
+
+    def stats(self) -> SpecDecodingStats | None:
+        """What was drafted and accepted since the start (core/stats.py); None: no speculation."""
+        return None
 
 
 # ---- KV tiers -------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ from .outputs import EngineCoreOutput, ModelRunnerOutput, SampledToken, Schedule
 from .policies import EvictionPolicy, KeepAll, SharedPrompt, SlidingWindowEviction, SpeculationPolicy, TierPrefetch
 from .prompt_scores import PromptLogprobsPolicy
 from .request import Request, Status
+from .stats import KVTierStats, SchedulerStats, StateCheckpointStats
 from .streaming import StreamingEviction, StreamingWindow
 
 
@@ -59,18 +60,6 @@ class SchedulerConfig:
 
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_model_len < 2:
             raise ConfigError(f"invalid scheduler limits: {self}")
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerStats:
-    """The queues as counts, for metrics and benches: nothing outside the scheduler reads
-    its queues."""
-
-    num_running: int  # requests holding KV blocks
-    num_waiting: int  # requests queued for admission (new or preempted)
-    num_preemptions: int  # preemptions since start
-    running_computed_tokens: tuple[tuple[str, int], ...]  # (request id, tokens whose KV is stored)
-    num_context_shifts: int = 0  # streaming: context shifts since start (core/streaming.py)
 
 
 def eviction_policy(config: SchedulerConfig) -> EvictionPolicy:
@@ -141,10 +130,19 @@ class Scheduler:
         if req is not None and req.status is Status.FINISHED:
             del self.requests[request_id]
 
-    def stats(self) -> SchedulerStats:
-        return SchedulerStats(len(self.running), len(self.waiting), self.num_preemptions,
-                              tuple((r.request_id, r.num_computed_tokens) for r in self.running),
-                              self.num_context_shifts)
+    def stats(self, tiers: KVTierStats = KVTierStats(),
+              state: StateCheckpointStats = StateCheckpointStats()) -> SchedulerStats:
+        """The engine's statistics now (core/stats.py): what the scheduler sees (queues, the full
+        group's pool, preemptions, context shifts, speculation) with `tiers` and `state`, the
+        figures only the KV connector and a hybrid's state pool hold (all 0: none)."""
+        pool = self.kv.pool
+        return SchedulerStats(num_running=len(self.running), num_waiting=len(self.waiting),
+                              running_computed_tokens=tuple((r.request_id, r.num_computed_tokens)
+                                                            for r in self.running),
+                              kv_blocks_used=pool.num_used_blocks, kv_blocks_total=pool.num_usable_blocks,
+                              kv_cache_usage=pool.usage, prefix_cache=pool.stats,
+                              num_preemptions=self.num_preemptions, num_context_shifts=self.num_context_shifts,
+                              tiers=tiers, state=state, spec_decoding=self.speculation.stats())
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

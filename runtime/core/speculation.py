@@ -43,6 +43,7 @@ from typing import Mapping, Sequence
 from .outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from .policies import SpeculationPolicy
 from .request import Request, Status
+from .stats import SpecDecodingStats
 
 MAX_SPECULATIVE_TOKENS = 16  # k at most (num_speculative_tokens)
 _MAX_COOLDOWN = 32  # steps a sequence whose drafts keep failing sits out, at most
@@ -115,30 +116,6 @@ def allot_drafts(offers: Sequence[tuple[str, int, float]], plain_tokens: float, 
     return taken
 
 
-@dataclass(frozen=True, slots=True)
-class SpecStats:
-    """Speculation's counts since the engine started (metrics, bench)."""
-
-    num_drafts: int  # verification steps (decode steps that carried drafts)
-    num_draft_tokens: int  # tokens drafted
-    num_accepted_tokens: int  # drafted tokens the target accepted
-
-    @property
-    def acceptance_rate(self) -> float:
-        """Accepted / drafted tokens, 0..1 (0 before any draft)."""
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Tokens a verification step emitted on average: its accepted drafts + the target's token."""
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
-
-    def to_json(self) -> dict:
-        return {"num_drafts": self.num_drafts, "draft_tokens": self.num_draft_tokens,
-                "accepted_tokens": self.num_accepted_tokens, "acceptance_rate": round(self.acceptance_rate, 4),
-                "mean_accepted_length": round(self.mean_accepted_length, 4)}
-
-
 class SpeculativeDecoding(SpeculationPolicy):
     """The speculation policy: at most `num_tokens` drafts per step (offered by the engine's Drafter,
     execution/proposers.py), with per-sequence and global back-off (module docstring). A request with
@@ -153,13 +130,17 @@ class SpeculativeDecoding(SpeculationPolicy):
         self._planned = False  # plan() ran for the step being scheduled
         self._t0: float | None = None  # when this step began (plan / begin_step), for the cost model
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self._accepted_per_pos = [0] * num_tokens  # drafts accepted at each draft position (tokens)
         self._accepted = self._trials = 0  # the engine's per-token acceptance (p's prior)
 
     def new_state(self) -> _SeqState:
         return _SeqState(self.num_tokens)
 
-    def stats(self) -> SpecStats:
-        return SpecStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens)
+    def stats(self) -> SpecDecodingStats:
+        fit = self.cost.fit() if self.cost is not None else None  # (a, b) seconds; None: not fitted
+        return SpecDecodingStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                                 tuple(self._accepted_per_pos), step_seconds=fit[0] if fit else 0.0,
+                                 row_seconds=fit[1] if fit else 0.0)
 
     def plan(self, running: Sequence[Request], allot_first: bool = False) -> list[tuple[Request, int]]:
         """Before the step is scheduled: the running sequences to draft for and how many drafts each
@@ -253,6 +234,10 @@ class SpeculativeDecoding(SpeculationPolicy):
         self.num_drafts += 1
         self.num_draft_tokens += k
         self.num_accepted_tokens += accepted
+        per_pos = self._accepted_per_pos
+        per_pos.extend([0] * (k - len(per_pos)))  # NOTE: k <= num_tokens unless a caller changed it since
+        for pos in range(accepted):  # the accepted drafts are a prefix of the step's drafts
+            per_pos[pos] += 1
         trials = accepted + (accepted < k)  # the first rejection is seen, the drafts after it are not
         self._accepted += accepted
         self._trials += trials
@@ -269,4 +254,4 @@ class SpeculativeDecoding(SpeculationPolicy):
         return k - accepted
 
 
-__all__ = ["MAX_SPECULATIVE_TOKENS", "SpecStats", "SpeculativeDecoding", "StepCost", "allot_drafts"]
+__all__ = ["MAX_SPECULATIVE_TOKENS", "SpecDecodingStats", "SpeculativeDecoding", "StepCost", "allot_drafts"]

@@ -53,6 +53,7 @@ from kvexport.io import STATE_GROUP
 from .block_hash import BlockHash, hash_full_blocks
 from .kv_cache_manager import TIER_BLOCK
 from .kv_tiers import DISK
+from .stats import StateCheckpointStats
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +83,9 @@ class StatePool:
         self._evicted: list[tuple[int, BlockHash]] | None = None  # (slot, key) evicted, for the KV tiers
         self.hits = self.saved = 0  # checkpoints restored, checkpoints saved (stats)
         self.tier_hits = 0  # checkpoints loaded from a KV tier (host, disk) into a running slot
+
+    def stats(self) -> StateCheckpointStats:
+        return StateCheckpointStats(saved=self.saved, hits=self.hits, tier_hits=self.tier_hits)
 
     @property
     def total_slots(self) -> int:

@@ -144,10 +144,10 @@ def run_bench(build_dir: str | Path, config: EngineConfig, trace_name: str = "mi
         changed = engine.step()
         step_s += time.perf_counter() - ts
         steps += 1
-        usage = engine.kv_connector.usage()
-        used = usage.used_blocks
-        util.append(used / usage.usable_blocks)
-        running = engine.stats().running_computed_tokens  # (request id, tokens stored)
+        now_stats = engine.stats()
+        used = now_stats.kv_blocks_used
+        util.append(now_stats.kv_cache_usage)
+        running = now_stats.running_computed_tokens  # (request id, tokens stored)
         stored = sum(n for _, n in running)
         if used:
             waste.append(1.0 - stored / (used * engine.kv_connector.block_size))
@@ -168,7 +168,7 @@ def run_bench(build_dir: str | Path, config: EngineConfig, trace_name: str = "mi
     tpot = [(o.finish_time - o.first_token_time) / (len(o.token_ids) - 1)
             for o in outs if o.first_token_time and len(o.token_ids) > 1]
     useful = sum(len(o.token_ids) for o in outs)
-    stats = engine.kv_stats()
+    stats = engine.stats()
     return {
         "trace": trace["name"], "requests": len(reqs), "date": time.strftime("%Y-%m-%d %H:%M"),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
@@ -184,20 +184,20 @@ def run_bench(build_dir: str | Path, config: EngineConfig, trace_name: str = "mi
         "ttft_s": {"p50": round(_pct(ttft, 50), 3), "p99": round(_pct(ttft, 99), 3)},
         "tpot_s": {"p50": round(_pct(tpot, 50), 4), "p99": round(_pct(tpot, 99), 4)},
         "steps": steps,
-        "kv": {"blocks_total": stats["blocks_total"], "block_size": engine.kv_connector.block_size,
+        "kv": {"blocks_total": stats.kv_blocks_total, "block_size": engine.kv_connector.block_size,
                "peak_utilisation": round(max(util, default=0.0), 3), "mean_utilisation": round(float(np.mean(util)) if util else 0.0, 3),
                "mean_waste": round(float(np.mean(waste)) if waste else 0.0, 3),
                "contiguous_max_len_mean_waste": round(float(np.mean(waste_max_len)) if waste_max_len else 0.0, 3),
                "contiguous_exact_mean_waste": round(float(np.mean(waste_exact)) if waste_exact else 0.0, 3),
-               "prefix_hits": stats["prefix_hits"], "prefix_queries": stats["prefix_queries"]},
-        "preemptions": stats["preemptions"], "errors": errors,
+               "prefix_hits": stats.prefix_cache.hits, "prefix_queries": stats.prefix_cache.queries},
+        "preemptions": stats.num_preemptions, "errors": errors,
         # --json-schema: every request constrained to it; its compile time (before the clock started)
         "structured": ({"json_schema_bytes": len(json_schema), "compile_s": round(compile_s, 3),
                         "finished_by_grammar": sum(o.finish_reason == "stop" for o in outs)}
                        if structured is not None else None),
         # speculative decoding (--speculative): drafted / accepted tokens, acceptance rate, mean accepted length
         "speculative": ({"mode": config.speculative, "num_speculative_tokens": config.num_speculative_tokens,
-                         **engine.spec_stats().to_json()} if engine.spec_stats() is not None else None),
+                         **stats.spec_decoding.to_json()} if stats.spec_decoding is not None else None),
         "time_s": {"steps": round(step_s, 2), "model": round(timed.seconds, 2),
                    "outside_model_share_of_step": round(1.0 - timed.seconds / step_s, 4) if step_s else 0.0},
     }

@@ -220,7 +220,8 @@ def _run(build_dir, config: EngineConfig, shape: ChatShape, mode: str, progress)
             if turn[c] < shape.turns:
                 submit(c)
     wall = time.perf_counter() - t0
-    stats = engine.kv_stats()
+    stats = engine.stats()
+    tiers = stats.tiers
     engine.close()  # host+disk: the pool's blocks to disk, for the restart
     out_tokens = shape.conversations * shape.turns * shape.answer_tokens
     return {"ttft_s": {"p50": _pct(ttft, 50), "p99": _pct(ttft, 99)}, "wall_s": round(wall, 2),
@@ -229,12 +230,12 @@ def _run(build_dir, config: EngineConfig, shape: ChatShape, mode: str, progress)
             "prompt_tokens": prompt_tokens, "cached_prompt_tokens": int(sum(cached)),
             "hit_rate": round(sum(cached) / prompt_tokens, 4) if prompt_tokens else 0.0,
             "turn2_ttft_s": {"p50": _pct(turn2, 50)},
-            "preemptions": stats["preemptions"],
-            "tier_hits": {"host": stats["offload_host_hits"], "disk": stats["offload_disk_hits"]},
-            "tier_bytes": {k: stats[f"offload_{k}_bytes"] for k in ("host_write", "host_read", "disk_write",
-                                                                    "disk_read")},
-            "load_ms_per_block": round(1e3 * stats["offload_load_seconds"] / stats["offload_loads"], 3)
-            if stats["offload_loads"] else None}, answers
+            "preemptions": stats.num_preemptions,
+            "tier_hits": {"host": tiers.host_hits, "disk": tiers.disk_hits},
+            "tier_bytes": {"host_write": tiers.host_write_bytes, "host_read": tiers.host_read_bytes,
+                           "disk_write": tiers.disk_write_bytes, "disk_read": tiers.disk_read_bytes},
+            "load_ms_per_block": round(1e3 * tiers.load_seconds_per_block, 3)
+            if tiers.load_seconds_per_block is not None else None}, answers
 
 
 def markdown(result: dict) -> str:
@@ -286,9 +287,9 @@ def turn2_ttft(build_dir: str | Path, config: EngineConfig, shape: ChatShape, re
                 ttfts.append(o.first_token_time - o.arrival_time)
                 cached.append(o.num_cached_prompt_tokens)
             engine.close()
+            tiers = engine.stats().tiers
             out[mode] = {"ttft_s_median": round(float(np.median(ttfts)), 3), "cached_prompt_tokens": cached,
-                         "tier_hits": {"host": engine.kv_stats()["offload_host_hits"],
-                                       "disk": engine.kv_stats()["offload_disk_hits"]}}
+                         "tier_hits": {"host": tiers.host_hits, "disk": tiers.disk_hits}}
     finally:
         shutil.rmtree(folder.parent, ignore_errors=True)
     return {"bench": "chat-turn2", "date": time.strftime("%Y-%m-%d %H:%M"),

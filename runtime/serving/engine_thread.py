@@ -37,12 +37,13 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from kvexport.errors import KvExportError
 
 from ..core.outputs import PromptLogprobs
+from ..core.stats import SchedulerStats
 from ..engine import LLMEngine
 from ..sampling_params import SamplingParams
 
@@ -101,9 +102,9 @@ class _Queued:
 @dataclass
 class Counters:
     """Figures the front ends publish; written by the engine thread only."""
-    running: int = 0
-    waiting: int = 0
-    kv: dict = field(default_factory=dict)
+    running: int = 0  # sequences being computed (sequences)
+    waiting: int = 0  # sequences waiting: in the engine's queue + queued here (sequences)
+    stats: SchedulerStats = SchedulerStats()  # the engine's statistics after the last step (core/stats.py)
     generation_tokens: int = 0
     prompt_tokens: int = 0
     requests: int = 0
@@ -115,7 +116,7 @@ class EngineThread:
 
     def __init__(self, engine: LLMEngine, on_tick: Callable[[], None] | None = None):
         self.engine = engine
-        self.counters = Counters(kv=engine.kv_stats())
+        self.counters = Counters(stats=engine.stats())
         self._on_tick = on_tick
         self._inbox: queue.Queue = queue.Queue()
         self._sinks: dict[str, _Sink] = {}  # every open request: queued here or in the engine
@@ -215,8 +216,8 @@ class EngineThread:
     # ---- engine thread ----------------------------------------------------------------
     def _update_counters(self) -> None:
         c, eng = self.counters, self.engine
-        st = eng.stats()
-        c.running, c.kv = st.num_running, eng.kv_stats()
+        c.stats = st = eng.stats()
+        c.running = st.num_running
         c.waiting = st.num_waiting + len(self._group_of)  # in the engine + queued here
 
     def _push(self, rid: str, ev: Event) -> None:

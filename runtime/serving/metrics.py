@@ -3,8 +3,10 @@ ends that publish them — `kvexport serve`'s Prometheus `/metrics` (`prometheus
 the Triton model's custom metrics (triton_model.py), so the two cannot drift apart.
 docs/DEPLOYMENT.md lists the same table (`markdown_table`; a test compares them).
 
-Every value comes from the engine thread's `Counters` plus one figure the front end
-counts itself: the requests its clients cancelled (a closed stream, a disconnected client).
+Every value comes from the engine thread's `Counters` (the engine's typed `SchedulerStats`,
+runtime/core/stats.py, read as they are: no figure is derived again here, and the front ends'
+token and request counts) plus one figure the front end counts itself: the requests its clients
+cancelled (a closed stream, a disconnected client).
 Run `python -m kvexport.runtime.serving.metrics` to print the table for the docs.
 """
 
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
+    from ..core.stats import SpecDecodingStats
     from .engine_thread import Counters
 
 PREFIX = "kvexport_"
@@ -32,80 +35,72 @@ class Metric:
         return PREFIX + self.name
 
 
-def _hit_rate(c: Counters) -> float:
-    queries = c.kv.get("prefix_queries", 0)
-    return c.kv.get("prefix_hits", 0) / queries if queries else 0.0
-
-
-def _ratio(a: float, b: float) -> float:
-    return a / b if b else 0.0
-
-
-def _mean_accepted_length(c: Counters) -> float:
-    steps = c.kv.get("spec_drafts", 0)
-    return 1.0 + c.kv.get("spec_accepted_tokens", 0) / steps if steps else 0.0
+def _spec(c: Counters) -> SpecDecodingStats:
+    return c.stats.spec_decoding_or_zero  # all 0 when speculation is off
 
 
 METRICS: tuple[Metric, ...] = (
     Metric("requests_running", GAUGE, "Sequences being computed", lambda c, _: c.running),
     Metric("requests_waiting", GAUGE, "Sequences waiting for KV blocks or a batch slot", lambda c, _: c.waiting),
-    Metric("kv_blocks_used", GAUGE, "KV-cache blocks held by sequences", lambda c, _: c.kv["blocks_used"]),
-    Metric("kv_blocks_total", GAUGE, "Usable KV-cache blocks", lambda c, _: c.kv["blocks_total"]),
-    Metric("kv_cache_usage", GAUGE, "Fraction of KV-cache blocks in use", lambda c, _: c.kv["usage"]),
-    Metric("prefix_cache_hit_rate", GAUGE, "Prefix-cache hits / queries since the start", lambda c, _: _hit_rate(c)),
+    Metric("kv_blocks_used", GAUGE, "KV-cache blocks held by sequences", lambda c, _: c.stats.kv_blocks_used),
+    Metric("kv_blocks_total", GAUGE, "Usable KV-cache blocks", lambda c, _: c.stats.kv_blocks_total),
+    Metric("kv_cache_usage", GAUGE, "Fraction of KV-cache blocks in use", lambda c, _: c.stats.kv_cache_usage),
+    Metric("prefix_cache_hit_rate", GAUGE, "Prefix-cache hits / queries since the start",
+           lambda c, _: c.stats.prefix_cache.hit_rate),
     Metric("prefix_cache_queries_total", COUNTER, "Full blocks looked up in the prefix cache",
-           lambda c, _: c.kv["prefix_queries"]),
+           lambda c, _: c.stats.prefix_cache.queries),
     Metric("prefix_cache_hits_total", COUNTER, "Full blocks found in the prefix cache",
-           lambda c, _: c.kv["prefix_hits"]),
-    Metric("preemptions_total", COUNTER, "Sequences preempted for KV blocks", lambda c, _: c.kv["preemptions"]),
+           lambda c, _: c.stats.prefix_cache.hits),
+    Metric("preemptions_total", COUNTER, "Sequences preempted for KV blocks", lambda c, _: c.stats.num_preemptions),
     Metric("context_shifts_total", COUNTER, "Streaming eviction: sequences whose kept KV was recomputed at "
-           "max_model_len", lambda c, _: c.kv.get("context_shifts", 0)),
+           "max_model_len", lambda c, _: c.stats.num_context_shifts),
     # the KV tiers below the pool (--kv-offload-memory, --kv-offload-dir; runtime/core/kv_tiers.py)
     Metric("kv_offload_host_blocks", GAUGE, "KV blocks kept in the host-memory tier",
-           lambda c, _: c.kv.get("offload_host_blocks", 0)),
+           lambda c, _: c.stats.tiers.host_blocks),
     Metric("kv_offload_disk_blocks", GAUGE, "KV blocks kept in the disk tier",
-           lambda c, _: c.kv.get("offload_disk_blocks", 0)),
+           lambda c, _: c.stats.tiers.disk_blocks),
     Metric("kv_offload_host_hits_total", COUNTER, "Prefix blocks loaded into the pool from host memory",
-           lambda c, _: c.kv.get("offload_host_hits", 0)),
+           lambda c, _: c.stats.tiers.host_hits),
     Metric("kv_offload_disk_hits_total", COUNTER, "Prefix blocks loaded into the pool from disk",
-           lambda c, _: c.kv.get("offload_disk_hits", 0)),
+           lambda c, _: c.stats.tiers.disk_hits),
     Metric("kv_offload_host_write_bytes_total", COUNTER, "Bytes copied from the pool into host memory",
-           lambda c, _: c.kv.get("offload_host_write_bytes", 0)),
+           lambda c, _: c.stats.tiers.host_write_bytes),
     Metric("kv_offload_host_read_bytes_total", COUNTER, "Bytes copied from host memory into the pool",
-           lambda c, _: c.kv.get("offload_host_read_bytes", 0)),
+           lambda c, _: c.stats.tiers.host_read_bytes),
     Metric("kv_offload_disk_write_bytes_total", COUNTER, "Bytes written to the disk tier",
-           lambda c, _: c.kv.get("offload_disk_write_bytes", 0)),
+           lambda c, _: c.stats.tiers.disk_write_bytes),
     Metric("kv_offload_disk_read_bytes_total", COUNTER, "Bytes read from the disk tier (verified)",
-           lambda c, _: c.kv.get("offload_disk_read_bytes", 0)),
+           lambda c, _: c.stats.tiers.disk_read_bytes),
     Metric("kv_offload_load_seconds_total", COUNTER, "Seconds spent loading tier hits (disk reads + copies "
-           "into the pool); / kv_offload_loads_total = load latency per block", lambda c, _: c.kv.get("offload_load_seconds", 0)),
+           "into the pool); / kv_offload_loads_total = load latency per block",
+           lambda c, _: c.stats.tiers.load_seconds),
     Metric("kv_offload_loads_total", COUNTER, "Blocks loaded into the pool from a tier",
-           lambda c, _: c.kv.get("offload_loads", 0)),
+           lambda c, _: c.stats.tiers.loads),
     Metric("kv_offload_disk_errors_total", COUNTER, "Corrupt, truncated or foreign block files refused (recomputed)",
-           lambda c, _: c.kv.get("offload_disk_errors", 0)),
+           lambda c, _: c.stats.tiers.disk_errors),
     # a hybrid's recurrent-state checkpoints (runtime/core/state_pool.py): all 0 for other builds
     Metric("state_checkpoints_saved_total", COUNTER, "Hybrids: recurrent-state checkpoints saved at block boundaries",
-           lambda c, _: c.kv.get("state_checkpoints_saved", 0)),
+           lambda c, _: c.stats.state.saved),
     Metric("state_checkpoint_hits_total", COUNTER, "Hybrids: prefix-cache hits resumed from a state checkpoint "
-           "(the pool's or a KV tier's)", lambda c, _: c.kv.get("state_checkpoint_hits", 0)),
+           "(the pool's or a KV tier's)", lambda c, _: c.stats.state.hits),
     Metric("state_checkpoint_tier_hits_total", COUNTER, "Hybrids: state checkpoints loaded from the host or disk "
            "KV tier (also counted in kv_offload_*_hits_total)",
-           lambda c, _: c.kv.get("state_checkpoint_tier_hits", 0)),
+           lambda c, _: c.stats.state.tier_hits),
     # speculative decoding (--speculative; runtime/core/speculation.py): all 0 when it is off
     Metric("spec_decode_drafts_total", COUNTER, "Speculative decoding: decode steps that verified drafts",
-           lambda c, _: c.kv.get("spec_drafts", 0)),
+           lambda c, _: _spec(c).num_drafts),
     Metric("spec_decode_draft_tokens_total", COUNTER, "Speculative decoding: tokens drafted",
-           lambda c, _: c.kv.get("spec_draft_tokens", 0)),
+           lambda c, _: _spec(c).num_draft_tokens),
     Metric("spec_decode_accepted_tokens_total", COUNTER, "Speculative decoding: drafted tokens the model accepted",
-           lambda c, _: c.kv.get("spec_accepted_tokens", 0)),
+           lambda c, _: _spec(c).num_accepted_tokens),
     Metric("spec_decode_acceptance_rate", GAUGE, "Speculative decoding: accepted / drafted tokens since the start",
-           lambda c, _: _ratio(c.kv.get("spec_accepted_tokens", 0), c.kv.get("spec_draft_tokens", 0))),
+           lambda c, _: _spec(c).acceptance_rate),
     Metric("spec_decode_mean_accepted_length", GAUGE, "Speculative decoding: tokens per verifying step (accepted "
-           "drafts + 1) since the start", lambda c, _: _mean_accepted_length(c)),
+           "drafts + 1) since the start", lambda c, _: _spec(c).mean_accepted_length),
     Metric("spec_decode_step_cost_seconds", GAUGE, "Speculative decoding's step-cost model: a step's fixed seconds "
-           "(a of a + b x rows; 0 until fitted)", lambda c, _: c.kv.get("spec_step_seconds", 0.0)),
+           "(a of a + b x rows; 0 until fitted)", lambda c, _: _spec(c).step_seconds),
     Metric("spec_decode_row_cost_seconds", GAUGE, "Speculative decoding's step-cost model: seconds per row of a step "
-           "(b; a draft is worth it while its expected tokens pay for b)", lambda c, _: c.kv.get("spec_row_seconds", 0.0)),
+           "(b; a draft is worth it while its expected tokens pay for b)", lambda c, _: _spec(c).row_seconds),
     Metric("generation_tokens_total", COUNTER, "Tokens generated", lambda c, _: c.generation_tokens),
     Metric("prompt_tokens_total", COUNTER, "Prompt tokens received", lambda c, _: c.prompt_tokens),
     Metric("requests_total", COUNTER, "Sequences admitted (n samples count n)", lambda c, _: c.requests),

@@ -299,7 +299,7 @@ class TritonPythonModel:
         self._metrics = _Metrics(self.labels)
         self.worker = EngineThread(self.engine, on_tick=self._tick)
         self._metrics.publish(self.worker.counters, 0)  # before the thread runs: figures from the start
-        pb_utils.Logger.log_info(f"kvexport: serving {build_dir} ({self.engine.kv_stats()['blocks_total']} KV blocks, "
+        pb_utils.Logger.log_info(f"kvexport: serving {build_dir} ({self.worker.counters.stats.kv_blocks_total} KV blocks, "
                                  f"max_model_len {self.engine.max_model_len})")
         self.worker.start()  # from here on only the engine thread touches the engine
 

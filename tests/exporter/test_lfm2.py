@@ -152,7 +152,7 @@ def test_a_checkpoint_resumes_from_the_host_tier(built):
     assert engine.kv_connector.scheduler.cached(io.FULL_GROUP, engine.kv_connector.prompt_blocks(prompt)[0][2]) is None
     again = run(engine, prompt)
     assert again.token_ids == want and again.num_cached_prompt_tokens == 28
-    assert engine.kv.state.tier_hits == 1 and engine.tier_stats()["offload_host_hits"] == 8  # 7 KV + 1 state
+    assert engine.kv.state.tier_hits == 1 and engine.stats().tiers.host_hits == 8  # 7 KV + 1 state
 
 
 def test_plan_counts_the_bytes_the_build_stores(built):

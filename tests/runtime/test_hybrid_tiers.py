@@ -57,10 +57,10 @@ def test_a_checkpoint_resumes_from_the_host_tier(hybrid, want):
     again = _run(engine, PROMPT)
     assert again.token_ids == want
     assert again.num_cached_prompt_tokens == 28  # 7 blocks and the state after them, from host memory
-    assert engine.kv.state.tier_hits == 1 and engine.tier_stats()["offload_host_hits"] == 8  # 7 KV + 1 state
-    stats = engine.kv_stats()  # /metrics: kvexport_state_checkpoint_*
-    assert stats["state_checkpoint_tier_hits"] == 1 and stats["state_checkpoint_hits"] == 1
-    assert stats["state_checkpoints_saved"] > 2  # more than the pool's 2 slots hold: the rest went to the tier
+    assert engine.kv.state.tier_hits == 1 and engine.stats().tiers.host_hits == 8  # 7 KV + 1 state
+    stats = engine.stats().state  # /metrics: kvexport_state_checkpoint_*
+    assert stats.tier_hits == 1 and stats.hits == 1
+    assert stats.saved > 2  # more than the pool's 2 slots hold: the rest went to the tier
 
 
 def test_without_tiers_the_evicted_prompt_is_recomputed(hybrid, want):
@@ -79,7 +79,7 @@ def test_a_checkpoint_resumes_from_the_disk_tier_and_after_a_restart(hybrid, wan
     _push_out(engine)
     again = _run(engine, PROMPT)  # read from disk off the step (the request waits), then loaded
     assert again.token_ids == want and again.num_cached_prompt_tokens == 28
-    assert engine.kv.state.tier_hits == 1 and engine.tier_stats()["offload_disk_hits"] == 8
+    assert engine.kv.state.tier_hits == 1 and engine.stats().tiers.disk_hits == 8
     engine.close()
     names = {p.name.split("-")[0] for p in (tmp_path / "kv" / "blocks").iterdir()}
     assert names == {io.FULL_GROUP, io.STATE_GROUP}  # checkpoints are files beside the blocks

@@ -167,10 +167,10 @@ def test_a_prefix_cache_hit_leaves_the_observation_window_to_compute(tiny):
     cached = _llm(tiny, **kw)
     seen = _scheduled_of(cached)
     full = cached.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0]
-    assert cached.engine.kv_stats()["prefix_hits"] == 0
+    assert cached.engine.stats().prefix_cache.hits == 0
     seen.clear()
     got = cached.generate([prompt], budgeted)[0]
-    assert cached.engine.kv_stats()["prefix_hits"] == 20
+    assert cached.engine.stats().prefix_cache.hits == 20
     first = seen[0]
     assert first[1] == 90 - 80 and first[2] == 8  # hit 20 blocks (80 tokens), not 22: all w observed
     fresh = _llm(tiny, enable_prefix_caching=False, **kw).generate([prompt], budgeted)[0]

@@ -53,7 +53,7 @@ def test_generate_from_several_threads(llm):
         t.join(120)
     assert not errors, errors
     assert len(got) == threads * 3 and all(g == w for g, w in got.values())
-    assert not llm.engine.has_unfinished() and llm.engine.kv_stats()["blocks_used"] == 0
+    assert not llm.engine.has_unfinished() and llm.engine.stats().kv_blocks_used == 0
 
 
 def test_stream_next_to_generate_in_another_thread(llm):

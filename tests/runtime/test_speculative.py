@@ -125,7 +125,7 @@ def test_greedy_parity_with_streaming_eviction_preemption_and_tiers(make_build):
     llm = _parity(out, PROMPTS, GREEDY, kv_offload_memory="1MiB", kv_cache_memory=str(32 * block))
     again = llm.generate(PROMPTS, GREEDY)  # the prompts' blocks: from the pool or back from the host tier
     assert [o.token_ids for o in again] == [o.token_ids for o in _generate(out, PROMPTS, GREEDY)[1]]
-    assert llm.engine.tier_stats()["offload_host_write_bytes"] > 0
+    assert llm.engine.stats().tiers.host_write_bytes > 0
 
 
 def test_rejected_drafts_never_reach_the_prefix_cache_or_router_events(make_build):
@@ -389,8 +389,8 @@ def test_costly_rows_stop_drafting_after_a_sequence_explored(make_build):
         llm.engine.speculation.cost = Fixed(fit)
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == [o.token_ids for o in plain]
         drafted[name] = llm.engine.spec_stats()
-        kv = llm.engine.kv_stats()  # what /metrics exports as kvexport_spec_decode_{step,row}_cost_seconds
-        assert (kv["spec_step_seconds"], kv["spec_row_seconds"]) == fit
+        st = llm.engine.stats().spec_decoding  # what /metrics exports as kvexport_spec_decode_{step,row}_cost_seconds
+        assert (st.step_seconds, st.row_seconds) == fit
     costly, free = drafted["costly"], drafted["free"]
     # exploring: at most one draft per step until 3 trials (a step's trial is 1 or 2) -> at most 3 per sequence
     assert 0 < costly.num_draft_tokens <= 3 * len(PROMPTS), costly

@@ -75,9 +75,9 @@ def test_host_tier_serves_an_evicted_turn(tiny, clean):
     assert [o.token_ids for o in outs] == clean
     # turn 1 stored the KV of 40 prompt + 3 output tokens: 10 full blocks, all from host memory
     assert cached[1] == 40
-    st = eng.kv_stats()
-    assert st["offload_host_hits"] == 10 and st["offload_host_write_bytes"] > 0 and st["offload_loads"] == 10
-    assert st["offload_host_read_bytes"] == 10 * 2048
+    st = eng.stats().tiers
+    assert st.host_hits == 10 and st.host_write_bytes > 0 and st.loads == 10
+    assert st.host_read_bytes == 10 * 2048
 
 
 def test_host_tier_on_the_native_plugin_op(hf_folder, tmp_path, cpu_op):
@@ -97,19 +97,19 @@ def test_disk_tier_survives_a_restart(tiny, clean, tmp_path):
     eng = LLMEngine(tiny, _cfg(kv_offload_dir=str(folder)))  # no host tier: evicted blocks go to disk
     outs, cached = _conversation(eng)
     assert [o.token_ids for o in outs] == clean and cached[1] == 40
-    assert eng.kv_stats()["offload_disk_hits"] == 10
+    assert eng.stats().tiers.disk_hits == 10
     eng.close()  # the pool's blocks too, then wait for the writes
     files = sorted((folder / kv_disk.BLOCKS).iterdir())
     assert files and (folder / kv_disk.MARKER).is_file()
     again = LLMEngine(tiny, _cfg(kv_offload_dir=str(folder), kv_offload_memory="1MiB"))
-    assert again.kv_stats()["offload_disk_blocks"] == len(files)
+    assert again.stats().tiers.disk_blocks == len(files)
     outs, cached = _conversation(again, flood=False)
     assert [o.token_ids for o in outs] == clean
     # warm from disk: turn 1's first 9 blocks (its last token is computed), turn 2's 12 (the first engine's
     # turn 2 was in its pool at close()): 10 in the pool by then, 2 more read from disk
     assert cached == [36, 48]
-    st = again.kv_stats()
-    assert st["offload_disk_hits"] == 11 and st["offload_disk_read_bytes"] == 11 * 2048
+    st = again.stats().tiers
+    assert st.disk_hits == 11 and st.disk_read_bytes == 11 * 2048
 
 
 def _warm_folder(tiny, folder):
@@ -136,7 +136,7 @@ def test_a_damaged_block_file_is_recomputed(tiny, clean, tmp_path, damage, caplo
     with caplog.at_level(logging.WARNING, "kvexport.runtime.execution.kv_offload"):
         outs, _ = _conversation(eng, flood=False)
     assert [o.token_ids for o in outs] == clean
-    assert eng.kv_stats()["offload_disk_errors"] == 1 and not victim.exists()
+    assert eng.stats().tiers.disk_errors == 1 and not victim.exists()
     assert "recomputed" in caplog.text
     assert 0 < outs[0].num_cached_prompt_tokens < 36  # the blocks before the damaged one were still served
 
@@ -156,7 +156,7 @@ def test_a_full_disk_turns_the_disk_tier_off_and_serving_goes_on(tiny, clean, tm
             _run(eng, [9, 9, 9])  # steps after the failure: its report reaches the index
     assert [o.token_ids for o in outs] == clean
     assert "the disk KV tier is off" in caplog.text and "ENOSPC" in caplog.text
-    assert eng.kv_stats()["offload_disk_on"] == 0
+    assert eng.stats().tiers.disk_on is False
     assert _run(eng, SYSTEM).token_ids == clean[0]
 
 
@@ -232,7 +232,7 @@ def test_a_request_waits_for_its_disk_read_while_the_others_run(tiny, clean, tmp
     while eng.has_unfinished():
         eng.step()
     assert eng.pop_output(waiter).token_ids == clean[0] and eng.output(runner).finished
-    assert eng.kv_stats()["offload_disk_hits"] == 9
+    assert eng.stats().tiers.disk_hits == 9
 
 
 def test_the_server_reports_cached_tokens_of_a_tier_hit(tiny, clean):

@@ -170,7 +170,7 @@ def _generate(build, max_tokens, prompt, **settings):
     used = []
     while e.has_unfinished():
         e.step()
-        used.append(e.kv_stats()["blocks_used"])
+        used.append(e.stats().kv_blocks_used)
     return e, e.output(rid), used
 
 
@@ -188,7 +188,7 @@ def test_engine_streaming_equals_reference(tiny_builds, attention, request):
     e, got, used = _generate(builds[attention], 120, prompt, kv_eviction="streaming", kv_sink_tokens=4,
                              kv_recent_tokens=16)
     assert got.finish_reason == "length" and len(got.token_ids) == 120 and e.scheduler.num_context_shifts == 2
-    assert max(used) <= 1 + 2 + 1 and e.kv_stats()["blocks_used"] == 0  # sinks + the window's blocks
+    assert max(used) <= 1 + 2 + 1 and e.stats().kv_blocks_used == 0  # sinks + the window's blocks
     # (without the sink block the reference differs from the 26th token on: the test sees the sinks)
     assert list(got.token_ids) == streaming_reference(folder, prompt, 120, 16, 16, 16, 64)
 

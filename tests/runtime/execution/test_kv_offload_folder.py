@@ -102,9 +102,9 @@ def test_a_block_name_that_is_not_a_regular_file_is_recomputed(tiny, clean, tmp_
     if when == "serving":  # indexed as a block file at start, replaced before it is read
         keep = _plant(victim, kind, outside)
     out = _run(eng, SYSTEM)  # NOTE: a FIFO stalled this (the read waited for a writer) before
-    st = eng.kv_stats()
+    st = eng.stats().tiers
     assert out.token_ids == clean
-    assert st["offload_disk_errors"] == 1 and st["offload_disk_on"] == 1
+    assert st.disk_errors == 1 and st.disk_on is True
     assert 0 < out.num_cached_prompt_tokens < 36  # the blocks before it were served, the rest recomputed
     assert victim.is_dir() if kind == "dir" else not os.path.lexists(victim)
     if keep is not None:
@@ -116,8 +116,8 @@ def test_a_block_name_that_is_not_a_regular_file_is_recomputed(tiny, clean, tmp_
             _run(eng, prompt)
         for _ in range(3):
             _run(eng, [9, 9, 9])
-        st = eng.kv_stats()
-        assert st["offload_disk_on"] == 1 and st["offload_disk_errors"] >= 2
+        st = eng.stats().tiers
+        assert st.disk_on is True and st.disk_errors >= 2
         assert _run(eng, SYSTEM).token_ids == clean
     eng.close()
 
@@ -149,8 +149,8 @@ def test_a_hung_disk_read_counts_the_block_missing(tiny, clean, tmp_path, monkey
         out = eng.pop_output(waiter)
         assert out.finished and out.token_ids == clean and out.num_cached_prompt_tokens == 0
         assert time.monotonic() - t0 < 10
-        st = eng.kv_stats()
-        assert st["offload_disk_errors"] >= 1 and st["offload_disk_on"] == 0  # a disk that hangs is turned off
+        st = eng.stats().tiers
+        assert st.disk_errors >= 1 and st.disk_on is False  # a disk that hangs is turned off
         t1 = time.monotonic()
         eng.close(timeout_s=30)  # NOTE: before, flush waited the whole timeout behind the hung job
         assert time.monotonic() - t1 < 5
@@ -231,17 +231,17 @@ def test_a_restart_keeps_what_the_host_tier_held(tiny, clean, tmp_path):
     _run(eng, SYSTEM)
     for prompt in FLOOD:  # SYSTEM's blocks leave the pool for the host tier (it holds them all)
         _run(eng, prompt)
-    st = eng.kv_stats()
-    assert st["offload_host_blocks"] >= 10 and st["offload_disk_write_bytes"] == 0
+    st = eng.stats().tiers
+    assert st.host_blocks >= 10 and st.disk_write_bytes == 0
     pool_keys = {(io.FULL_GROUP, h) for _, h in eng.pool.cached_blocks()}
     eng.close()
     again = LLMEngine(tiny, cfg)
-    assert again.kv_stats()["offload_disk_blocks"] == len(pool_keys) + st["offload_host_blocks"]
+    assert again.stats().tiers.disk_blocks == len(pool_keys) + st.host_blocks
     assert list(again.tiers._disk)[-1] in pool_keys  # the restart's index: the pool's blocks most recent
     out = _run(again, SYSTEM)
     # before, only the pool's blocks were written: SYSTEM, in the host tier at close(), was recomputed
     assert out.token_ids == clean and out.num_cached_prompt_tokens == 36
-    assert again.kv_stats()["offload_disk_hits"] == 9
+    assert again.stats().tiers.disk_hits == 9
     again.close()
 
 

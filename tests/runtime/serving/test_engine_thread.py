@@ -271,7 +271,7 @@ def test_a_final_event_is_delivered_after_its_blocks_are_freed_and_counted(tiny)
             def deliver(ev, seen=seen, done=done):
                 if ev.finished:
                     seen.update(reason=ev.finish_reason, pool=engine.pool.num_used_blocks,
-                                counted=worker.counters.kv["blocks_used"])
+                                counted=worker.counters.stats.kv_blocks_used)
                     done.set()
 
             worker.submit(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), deliver)

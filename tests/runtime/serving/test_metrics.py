@@ -5,14 +5,16 @@ import re
 from pathlib import Path
 
 from kvexport.runtime.serving import metrics as mx
+from kvexport.runtime.core.stats import PrefixCacheStats, SchedulerStats
 from kvexport.runtime.serving.engine_thread import Counters
 
 DOC = Path(__file__).resolve().parents[3] / "docs" / "DEPLOYMENT.md"
 
 
 def counters() -> Counters:
-    kv = {"blocks_used": 3, "blocks_total": 10, "usage": 0.3, "prefix_queries": 8, "prefix_hits": 2, "preemptions": 1}
-    return Counters(running=2, waiting=1, kv=kv, generation_tokens=40, prompt_tokens=12, requests=5, aborted=1)
+    stats = SchedulerStats(kv_blocks_used=3, kv_blocks_total=10, kv_cache_usage=0.3,
+                           prefix_cache=PrefixCacheStats(queries=8, hits=2, evictions=0), num_preemptions=1)
+    return Counters(running=2, waiting=1, stats=stats, generation_tokens=40, prompt_tokens=12, requests=5, aborted=1)
 
 
 def test_table_is_consistent():
@@ -32,8 +34,7 @@ def test_prometheus_text():
     assert values["kvexport_requests_running"] == "2" and values["kvexport_kv_cache_usage"] == "0.3"
     assert values["kvexport_prefix_cache_hit_rate"] == "0.25" and values["kvexport_requests_cancelled_total"] == "4"
     assert "# TYPE kvexport_preemptions_total counter\n" in text and "# TYPE kvexport_kv_blocks_used gauge\n" in text
-    empty = Counters(kv={"blocks_used": 0, "blocks_total": 4, "usage": 0.0, "prefix_queries": 0, "prefix_hits": 0,
-                         "preemptions": 0})
+    empty = Counters(stats=SchedulerStats(kv_blocks_total=4))
     assert "kvexport_prefix_cache_hit_rate 0\n" in mx.prometheus_text(empty, 0)  # no queries: 0, not a division error
 
 

@@ -17,6 +17,7 @@ import pytest
 from kvexport import LLM, SamplingParams
 from kvexport.exporter.build import BuildOptions, build
 from kvexport.runtime.serving import metrics as mx
+from kvexport.runtime.core.stats import SchedulerStats
 from kvexport.runtime.serving.engine_thread import Counters, Event
 from kvexport.runtime.serving.triton_local import ServerStartError, wait_http_ready
 
@@ -315,8 +316,7 @@ class FakeWorker:
     others never finish (as if still running)."""
 
     def __init__(self):
-        self.counters = Counters(kv={"blocks_used": 0, "blocks_total": 8, "usage": 0.0, "prefix_queries": 0,
-                                     "prefix_hits": 0, "preemptions": 0})
+        self.counters = Counters(stats=SchedulerStats(kv_blocks_total=8))
         self.submitted, self.aborted, self.groups, self.fail = [], [], [], None
 
     def start(self):
