@@ -66,6 +66,12 @@ def check_json_schema(schema: Any, param: str) -> None:
                                f"enforced by this server's constrained decoding (the pattern alone is); put the "
                                f"length into the pattern (e.g. {{1,3}}) and drop {' and '.join(lengths)}", param,
                                code="unsupported_schema_keyword")
+        if "multipleOf" in s:  # NOTE: numbers: ignored; integers: ignored with a range, else digits unbounded
+            raise GrammarError(f"{param}: multipleOf (at {path or '/'}) is not enforced by this server's constrained "
+                               f"decoding; list the allowed values as an enum, or remove it and check the output "
+                               f"yourself", param, code="unsupported_schema_keyword")
+        _check_values(schema, s, path, param)
+        _check_required(s, path, param)
         if isinstance(s.get("allOf"), list) and len(s["allOf"]) > 1:
             raise GrammarError(f"{param}: allOf with more than one schema (at {path or '/'}) is not supported by "
                                f"this server's constrained decoding; merge them into one schema", param,
@@ -83,6 +89,74 @@ def check_json_schema(schema: Any, param: str) -> None:
 
     walk(schema, "")
     _check_ref_cycles(schema, param)
+
+
+def _check_values(root: Any, s: dict, path: str, param: str) -> None:
+    """Refuse `enum` / `const` values that the rest of their schema does not admit ({"type": "string",
+    "enum": [1, 2]}): xgrammar takes the listed values and drops the rest of the schema, so the output
+    would not validate; none admitted: the schema admits no value at all."""
+    import jsonschema
+
+    values = s["enum"] if isinstance(s.get("enum"), list) else [s["const"]] if "const" in s else None
+    rest = {k: v for k, v in s.items() if k not in ("enum", "const") and k not in _ANNOTATIONS}
+    if not values or not rest or _refers(rest):  # NOTE: a $ref would resolve against this piece, not the schema
+        return
+    check = jsonschema.validators.validator_for(root, default=jsonschema.Draft202012Validator)(rest)
+    bad = [v for v in values if not check.is_valid(v)]
+    if bad:
+        which = "enum" if "enum" in s else "const"
+        shown = ", ".join(json.dumps(v)[:40] for v in bad[:5]) + (", ..." if len(bad) > 5 else "")
+        raise GrammarError(f"{param}: {which} value{'s' if len(bad) > 1 else ''} {shown} (at {path or '/'}) "
+                           f"{'are' if len(bad) > 1 else 'is'} not allowed by the rest of that schema (its type or "
+                           f"bounds){': no value can match it' if len(bad) == len(values) else ''}; make them agree",
+                           param, code="invalid_grammar")
+
+
+def _refers(s: Any) -> bool:
+    if isinstance(s, dict):
+        return "$ref" in s or any(_refers(v) for v in s.values())
+    return isinstance(s, list) and any(_refers(v) for v in s)
+
+
+def _check_required(s: dict, path: str, param: str) -> None:
+    """Refuse `required` names that `properties` does not list: the server's grammars (strict mode) admit only
+    listed properties, so such an object could never be written."""
+    required, props = s.get("required"), s.get("properties")
+    if not isinstance(required, list) or not required:
+        return
+    listed = props.keys() if isinstance(props, dict) else set()
+    missing = [r for r in required if isinstance(r, str) and r not in listed]
+    if missing:
+        raise GrammarError(f"{param}: required propert{'ies' if len(missing) > 1 else 'y'} "
+                           f"{', '.join(json.dumps(m) for m in missing[:5])} (at {path or '/'}) "
+                           f"{'are' if len(missing) > 1 else 'is'} not in its properties; this server admits only "
+                           f"listed properties: add {'them' if len(missing) > 1 else 'it'} to properties",
+                           param, code="invalid_grammar")
+
+
+def check_regex_anchors(regex: str, param: str) -> None:
+    """Refuse `^` / `$` anywhere but at the start / end of the pattern (outside character classes, unescaped):
+    xgrammar ignores an anchor in the middle ("a$b" matched "ab"). The output always matches the whole pattern."""
+    i, in_class = 0, False
+    while i < len(regex):
+        c = regex[i]
+        if c == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+            if regex[i + 1:i + 2] == "^":
+                i += 1
+            if regex[i + 1:i + 2] == "]":  # a literal ] first in a class
+                i += 1
+        elif (c == "^" and i > 0) or (c == "$" and i < len(regex) - 1):
+            raise GrammarError(f"{param}: the anchor {c!r} at position {i} of the regex is not at its "
+                               f"{'start' if c == '^' else 'end'}; this server matches the whole output against the "
+                               f"whole pattern and does not enforce anchors in the middle: remove it", param,
+                               code="invalid_grammar")
+        i += 1
 
 
 _ANNOTATIONS = frozenset({"$ref", "$defs", "definitions", "title", "description", "$comment", "$schema", "$id",
@@ -162,9 +236,13 @@ def compile_spec(compiler: Any, spec: StructuredOutputs, param: str) -> Any:
             return compiler.compile_grammar(bound_numbers(str(xgr.Grammar.from_json_schema(
                 '{"type": "object"}', any_whitespace=False, strict_mode=False))))
         if spec.regex is not None:
+            check_regex_anchors(spec.regex, param)
             return compiler.compile_regex(spec.regex)
         if spec.choice is not None:
-            return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(s) for s in spec.choice))
+            # NOTE: ensure_ascii off: an escaped character outside the BMP ("\\ud83d\\ude00") is two lone
+            # surrogates to xgrammar, which then forces bytes that are no UTF-8 (the output was none of the choices)
+            return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(s, ensure_ascii=False)
+                                                                     for s in spec.choice))
         assert spec.grammar is not None
         return compiler.compile_grammar(spec.grammar)
     except GrammarError:
@@ -197,4 +275,4 @@ def bitmask_words(vocab_size: int) -> int:
 
 
 __all__ = ["GrammarError", "MAX_DIGITS", "UNSUPPORTED_KEYWORDS", "bitmask_words", "bound_numbers", "check_admits_output",
-           "check_json_schema", "compile_spec"]
+           "check_json_schema", "check_regex_anchors", "compile_spec"]

@@ -117,6 +117,9 @@ def _tool_choice(choice: Any, tools: list[dict]) -> str:
         return choice
     if isinstance(choice, Mapping) and choice.get("type") == "function" and isinstance(choice.get("function"), Mapping):
         name = choice["function"].get("name")
+        if not isinstance(name, str):
+            raise RequestError(f"tool_choice: the function's name must be a string, got {type(name).__name__}",
+                               "tool_choice.function.name")
         if name not in {t["function"]["name"] for t in tools}:
             raise RequestError(f"tool_choice: names the function {name!r}, which is not among the request's tools",
                                "tool_choice.function.name")

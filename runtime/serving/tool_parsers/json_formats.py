@@ -140,8 +140,14 @@ class RequiredCalls(ToolParser):
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         try:
             return None, [ToolCall(c["name"], json.dumps(c["parameters"])) for c in json.loads(text)]
-        except (ValueError, TypeError, KeyError):  # cut short by max_tokens: the text as it is
-            return text, []
+        except (ValueError, TypeError, KeyError):
+            # cut short by max_tokens: the calls begun, the last one's arguments as far as they got (what the
+            # stream sent: tools.ToolStream), as a named tool's cut arguments are; no call begun: the text as it is
+            spans = self.call_spans(text)
+            if not spans:
+                return text, []
+            return None, [ToolCall(name, text[start:end if end is not None else len(text)])
+                          for name, start, end in spans]
 
     def content_end(self, text: str) -> int:
         return 0

@@ -100,6 +100,14 @@ def test_a_grammar_that_admits_no_output_is_refused(manager, spec, param):
     ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}, "put the length into the pattern"),
     ({"type": "object", "properties": {"a": {"type": "string", "pattern": "x", "minLength": 2}}},
      "put the length into the pattern"),
+    # found by the round-4 trial of our own: each was a 200 whose output did not validate
+    ({"type": "object", "properties": {"price": {"type": "number", "multipleOf": 0.25}}}, "multipleOf"),
+    ({"type": "integer", "multipleOf": 7}, "multipleOf"),  # enforced, but its digits unbounded
+    ({"type": "string", "enum": [1, 2]}, "no value can match it"),
+    ({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "const": -1}}}, "const value -1"),
+    ({"type": "string", "enum": ["a", 1]}, "enum value 1 "),
+    ({"type": "object", "required": ["zz"], "properties": {"a": {"type": "integer"}}, "additionalProperties": False},
+     'required property "zz"'),
 ])
 def test_schema_parts_the_grammar_would_drop_are_refused(manager, schema, words):
     with pytest.raises(GrammarError) as e:
@@ -119,6 +127,29 @@ def test_numbers_are_bounded_so_the_json_can_close(manager, spec):
     assert m.accept_string(', "x": 0.' if spec.json else ".")
     assert m.accept_string("5" * (MAX_DIGITS - 1)) and not m.accept_string("5"), "an unbounded fraction"
     assert m.accept_string("}")
+
+
+@pytest.mark.parametrize("regex", ["a$b", "x^y", "(a|^b)"])
+def test_an_anchor_inside_a_regex_is_refused(manager, regex):
+    """xgrammar ignores `^` / `$` in the middle of a pattern ("a$b" produced "ab", which the regex does not match)."""
+    with pytest.raises(GrammarError, match="anchor") as e:
+        manager.compile(StructuredOutputs(regex=regex))
+    assert e.value.param == "regex"
+
+
+@pytest.mark.parametrize("regex", ["^abc$", "[^a]+x", r"a\$b", "[$^]x", "[a^]y"])
+def test_anchors_at_the_ends_escaped_or_in_classes_are_taken(manager, regex):
+    manager.compile(StructuredOutputs(regex=regex))
+
+
+def test_choices_outside_the_bmp_are_matched_exactly(manager, tokenizer):
+    """A choice with an emoji: escaped as JSON surrogate pairs, xgrammar read two lone surrogates and forced
+    bytes that are no UTF-8 (the output was '' or 'no '). Each choice's own tokens must be accepted whole."""
+    choices = ["yes 👍", "no 👎", "𝔘"]
+    compiled = manager.compile(StructuredOutputs(choice=choices))
+    for c in choices:
+        m = xgr.GrammarMatcher(compiled)
+        assert m.accept_string(c) and m.is_completed(), c
 
 
 def test_bound_numbers_leaves_other_repetitions_alone():

@@ -283,6 +283,10 @@ def test_legacy_functions_and_function_call(client):
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name", "letters"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice.function.name", "not among"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": ["get_weather"]}}},
+     "tool_choice.function.name", "must be a string"),  # was a 500: unhashable list
+    ({"functions": [{"name": "f"}], "function_call": {"name": {}}}, "function_call.name", "must be a string"),
+    ({"structured_outputs": {"regex": "a$b"}}, "structured_outputs.regex", "anchor"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"functions": [{"name": "f", "parameters": {"type": "bogus"}}]}, "functions[0].parameters",
      "not a valid JSON schema"),

@@ -306,3 +306,28 @@ def test_the_triton_inputs_carry_structured_output():
     with pytest.raises(RequestError) as e:
         parse_request({"input_ids": ids, "structured_outputs": np.array([b'{"regex": 5}'], object)}, parser)
     assert e.value.param == "structured_outputs.regex"
+
+
+@pytest.mark.parametrize("cut", [18, 40, 75])
+def test_required_calls_cut_by_max_tokens_read_the_same_whole_and_streamed(cut):
+    """tool_choice "required" cut short (finish_reason length): the whole parse gave the text as content and no
+    call while the stream had sent a call with its arguments so far (round-4 trial). Both now give the calls
+    begun, the last one's arguments as far as they got; none begun, the text as content."""
+    text = ('[{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}, '
+            '{"name": "get_time", "parameters": {"tz": "CET"}}]')[:cut]
+    plan = tools.ToolPlan([WEATHER], "required", True, "hermes", True)
+    st, content, deltas = plan.stream(), "", []
+    for k in range(1, len(text) + 1, 3):
+        c, d = st.add(text[:k])
+        content, deltas = content + c, deltas + d
+    c, d = st.finish(text)
+    content, deltas = content + c, deltas + d
+    streamed: dict[int, list[str]] = {}
+    for d in deltas:
+        e = streamed.setdefault(d["index"], ["", ""])
+        e[0] += d["function"].get("name", "")
+        e[1] += d["function"].get("arguments", "")
+    whole_content, whole = plan.parse(text)
+    assert [(c.name, c.arguments) for c in whole] == [tuple(v) for v in streamed.values()]
+    assert (whole_content or "") == content  # no call begun (cut 18): the text is content, both ways
+    assert bool(whole) == (cut > 18)
