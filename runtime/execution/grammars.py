@@ -66,10 +66,15 @@ def check_json_schema(schema: Any, param: str) -> None:
                                f"enforced by this server's constrained decoding (the pattern alone is); put the "
                                f"length into the pattern (e.g. {{1,3}}) and drop {' and '.join(lengths)}", param,
                                code="unsupported_schema_keyword")
-        if "multipleOf" in s:  # NOTE: numbers: ignored; integers: ignored with a range, else digits unbounded
-            raise GrammarError(f"{param}: multipleOf (at {path or '/'}) is not enforced by this server's constrained "
-                               f"decoding; list the allowed values as an enum, or remove it and check the output "
-                               f"yourself", param, code="unsupported_schema_keyword")
+        if "multipleOf" in s and _multiples(s) == []:
+            raise GrammarError(f"{param}: no integer between the bounds (at {path or '/'}) is a multiple of "
+                               f"{s['multipleOf']}: no value can match it; fix the bounds or multipleOf", param,
+                               code="invalid_grammar")
+        if "multipleOf" in s and _multiples(s) is None:
+            raise GrammarError(f"{param}: multipleOf (at {path or '/'}) is enforced by this server's constrained "
+                               f"decoding only on integers with a minimum and a maximum that leave at most "
+                               f"{MAX_MULTIPLES:,} values; list the allowed values as an enum, or remove it and check "
+                               f"the output yourself", param, code="unsupported_schema_keyword")
         _check_values(schema, s, path, param)
         _check_required(s, path, param)
         if isinstance(s.get("allOf"), list) and len(s["allOf"]) > 1:
@@ -89,6 +94,53 @@ def check_json_schema(schema: Any, param: str) -> None:
 
     walk(schema, "")
     _check_ref_cycles(schema, param)
+
+
+MAX_MULTIPLES = 1024  # values an integer multipleOf with bounds may leave (written out as an enum)
+_VALUE_KEYS = ("enum", "const", "default", "examples")  # values, not schemas: never rewritten
+
+
+def _multiples(s: dict) -> list[int] | None:
+    """The integers an integer schema's `multipleOf` with `minimum`/`exclusiveMinimum` and `maximum`/
+    `exclusiveMaximum` admits (at most MAX_MULTIPLES), or None when it is not such a schema. NOTE: xgrammar
+    0.2.8 ignores multipleOf on numbers and on integers with a range, and leaves the digits of an unbounded
+    one unbounded; written out as an enum it is exact."""
+    import math
+
+    m = s.get("multipleOf")
+    if s.get("type") != "integer" or isinstance(m, bool) or not isinstance(m, (int, float)) or m <= 0 or m != int(m):
+        return None
+
+    num = lambda k: isinstance(s.get(k), (int, float)) and not isinstance(s.get(k), bool)  # noqa: E731
+    try:  # NOTE: json.loads reads Infinity: ceil/floor of it overflow
+        lows = ([math.ceil(s["minimum"])] if num("minimum") else []) + \
+            ([math.floor(s["exclusiveMinimum"]) + 1] if num("exclusiveMinimum") else [])
+        highs = ([math.floor(s["maximum"])] if num("maximum") else []) + \
+            ([math.ceil(s["exclusiveMaximum"]) - 1] if num("exclusiveMaximum") else [])
+    except (OverflowError, ValueError):
+        return None
+    if not lows or not highs:
+        return None
+    lo, hi, m = max(lows), min(highs), int(m)
+    first = -(-lo // m) * m  # the first multiple >= lo
+    if first <= hi and (hi - first) // m + 1 > MAX_MULTIPLES:
+        return None
+    return list(range(first, hi + 1, m))  # [] when no multiple lies in the range
+
+
+def enumerate_multiples(schema: Any) -> Any:
+    """`schema` with every integer `multipleOf` (bounded: `_multiples`) written out as an `enum` of its values."""
+    if isinstance(schema, list):
+        return [enumerate_multiples(v) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (v if k in _VALUE_KEYS else enumerate_multiples(v)) for k, v in schema.items()}
+    values = _multiples(schema) if "multipleOf" in schema else None
+    if values is not None:
+        for k in ("multipleOf", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+            out.pop(k, None)
+        out["enum"] = [v for v in values if v in schema["enum"]] if isinstance(schema.get("enum"), list) else values
+    return out
 
 
 def _check_values(root: Any, s: dict, path: str, param: str) -> None:
@@ -229,9 +281,10 @@ def compile_spec(compiler: Any, spec: StructuredOutputs, param: str) -> Any:
 
     try:
         if spec.json is not None:
-            check_json_schema(json.loads(spec.json), param)
+            schema = json.loads(spec.json)
+            check_json_schema(schema, param)
             return compiler.compile_grammar(bound_numbers(str(xgr.Grammar.from_json_schema(
-                spec.json, any_whitespace=False, strict_mode=True))))
+                json.dumps(enumerate_multiples(schema)), any_whitespace=False, strict_mode=True))))
         if spec.json_object:  # NOTE: an object, as OpenAI's json_object asks (xgrammar's builtin takes any value)
             return compiler.compile_grammar(bound_numbers(str(xgr.Grammar.from_json_schema(
                 '{"type": "object"}', any_whitespace=False, strict_mode=False))))
