@@ -58,6 +58,7 @@ class Plan:
     max_len: int  # longest context served, tokens
     attention_note: str | None = None  # why the attention fell back to onnx (None: it did not)
     lora: Any = None  # exporter/lora.py LoraAdapter merged into the weights (--lora); None: none
+    hidden_layers: tuple[int, ...] = ()  # io.HIDDEN_STATES boundaries (--hidden-states); (): no such output
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -182,6 +183,12 @@ def read_model(src: source.ModelSource, opts: BuildOptions, progress: Progress) 
                           f"of this model")
     if spec.mla is not None:
         mla.check_build(spec, opts.layout, opts.weight_quantization())
+    hidden: tuple[int, ...] = ()
+    if opts.hidden_states is not None:
+        try:
+            hidden = io.hidden_state_layers(opts.hidden_states, spec.num_layers)
+        except ValueError as e:
+            raise ConfigError(f"--hidden-states {e}") from None
     adapter = lora.read(opts.lora) if opts.lora else None  # NOTE: checked before any weight is loaded
     if adapter is not None and src.kind == "hf":
         from . import prequantized
@@ -191,7 +198,7 @@ def read_model(src: source.ModelSource, opts: BuildOptions, progress: Progress) 
                               f"would change them); merge into the float checkpoint it was quantized from, then "
                               f"quantize with --weights int8|int4")
     return Plan(opts=opts, config=config, spec=spec, kv=kv_form(opts.kv, spec), max_len=max_len,
-                attention_note=attention_note, lora=adapter)
+                attention_note=attention_note, lora=adapter, hidden_layers=hidden)
 
 
 def load(src: source.ModelSource, plan: Plan, progress: Progress) -> Loaded:
@@ -234,7 +241,8 @@ def write_graphs(d: Path, plan: Plan, loaded: Loaded, kv: KVConstants, wf: Weigh
         with progress(f"exporting {phase.value} graph"):
             g = GraphOptions(opts.layout, phase, opts.dtype, opts.kv, opts.block_size, plan.max_len, opts.all_logits,
                              opts.attention, kv.scales, kv.offsets, qweights=wf.qweights, layer_groups=layer_groups,
-                             logits_indices=opts.layout is io.KVLayout.PAGED, scores=scores_declared(opts, spec))
+                             logits_indices=opts.layout is io.KVLayout.PAGED, scores=scores_declared(opts, spec),
+                             hidden_layers=plan.hidden_layers)
             dg = DecoderGraph(spec, wf.weights, loaded.rope, g, store)
             graphs[phase] = (dg.build(), dg.io)
     with progress("writing graphs and weights"):
@@ -244,7 +252,8 @@ def write_graphs(d: Path, plan: Plan, loaded: Loaded, kv: KVConstants, wf: Weigh
         for phase, (builder, gio) in graphs.items():
             name = io.PREFILL_GRAPH if phase is io.Phase.PREFILL else io.DECODE_GRAPH
             save_model(builder.to_model(io.WEIGHTS_FILE, doc=f"kvexport {phase.value} graph"), str(d / name))
-            entries[phase.value] = GraphEntry(name, gio.inputs, gio.outputs, (d / name).stat().st_size)
+            entries[phase.value] = GraphEntry(name, gio.inputs, gio.outputs, (d / name).stat().st_size,
+                                              hidden_layers=plan.hidden_layers or None)
         tok_dir = None
         if loaded.tokenizer is not None:  # tokenizer/ and root copies any transformers >= 4.40 / onnxruntime-genai read
             tok_dir = interop.write_tokenizer(loaded.tokenizer, d)

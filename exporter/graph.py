@@ -57,6 +57,8 @@ class GraphOptions:
     # paged: the graphs take io.OBSERVATION_LENS and return io.attention_scores(i) per KV layer
     # (importance eviction, runtime/core/importance.py); False: builds made before it
     scores: bool = False
+    # paged: the graphs return io.HIDDEN_STATES at these layer boundaries (io.hidden_state_layers); (): none
+    hidden_layers: tuple[int, ...] = ()
 
 
 RopeTables = dict[str, tuple[np.ndarray, np.ndarray]]  # spec.ROPE_KINDS kind -> (cos, sin) [max_len, rot/2]
@@ -122,7 +124,7 @@ class DecoderGraph:
                               attention=opts.attention, layer_groups=opts.layer_groups, latent=mla_row is not None,
                               logits_indices=opts.logits_indices, **gemma4.graph_io_fields(spec, opts.kv_dtype),
                               **linear_attention.graph_io_fields(spec, opts),
-                              scores=opts.scores)
+                              scores=opts.scores, hidden_layers=opts.hidden_layers, hidden_size=spec.hidden_size)
         self.score_out: list[str] = []  # attention_scores of each KV layer, in graph_io's order
         self.kv_rows: dict[int, tuple[str, str]] = {}  # layer -> this step's float32 (k, v), for layers sharing it
         self.groups = opts.layer_groups or (io.FULL_GROUP,) * spec.num_layers
@@ -323,7 +325,10 @@ class DecoderGraph:
         # (the conv's state comes first in a sequence's padded rows), their new states
         self.linear_ctx = linear_attention.context(self, spec.linear_attn) if spec.linear_attn is not None else None
         self.state_out: list[tuple[str, ...]] = []  # per state layer: (conv,) or (conv, recurrent)
+        hidden: list[str] = []  # io.HIDDEN_STATES: the residual stream entering each listed layer, float32
         for i, lw in enumerate(self.w.layers):
+            if i in o.hidden_layers:
+                hidden.append(self.cast(h, self.act, "float32"))
             cos, sin = rope.get(spec.rope_kind(i), (None, None))
             h, kv = self.layer(i, lw, h, cos, sin, ctxs.get(spec.window(i)))
             if lw.extra is not None:  # Gemma 4: per-layer input, layer scalar
@@ -331,6 +336,9 @@ class DecoderGraph:
             kv_out.append(kv)
 
         b.scope = "/lm_head"
+        if spec.num_layers in o.hidden_layers:  # the final normed state of every token (the LM head's input)
+            hidden.append(self.norm_f32(self.cast(h, self.act, "float32"), self.w.final_norm_w, self.w.final_norm_b,
+                                        "model.norm"))
         h = self.select_logit_rows(h)
         h = self.norm(h, self.w.final_norm_w, self.w.final_norm_b, "model.norm")
         logits = self.softcap(self.lm_head(h), spec.final_softcap, self.act)
@@ -342,8 +350,11 @@ class DecoderGraph:
         for st in self.state_out:  # after the KV outputs (kvexport/io.py "Recurrent state")
             for t in st:
                 b.output(t, next(outputs))
-        for t in self.score_out:  # importance eviction (GraphOptions.scores): the last outputs
+        for t in self.score_out:  # importance eviction (GraphOptions.scores)
             b.output(t, next(outputs))
+        if hidden:  # [T, hidden] each ─> [T, 1, hidden] ─> Concat ─> [T, boundaries, hidden]: the last output
+            rows = [b.op("Unsqueeze", t, b.const([1])) for t in hidden]
+            b.output(rows[0] if len(rows) == 1 else b.op("Concat", *rows, axis=1), next(outputs))
         return b
 
     def longrope_select(self, original_max: int) -> str:

@@ -87,6 +87,12 @@ class BuildOptions:
     lora: str | None = option(
         None, "A PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors) merged into the weights: "
               "the build serves base + that adapter at the base's speed.", path="dir")
+    # paged builds: the graphs also return io.HIDDEN_STATES at these layer boundaries (io.hidden_state_layers:
+    # "eagle3", "mtp" or a comma list); None: no hidden-state output
+    hidden_states: str | None = option(
+        None, "Paged builds: the graphs also return every token's hidden states at these layer boundaries, for "
+              "draft heads: eagle3 (layers 2, L/2, L-3), mtp (the final normed state) or a comma list in 0..L "
+              "(transformers' output_hidden_states indices) [none].")
     validate_steps: int = option(16, range=(1, 1024))  # greedy decode steps compared with transformers
     engines: EngineBuildOptions | None = option(None)  # TensorRT engine limits / precision; None: the defaults
 
@@ -99,6 +105,9 @@ class BuildOptions:
             object.__setattr__(self, "attention", io.Attention.PLUGIN)
         if self.attention is io.Attention.PLUGIN and self.layout is not io.KVLayout.PAGED:
             raise ConfigError("--attention plugin needs --layout paged (PagedAttention reads a block pool)")
+        if self.hidden_states is not None and self.layout is not io.KVLayout.PAGED:
+            raise ConfigError("--hidden-states needs --layout paged (the draft heads that read them run in the "
+                              "runtime, which serves paged builds)")
         if self.backend == "tensorrt" and self.attention is io.Attention.ONNX:
             raise ConfigError("--backend tensorrt needs --attention plugin (the engines run PagedAttention "
                               "as a TensorRT plugin)")

@@ -118,7 +118,9 @@ def check_graph_io(m, phase: io.Phase, inputs: tuple[io.TensorSpec, ...],
                            act_dtype=_ACT, kv_dtype=_KV, all_logits=m.all_logits, attention=io.Attention(kv.attention),
                            layer_groups=m.layer_groups, latent=kv.latent and kv.layout == io.KVLayout.PAGED.value,
                            logits_indices=m.logits_indices, scores=bool(kv.attention_scores),
-                           kv_layers=kv_layers, layer_dims=layer_dims, state=io.state_dims(m.model.spec))
+                           kv_layers=kv_layers, layer_dims=layer_dims, state=io.state_dims(m.model.spec),
+                           hidden_layers=m.graphs[phase.value].hidden_layers or (),
+                           hidden_size=m.model.spec.get("hidden_size", 0))
     build = f"a {kv.layout} build with {kv.attention} attention{' and all logits' if m.all_logits else ''}"
     pairs = (("input", template.inputs, inputs), ("output", template.outputs, outputs))
     for kind, want, got in pairs:  # names first: a wrong layout or attention shows as a missing tensor

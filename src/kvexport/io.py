@@ -213,6 +213,36 @@ LOGITS_INDICES = "logits_indices"
 # does not attend to are 0).
 #   observation_lens [num_seqs] int64  ->  attention_scores.{i} [num_seqs, kv_heads, score_len] float32
 OBSERVATION_LENS = "observation_lens"
+# hidden states for draft heads (paged builds that declare them, `kvexport build --hidden-states`; issue 45):
+# every token of the step, at the layer boundaries the build lists (GraphEntry.hidden_layers), each
+# exactly transformers' `output_hidden_states[b]`: b < num_layers the residual stream entering layer b (0: the
+# embeddings; vLLM's EAGLE-3 "aux hidden states" of layers 2, L/2, L-3), b == num_layers the final normed
+# state the LM head reads (what MTP layers take).
+#   -> hidden_states [num_tokens, len(hidden_layers), hidden_size] float32
+HIDDEN_STATES = "hidden_states"
+HIDDEN_PRESETS = ("eagle3", "mtp")  # --hidden-states words besides a list of boundaries
+
+
+def hidden_state_layers(which: str, num_layers: int) -> tuple[int, ...]:
+    """The layer boundaries `--hidden-states` names: "eagle3" (2, L // 2, L - 3: vLLM's default aux layers),
+    "mtp" (L: the final normed state) or a comma list of boundaries in 0..L, ascending, each once.
+    ValueError saying what is allowed."""
+    w = which.strip().lower()
+    if w == "eagle3":
+        if num_layers < 4:
+            raise ValueError(f"eagle3 reads layers 2, L/2 and L-3, which a {num_layers}-layer model does not have")
+        return tuple(sorted({2, num_layers // 2, num_layers - 3}))
+    if w == "mtp":
+        return (num_layers,)
+    try:
+        layers = tuple(int(x) for x in w.split(","))
+    except ValueError:
+        raise ValueError(f"{which!r} is neither {' nor '.join(HIDDEN_PRESETS)} nor a comma list of layer "
+                         f"boundaries 0..{num_layers}") from None
+    if not layers or list(layers) != sorted(set(layers)) or not 0 <= layers[0] <= layers[-1] <= num_layers:
+        raise ValueError(f"{which!r}: layer boundaries must be ascending, each once, in 0..{num_layers} "
+                         f"({num_layers}: the final normed state)")
+    return layers
 # KV cache groups (see the module docstring): the full group uses the names above
 FULL_GROUP = "full"
 LOCAL_GROUP = "local"
@@ -561,6 +591,8 @@ def graph_io(
     layer_dims: tuple[tuple[int, int], ...] | None = None,
     state: tuple[int, StateDims] | None = None,
     scores: bool = False,
+    hidden_layers: tuple[int, ...] = (),
+    hidden_size: int = 0,
 ) -> GraphIO:
     """Every input and output of one graph, in order. The exporter declares exactly
     these; the runtime feeds exactly these. `layer_groups`: each layer's KV cache group
@@ -573,11 +605,12 @@ def graph_io(
     `state`: a hybrid's (linear layers, state shapes) (`state_dims`; paged only): the recurrent
     state I/O ("Recurrent state" above), after the pools. `scores`: the paged graphs take
     OBSERVATION_LENS (last input) and return attention_scores.{i} per KV layer (last outputs;
-    importance eviction; MLA builds: [NUM_SEQS, 1, SCORE_LEN], the one latent "KV head")."""
+    importance eviction; MLA builds: [NUM_SEQS, 1, SCORE_LEN], the one latent "KV head").
+    `hidden_layers`: the paged graphs return HIDDEN_STATES at those boundaries (the last output)."""
     dims = layer_dims or ((num_kv_heads, head_dim),) * num_layers  # per layer (KV heads, head_dim)
     if layout is KVLayout.CONTIGUOUS:
-        if latent or state is not None:
-            raise ValueError("MLA and recurrent-state (hybrid) builds are paged only")
+        if latent or state is not None or hidden_layers:
+            raise ValueError("MLA, recurrent-state (hybrid) builds and hidden-state outputs are paged only")
         # NOTE: decode's sequence axis is dynamic too (one token per step in the runtime): the decode
         # graph is then also a single "decoder with past" that optimum's ORTModelForCausalLM and
         # onnxruntime-genai's `decoder` type run on the prompt (empty past) and every step; its
@@ -639,6 +672,8 @@ def graph_io(
         inputs.append(TensorSpec(OBSERVATION_LENS, "int64", (NUM_SEQS,)))
         outputs += [TensorSpec(attention_scores(i), "float32", (NUM_SEQS, dims[i][0], SCORE_LEN))
                     for i in _kv_layers(num_layers, kv_layers)]
+    if hidden_layers:
+        outputs.append(TensorSpec(HIDDEN_STATES, "float32", (ntok, len(hidden_layers), hidden_size)))
     return GraphIO(tuple(inputs), tuple(outputs))
 
 

@@ -84,6 +84,9 @@ class GraphEntry:
     inputs: tuple[io.TensorSpec, ...]  # io.graph_io(...).inputs, in order
     outputs: tuple[io.TensorSpec, ...]  # io.graph_io(...).outputs, in order
     bytes: int  # size of the .onnx file, bytes (weights live in the shared data file)
+    # the layer boundaries of its io.HIDDEN_STATES output (`--hidden-states`); None (left out of the JSON):
+    # none, or builds made before it
+    hidden_layers: tuple[int, ...] | None = field(default=None, metadata={"omit_if_none": True})
 
 
 # The ModelSpec fields downstream reads, with their types (checked when a manifest is read).

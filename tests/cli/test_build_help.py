@@ -32,6 +32,10 @@ BEFORE = [
     # NOTE: added on purpose (issue 44): one PEFT LoRA adapter merged into the build
     ("--lora", "SafePath", False, "A PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors) "
      "merged into the weights: the build serves base + that adapter at the base's speed."),
+    # NOTE: added on purpose (issue 45 §1): the hidden-state output draft heads read
+    ("--hidden-states", "StringParamType", False, "Paged builds: the graphs also return every token's hidden states "
+     "at these layer boundaries, for draft heads: eagle3 (layers 2, L/2, L-3), mtp (the final normed state) or a "
+     "comma list in 0..L (transformers' output_hidden_states indices) [none]."),
     ("--allow-pickle", "BoolParamType", True, "Accept pickled *.bin weights (loaded with weights_only=True)."),
     ("--force", "BoolParamType", True, "Replace an earlier kvexport build at --out (never anything else)."),
     ("--no-validate", "BoolParamType", True, "Skip the comparison with transformers."),

@@ -144,8 +144,10 @@ def build_options(f):
             kw.update(type=SafePath(exists=True, dir_okay=folder, file_okay=not folder, readable=True))
         elif spec.range is not None:
             kw.update(type=option_range(fld.name))
-        else:
+        elif build_spec.choice_words(fld):
             kw.update(type=click.Choice(build_spec.choice_words(fld)))
+        else:  # free text the build checks itself (--hidden-states)
+            kw.update(type=click.STRING)
         opts.append(click.option(build_spec.flag(fld), fld.name, **kw))
     for o in reversed(opts):
         f = o(f)
