@@ -40,6 +40,10 @@ def check_json_schema(schema: Any, param: str) -> None:
 
     if not isinstance(schema, (dict, bool)):
         raise GrammarError(f"{param} must be a JSON schema (an object), got {type(schema).__name__}", param)
+    where = _non_finite(schema, "")
+    if where is not None:  # NOTE: Python's json reads NaN / Infinity; JSON has neither (xgrammar's parser fails)
+        raise GrammarError(f"{param}: {where[1]} (at {where[0] or '/'}) is not a JSON number; use a finite number",
+                           param)
     try:
         jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
     except jsonschema.SchemaError as e:
@@ -184,6 +188,20 @@ def _check_required(s: dict, path: str, param: str) -> None:
                            f"{'are' if len(missing) > 1 else 'is'} not in its properties; this server admits only "
                            f"listed properties: add {'them' if len(missing) > 1 else 'it'} to properties",
                            param, code="invalid_grammar")
+
+
+def _non_finite(v: Any, path: str) -> tuple[str, str] | None:
+    """(where, the value) of the first NaN / Infinity in a parsed JSON value, or None."""
+    import math
+
+    if isinstance(v, float) and not math.isfinite(v):
+        return path, str(v)
+    items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, list) else ()
+    for k, sub in items:
+        found = _non_finite(sub, f"{path}/{k}")
+        if found is not None:
+            return found
+    return None
 
 
 def check_regex_anchors(regex: str, param: str) -> None:

@@ -83,6 +83,9 @@ def check_tools(tools: Any, param: str = "tools") -> list[dict]:
         names.add(name)
         if f.get("description") is not None and not isinstance(f["description"], str):
             raise RequestError(f"{at}.function.description must be a string", f"{at}.function.description")
+        if f.get("strict") is not None and not isinstance(f["strict"], bool):
+            raise RequestError(f"{at}.function.strict must be true or false, got {f['strict']!r}",
+                               f"{at}.function.strict")
         params = f.get("parameters", {"type": "object", "properties": {}})
         check_json_schema(params, f"{at}.function.parameters")
         if not isinstance(params, Mapping) or params.get("type", "object") != "object":

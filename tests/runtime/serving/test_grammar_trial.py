@@ -104,6 +104,7 @@ def test_a_grammar_that_admits_no_output_is_refused(manager, spec, param):
     ({"type": "object", "properties": {"price": {"type": "number", "multipleOf": 0.25}}}, "multipleOf"),
     ({"type": "integer", "multipleOf": 7}, "multipleOf"),  # enforced, but its digits unbounded
     ({"type": "string", "enum": [1, 2]}, "no value can match it"),
+    ({"type": "number", "maximum": float("nan")}, "nan (at /maximum) is not a JSON number"),  # was xgrammar's internals
     ({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "const": -1}}}, "const value -1"),
     ({"type": "string", "enum": ["a", 1]}, "enum value 1 "),
     ({"type": "object", "required": ["zz"], "properties": {"a": {"type": "integer"}}, "additionalProperties": False},

@@ -287,6 +287,8 @@ def test_legacy_functions_and_function_call(client):
      "tool_choice.function.name", "must be a string"),  # was a 500: unhashable list
     ({"functions": [{"name": "f"}], "function_call": {"name": {}}}, "function_call.name", "must be a string"),
     ({"structured_outputs": {"regex": "a$b"}}, "structured_outputs.regex", "anchor"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}]}, "tools[0].function.strict",
+     "true or false"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"functions": [{"name": "f", "parameters": {"type": "bogus"}}]}, "functions[0].parameters",
      "not a valid JSON schema"),
