@@ -59,6 +59,7 @@ class Plan:
     attention_note: str | None = None  # why the attention fell back to onnx (None: it did not)
     lora: Any = None  # exporter/lora.py LoraAdapter merged into the weights (--lora); None: none
     hidden_layers: tuple[int, ...] = ()  # io.HIDDEN_STATES boundaries (--hidden-states); (): no such output
+    lora_plan: dict | None = None  # the adapters the graphs take at serve time (exporter/lora.py serve_plan)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -190,6 +191,7 @@ def read_model(src: source.ModelSource, opts: BuildOptions, progress: Progress) 
         except ValueError as e:
             raise ConfigError(f"--hidden-states {e}") from None
     adapter = lora.read(opts.lora) if opts.lora else None  # NOTE: checked before any weight is loaded
+    lora_plan = lora.serve_plan(spec, opts.lora_max_rank, opts.lora_targets) if opts.lora_max_rank else None
     if adapter is not None and src.kind == "hf":
         from . import prequantized
 
@@ -198,7 +200,7 @@ def read_model(src: source.ModelSource, opts: BuildOptions, progress: Progress) 
                               f"would change them); merge into the float checkpoint it was quantized from, then "
                               f"quantize with --weights int8|int4")
     return Plan(opts=opts, config=config, spec=spec, kv=kv_form(opts.kv, spec), max_len=max_len,
-                attention_note=attention_note, lora=adapter, hidden_layers=hidden)
+                attention_note=attention_note, lora=adapter, hidden_layers=hidden, lora_plan=lora_plan)
 
 
 def load(src: source.ModelSource, plan: Plan, progress: Progress) -> Loaded:
@@ -242,7 +244,10 @@ def write_graphs(d: Path, plan: Plan, loaded: Loaded, kv: KVConstants, wf: Weigh
             g = GraphOptions(opts.layout, phase, opts.dtype, opts.kv, opts.block_size, plan.max_len, opts.all_logits,
                              opts.attention, kv.scales, kv.offsets, qweights=wf.qweights, layer_groups=layer_groups,
                              logits_indices=opts.layout is io.KVLayout.PAGED, scores=scores_declared(opts, spec),
-                             hidden_layers=plan.hidden_layers)
+                             hidden_layers=plan.hidden_layers,
+                             lora=plan.lora_plan and tuple(tuple(x) for x in plan.lora_plan["layers"]),
+                             lora_ranks=plan.lora_plan and tuple((m, lora.module_rank(plan.lora_plan, m))
+                                                                 for m in plan.lora_plan["parts"]))
             dg = DecoderGraph(spec, wf.weights, loaded.rope, g, store)
             graphs[phase] = (dg.build(), dg.io)
     with progress("writing graphs and weights"):
@@ -297,7 +302,7 @@ def make_manifest(src: source.ModelSource, plan: Plan, kv: KVConstants, wf: Weig
         weights=WeightsEntry(io.WEIGHTS_FILE, graphs.weight_bytes, graphs.parameters, wf.quantization.precision,
                              wf.record, sha256=graphs.weights_sha256),
         tokenizer=graphs.tokenizer, all_logits=opts.all_logits, validation=None, tools=versions(),
-        notes=notes(plan, plan.kv, wf))
+        notes=notes(plan, plan.kv, wf), lora=plan.lora_plan)
 
 
 def validated(d: Path, manifest: Manifest, plan: Plan, loaded: Loaded, progress: Progress) -> Manifest:

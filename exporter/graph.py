@@ -59,6 +59,10 @@ class GraphOptions:
     scores: bool = False
     # paged: the graphs return io.HIDDEN_STATES at these layer boundaries (io.hidden_state_layers); (): none
     hidden_layers: tuple[int, ...] = ()
+    # paged: the (layer, module, in, out) matmuls that take LoRA factors (io.LORA_INDEX), and each module's rank
+    # per slot (exporter/lora.py module_rank); (): no adapters
+    lora: tuple[tuple[int, str, int, int], ...] | None = ()
+    lora_ranks: tuple[tuple[str, int], ...] | None = ()
 
 
 RopeTables = dict[str, tuple[np.ndarray, np.ndarray]]  # spec.ROPE_KINDS kind -> (cos, sin) [max_len, rot/2]
@@ -124,7 +128,10 @@ class DecoderGraph:
                               attention=opts.attention, layer_groups=opts.layer_groups, latent=mla_row is not None,
                               logits_indices=opts.logits_indices, **gemma4.graph_io_fields(spec, opts.kv_dtype),
                               **linear_attention.graph_io_fields(spec, opts),
-                              scores=opts.scores, hidden_layers=opts.hidden_layers, hidden_size=spec.hidden_size)
+                              scores=opts.scores, hidden_layers=opts.hidden_layers, hidden_size=spec.hidden_size,
+                              lora=opts.lora or ())
+        self._lora = {(i, m) for i, m, _, _ in opts.lora or ()}  # the (layer, module) pairs adapters reach
+        self._lora_rank = dict(opts.lora_ranks or ())
         self.score_out: list[str] = []  # attention_scores of each KV layer, in graph_io's order
         self.kv_rows: dict[int, tuple[str, str]] = {}  # layer -> this step's float32 (k, v), for layers sharing it
         self.groups = opts.layer_groups or (io.FULL_GROUP,) * spec.num_layers
@@ -218,6 +225,24 @@ class DecoderGraph:
             sums = b.op("MatMul", x, b.const(ones, self.act))
             y = b.op("Gemm", sums, offset, y) if self.paged else b.op("Add", y, b.op("MatMul", sums, offset))
         return b.op("Add", y, bias) if bias else y
+
+    def lora(self, i: int, module: str, x: str, y: str) -> str:
+        """y + the LoRA delta of layer i's `module` for each token's adapter (kvexport/io.py LORA_INDEX); y when
+        the build takes no adapters there:
+
+            x [T, in] ─> MatMul lora_a [in, S·R] ─> [T, S, R] × (lora_index [T] == slot s) [T, S, 1] ─> [T, S·R]
+              ─> MatMul lora_b [S·R, out] ─> (+ y) [T, out]           (S: the slots loaded, R: the module's rank)
+        """
+        if (i, module) not in self._lora:
+            return y
+        b, rank = self.b, self._lora_rank[module]
+        xa = b.op("MatMul", x, io.lora_a(i, module))  # [T, S·R]
+        slots = b.op("Div", b.op("Gather", b.op("Shape", io.lora_a(i, module)), b.const(1), axis=0), b.const(rank))
+        mask = b.op("Equal", b.op("Unsqueeze", io.LORA_INDEX, b.const([1])), b.op("Range", b.const(0), slots,
+                                                                                    b.const(1)))  # [T, S]
+        mask = b.op("Unsqueeze", b.op("Cast", mask, to=onnx_dtype(self.act)), b.const([2]))  # [T, S, 1]
+        xa = b.op("Reshape", b.op("Mul", b.op("Reshape", xa, b.const([0, -1, rank])), mask), b.const([0, -1]))
+        return b.op("Add", y, b.op("MatMul", xa, io.lora_b(i, module)))
 
     def norm(self, x: str, w: np.ndarray, bias: np.ndarray | None, name: str) -> str:
         """float32 normalization; returns the activation dtype."""
@@ -414,14 +439,16 @@ class DecoderGraph:
         routed = moe.moe_block(self, hn, i, lw.moe, self.opts.moe_form) if lw.moe is not None else None
         if lw.up_w is None:  # a sparse layer without shared experts
             return routed
-        up = self.linear(hn, self.matrix(p + "mlp.up.weight", lw.up_w), self.matrix(p + "mlp.up.bias", lw.up_b))
+        up = self.lora(i, "mlp.up", hn, self.linear(hn, self.matrix(p + "mlp.up.weight", lw.up_w),
+                                                    self.matrix(p + "mlp.up.bias", lw.up_b)))
         if spec.gated_mlp:
             inter = lw.up_w.shape[1] // 2  # NOTE: the weight's, not the spec's: a shared expert has its own width
             gate, up = b.op("Split", up, b.const([inter, inter]), axis=-1, outputs=2)
             m = b.op("Mul", self.activation(gate), up)
         else:
             m = self.activation(up)
-        m = self.linear(m, self.matrix(p + "mlp.down.weight", lw.down_w), self.matrix(p + "mlp.down.bias", lw.down_b))
+        m = self.lora(i, "mlp.down", m, self.linear(m, self.matrix(p + "mlp.down.weight", lw.down_w),
+                                                    self.matrix(p + "mlp.down.bias", lw.down_b)))
         if routed is None:
             return m
         if lw.moe.shared_gate_w is not None:  # qwen2_moe: sigmoid(x @ gate [H, 1]) scales the shared expert
@@ -435,7 +462,8 @@ class DecoderGraph:
         a layer that reads another layer's KV, src (Gemma 4: exporter/gemma4.py, kvexport/io.py "Shared KV"))."""
         b, spec, src = self.b, self.spec.layer_view(i), self.spec.kv_source(i)
         p = f"model.layers.{i}."
-        qkv = self.linear(hn, self.matrix(p + "attn.qkv.weight", lw.qkv_w), self.matrix(p + "attn.qkv.bias", lw.qkv_b))
+        qkv = self.lora(i, "attn.qkv", hn, self.linear(hn, self.matrix(p + "attn.qkv.weight", lw.qkv_w),
+                                                       self.matrix(p + "attn.qkv.bias", lw.qkv_b)))
         qkv = self.cast(qkv, self.act, "float32")
         h, kvh, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
         lead = [0] if self.paged else [0, 0]  # [T] or [B, S] leading axes
@@ -506,7 +534,8 @@ class DecoderGraph:
             a = self.cast(a, "float32", self.act)
         if lw.attn_gate_w is not None:  # Qwen3.5 / Qwen3-Next: the output × sigmoid(x @ gate) [.., H*D]
             a = b.op("Mul", a, b.op("Sigmoid", self.linear(hn, self.matrix(p + "attn.gate.weight", lw.attn_gate_w), None)))
-        a = self.linear(a, self.matrix(p + "attn.o.weight", lw.o_w), self.matrix(p + "attn.o.bias", lw.o_b))
+        a = self.lora(i, "attn.o", a, self.linear(a, self.matrix(p + "attn.o.weight", lw.o_w),
+                                                  self.matrix(p + "attn.o.bias", lw.o_b)))
         return a, ((k_out, v_out) if src == i else ())
 
     def select_logit_rows(self, h: str) -> str:

@@ -16,6 +16,10 @@ What a PEFT LoRA folder may say, and what is read (peft 0.21's LoraConfig names)
   module the model lacks or whose shape is not that module's (an adapter of another base model).
 
 Merged exactly in float32: W' = W + s · B @ A (B [out, r], A [r, in]; transposed for fan_in_fan_out).
+
+Serving adapters without merging (`kvexport build --lora-max-rank R [--lora-targets ...]`: kvexport/io.py
+LORA_INDEX): `serve_plan` decides which graph matmuls take low-rank factors (the build's manifest records it) and
+`pack` lays loaded adapters side by side in those factors, one slot each.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvexport import io
 from kvexport.errors import ConfigError, SourceError
 from kvexport.manifest import sha256
 
@@ -197,3 +202,89 @@ def merge_into(model, adapter: LoraAdapter) -> None:
     with torch.no_grad():
         for w, delta in updates:
             w += delta.to(w.dtype)
+
+
+ALL_TARGETS = tuple(p for parts in io.LORA_MODULES.values() for p in parts)
+
+
+def serve_plan(spec, max_rank: int, targets: str | None) -> dict:
+    """The manifest's `lora` entry of a build that serves adapters: {"max_rank", "targets", "parts": {module:
+    [[part, output offset, output width], ...] (targeted parts only, in column order)}, "layers": [[layer,
+    module, in, out], ...]}. ConfigError for a family or a target it cannot serve."""
+    if spec.moe is not None or spec.mla is not None or spec.linear_attn is not None or spec.per_layer_input:
+        raise ConfigError(f"--lora-max-rank: serving adapters is not supported for {spec.family} (mixtures of "
+                          f"experts, MLA, hybrids and Gemma 4 come later); dense families with q/k/v/o and "
+                          f"gate/up/down projections are, or merge one adapter with --lora")
+    from .families import FAMILIES, split_linear_weights
+
+    if FAMILIES[spec.family].weights is not split_linear_weights:
+        raise ConfigError(f"--lora-max-rank: serving adapters is not supported for {spec.family} (its checkpoints "
+                          f"fuse the projections); merge one adapter with --lora")
+    chosen = tuple(t.strip() for t in (targets or ",".join(ALL_TARGETS)).split(",") if t.strip())
+    unknown = [t for t in chosen if t not in ALL_TARGETS]
+    if unknown or not chosen:
+        raise ConfigError(f"--lora-targets {targets!r}: {unknown[0] if unknown else 'none given'} is not one of "
+                          f"{', '.join(ALL_TARGETS)}")
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    widths = {"q_proj": q, "k_proj": kv, "v_proj": kv, "o_proj": spec.hidden_size,
+              "gate_proj": spec.intermediate_size, "up_proj": spec.intermediate_size, "down_proj": spec.hidden_size}
+    fan_in = {"attn.qkv": spec.hidden_size, "attn.o": q, "mlp.up": spec.hidden_size, "mlp.down": spec.intermediate_size}
+    parts, layers = {}, []
+    for m, names in io.LORA_MODULES.items():
+        offset, mine = 0, []
+        for n in names:
+            if n in chosen:
+                mine.append([n, offset, widths[n]])
+            offset += widths[n]
+        if mine:
+            parts[m] = mine
+            layers += [[i, m, fan_in[m], offset] for i in range(spec.num_layers)]
+    layers.sort()
+    return {"max_rank": max_rank, "targets": [t for t in ALL_TARGETS if t in chosen], "parts": parts,
+            "layers": layers}
+
+
+def module_rank(plan: dict, module: str) -> int:
+    """A module's rank in the graph: max_rank per targeted part fused into it."""
+    return plan["max_rank"] * len(plan["parts"][module])
+
+
+_MODULE = re.compile(r"^model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)$")
+
+
+def pack(plan: dict, adapters: list[LoraAdapter], dtype=np.float32) -> dict[str, np.ndarray]:
+    """The graph inputs lora_a / lora_b of every adapted matmul with `adapters` in slots 0.. (kvexport/io.py
+    LORA_INDEX), each adapter's scale folded into B; SourceError naming the adapter and module it cannot take
+    (a target the build does not adapt, a rank above its max_rank)."""
+    r, slots = plan["max_rank"], len(adapters)
+    where = {(m, part[0]): (k, part[1], part[2]) for m, parts in plan["parts"].items() for k, part in enumerate(parts)}
+    module_of = {n: m for m, names in io.LORA_MODULES.items() for n in names}
+    out = {}
+    for i, m, fan_in, fan_out in plan["layers"]:
+        rank = module_rank(plan, m)
+        out[io.lora_a(i, m)] = np.zeros((fan_in, slots * rank), dtype)
+        out[io.lora_b(i, m)] = np.zeros((slots * rank, fan_out), dtype)
+    for s, adapter in enumerate(adapters):
+        for name, ml in adapter.modules.items():
+            found = _MODULE.match(name)
+            part = found[2] if found else None
+            m = module_of.get(part)
+            if found is None or m is None or (m, part) not in where:
+                raise SourceError(f"adapter {adapter.path} adapts {name}, which this build does not take adapters "
+                                  f"on (its targets: {', '.join(plan['targets'])}); rebuild with --lora-targets "
+                                  f"naming {part or name}")
+            if ml.a.shape[0] > r:
+                raise SourceError(f"adapter {adapter.path}: {name} has rank {ml.a.shape[0]}, above the build's "
+                                  f"--lora-max-rank {r}; rebuild with --lora-max-rank {ml.a.shape[0]} or more")
+            k, offset, width = where[(m, part)]
+            col = s * module_rank(plan, m) + k * r
+            key = (io.lora_a(int(found[1]), m), io.lora_b(int(found[1]), m))
+            if key[0] not in out:
+                raise SourceError(f"adapter {adapter.path} adapts {name}: the build has no such layer")
+            a, b = out[key[0]], out[key[1]]
+            if ml.a.shape[1] != a.shape[0] or ml.b.shape[0] != width:
+                raise SourceError(f"adapter {adapter.path}: {name} is [{ml.b.shape[0]} x {ml.a.shape[1]}], the build's "
+                                  f"is [{width} x {a.shape[0]}]: an adapter for another base model")
+            a[:, col:col + ml.a.shape[0]] = ml.a.T
+            b[col:col + ml.a.shape[0], offset:offset + width] = ml.b.T * ml.scale
+    return out

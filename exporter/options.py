@@ -93,6 +93,15 @@ class BuildOptions:
         None, "Paged builds: the graphs also return every token's hidden states at these layer boundaries, for "
               "draft heads: eagle3 (layers 2, L/2, L-3), mtp (the final normed state) or a comma list in 0..L "
               "(transformers' output_hidden_states indices) [none].")
+    # paged builds: the graphs take LoRA adapters at serve time (kvexport/io.py LORA_INDEX) up to this rank
+    # (rows); None: none
+    lora_max_rank: int | None = option(
+        None, "Paged builds: the graphs take PEFT LoRA adapters at serve time, batched per token, up to this rank "
+              "[none].", range=(1, 256))
+    # the HF modules those adapters may reach, comma-separated (exporter/lora.py ALL_TARGETS); None: all seven
+    lora_targets: str | None = option(
+        None, "With --lora-max-rank: the modules adapters may reach, comma-separated [q_proj,k_proj,v_proj,o_proj,"
+              "gate_proj,up_proj,down_proj].")
     validate_steps: int = option(16, range=(1, 1024))  # greedy decode steps compared with transformers
     engines: EngineBuildOptions | None = option(None)  # TensorRT engine limits / precision; None: the defaults
 
@@ -105,6 +114,10 @@ class BuildOptions:
             object.__setattr__(self, "attention", io.Attention.PLUGIN)
         if self.attention is io.Attention.PLUGIN and self.layout is not io.KVLayout.PAGED:
             raise ConfigError("--attention plugin needs --layout paged (PagedAttention reads a block pool)")
+        if self.lora_targets is not None and self.lora_max_rank is None:
+            raise ConfigError("--lora-targets needs --lora-max-rank (the rank the build takes adapters up to)")
+        if self.lora_max_rank is not None and self.layout is not io.KVLayout.PAGED:
+            raise ConfigError("--lora-max-rank needs --layout paged (the runtime serves adapters on paged builds)")
         if self.hidden_states is not None and self.layout is not io.KVLayout.PAGED:
             raise ConfigError("--hidden-states needs --layout paged (the draft heads that read them run in the "
                               "runtime, which serves paged builds)")

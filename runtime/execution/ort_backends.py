@@ -347,7 +347,21 @@ class _OrtBackend:
             del feeds[io.LOGITS_INDICES]
         if not self.scores:  # importance eviction: only graphs that declare it take observation_lens
             del feeds[io.OBSERVATION_LENS]
+        if self.manifest.lora:  # a build that takes LoRA adapters (kvexport/io.py LORA_INDEX): the base model
+            feeds[io.LORA_INDEX] = np.full(len(feeds[io.INPUT_IDS]), -1, np.int64)
+            feeds.update(self._lora_factors())
         return feeds
+
+    def _lora_factors(self) -> dict[str, np.ndarray]:
+        """The adapters' factors fed each step. NOTE: no slots loaded yet (serving adapters: issue 44 step 2),
+        so every factor has 0 rows: each adapted matmul adds nothing (the base model)."""
+        if getattr(self, "_lora_inputs", None) is None:
+            act = io.DType(self.manifest.dtype).numpy_name
+            self._lora_inputs = {}
+            for i, m, fan_in, fan_out in self.manifest.lora["layers"]:
+                self._lora_inputs[io.lora_a(i, m)] = np.zeros((fan_in, 0), act)
+                self._lora_inputs[io.lora_b(i, m)] = np.zeros((0, fan_out), act)
+        return self._lora_inputs
 
     @property
     def scores(self) -> bool:
@@ -446,8 +460,8 @@ class NativeOpBackend(_PluginBackend):
 
     def _run(self, sess, inp: ModelInput) -> np.ndarray:
         binding = self._bindings[id(sess)]
-        for name, arr in self._feeds(sess, inp).items():
-            binding.bind_cpu_input(name, np.ascontiguousarray(arr, dtype=np.int64))
+        for name, arr in self._feeds(sess, inp).items():  # metadata as int64; LoRA factors as they are
+            binding.bind_cpu_input(name, np.ascontiguousarray(arr, dtype=np.int64 if arr.dtype.kind in "iub" else None))
         binding.bind_output(io.LOGITS)  # rebound (still output 0): allocated at this step's shape
         if self.state is not None:  # hybrids: the state pools read, the new states returned (GatedDeltaRule)
             for name, arr in self.state.feeds(inp.state_slots).items():

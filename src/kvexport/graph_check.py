@@ -120,7 +120,8 @@ def check_graph_io(m, phase: io.Phase, inputs: tuple[io.TensorSpec, ...],
                            logits_indices=m.logits_indices, scores=bool(kv.attention_scores),
                            kv_layers=kv_layers, layer_dims=layer_dims, state=io.state_dims(m.model.spec),
                            hidden_layers=m.graphs[phase.value].hidden_layers or (),
-                           hidden_size=m.model.spec.get("hidden_size", 0))
+                           hidden_size=m.model.spec.get("hidden_size", 0),
+                           lora=tuple(tuple(x) for x in m.lora["layers"]) if m.lora else ())
     build = f"a {kv.layout} build with {kv.attention} attention{' and all logits' if m.all_logits else ''}"
     pairs = (("input", template.inputs, inputs), ("output", template.outputs, outputs))
     for kind, want, got in pairs:  # names first: a wrong layout or attention shows as a missing tensor

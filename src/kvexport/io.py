@@ -243,6 +243,35 @@ def hidden_state_layers(which: str, num_layers: int) -> tuple[int, ...]:
         raise ValueError(f"{which!r}: layer boundaries must be ascending, each once, in 0..{num_layers} "
                          f"({num_layers}: the final normed state)")
     return layers
+# LoRA adapters at serve time (paged builds that declare them, `kvexport build --lora-max-rank R`; issue 44): each
+# token's adapter slot, and for each adapted matmul of each layer the loaded adapters' low-rank factors side by side
+#   lora_index [num_tokens] int64: the token's slot, -1 the base model (no adapter)
+#   lora_a.{i}.{m} [in, lora_rows.{m}], lora_b.{i}.{m} [lora_rows.{m}, out] (the activation dtype)
+# lora_rows.{m} = slots x the module's rank: slot s owns rows/columns [s R, (s + 1) R), its parts (q, k, v of the
+# fused qkv; gate, up) R / parts each, their scale folded into B (exporter/lora.py pack). The graph adds
+#   ((x @ A) masked to each token's slot) @ B
+# to the matmul's output: one GEMM per factor whatever the mix of adapters in the step (a dense form of
+# Punica's batched LoRA); its cost grows with the slots the runtime loads, chosen at serve time.
+LORA_INDEX = "lora_index"
+# the graph matmuls (exporter/graph.py weight names model.layers.{i}.<m>.weight) an adapter can reach, and the
+# HF modules fused into each, in its column order
+LORA_MODULES: dict[str, tuple[str, ...]] = {"attn.qkv": ("q_proj", "k_proj", "v_proj"), "attn.o": ("o_proj",),
+                                            "mlp.up": ("gate_proj", "up_proj"), "mlp.down": ("down_proj",)}
+
+
+def lora_a(i: int, module: str) -> str:
+    return f"lora_a.{i}.{module}"
+
+
+def lora_b(i: int, module: str) -> str:
+    return f"lora_b.{i}.{module}"
+
+
+def lora_rows(module: str) -> str:
+    """The dynamic axis of a module's factors: slots x its rank."""
+    return f"lora_rows.{module}"
+
+
 # KV cache groups (see the module docstring): the full group uses the names above
 FULL_GROUP = "full"
 LOCAL_GROUP = "local"
@@ -593,6 +622,7 @@ def graph_io(
     scores: bool = False,
     hidden_layers: tuple[int, ...] = (),
     hidden_size: int = 0,
+    lora: tuple[tuple[int, str, int, int], ...] = (),
 ) -> GraphIO:
     """Every input and output of one graph, in order. The exporter declares exactly
     these; the runtime feeds exactly these. `layer_groups`: each layer's KV cache group
@@ -606,10 +636,12 @@ def graph_io(
     state I/O ("Recurrent state" above), after the pools. `scores`: the paged graphs take
     OBSERVATION_LENS (last input) and return attention_scores.{i} per KV layer (last outputs;
     importance eviction; MLA builds: [NUM_SEQS, 1, SCORE_LEN], the one latent "KV head").
-    `hidden_layers`: the paged graphs return HIDDEN_STATES at those boundaries (the last output)."""
+    `hidden_layers`: the paged graphs return HIDDEN_STATES at those boundaries (the last output).
+    `lora`: (layer, module, in, out) of each adapted matmul: the paged graphs take LORA_INDEX and each one's
+    lora_a / lora_b (the last inputs)."""
     dims = layer_dims or ((num_kv_heads, head_dim),) * num_layers  # per layer (KV heads, head_dim)
     if layout is KVLayout.CONTIGUOUS:
-        if latent or state is not None or hidden_layers:
+        if latent or state is not None or hidden_layers or lora:
             raise ValueError("MLA, recurrent-state (hybrid) builds and hidden-state outputs are paged only")
         # NOTE: decode's sequence axis is dynamic too (one token per step in the runtime): the decode
         # graph is then also a single "decoder with past" that optimum's ORTModelForCausalLM and
@@ -674,6 +706,11 @@ def graph_io(
                     for i in _kv_layers(num_layers, kv_layers)]
     if hidden_layers:
         outputs.append(TensorSpec(HIDDEN_STATES, "float32", (ntok, len(hidden_layers), hidden_size)))
+    if lora:
+        inputs.append(TensorSpec(LORA_INDEX, "int64", (ntok,)))
+        for i, m, fan_in, fan_out in lora:
+            inputs += [TensorSpec(lora_a(i, m), act_dtype, (fan_in, lora_rows(m))),
+                       TensorSpec(lora_b(i, m), act_dtype, (lora_rows(m), fan_out))]
     return GraphIO(tuple(inputs), tuple(outputs))
 
 

@@ -275,6 +275,9 @@ class Manifest:
     notes: tuple[str, ...] = ()  # human-readable remarks on the build
     samples: dict[str, str] = field(default_factory=dict)  # phase -> polygraphy input file
     engines: EnginesEntry | None = None  # TensorRT engines, when built (exporter/tensorrt_build.py)
+    # the LoRA adapters the graphs take at serve time (exporter/lora.py serve_plan: max_rank, targets, parts,
+    # layers; kvexport/io.py LORA_INDEX); None (left out of the JSON): none
+    lora: dict | None = field(default=None, metadata={"omit_if_none": True})
 
     def to_json(self) -> dict:
         return _to_json(self)

@@ -36,6 +36,11 @@ BEFORE = [
     ("--hidden-states", "StringParamType", False, "Paged builds: the graphs also return every token's hidden states "
      "at these layer boundaries, for draft heads: eagle3 (layers 2, L/2, L-3), mtp (the final normed state) or a "
      "comma list in 0..L (transformers' output_hidden_states indices) [none]."),
+    # NOTE: added on purpose (issue 44 step 2): graphs that take adapters at serve time
+    ("--lora-max-rank", "int:1..256", False, "Paged builds: the graphs take PEFT LoRA adapters at serve time, batched "
+     "per token, up to this rank [none]."),
+    ("--lora-targets", "StringParamType", False, "With --lora-max-rank: the modules adapters may reach, "
+     "comma-separated [q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]."),
     ("--allow-pickle", "BoolParamType", True, "Accept pickled *.bin weights (loaded with weights_only=True)."),
     ("--force", "BoolParamType", True, "Replace an earlier kvexport build at --out (never anything else)."),
     ("--no-validate", "BoolParamType", True, "Skip the comparison with transformers."),
