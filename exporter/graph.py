@@ -21,7 +21,7 @@ import torch
 from kvexport import io
 
 from . import attention as attn
-from . import gemma4, kv_int4, linear_attention, mla, moe, short_conv
+from . import gemma4, kv_int4, linear_attention, lora, mla, moe, short_conv
 from .model_weights import LayerWeights, ModelWeights
 from .onnx_builder import GraphBuilder, WeightStore, onnx_dtype
 from .quantize import CHANNEL, QUANTIZED_EMBED, QUANTIZED_HEAD, QuantizedMatrix, stored_codes
@@ -227,22 +227,8 @@ class DecoderGraph:
         return b.op("Add", y, bias) if bias else y
 
     def lora(self, i: int, module: str, x: str, y: str) -> str:
-        """y + the LoRA delta of layer i's `module` for each token's adapter (kvexport/io.py LORA_INDEX); y when
-        the build takes no adapters there:
-
-            x [T, in] ─> MatMul lora_a [in, S·R] ─> [T, S, R] × (lora_index [T] == slot s) [T, S, 1] ─> [T, S·R]
-              ─> MatMul lora_b [S·R, out] ─> (+ y) [T, out]           (S: the slots loaded, R: the module's rank)
-        """
-        if (i, module) not in self._lora:
-            return y
-        b, rank = self.b, self._lora_rank[module]
-        xa = b.op("MatMul", x, io.lora_a(i, module))  # [T, S·R]
-        slots = b.op("Div", b.op("Gather", b.op("Shape", io.lora_a(i, module)), b.const(1), axis=0), b.const(rank))
-        mask = b.op("Equal", b.op("Unsqueeze", io.LORA_INDEX, b.const([1])), b.op("Range", b.const(0), slots,
-                                                                                    b.const(1)))  # [T, S]
-        mask = b.op("Unsqueeze", b.op("Cast", mask, to=onnx_dtype(self.act)), b.const([2]))  # [T, S, 1]
-        xa = b.op("Reshape", b.op("Mul", b.op("Reshape", xa, b.const([0, -1, rank])), mask), b.const([0, -1]))
-        return b.op("Add", y, b.op("MatMul", xa, io.lora_b(i, module)))
+        """y + layer i's `module` LoRA delta per token (exporter/lora.py graph_delta); y where no adapter reaches."""
+        return y if (i, module) not in self._lora else lora.graph_delta(self, i, module, x, y, self._lora_rank[module])
 
     def norm(self, x: str, w: np.ndarray, bias: np.ndarray | None, name: str) -> str:
         """float32 normalization; returns the activation dtype."""

@@ -288,3 +288,22 @@ def pack(plan: dict, adapters: list[LoraAdapter], dtype=np.float32) -> dict[str,
             a[:, col:col + ml.a.shape[0]] = ml.a.T
             b[col:col + ml.a.shape[0], offset:offset + width] = ml.b.T * ml.scale
     return out
+
+
+def graph_delta(g, i: int, module: str, x: str, y: str, rank: int) -> str:
+    """y + the LoRA delta of layer i's `module` for each token's adapter (kvexport/io.py LORA_INDEX), emitted
+    into DecoderGraph `g` (exporter/graph.py):
+
+        x [T, in] ─> MatMul lora_a [in, S·R] ─> [T, S, R] × (lora_index [T] == slot s) [T, S, 1] ─> [T, S·R]
+          ─> MatMul lora_b [S·R, out] ─> (+ y) [T, out]           (S: the slots loaded, R: the module's rank)
+    """
+    from .onnx_builder import onnx_dtype
+
+    b = g.b
+    xa = b.op("MatMul", x, io.lora_a(i, module))  # [T, S·R]
+    slots = b.op("Div", b.op("Gather", b.op("Shape", io.lora_a(i, module)), b.const(1), axis=0), b.const(rank))
+    mask = b.op("Equal", b.op("Unsqueeze", io.LORA_INDEX, b.const([1])),
+                b.op("Range", b.const(0), slots, b.const(1)))  # [T, S]
+    mask = b.op("Unsqueeze", b.op("Cast", mask, to=onnx_dtype(g.act)), b.const([2]))  # [T, S, 1]
+    xa = b.op("Reshape", b.op("Mul", b.op("Reshape", xa, b.const([0, -1, rank])), mask), b.const([0, -1]))
+    return b.op("Add", y, b.op("MatMul", xa, io.lora_b(i, module)))
