@@ -118,6 +118,10 @@ class BuildOptions:
             raise ConfigError("--lora-targets needs --lora-max-rank (the rank the build takes adapters up to)")
         if self.lora_max_rank is not None and self.layout is not io.KVLayout.PAGED:
             raise ConfigError("--lora-max-rank needs --layout paged (the runtime serves adapters on paged builds)")
+        if self.backend == "tensorrt" and (self.lora_max_rank is not None or self.hidden_states is not None):
+            flag = "--lora-max-rank" if self.lora_max_rank is not None else "--hidden-states"
+            raise ConfigError(f"--backend tensorrt: {flag} is served by the onnxruntime backend only so far (the "
+                              f"TensorRT engines' runtime binds neither); build for --backend onnxruntime")
         if self.hidden_states is not None and self.layout is not io.KVLayout.PAGED:
             raise ConfigError("--hidden-states needs --layout paged (the draft heads that read them run in the "
                               "runtime, which serves paged builds)")

@@ -134,6 +134,8 @@ def _spec(folder):
 @pytest.mark.parametrize("kw, words", [
     (dict(lora_targets="q_proj"), "--lora-targets needs --lora-max-rank"),
     (dict(lora_max_rank=8, layout=io.KVLayout.CONTIGUOUS), "--lora-max-rank needs --layout paged"),
+    (dict(lora_max_rank=8, backend="tensorrt", dtype=io.DType.FP16), "--backend tensorrt: --lora-max-rank"),
+    (dict(hidden_states="mtp", backend="tensorrt", dtype=io.DType.FP16), "--backend tensorrt: --hidden-states"),
 ])
 def test_options_refused_together(kw, words):
     with pytest.raises(ConfigError, match=words):
