@@ -116,6 +116,13 @@ def read(path: str | Path) -> LoraAdapter:
     for field, pattern in (("rank_pattern", rank_pattern), ("alpha_pattern", alpha_pattern)):
         if not isinstance(pattern, dict):
             raise _refuse(d, field, pattern, "must map module names to numbers")
+        for key, v in pattern.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1 << 16:
+                raise _refuse(d, f"{field}.{key}", v, "must be a positive number below 65536")
+            try:
+                re.compile(key)
+            except re.error as e:
+                raise _refuse(d, field, key, f"the key is not a regular expression ({e})") from None
     rslora, fan = bool(cfg.get("use_rslora", False)), bool(cfg.get("fan_in_fan_out", False))
     weights = d / WEIGHTS_FILE
     if not weights.is_file():

@@ -82,6 +82,8 @@ def _edit(adapter, **fields):
     (dict(target_parameters=["mlp.experts.gate_up_proj"]), "target_parameters"),
     (dict(rank_pattern={"q_proj": 2}), "rank_pattern"),  # the weights are rank 4
     (dict(fan_in_fan_out=True), "fan_in_fan_out"),  # llama's Linear stores [out, in]
+    (dict(rank_pattern={"q_proj(": 4}), "not a regular expression"),
+    (dict(alpha_pattern={"q_proj": "x"}), "alpha_pattern.q_proj"),
 ])
 def test_refused_config_fields(hf_folder, tmp_path, fields, named):
     adapter = _edit(_adapter(hf_folder, tmp_path), **fields)
