@@ -244,10 +244,7 @@ def write_graphs(d: Path, plan: Plan, loaded: Loaded, kv: KVConstants, wf: Weigh
             g = GraphOptions(opts.layout, phase, opts.dtype, opts.kv, opts.block_size, plan.max_len, opts.all_logits,
                              opts.attention, kv.scales, kv.offsets, qweights=wf.qweights, layer_groups=layer_groups,
                              logits_indices=opts.layout is io.KVLayout.PAGED, scores=scores_declared(opts, spec),
-                             hidden_layers=plan.hidden_layers,
-                             lora=plan.lora_plan and tuple(tuple(x) for x in plan.lora_plan["layers"]),
-                             lora_ranks=plan.lora_plan and tuple((m, lora.module_rank(plan.lora_plan, m))
-                                                                 for m in plan.lora_plan["parts"]))
+                             hidden_layers=plan.hidden_layers, lora_plan=plan.lora_plan)
             dg = DecoderGraph(spec, wf.weights, loaded.rope, g, store)
             graphs[phase] = (dg.build(), dg.io)
     with progress("writing graphs and weights"):

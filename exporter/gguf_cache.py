@@ -8,11 +8,11 @@ second and later loads of the same file into reads of config.json, tokenizer.jso
 
     $KVEXPORT_CACHE_DIR (else $XDG_CACHE_HOME/kvexport, else ~/.cache/kvexport)
       gguf/<sha256 of the file + transformers' version>/
-        metadata.json      the header fields source.gguf_metadata reads
+        metadata/          metadata.json: the header fields source.gguf_metadata reads
         config/            AutoConfig.save_pretrained (GGUF_CONFIG_FILL applied)
         tokenizer/         AutoTokenizer.save_pretrained
-        model/             the float32 model's save_pretrained (config.json + safetensors), only when the
-                           weights hold at most WEIGHTS_CAP bytes (a 7B model dequantized would be ~28 GB)
+        model/             the float32 model (save_model: config.json, generation_config.json, safetensors),
+                           only when the weights hold at most WEIGHTS_CAP bytes (a 7B model would be ~28 GB)
 
 Each part is written to a temporary folder beside it and renamed into place, so a part is whole or absent;
 two processes converting the same file at once each write their own and the first rename wins. A cache that
@@ -55,19 +55,25 @@ def entry(gguf_path: Path) -> Path | None:
     base = root()
     if base is None:
         return None
-    st = Path(gguf_path).stat()
-    return base / "gguf" / _key(str(Path(gguf_path).resolve()), st.st_size, st.st_mtime_ns)
+    import transformers
+
+    return base / "gguf" / f"{file_sha256(gguf_path)[:32]}-transformers-{transformers.__version__}"
+
+
+def file_sha256(path: Path) -> str:
+    """Hex sha256 of a source file, hashed once per (path, size, mtime) in this process: the cache key and the
+    manifest's record of the source (ModelSource.to_json) read the same value, not the file twice."""
+    st = Path(path).stat()
+    return _sha256(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
 
 
 @functools.lru_cache(maxsize=8)
-def _key(path: str, size: int, mtime_ns: int) -> str:
-    import transformers
-
-    return f"{sha256(Path(path))[:32]}-transformers-{transformers.__version__}"
+def _sha256(path: str, size: int, mtime_ns: int) -> str:
+    return sha256(Path(path))
 
 
 def part(gguf_path: Path, name: str) -> Path | None:
-    """The cached part `name` (metadata.json, config, tokenizer, model) of the file, or None when absent."""
+    """The cached part `name` (metadata, config, tokenizer, model) of the file, or None when absent."""
     e = entry(gguf_path)
     p = e / name if e is not None else None
     return p if p is not None and p.exists() else None
@@ -103,7 +109,7 @@ def drop(gguf_path: Path, name: str) -> None:
     p = part(gguf_path, name)
     if p is not None:
         log.warning("the cached %s of %s could not be read; converting the GGUF file again", name, gguf_path)
-        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+        shutil.rmtree(p, ignore_errors=True)  # every part is a folder
 
 
 def metadata(gguf_path: Path, read: Callable[[], dict]) -> dict:

@@ -59,10 +59,8 @@ class GraphOptions:
     scores: bool = False
     # paged: the graphs return io.HIDDEN_STATES at these layer boundaries (io.hidden_state_layers); (): none
     hidden_layers: tuple[int, ...] = ()
-    # paged: the (layer, module, in, out) matmuls that take LoRA factors (io.LORA_INDEX), and each module's rank
-    # per slot (exporter/lora.py module_rank); (): no adapters
-    lora: tuple[tuple[int, str, int, int], ...] | None = ()
-    lora_ranks: tuple[tuple[str, int], ...] | None = ()
+    # paged: the adapters the graphs take at serve time (exporter/lora.py serve_plan: io.LORA_INDEX); None: none
+    lora_plan: dict | None = None
 
 
 RopeTables = dict[str, tuple[np.ndarray, np.ndarray]]  # spec.ROPE_KINDS kind -> (cos, sin) [max_len, rot/2]
@@ -129,9 +127,8 @@ class DecoderGraph:
                               logits_indices=opts.logits_indices, **gemma4.graph_io_fields(spec, opts.kv_dtype),
                               **linear_attention.graph_io_fields(spec, opts),
                               scores=opts.scores, hidden_layers=opts.hidden_layers, hidden_size=spec.hidden_size,
-                              lora=opts.lora or ())
-        self._lora = {(i, m) for i, m, _, _ in opts.lora or ()}  # the (layer, module) pairs adapters reach
-        self._lora_rank = dict(opts.lora_ranks or ())
+                              lora=lora.graph_layers(opts.lora_plan))
+        self._lora = {(i, m) for i, m, _, _ in lora.graph_layers(opts.lora_plan)}  # the (layer, module) pairs reached
         self.score_out: list[str] = []  # attention_scores of each KV layer, in graph_io's order
         self.kv_rows: dict[int, tuple[str, str]] = {}  # layer -> this step's float32 (k, v), for layers sharing it
         self.groups = opts.layer_groups or (io.FULL_GROUP,) * spec.num_layers
@@ -228,7 +225,9 @@ class DecoderGraph:
 
     def lora(self, i: int, module: str, x: str, y: str) -> str:
         """y + layer i's `module` LoRA delta per token (exporter/lora.py graph_delta); y where no adapter reaches."""
-        return y if (i, module) not in self._lora else lora.graph_delta(self, i, module, x, y, self._lora_rank[module])
+        if (i, module) not in self._lora:
+            return y
+        return lora.graph_delta(self, i, module, x, y, lora.module_rank(self.opts.lora_plan, module))
 
     def norm(self, x: str, w: np.ndarray, bias: np.ndarray | None, name: str) -> str:
         """float32 normalization; returns the activation dtype."""

@@ -251,6 +251,11 @@ def serve_plan(spec, max_rank: int, targets: str | None) -> dict:
             "layers": layers}
 
 
+def graph_layers(plan: dict | None) -> tuple[tuple[int, str, int, int], ...]:
+    """The plan's (layer, module, in, out) matmuls, as io.graph_io takes them; () without a plan."""
+    return tuple(tuple(x) for x in plan["layers"]) if plan else ()
+
+
 def module_rank(plan: dict, module: str) -> int:
     """A module's rank in the graph: max_rank per targeted part fused into it."""
     return plan["max_rank"] * len(plan["parts"][module])

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvexport.errors import ConfigError, SourceError, UnsupportedModelError
-from kvexport.manifest import sha256
 
 from . import config_fields, gguf_cache
 from .families import FAMILIES, family_for, supported_gguf_archs
@@ -39,7 +38,8 @@ class ModelSource:
     def to_json(self, with_hashes: bool = True) -> dict:
         return {"kind": self.kind, "name": self.name, "path": str(self.directory / (self.gguf_file or "")),
                 "weights": [{"file": f.name, "bytes": f.stat().st_size,
-                             **({"sha256": sha256(f)} if with_hashes else {})} for f in self.weight_files]}
+                             **({"sha256": gguf_cache.file_sha256(f)} if with_hashes else {})}
+                            for f in self.weight_files]}
 
 
 def resolve(model: str, *, allow_pickle: bool = False) -> ModelSource:

@@ -70,11 +70,12 @@ def check_json_schema(schema: Any, param: str) -> None:
                                f"enforced by this server's constrained decoding (the pattern alone is); put the "
                                f"length into the pattern (e.g. {{1,3}}) and drop {' and '.join(lengths)}", param,
                                code="unsupported_schema_keyword")
-        if "multipleOf" in s and _multiples(s) == []:
+        multiples = _multiples(s) if "multipleOf" in s else ()
+        if multiples == []:
             raise GrammarError(f"{param}: no integer between the bounds (at {path or '/'}) is a multiple of "
                                f"{s['multipleOf']}: no value can match it; fix the bounds or multipleOf", param,
                                code="invalid_grammar")
-        if "multipleOf" in s and _multiples(s) is None:
+        if multiples is None:
             raise GrammarError(f"{param}: multipleOf (at {path or '/'}) is enforced by this server's constrained "
                                f"decoding only on integers with a minimum and a maximum that leave at most "
                                f"{MAX_MULTIPLES:,} values; list the allowed values as an enum, or remove it and check "
