@@ -1,18 +1,17 @@
 """The draft-model proposer of speculative decoding (`--speculative draft --draft-model BUILD`): a
 second kvexport build with the target's vocabulary drafts greedily, with its own small KV pool,
-stepped inside the target's engine loop, beside the runner (execution/proposers.py's Drafter calls it
-before each schedule).
+stepped on the target runner's side after each step's forward (execution/proposers.py's Drafter
+calls it with the step's planned requests).
 
-    propose_many([(req, k), ..]):  per request: the draft's KV tokens vs req.token_ids ─▶ keep the
-                      common prefix (rollback)
+    propose_many([(id, tokens, k), ..]):  per request: the draft's KV tokens vs the target's tokens
+                      ─▶ keep the common prefix (rollback)
                    ─▶ ONE call: every request's tokens the draft has not seen ─▶ argmax d_1 each
                    ─▶ k - 1 calls, each one token for every request still drafting ─▶ d_2 .. d_k
-    (the Drafter asks for a step's drafting requests together; `propose` is the one-request form)
 
 NOTE: drafts are the draft model's argmax, so the proposal is a point mass and the target's
 verification (execution/spec_sampling.py) keeps the output distribution exactly the target's
 at any temperature. Rollback is the common-prefix rule: whatever the target rejected differs
-from req.token_ids, so the draft's KV past the common prefix is simply rewritten next time
+from the target's tokens, so the draft's KV past the common prefix is simply rewritten next time
 (its slots stay reserved, never published: the draft's pool has no prefix cache).
 NOTE: batched across the step's drafting requests: k draft calls per target step whatever the
 batch (before: k per request), measured in docs/BENCHMARKS.md.
@@ -23,6 +22,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
@@ -35,7 +35,6 @@ from .core.block_pool import BlockPool
 from .core.kv_cache_manager import ComputedBlocks, KVCacheManager
 from .core.memory import kv_pool_sizes, parse_budget
 from .core.outputs import ScheduledRequest
-from .core.request import Request
 from .execution.backends import create_backend
 from .execution.model_runner import ModelRunner
 
@@ -60,6 +59,8 @@ class _Job:
 
 class DraftModelProposer:
     """Greedy drafts from another build (module docstring)."""
+
+    runs_model = True  # the speculation policy allots drafts before asking (core/speculation.py)
 
     def __init__(self, build_dir: Path, manifest: mf.Manifest, runner: ModelRunner, kv: KVCacheManager,
                  max_chunk: int):
@@ -108,18 +109,15 @@ class DraftModelProposer:
         if request_id in self.kv:
             self.kv.free(request_id)
 
-    def propose(self, req: Request, k: int) -> tuple[int, ...]:
-        return self.propose_many([(req, k)]).get(req.request_id, ())
-
-    def propose_many(self, wanted: list[tuple[Request, int]]) -> dict[str, tuple[int, ...]]:
-        """Drafts for several requests at once (request id -> up to k tokens; () where the draft's
-        pool is full or the draft failed): one catch-up call for the tokens each has not seen
-        (max_chunk tokens per call), then one call per draft position for every request still
-        drafting — the draft build's decode steps batched like the target's."""
+    def propose_many(self, wanted: Sequence[tuple[str, Sequence[int], int]]) -> dict[str, tuple[int, ...]]:
+        """Drafts for several requests at once ((request id, the target's tokens, k) -> up to k tokens
+        following them; () where the draft's pool is full or the draft failed): one catch-up call for
+        the tokens each has not seen (max_chunk tokens per call), then one call per draft position for
+        every request still drafting — the draft build's decode steps batched like the target's."""
         out: dict[str, tuple[int, ...]] = {}
         jobs: list[_Job] = []
-        for req, k in wanted:
-            rid, tokens = req.request_id, list(req.token_ids)
+        for rid, target_tokens, k in wanted:
+            tokens = list(target_tokens)
             seq = self._seqs.setdefault(rid, _DraftSeq())
             # the last token is always run: its logits give the first draft
             n = min(_common_prefix(seq.tokens, tokens), len(tokens) - 1)

@@ -1,8 +1,8 @@
 """The engine: requests in, `RequestOutput`s out. One `step()`:
 
-    (draft) ──▶ schedule ──SchedulerOutput──▶ run ──ModelRunnerOutput──▶ postprocess
-    Drafter.draft()   Scheduler.schedule()   ModelRunner.execute()   Scheduler.update_from_output() -> OutputProcessor.process()
-    (speculative decoding only: the proposers run beside the runner, execution/proposers.py)
+    schedule ──SchedulerOutput──▶ run ──ModelRunnerOutput──▶ postprocess
+    Scheduler.schedule()   ModelRunner.execute()   Scheduler.update_from_output() -> OutputProcessor.process()
+    (speculative decoding: the runner's Drafter drafts after the forward, execution/proposers.py)
 
     Scheduler ⇄ KVCacheManager ⇄ BlockPool        (token counts, block ids)
     ModelRunner: pack() -> ModelInput -> Backend.execute() -> logits -> sample()
@@ -76,7 +76,7 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len,
                                                    window, eos, streaming=p.streaming), self.kv,
                                    speculation=p.speculation, eviction=p.importance)
-        self.runner = ModelRunner(backend, kv.block_size, eos, offload=offload)
+        self.runner = ModelRunner(backend, kv.block_size, eos, offload=offload, drafter=p.drafter)
         self.tokenizer = (load_build_tokenizer(self.build_dir, self.manifest.tokenizer) if self.manifest.tokenizer
                           else None)
         self.outputs = OutputProcessor(self.tokenizer)
@@ -257,8 +257,6 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns the outputs that changed (new tokens or finished)."""
-        if self.drafter is not None:  # the drafts of the running sequences, before the scheduler budgets them
-            self.drafter.draft(self.scheduler.running)
         scheduled = self.scheduler.schedule()
         # NOTE: a step with only KV tier transfers (or a disk read to wait for) still goes to the runner
         busy = scheduled.scheduled or scheduled.kv_ops or self.scheduler.tiers_loading

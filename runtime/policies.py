@@ -36,7 +36,7 @@ class EnginePolicies:
     streaming: StreamingWindow | None = None  # kv_eviction "streaming": sinks + a recent window
     importance: ImportanceEviction | None = None  # kv_eviction "snapkv" / "h2o": attention-scored, within a budget
     speculation: SpeculativeDecoding | None = None  # speculative "ngram" / "draft": budgets, verifies, rolls back
-    drafter: Drafter | None = None  # speculation's proposer, run beside the runner before each schedule
+    drafter: Drafter | None = None  # speculation's proposer, run by the model runner after each step's forward
 
 
 def check_before_load(build_dir: Path, manifest: Manifest, config: EngineConfig) -> None:

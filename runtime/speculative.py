@@ -1,7 +1,7 @@
 """Speculative decoding as the engine sets it up: the policy `EngineConfig.speculative` asks for,
-checked against the build (core/speculation.py), and the proposer that drafts for it beside the
-runner (execution/proposers.py: the n-gram lookup and the `Drafter`; runtime/draft_model.py: the
-draft model, since it runs a second build's graphs)."""
+checked against the build (core/speculation.py), and the proposer that drafts for it on the
+runner's side (execution/proposers.py: the n-gram lookup and the `Drafter`; runtime/draft_model.py:
+the draft model, since it runs a second build's graphs)."""
 
 from __future__ import annotations
 
@@ -25,20 +25,22 @@ def speculation_policy(build_dir: Path, manifest: Manifest, config: EngineConfig
                           f"(made before logits_indices), so drafts cannot be verified; rebuild it with this kvexport "
                           f"(`kvexport build MODEL --force`) or serve it with --speculative none")
     return SpeculativeDecoding(config.num_speculative_tokens, config.speculative_max_batch,
-                               cost_model=config.speculative_cost_model)
+                               cost_model=config.speculative_cost_model,
+                               costly_proposer=config.speculative == "draft")
 
 
 def drafter_for(build_dir: Path, manifest: Manifest, config: EngineConfig,
                 policy: SpeculativeDecoding | None) -> Drafter | None:
-    """The proposer `config.speculative` names, drafting for `policy` (None when speculation is off).
-    The draft model is opened and checked against the build here (ConfigError naming draft_model)."""
+    """The runner's drafter with the proposer `config.speculative` names, drafting for the requests
+    `policy` plans (None when speculation is off). The draft model is opened and checked against the
+    build here (ConfigError naming draft_model)."""
     if policy is None:
         return None
     if config.speculative == "ngram":
-        return Drafter(NgramProposer(), policy)
+        return Drafter(NgramProposer())
     from .draft_model import DraftModelProposer
 
-    return Drafter(DraftModelProposer.open(config.draft_model, build_dir, manifest, config), policy)
+    return Drafter(DraftModelProposer.open(config.draft_model, build_dir, manifest, config))
 
 
 __all__ = ["drafter_for", "speculation_policy"]

@@ -81,6 +81,10 @@ class ScheduledRequest:
     # read and write, and the checkpoint copies around the chunk (core/state_pool.py); None: no recurrent
     # state (or a caller without a scheduler: the model runner then gives row r of each step slot r)
     state: StateStep | None = None
+    # speculation's proposers (execution/proposers.py): the sequence's tokens before this step's sampling
+    # (prompt and outputs, req.token_ids), sent the first time a proposer is to draft for it; the runner
+    # then keeps them itself, appending what each step samples (vLLM's new vs cached request data)
+    seq_token_ids: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +113,11 @@ class SchedulerOutput:
     # KV tier transfers (kv_tiers.py), in order, for the runner to carry out before the step's compute:
     # evicted blocks saved, blocks moved host -> disk or dropped, disk reads started, hits loaded into blocks
     kv_ops: tuple[TierOp, ...] = ()
+    # speculation: (request id, k) for the runner's proposer to draft up to k tokens for once this step
+    # sampled the request's next token (ModelRunnerOutput.draft_token_ids); () when nobody drafts
+    draft_plan: tuple[tuple[str, int], ...] = ()
+    # requests finished since the last step whose tokens the runner was sent (seq_token_ids): forget them
+    finished: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,3 +141,6 @@ class ModelRunnerOutput:
     # position the chunk's table covers, summed over layers: [kv_heads, seq_len] float32 (numpy),
     # indexed like the table the runner got (ScheduledRequest.block_table, released blocks left out)
     attention_scores: dict[str, Any] = field(default_factory=dict)
+    # speculation: request id -> the drafts its proposer made after this step (SchedulerOutput.draft_plan),
+    # to follow the tokens sampled this step; the scheduler budgets them into the next step
+    draft_token_ids: dict[str, tuple[int, ...]] = field(default_factory=dict)

@@ -9,11 +9,13 @@ one state slot, `Request.policy_state[policy.key]`, never in fields of `Request`
       waiting  shared.blocks_admission ─▶ prompt_logprobs.before_admit ─▶ prefix lookup of
                eviction.kv_token_ids (none while prompt_logprobs.scoring) ─▶ prefetch.must_wait
       chunks   eviction.kv_token_ids + drafts, eviction.view (the table the runner sees),
-               prompt_logprobs.targets; SchedulerOutput.kv_ops = prefetch.take_ops
+               prompt_logprobs.targets; SchedulerOutput.kv_ops = prefetch.take_ops;
+               SchedulerOutput.draft_plan = speculation.plan (whom the runner's proposer drafts for)
     update_from_output()
       prefetch.apply ─▶ computed += step ─▶ speculation.verify (roll back rejected drafts) ─▶
       eviction.publish_tokens (prefix cache) ─▶ prompt_logprobs.record ─▶ sampled token, stop rules
-      (eviction.outlives_context) ─▶ eviction.shift_context (recompute) or eviction.after_step
+      (eviction.outlives_context) ─▶ eviction.shift_context (recompute) or eviction.after_step;
+      then speculation.offer (the runner's drafts, for the next step)
 
 The roles, one object each on the scheduler:
 - `EvictionPolicy` — which KV a running sequence keeps: `KeepAll`, `SlidingWindowEviction` (the
@@ -149,7 +151,9 @@ class SpeculationPolicy(Policy):
     step. The scheduler then appends the drafts the runner accepted (`result.accepted`, whose KV
     is stored) and the token it sampled (`result.sampled`), applying the stop rules to each in
     turn. Speculative decoding itself (adaptive back-off, the cost model) is core/speculation.py; its
-    proposers run beside the runner (execution/proposers.py), never from here.
+    proposers run beside the runner (execution/proposers.py), never from here: `plan` tells the runner
+    (SchedulerOutput.draft_plan) whom to draft for after the step's forward, and the runner's drafts
+    (ModelRunnerOutput.draft_token_ids) come back through `offer`, for the next step's `propose`.
     """
 
     key = "speculation"
@@ -160,6 +164,16 @@ class SpeculationPolicy(Policy):
     def propose(self, req: Request, max_tokens: int) -> tuple[int, ...]:
         """Draft tokens to follow `req`'s next token in this step (at most max_tokens >= 1)."""
         return ()
+
+    def plan(self, sampling: Sequence[Request], num_running: int) -> tuple[tuple[str, int], ...]:
+        """The step is scheduled: which of `sampling` (requests whose chunk samples their next token
+        this step) the runner's proposer drafts for after the step's forward, and at most how many
+        drafts each ((request id, k), for SchedulerOutput.draft_plan); `num_running` sequences run."""
+        return ()
+
+    def offer(self, drafts: Mapping[str, Sequence[int]], running: Sequence[Request]) -> None:
+        """The runner's drafts after the step (ModelRunnerOutput.draft_token_ids), once the step's
+        results are recorded: what `propose` may hand out in the next step."""
 
     def verify(self, req: Request, scheduled: ScheduledRequest, result: ModelRunnerOutput) -> int:
         """The step's KV is stored: the number of its trailing draft tokens whose KV is rolled back

@@ -18,7 +18,10 @@ where the loop calls them), each with its per-request state in `Request.policy_s
 - eviction (`self.eviction`): keep all, the model's sliding window, or streaming's sinks + recent
   window with context shifts past max_model_len (runtime/core/streaming.py);
 - speculation (`self.speculation`): drafts on a decoding step, rolled back when rejected (the base
-  policy proposes none);
+  policy proposes none). The drafts are made on the runner's side after a step's forward
+  (SchedulerOutput.draft_plan says for whom, ModelRunnerOutput.draft_token_ids brings them back);
+  a sequence's tokens go to the runner once (ScheduledRequest.seq_token_ids), and the runner is told
+  when it finishes (SchedulerOutput.finished);
 - KV tier prefetch (`self.prefetch`, runtime/core/kv_tiers.py);
 - parallel samples sharing a prompt (`self.shared`) and prompt log-probabilities
   (`self.prompt_logprobs`, runtime/core/prompt_scores.py).
@@ -27,6 +30,7 @@ A new eviction or speculation policy is passed to the constructor; the loop belo
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import deque
 from dataclasses import dataclass
@@ -89,6 +93,8 @@ class Scheduler:
         self.prefetch = TierPrefetch()
         self.shared = SharedPrompt(self.requests)
         self.prompt_logprobs = PromptLogprobsPolicy()
+        self._sent: set[str] = set()  # requests whose tokens the runner holds (seq_token_ids sent)
+        self._finished: list[str] = []  # of those, finished since the last schedule (SchedulerOutput.finished)
         # NOTE: a sequence may never need more slots than the whole pool, or a lone request
         # would preempt itself forever; the usable context is capped by the pool's size.
         self.pool_tokens = kv.pool.num_usable_blocks * kv.block_size
@@ -207,8 +213,12 @@ class Scheduler:
                 chunks.append((req, n, ()))
                 budget -= n
         out = [self._scheduled(req, n, drafts) for req, n, drafts in chunks]
+        plan = self.speculation.plan([req for (req, _, _), s in zip(chunks, out) if s.samples], len(self.running))
+        if plan:
+            out = self._send_tokens(out, {rid for rid, _ in plan})
+        finished, self._finished = tuple(self._finished), []
         return SchedulerOutput(tuple(out), self.config.max_num_batched_tokens - budget, tuple(preempted),
-                               self.prefetch.take_ops(self.kv))
+                               self.prefetch.take_ops(self.kv), draft_plan=plan, finished=finished)
 
     def update_from_output(self, output: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Record that the step's KV is stored, append sampled tokens, apply the stop rules
@@ -258,6 +268,7 @@ class Scheduler:
                                          tok.top_logprobs, req.num_cached_prompt_tokens,
                                          self.prompt_logprobs.result(req) if req.num_output_tokens == 1 else None,
                                          tokens=emitted if len(emitted) > 1 else ()))
+        self.speculation.offer(result.draft_token_ids, self.running)  # the runner's drafts, for the next step
         return outs
 
     def finish_requests(self, request_ids, reason: str) -> None:
@@ -302,6 +313,16 @@ class Scheduler:
             return ()
         return tuple(self.speculation.propose(req, room))[:room]
 
+    def _send_tokens(self, out: list[ScheduledRequest], planned: set[str]) -> list[ScheduledRequest]:
+        """The step's chunks, those of planned requests the runner has no tokens of yet carrying them
+        (seq_token_ids: the runner keeps them from now on, appending what it samples)."""
+        new = planned - self._sent
+        if not new:
+            return out
+        self._sent |= new
+        return [dataclasses.replace(s, seq_token_ids=tuple(self.requests[s.request_id].token_ids))
+                if s.request_id in new else s for s in out]
+
     def _scheduled(self, req: Request, n: int, drafts: tuple[int, ...]) -> ScheduledRequest:
         """The runner's view of a request's chunk: n tokens of its KV token list from
         num_computed_tokens, then the drafts."""
@@ -340,6 +361,9 @@ class Scheduler:
             self.running.remove(req)
         if req.request_id in self.kv:
             self.kv.free(req.request_id)
+        if req.request_id in self._sent:
+            self._sent.discard(req.request_id)
+            self._finished.append(req.request_id)
         req.status = Status.FINISHED
         req.finish_reason = reason
         req.error = error

@@ -1,13 +1,21 @@
 """Speculative decoding: the scheduler's speculation policy. Its proposers run beside the model
-runner (execution/proposers.py: the n-gram lookup, the draft model), never in here: the engine's
-`Drafter` asks `plan` whom to draft for before each schedule and hands the drafts to `offer`.
+runner (execution/proposers.py: the n-gram lookup, the draft model), never in here: `plan` tells
+the runner whom to draft for after a step's forward, and the runner's drafts come back to `offer`.
 
-    engine:      Drafter.draft ── plan(running) ──▶ [(req, k)] ── Proposer ──▶ offer({id: drafts})
-    schedule():  SpeculativeDecoding.propose(req, room) ──▶ the offered drafts d_1..d_k within the room
-                 (the step carries the next token + the drafts, packed like a prompt chunk)
-    runner:      logits at those 1 + k rows ── execution/spec_sampling.verify_drafts ──▶ accepted + 1 token
-    update:      SpeculativeDecoding.verify ──▶ rollback = k - accepted (num_computed_tokens moves back
-                 before the prefix cache sees the step), counters, adaptive back-off
+    schedule() N:  SpeculativeDecoding.propose(req, room) ──▶ the offered drafts d_1..d_k within the room
+                   (the step carries the next token + the drafts, packed like a prompt chunk);
+                   plan(sampling) ──▶ SchedulerOutput.draft_plan [(id, k)]   the back-off, max_batch
+                                                   (and the cost model first, for a proposer that runs a model)
+    runner N:      logits at those 1 + k rows ── execution/spec_sampling.verify_drafts ──▶ accepted + 1 token;
+                   then the Drafter (execution/proposers.py) drafts for the plan from the sequences'
+                   tokens, the ones just sampled included ──▶ ModelRunnerOutput.draft_token_ids
+    update N:      SpeculativeDecoding.verify ──▶ rollback = k - accepted (num_computed_tokens moves back
+                   before the prefix cache sees the step), counters, adaptive back-off;
+                   offer(draft_token_ids) (the cost model's cut, for a cheap proposer) ──▶ step N + 1
+
+NOTE: `plan` runs before step N's drafts are verified, so it asks for as many drafts as the back-off
+could allow after the verdict (k + 1 where the step drafted); `propose` in step N + 1 takes the
+first k the verdict left.
 
 Adaptive back-off:
 - per sequence: a step whose drafts were all accepted lets the sequence draft one more next time
@@ -26,11 +34,9 @@ Adaptive back-off:
   tokens it brings. Drafts are proposed first (the n-gram lookup, the draft model's batch), so a
   sequence with nothing to propose costs nothing.
 
-NOTE (MTP heads, not done): DeepSeek-V3's `num_nextn_predict_layers` and Qwen3.5's MTP layer predict
-token t+2 from the main model's last hidden state and the embedding of token t+1. Serving them
-needs a third graph fed with the target's hidden states (an output the paged graphs do not have)
-and its own KV pool per MTP layer, and the exporter's families do not load those weights (they are
-dropped with the unused-tensor check) — a graph contract change of its own, left for a later issue.
+NOTE (MTP / EAGLE heads): they draft from the target's hidden states, which the paged graphs return
+on builds made with --hidden-states (kvexport/io.py HIDDEN_STATES): a proposer of the runner's side
+reads them from the step it drafts after.
 """
 
 from __future__ import annotations
@@ -117,18 +123,23 @@ def allot_drafts(offers: Sequence[tuple[str, int, float]], plain_tokens: float, 
 
 
 class SpeculativeDecoding(SpeculationPolicy):
-    """The speculation policy: at most `num_tokens` drafts per step (offered by the engine's Drafter,
-    execution/proposers.py), with per-sequence and global back-off (module docstring). A request with
-    SamplingParams.speculative False never drafts."""
+    """The speculation policy: at most `num_tokens` drafts per step (made by the runner's Drafter,
+    execution/proposers.py, for the sequences `plan` names), with per-sequence and global back-off
+    (module docstring). A request with SamplingParams.speculative False never drafts.
+    `costly_proposer`: drafting runs a model (the draft model), so the cost model's allotment is
+    applied before drafting (it is the cost saved); a cheap proposer (the n-gram lookup) drafts
+    first and is cut after, so a sequence with nothing to propose costs nothing."""
 
-    def __init__(self, num_tokens: int, max_batch: int = 16, adaptive: bool = True, cost_model: bool = True):
+    def __init__(self, num_tokens: int, max_batch: int = 16, adaptive: bool = True, cost_model: bool = True,
+                 costly_proposer: bool = False):
         self.num_tokens, self.max_batch, self.adaptive = num_tokens, max_batch, adaptive
+        self.costly_proposer = costly_proposer
         # the step-cost model (module docstring); None: drafts bounded by the back-off and max_batch only
         self.cost: StepCost | None = StepCost() if adaptive and cost_model else None
-        self._on = True  # this step's global verdict (plan)
-        self._drafted: dict[str, tuple[int, ...]] = {}  # this step's drafts (offer)
-        self._planned = False  # plan() ran for the step being scheduled
-        self._t0: float | None = None  # when this step began (plan / begin_step), for the cost model
+        self._on = True  # this step's global verdict (begin_step)
+        self._drafted: dict[str, tuple[int, ...]] = {}  # the drafts offered for this step (offer)
+        self._proposing: set[str] = set()  # requests that carry drafts in the step being scheduled
+        self._t0: float | None = None  # when this step began (begin_step), for the cost model
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self._accepted_per_pos = [0] * num_tokens  # drafts accepted at each draft position (tokens)
         self._accepted = self._trials = 0  # the engine's per-token acceptance (p's prior)
@@ -142,43 +153,39 @@ class SpeculativeDecoding(SpeculationPolicy):
                                  tuple(self._accepted_per_pos), step_seconds=fit[0] if fit else 0.0,
                                  row_seconds=fit[1] if fit else 0.0)
 
-    def plan(self, running: Sequence[Request], allot_first: bool = False) -> list[tuple[Request, int]]:
-        """Before the step is scheduled: the running sequences to draft for and how many drafts each
-        ([(request, k)]; empty with more than max_batch running). With `allot_first` (a proposer that
-        runs a model: drafting is the cost saved) the cost model's allotment is applied here."""
-        self._t0, self._planned, self._drafted = time.perf_counter(), True, {}
-        self._on = len(running) <= self.max_batch
-        if not self._on:
-            return []
-        wanted = [(req, k) for req in running if (k := self._wants(req)) > 0]
-        fit = self.cost.fit() if self.cost is not None else None
-        if wanted and allot_first and fit is not None:
-            keep = self._allot(wanted, running, fit)
-            wanted = [(req, keep[req.request_id]) for req, _ in wanted if keep[req.request_id] > 0]
-        return wanted
+    def begin_step(self, num_running: int, running: Sequence[Request] = ()) -> None:
+        self._t0, self._on, self._proposing = time.perf_counter(), num_running <= self.max_batch, set()
 
-    def offer(self, drafts: Mapping[str, Sequence[int]], running: Sequence[Request], allotted: bool) -> None:
-        """The proposer's drafts for the planned sequences ({request id: drafts}); unless `allotted`
-        (plan did it), the cost model's allotment cuts them now."""
-        drafted = {rid: tuple(d) for rid, d in drafts.items()}
-        fit = self.cost.fit() if self.cost is not None and not allotted else None
+    def plan(self, sampling: Sequence[Request], num_running: int) -> tuple[tuple[str, int], ...]:
+        """The step is scheduled (its drafts handed out): whom the runner drafts for after the step,
+        and at most how many drafts each (module docstring); none with more than max_batch running.
+        For a costly proposer the cost model's allotment is applied here."""
+        self._drafted = {}  # the offered drafts not taken this step are stale after it
+        if num_running > self.max_batch:
+            return ()
+        wanted = [(req, k) for req in sampling if (k := self._wants_next(req)) > 0]
+        fit = self.cost.fit() if self.cost is not None else None
+        if wanted and self.costly_proposer and fit is not None:
+            keep = self._allot(wanted, num_running, fit)
+            wanted = [(req, keep[req.request_id]) for req, _ in wanted if keep[req.request_id] > 0]
+        return tuple((req.request_id, k) for req, k in wanted)
+
+    def offer(self, drafts: Mapping[str, Sequence[int]], running: Sequence[Request]) -> None:
+        """The runner's drafts after the step ({request id: drafts}), for the running sequences;
+        for a cheap proposer the cost model's allotment cuts them now."""
+        by_id = {req.request_id: req for req in running}
+        drafted = {rid: tuple(d) for rid, d in drafts.items() if d and rid in by_id}
+        fit = self.cost.fit() if self.cost is not None and not self.costly_proposer else None
         if fit is not None and drafted:
-            by_id = {req.request_id: req for req in running}
-            keep = self._allot([(by_id[rid], len(d)) for rid, d in drafted.items()], running, fit)
+            keep = self._allot([(by_id[rid], len(d)) for rid, d in drafted.items()], len(running), fit)
             drafted = {rid: d[:keep[rid]] for rid, d in drafted.items()}
         self._drafted = drafted
 
-    def begin_step(self, num_running: int, running: Sequence[Request] = ()) -> None:
-        if not self._planned:  # NOTE: no Drafter ran for this step: it carries no drafts
-            self._t0, self._drafted, self._on = time.perf_counter(), {}, False
-        self._planned = False
-
-    def _allot(self, offers: list[tuple[Request, int]], running: Sequence[Request],
+    def _allot(self, offers: list[tuple[Request, int]], num_decoding: int,
                fit: tuple[float, float]) -> dict[str, int]:
-        """allot_drafts for this step: the plain step's tokens and rows are one per running sequence."""
-        decoding = sum(1 for req in running if req.status is Status.RUNNING)
+        """allot_drafts for a step: the plain step's tokens and rows are one per running sequence."""
         keep = allot_drafts([(req.request_id, n, self._acceptance(self.state(req))) for req, n in offers],
-                            decoding, decoding, fit)
+                            num_decoding, num_decoding, fit)
         for req, n in offers:  # a sequence judged on too few drafts of its own still tries one (exploring)
             if n > 0 and self.state(req).trials < _EXPLORE_TRIALS:
                 keep[req.request_id] = max(keep[req.request_id], 1)
@@ -199,16 +206,18 @@ class SpeculativeDecoding(SpeculationPolicy):
         prior = (self._accepted + 1) / (self._trials + 2)
         return (st.accepted + 2 * prior) / (st.trials + 2)
 
-    def _wants(self, req: Request) -> int:
-        """How many drafts `propose` will ask of the proposer for `req` this step if the room
-        allows (0: none), without touching its state."""
-        if (req.status is not Status.RUNNING or req.params.speculative is False or req.num_output_tokens == 0
-                or req.num_computed_tokens < len(req.token_ids) - 1):
+    def _wants_next(self, req: Request) -> int:
+        """How many drafts to ask the proposer for `req`, whose chunk samples its next token this step,
+        for its next step (0: none), without touching its state: its draft length, one more where this
+        step carries drafts (all accepted, the back-off grows it), within max_tokens."""
+        if req.params.speculative is False:
             return 0
         st = self.state(req)
         if st.cooldown > 0:
             return 0
-        return max(0, min(st.k, req.params.max_tokens - req.num_output_tokens - 1))
+        grow = 1 if req.request_id in self._proposing else 0
+        # NOTE: after this step's token, the next step's own token comes before its drafts
+        return max(0, min(st.k + grow, self.num_tokens, req.params.max_tokens - req.num_output_tokens - 2))
 
     def propose(self, req: Request, max_tokens: int) -> tuple[int, ...]:
         if not self._on or req.params.speculative is False:
@@ -222,7 +231,10 @@ class SpeculativeDecoding(SpeculationPolicy):
         k = min(st.k, max_tokens)
         if k < 1:
             return ()
-        return self._drafted.pop(req.request_id, ())[:k]
+        drafts = self._drafted.pop(req.request_id, ())[:k]
+        if drafts:
+            self._proposing.add(req.request_id)
+        return drafts
 
     def verify(self, req: Request, scheduled: ScheduledRequest, result: ModelRunnerOutput) -> int:
         k = scheduled.num_draft_tokens

@@ -1,6 +1,7 @@
 """The model runner: one step's `SchedulerOutput` in, sampled tokens (and prompt scores) out.
 
     SchedulerOutput ──pack()──▶ ModelInput ──Backend.execute()──▶ logits ──sample()──▶ ModelRunnerOutput
+                                                          (speculation: then the Drafter's drafts, proposers.py)
 
 This module owns the one packing function (`pack`: scheduled chunks -> the paged graphs'
 inputs), the split of a step into backend calls, sampling, scoring prompt tokens
@@ -30,6 +31,7 @@ from .kv_offload import KVOffload
 from .model_input import Backend, ModelInput
 from .state_store import restore_checkpoints, save_checkpoints
 from .prompt_logprobs import score
+from .proposers import Drafter
 from .sampling import mask_grammars, sample
 from .spec_sampling import verify_drafts
 
@@ -116,9 +118,10 @@ class ModelRunner:
     """Owns the backend: packs a step, runs it, samples."""
 
     def __init__(self, backend: Backend, block_size: int, eos_token_ids: tuple[int, ...] = (),
-                 offload: KVOffload | None = None):
+                 offload: KVOffload | None = None, drafter: Drafter | None = None):
         self.backend, self.block_size, self.eos_token_ids = backend, block_size, tuple(eos_token_ids)
         self.offload = offload  # the KV tiers' copier (kv_offload.py); None: no tiers
+        self.drafter = drafter  # speculation's proposer, drafting after each step (proposers.py); None: off
         self._scores: dict[str, np.ndarray] = {}  # this step's attention scores by request (take_scores)
 
     def logits(self, chunks: Sequence[ScheduledRequest], all_tokens: bool = False) -> np.ndarray:
@@ -169,7 +172,23 @@ class ModelRunner:
         its sequence; score the prompt tokens of chunks that ask (`prompt_targets`: then the
         step returns every token's logits, which an --all-logits build computes anyway). A
         request whose part of the step fails (in the backend, in scoring or in sampling) is
-        reported in `failed`; the others' tokens are still sampled."""
+        reported in `failed`; the others' tokens are still sampled. With a drafter, the drafts of
+        the step's draft_plan follow (ModelRunnerOutput.draft_token_ids)."""
+        return self._drafted(out, self._execute(out))
+
+    def _drafted(self, out: SchedulerOutput, result: ModelRunnerOutput) -> ModelRunnerOutput:
+        """`result` with the drafter's drafts after the step (proposers.py); a drafter failing costs
+        the step its drafts only."""
+        if self.drafter is None:
+            return result
+        try:
+            drafts = self.drafter.after_step(out, result)
+        except Exception:  # noqa: BLE001 - drafts only speed decoding up: the step's tokens stand without them
+            log.exception("drafting after the step failed; the next step decodes without drafts")
+            return result
+        return dataclasses.replace(result, draft_token_ids=drafts) if drafts else result
+
+    def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         if self.offload is not None:  # NOTE: before the compute: evicted blocks are saved, tier hits loaded
             self.offload.run(out.kv_ops)
         rows = list(out.scheduled)
