@@ -28,9 +28,8 @@ from .execution.backends import create_backend
 from .core.block_pool import BlockPool
 from .config import EngineConfig
 from .core.windowed_kv_cache_manager import WindowedKVCacheManager
-from .core.kv_cache_interface import KVCacheManagerProtocol
 from .core.kv_cache_manager import KVCacheManager
-from .core import state_pool
+from .core.kv_cache_coordinator import KVCacheCoordinator, coordinator_for
 from .core.kv_connector import KVConnectorScheduler
 from .core.kv_tiers import TierIndex
 from .core.memory import kv_pool_sizes, parse_budget, parse_size, physical_memory
@@ -47,7 +46,7 @@ from .sampling_params import SamplerState, SamplingParams
 from .tokenizer import load_build_tokenizer
 from .core.importance import check_request_budget
 from .core.scheduler import Scheduler, SchedulerConfig, Status
-from .core.stats import SchedulerStats, SpecDecodingStats, StateCheckpointStats
+from .core.stats import SchedulerStats, SpecDecodingStats
 from .policies import check_before_load, policies_for
 
 __all__ = ["EngineConfig", "LLMEngine", "RequestOutput"]
@@ -126,23 +125,24 @@ class LLMEngine:
         return sizes.num_blocks, sizes.local_num_blocks
 
     def _kv_managers(self, config: EngineConfig,
-                     backend: Backend) -> tuple[KVCacheManagerProtocol[Any], dict[str, Any], KVOffload | None]:
-        """The KV cache manager over the pools (sets self.pool and self.tiers), the pools by KV
+                     backend: Backend) -> tuple[KVCacheCoordinator, dict[str, Any], KVOffload | None]:
+        """The KV cache coordinator over the build's specs (core/kv_cache_coordinator.py: the attention
+        groups' manager, and a hybrid's recurrent state; sets self.pool and self.tiers), the pools by KV
         cache group (what the connector moves), and the tiers' offload worker (None: no tiers)."""
         kv = self.manifest.kv
         self.pool = BlockPool(backend.num_blocks, kv.block_size, enable_prefix_caching=config.enable_prefix_caching)
         self.tiers, offload = self._kv_tiers(config, backend)  # KV tiers below the pool (core/kv_tiers.py)
-        manager: KVCacheManagerProtocol[Any] = KVCacheManager(self.pool, self.tiers)
+        manager: Any = KVCacheManager(self.pool, self.tiers)  # the attention groups' manager
         pools: dict[str, Any] = {io.FULL_GROUP: self.pool}  # by KV cache group (io.py)
         if self.manifest.layer_groups is not None:  # two KV cache groups: windowed layers freed behind the window
             local = BlockPool(getattr(backend, "local_num_blocks", None) or backend.num_blocks, kv.block_size,
                               enable_prefix_caching=config.enable_prefix_caching)
             manager = WindowedKVCacheManager(self.pool, local, kv.local_window, self.tiers)
             pools[io.LOCAL_GROUP] = local
-        manager = state_pool.for_build(manager, self.manifest.model.spec, config)  # hybrids: + state slots
-        if isinstance(manager, state_pool.StatefulKVCacheManager):  # checkpoints move as blocks (io.STATE_GROUP)
-            pools[io.STATE_GROUP] = manager.checkpoints
-        return manager, pools, offload
+        coordinator = coordinator_for(manager, self.manifest.model.spec, config)  # hybrids: + the state's spec
+        if coordinator.checkpoints is not None:  # state checkpoints move as blocks (io.STATE_GROUP)
+            pools[io.STATE_GROUP] = coordinator.checkpoints
+        return coordinator, pools, offload
 
     def _kv_tiers(self, config: EngineConfig, backend: Backend) -> tuple[TierIndex | None, KVOffload | None]:
         """The host and disk tiers below the pool (core/kv_tiers.py, execution/kv_offload.py), or
@@ -246,9 +246,7 @@ class LLMEngine:
         """The engine's statistics now (core/stats.py SchedulerStats: queues, KV pool and prefix
         cache, preemptions, tiers, checkpoints, speculation): the one producer every reader
         (/metrics, Triton, Dynamo, the benches) takes its figures from."""
-        st = self.kv.state if isinstance(self.kv, state_pool.StatefulKVCacheManager) else None
-        return self.scheduler.stats(tiers=self.kv_connector.tier_stats(),
-                                    state=st.stats() if st is not None else StateCheckpointStats())
+        return self.scheduler.stats(tiers=self.kv_connector.tier_stats(), state=self.kv.state_stats())
 
     def free_seq_slots(self) -> int:
         """How many more sequences add_request may queue now: max_num_seqs less those running and waiting."""

@@ -7,8 +7,9 @@ core/policies.py; this module only chooses them.
     kv_eviction  streaming    ─▶ StreamingWindow (core/streaming.py; SchedulerConfig.streaming)
                  snapkv / h2o ─▶ ImportanceEviction (core/importance.py importance_policy)
     speculative  ngram / draft ─▶ SpeculativeDecoding + the Drafter that proposes for it (speculative.py)
-    hybrid build (linear attention) ─▶ recurrent-state slots around the KV manager (core/state_pool.py
-                 for_build, where the KV managers are made); the settings it cannot serve: refused here
+    hybrid build (linear attention) ─▶ the recurrent state's spec beside the attention groups' (core/
+                 kv_cache_coordinator.py coordinator_for, where the KV managers are made); the settings it
+                 cannot serve: refused here
 """
 
 from __future__ import annotations

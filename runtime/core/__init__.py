@@ -1,8 +1,10 @@
 """kvexport.runtime.core: the KV cache and the scheduler, no tensors.
 
 BlockPool (block_pool.py: physical blocks, ref counts, free list, prefix hashes by
-block_hash.py) -> KV cache managers behind one Protocol (kv_cache_interface.py: one group,
-kv_cache_manager.py; a full and a local group, windowed_kv_cache_manager.py) -> Scheduler
+block_hash.py) -> one manager per cache spec (one attention group, kv_cache_manager.py; a full and a
+local group, windowed_kv_cache_manager.py; a hybrid's recurrent state, state_manager.py over
+state_pool.py) behind the KV cache coordinator (kv_cache_coordinator.py), the one object of the
+Protocol (kv_cache_interface.py) -> Scheduler
 (scheduler.py, over the requests of request.py) -> the step types (outputs.py) and the engine's
 typed statistics (stats.py). The features the
 scheduler serves are policies (policies.py: eviction, speculation, tier prefetch, shared prompts;

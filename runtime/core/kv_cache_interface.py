@@ -1,7 +1,9 @@
 """The one interface of the KV cache managers, as the scheduler uses it: a request's block
-table and slots, prefix hits, growth, caching and release. Two implementations:
+table and slots, prefix hits, growth, caching and release. Implemented by the attention managers
 `KVCacheManager` (one KV cache group, runtime/core/kv_cache_manager.py) and
-`WindowedKVCacheManager` (a full and a local group, runtime/core/windowed_kv_cache_manager.py).
+`WindowedKVCacheManager` (a full and a local group, runtime/core/windowed_kv_cache_manager.py), the
+attention specs' managers; an engine's scheduler gets the `KVCacheCoordinator` over them and, for a
+hybrid, the recurrent state's (runtime/core/kv_cache_coordinator.py).
 
 NOTE: running out of blocks returns ``None`` from `allocate_slots` (the scheduler preempts
 or waits); a call out of protocol (unknown request, double free) raises `KVCacheError`.
@@ -67,8 +69,8 @@ class KVCacheManagerProtocol(Protocol[C]):
 
     def release_blocks(self, request_id: str, indices: Sequence[int]) -> list[int]: ...  # importance eviction
 
-    # per-sequence state beside the KV (a hybrid's recurrent state: core/state_pool.py); a manager without it
-    # returns n and None
+    # per-sequence state beside the KV (a hybrid's recurrent state: core/state_manager.py, through the
+    # coordinator); the attention managers return n and None
     def clip_chunk(self, start: int, n: int, prompt_len: int, request_id: str | None = None) -> int: ...  # a chunk
     # [start, start + n) of a prompt cut where the state must be checkpointed
 

@@ -6,7 +6,8 @@ that hold a copy of a sequence's state at a block boundary, keyed by that block'
 instead of computing its whole prefix again (prefix caching that hits on hybrids).
 
     StatePool                 slot numbers: running slots by request, checkpoints by block hash (LRU)
-    StatefulKVCacheManager    a KV cache manager (kv_cache_interface.py) plus the StatePool:
+    RecurrentStateManager     the recurrent state's spec manager (core/state_manager.py), beside the
+                              attention groups' behind the KV cache coordinator (core/kv_cache_coordinator.py):
                               - admission takes a state slot too (none free: like no blocks, None)
                               - prefix hits are cut back to the nearest checkpoint (its state restored
                                 into the request's slot before its first chunk)
@@ -42,17 +43,13 @@ walks the KV first), so checkpoints go with their blocks; capacity evicts the le
 
 from __future__ import annotations
 
-import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 from kvexport.errors import KvExportError
-from kvexport.io import STATE_GROUP
 
-from .block_hash import BlockHash, hash_full_blocks
-from .kv_cache_manager import TIER_BLOCK
-from .kv_tiers import DISK
+from .block_hash import BlockHash
 from .stats import StateCheckpointStats
 
 
@@ -306,225 +303,6 @@ class CheckpointPool:
         return self.state.ready()
 
 
-class StatefulKVCacheManager:
-    """A KV cache manager of a hybrid build: `inner`'s KV blocks plus a StatePool (module docstring): the
-    recurrent/conv state is this manager's spec beside the KV's, behind the one KVCacheManagerProtocol
-    (clip_chunk / state_step are where the scheduler meets it)."""
-
-    def __init__(self, inner: Any, state: StatePool, checkpoint_blocks: int = 0):
-        """checkpoint_blocks: a checkpoint every that many KV blocks (0: no prefix caching for the hybrid)."""
-        self.inner, self.state, self.checkpoint_blocks = inner, state, checkpoint_blocks
-        self._restore: dict[str, int] = {}  # request -> checkpoint to restore before its first chunk
-        self._salts: dict[str, str | None] = {}
-        # request -> where its prompt's KV hit ended beyond its checkpoint (a branch point: a checkpoint there)
-        self._branch: dict[str, int] = {}
-        self._lookup: tuple[tuple, int] = ((), 0)  # the last lookup: its block hashes, its KV hit before the cut (tokens)
-        self._checkpoints = CheckpointPool(state, inner.block_size, self._kv_held)
-        if getattr(inner, "tiers", None) is not None:  # evicted checkpoints go to the KV tiers (host, disk)
-            state.record_evictions()
-
-    # ---- the KV itself: `inner`'s, member by member (KVCacheManagerProtocol; NOTE: no __getattr__, so the
-    # interface stays in view) ----------------------------------------------------------------------
-    @property
-    def pool(self) -> Any:
-        return self.inner.pool
-
-    @property
-    def block_size(self) -> int:
-        return self.inner.block_size
-
-    @property
-    def usage(self) -> float:
-        return self.inner.usage
-
-    def num_slots(self, request_id: str) -> int:
-        return self.inner.num_slots(request_id)
-
-    def block_table(self, request_id: str) -> list[int]:
-        return self.inner.block_table(request_id)
-
-    def slot_mapping(self, request_id: str, start_pos: int, num_tokens: int) -> list[int]:
-        return self.inner.slot_mapping(request_id, start_pos, num_tokens)
-
-    def extra_groups(self, request_id: str, start_pos: int, num_tokens: int) -> tuple:
-        return self.inner.extra_groups(request_id, start_pos, num_tokens)
-
-    def take_tier_ops(self) -> tuple:
-        return self.inner.take_tier_ops()
-
-    def apply_tier_events(self, events: Any) -> None:
-        self.inner.apply_tier_events(events)
-
-    def free_outside_window(self, request_id: str, num_computed_tokens: int, window: int,
-                            keep_first: int = 0) -> list[int]:
-        return self.inner.free_outside_window(request_id, num_computed_tokens, window, keep_first)
-
-    def release_blocks(self, request_id: str, indices: Sequence[int]) -> list[int]:
-        return self.inner.release_blocks(request_id, indices)
-
-    def __contains__(self, request_id: object) -> bool:
-        return request_id in self.inner
-
-    @property
-    def interval(self) -> int:
-        """Tokens between checkpoints (0: none)."""
-        return self.checkpoint_blocks * self.inner.block_size
-
-    @property
-    def checkpoints(self) -> CheckpointPool:
-        """The checkpoint slots as the KV connector's io.STATE_GROUP pool (CheckpointPool)."""
-        return self._checkpoints
-
-    def _in_tier(self, key: BlockHash) -> str | None:
-        """The KV tier holding the checkpoint of `key` (kv_tiers.where), or None."""
-        tiers = self.inner.tiers
-        return tiers.where((STATE_GROUP, key)) if tiers is not None else None
-
-    def get_computed_blocks(self, request_tokens: Sequence[int], salt: str | None = None):
-        """The inner hits (pool, then KV tiers) cut back to the furthest block boundary with a
-        checkpoint in the state pool or a KV tier (none: no hit)."""
-        if not self.interval:
-            return self.inner.get_computed_blocks((), salt)
-        computed = self.inner.get_computed_blocks(request_tokens, salt)
-        bs = self.inner.block_size
-        pool_hits = next((i for i, b in enumerate(computed.block_ids) if b == TIER_BLOCK), len(computed.block_ids))
-        self._lookup = (computed.block_hashes, len(computed.block_ids) * bs)
-        for j in range(len(computed.block_ids), 0, -1):
-            key = computed.block_hashes[j - 1]
-            if self.state.has(key) or self._in_tier(key) is not None:
-                k = max(j - pool_hits, 0)  # the KV tier hits kept
-                return dataclasses.replace(computed, block_ids=computed.block_ids[:j], num_computed_tokens=j * bs,
-                                           tier_hits=computed.tier_hits[:k], tier_tokens=computed.tier_tokens[:k])
-        return dataclasses.replace(computed, block_ids=(), num_computed_tokens=0, tier_hits=(), tier_tokens=())
-
-    def _checkpoint_key(self, computed) -> BlockHash | None:
-        """The key of the checkpoint a lookup's hit resumes from (None: no hit)."""
-        j = computed.num_computed_tokens // self.inner.block_size
-        return computed.block_hashes[j - 1] if j else None
-
-    def prefetch_tier_hits(self, computed) -> bool:
-        """The KV's disk hits (inner) and the checkpoint's, when it is on disk, read off the step;
-        True while any is still on disk or being read (the request waits, core/policies.TierPrefetch)."""
-        wait = self.inner.prefetch_tier_hits(computed)
-        key = self._checkpoint_key(computed)
-        if key is not None and not self.state.has(key) and self._in_tier(key) == DISK:
-            self.inner.tiers.prefetch((STATE_GROUP, key))
-            wait = True
-        return wait
-
-    def allocate_slots(self, request_id: str, num_new_tokens: int, computed_blocks=None):
-        """inner.allocate_slots, with a state slot taken on admission (None when none is free). A hit
-        resumes from its checkpoint: restored from the state pool before the step's compute, or
-        loaded from its KV tier straight into the request's running slot (before the restores)."""
-        new_slot = request_id not in self.state
-        if new_slot and self.state.allocate(request_id) is None:
-            return None
-        key = self._checkpoint_key(computed_blocks) if computed_blocks is not None else None
-        from_tier = key is not None and not self.state.has(key)
-        assert not from_tier or self._in_tier(key) is not None, "a hit ends at a checkpoint (get_computed_blocks)"
-        if from_tier:  # NOTE: the evictions inner's allocation makes must not push it out of its tier
-            self.inner.tiers.pin([(STATE_GROUP, key)])
-        got = self.inner.allocate_slots(request_id, num_new_tokens, computed_blocks)
-        if got is None:
-            if from_tier:
-                self.inner.tiers.unpin([(STATE_GROUP, key)])
-            if new_slot:
-                self.state.free(request_id)
-            return None
-        if computed_blocks is not None:
-            self._salts[request_id] = computed_blocks.salt
-            branch = self._branch_of(computed_blocks)
-            if branch:
-                self._branch[request_id] = branch
-            if from_tier:
-                self.inner.tiers.load(STATE_GROUP, self.state.slot(request_id), key)
-                self.state.tier_hits += 1
-                self.state.hits += 1
-            elif key is not None:
-                self._restore[request_id] = self.state.lookup(key)
-                self.state.hits += 1
-        return got
-
-    def free(self, request_id: str) -> None:
-        self.inner.free(request_id)
-        self.state.free(request_id)
-        self._restore.pop(request_id, None)
-        self._salts.pop(request_id, None)
-        self._branch.pop(request_id, None)
-
-    def _branch_of(self, computed) -> int:
-        """The KV hit of the lookup that gave `computed`, where it reaches past the checkpoint it was cut
-        back to (0: it does not): this prompt and a cached one share blocks up to there, so a checkpoint
-        there lets the next prompt with that prefix (a shared system prompt) resume where the KV hit ends."""
-        hashes, hit = self._lookup
-        return hit if hashes is computed.block_hashes and hit > computed.num_computed_tokens else 0
-
-    def cache_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
-        self.inner.cache_blocks(request_id, token_ids, num_computed_tokens)
-        self.state.publish(request_id, num_computed_tokens)
-
-    # ---- the scheduler's hooks (KVCacheManagerProtocol.clip_chunk / state_step) --------------
-    def _prompt_ends(self, prompt_len: int) -> tuple[int, int]:
-        """The prompt's last block boundary (a follow-up turn resumes there) and the last one a lookup
-        of the prompt itself can hit (it leaves the last token to compute: the same but for a prompt
-        of whole blocks, one block earlier): the same prompt again, or its decode worker in
-        disaggregated serving, resumes there."""
-        bs = self.inner.block_size
-        return prompt_len // bs * bs, max(prompt_len - 1, 0) // bs * bs
-
-    def _branch_at(self, request_id: str | None) -> int:
-        """The request's branch point (`_branch_of`); for one not admitted yet, the last lookup's (the
-        scheduler clips its first chunk between get_computed_blocks and allocate_slots)."""
-        if request_id in self._branch:
-            return self._branch[request_id]
-        if request_id is not None and request_id not in self.state:
-            return self._lookup[1]
-        return 0
-
-    def clip_chunk(self, start: int, n: int, prompt_len: int, request_id: str | None = None) -> int:
-        """A prompt chunk [start, start + n) cut to end at the next checkpoint boundary inside the prompt:
-        every `interval` tokens, the prompt's last block boundary, and where its KV hit ended (`_branch_of`)."""
-        iv = self.interval
-        if not iv or start >= prompt_len - 1:
-            return n
-        ends = [b for b in ((start // iv + 1) * iv, *self._prompt_ends(prompt_len), self._branch_at(request_id))
-                if start < b < prompt_len]
-        return min(n, min(ends) - start) if ends else n
-
-    def state_step(self, request_id: str, start: int, n: int, tokens: Sequence[int], prompt_len: int) -> StateStep:
-        """The chunk's StateStep: the request's slot, a pending restore, and a checkpoint to save when the
-        chunk ends on a block boundary that is one (keyed by that block's prefix hash): every `interval`
-        tokens, the prompt's last block boundary (prompt chunks are cut there: `clip`), and in decode each
-        block boundary crossed, replacing the sequence's previous decode checkpoint (so the next chat turn,
-        which repeats this one's answer, resumes from its end, as an attention model's blocks would)."""
-        end = start + n
-        save = None
-        iv, bs = self.interval, self.inner.block_size
-        if iv and end % bs == 0 and end <= len(tokens):
-            fixed = ((end % iv == 0 and end <= prompt_len) or end in self._prompt_ends(prompt_len)
-                     or end == self._branch.get(request_id))
-            if fixed or end > prompt_len:
-                key = hash_full_blocks(tokens[:end], bs, self._salts.get(request_id))[-1]
-                save = self.state.reserve_checkpoint(request_id, end, key, moving=not fixed)
-                self._offload_evicted()
-        return StateStep(self.state.slot(request_id), self._restore.pop(request_id, None), save)
-
-    def _offload_evicted(self) -> None:
-        """The ready checkpoints capacity just evicted go to the KV tiers (saved before the step, whose
-        saves overwrite their slots after its compute: kv_tiers.py's NOTE), those worth it (`_kv_held`)."""
-        tiers = self.inner.tiers
-        for slot, key in self._checkpoints.pop_evicted():
-            if tiers is not None:
-                tiers.offer(STATE_GROUP, slot, key)
-
-    def _kv_held(self, key: BlockHash) -> bool:
-        """The block a checkpoint ends is held somewhere (the pool, a KV tier): without it the checkpoint is
-        no hit, not worth a copy in a tier."""
-        tiers = self.inner.tiers
-        return self.inner.pool.get_cached_block(key) is not None or (
-            tiers is not None and tiers.where((self.inner.group, key)) is not None)
-
-
 def refusal(config: Any) -> str | None:
     """Why an engine setting cannot serve a hybrid build (the features whose KV handling the
     recurrent state does not follow yet), or None."""
@@ -540,18 +318,3 @@ def refusal(config: Any) -> str | None:
 def is_hybrid(model_spec: dict) -> bool:
     """The manifest's model spec has linear-attention layers (a recurrent state per sequence)."""
     return model_spec.get("linear_attn") is not None
-
-
-def for_build(kv: Any, model_spec: dict, config: Any) -> Any:
-    """The engine's KV cache manager for a build: `kv` itself, or for a hybrid (the manifest's
-    model.linear_attn) `kv` with a StatePool of max_num_seqs running slots and state_checkpoints
-    checkpoint slots (none without prefix caching, or with state_checkpoint_blocks / state_checkpoints 0). A
-    setting a hybrid cannot serve yet is refused (`refusal`)."""
-    from kvexport.errors import ConfigError
-
-    if not is_hybrid(model_spec):
-        return kv
-    if (why := refusal(config)) is not None:
-        raise ConfigError(why)
-    every = config.state_checkpoint_blocks if config.enable_prefix_caching and config.state_checkpoints else 0
-    return StatefulKVCacheManager(kv, StatePool(config.max_num_seqs, config.state_checkpoints if every else 0), every)

@@ -262,10 +262,11 @@ class WindowedKVCacheManager:
         raise KVCacheError("release_blocks: importance eviction is not served on builds with a windowed-layer "
                            "KV cache group")
 
-    def free_outside_window(self, request_id: str, num_computed_tokens: int, window: int) -> list[int]:
-        """Release the local group's blocks behind `window` (the full group keeps all);
-        returns the released local block ids."""
-        return self.local.free_outside_window(request_id, num_computed_tokens, window)
+    def free_outside_window(self, request_id: str, num_computed_tokens: int, window: int,
+                            keep_first: int = 0) -> list[int]:
+        """Release the local group's blocks behind `window` but its first `keep_first` (the full group
+        keeps all); returns the released local block ids."""
+        return self.local.free_outside_window(request_id, num_computed_tokens, window, keep_first)
 
 
 def windowed_manager(budget_bytes: int, block_size: int, full_bytes_per_token: int, local_bytes_per_token: int,

@@ -1,8 +1,11 @@
-"""The state pool of hybrid builds (runtime/core/state_pool.py): running slots and checkpoint slots
+"""The state pool of hybrid builds (runtime/core/state_pool.py, through the KV cache coordinator's
+recurrent-state spec: core/state_manager.py, core/kv_cache_coordinator.py): running slots and checkpoint slots
 by exact number, admission that needs a state slot, prefix hits cut back to the nearest checkpoint,
 prompt chunks cut at checkpoint boundaries, checkpoints offered only once their step completed, and the
 runtime's state store copying slots (runtime/execution/state_store.py). Real BlockPool and
 KVCacheManager; no model (the end-to-end checks are tests/exporter/test_qwen3_5.py)."""
+
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -13,13 +16,23 @@ from kvexport.runtime.core.block_hash import hash_full_blocks
 from kvexport.runtime.core.block_pool import BlockPool
 from kvexport.runtime.core.kv_cache_manager import KVCacheManager
 from kvexport.runtime.core.kv_tiers import DISK, HOST, STAGED, TierEvents, TierIndex
-from kvexport.runtime.core.state_pool import StatefulKVCacheManager, StatePool, StateStep, refusal
+from kvexport.runtime.core.kv_cache_coordinator import coordinator_for
+from kvexport.runtime.core.state_pool import StatePool, StateStep, refusal
 from kvexport.runtime.execution.state_store import StateStore, restore_checkpoints, save_checkpoints
 
 
+def _settings(slots, checkpoints, every):
+    """The engine settings coordinator_for reads (EngineConfig's names)."""
+    return SimpleNamespace(max_num_seqs=slots, state_checkpoints=checkpoints, state_checkpoint_blocks=every,
+                           enable_prefix_caching=True, kv_eviction="none", speculative="none")
+
+
+HYBRID = {"linear_attn": {}}  # a manifest model spec with linear-attention layers
+
+
 def manager(blocks=32, slots=2, checkpoints=2, every=2):
-    return StatefulKVCacheManager(KVCacheManager(BlockPool(blocks, 4, enable_prefix_caching=True)),
-                                  StatePool(slots, checkpoints), every)
+    return coordinator_for(KVCacheManager(BlockPool(blocks, 4, enable_prefix_caching=True)), HYBRID,
+                           _settings(slots, checkpoints, every))
 
 
 def test_slots_are_handed_out_and_returned():
@@ -179,8 +192,8 @@ def test_engine_features_a_hybrid_cannot_carry_are_named():
 def tiered(blocks=32, slots=1, checkpoints=1, every=1, host=1 << 20, disk=0):
     """A hybrid's manager with KV tiers below it (checkpoints are io.STATE_GROUP "blocks" of 100 bytes)."""
     tiers = TierIndex({io.FULL_GROUP: 10, io.STATE_GROUP: 100}, host, disk)
-    return StatefulKVCacheManager(KVCacheManager(BlockPool(blocks, 4, enable_prefix_caching=True), tiers),
-                                  StatePool(slots, checkpoints), every), tiers
+    return coordinator_for(KVCacheManager(BlockPool(blocks, 4, enable_prefix_caching=True), tiers), HYBRID,
+                           _settings(slots, checkpoints, every)), tiers
 
 
 def _prompt_done(kv, rid, prompt):
@@ -270,6 +283,6 @@ def test_a_checkpoint_whose_blocks_are_gone_is_not_copied_to_a_tier():
     a, b = list(range(10, 19)), list(range(40, 49))
     _prompt_done(kv, "a", a)
     assert saved() == [hash_full_blocks(a[:4], 4)[-1]]  # evicted for a's next one, its block still cached
-    assert kv.inner.pool.reset_prefix_cache()  # a's KV gone from the pool, never offered to the tier
+    assert kv.pool.reset_prefix_cache()  # a's KV gone from the pool, never offered to the tier
     _prompt_done(kv, "b", b)  # b's first checkpoint evicts a's last one: not copied
     assert saved() == [hash_full_blocks(b[:4], 4)[-1]]
