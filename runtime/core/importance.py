@@ -371,7 +371,7 @@ def check_request_budget(value, budget: ImportanceBudget | None, max_model_len: 
                            f"recent window + one block, up to the context), got {value!r}", "kv_budget_tokens")
 
 
-def check_build(*, scores: bool, hybrid: bool, windows: Sequence[int | None], max_model_len: int, build_dir,
+def check_build(*, scores: bool, windowed_group: bool, windows: Sequence[int | None], max_model_len: int, build_dir,
                 policy: str) -> None:
     """Refuse importance eviction on builds that cannot serve it: graphs without attention scores
     (built before them, or a form that does not return them), a windowed-layer KV cache group, or
@@ -381,7 +381,7 @@ def check_build(*, scores: bool, hybrid: bool, windows: Sequence[int | None], ma
             f"--kv-eviction {policy}: {build_dir} does not return attention scores (built before importance "
             f"eviction, or with --backend tensorrt, or an MLA model with --attention onnx, which do not score): "
             f"rebuild it with `kvexport build MODEL --attention plugin --force`")
-    if hybrid:
+    if windowed_group:
         raise ConfigError(f"--kv-eviction {policy}: {build_dir} has a windowed-layer KV cache group; importance "
                           f"eviction keeps one block table per sequence: serve it with --kv-eviction none")
     short = [w for w in windows if w is not None and w < max_model_len]
@@ -398,7 +398,7 @@ def importance_policy(build_dir, manifest, config, max_model_len: int) -> Import
     if config.kv_eviction not in IMPORTANCE_EVICTIONS:
         return None
     kv = manifest.kv
-    check_build(scores=bool(kv.attention_scores), hybrid=manifest.layer_groups is not None,
+    check_build(scores=bool(kv.attention_scores), windowed_group=manifest.layer_groups is not None,
                 windows=manifest.model.layer_windows, max_model_len=max_model_len, build_dir=build_dir,
                 policy=config.kv_eviction)
     return ImportanceEviction(importance_budget(

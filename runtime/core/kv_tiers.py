@@ -15,7 +15,7 @@ once `TierEvents.prefetched` reports the read done (or recomputes from the first
 failed to read: `TierEvents.failed`).
 
 Keys are `(KV cache group, block hash)`: the pool's chained, salted block hashes
-(block_hash.py), per group (a hybrid build keeps the full and the local group's blocks apart).
+(block_hash.py), per group (a windowed-layer build keeps the full and the local group's blocks apart).
 The build's identity guards the disk tier's files (kv_offload.py), so a key can never name
 another build's KV.
 

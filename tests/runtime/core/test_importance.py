@@ -187,9 +187,9 @@ def test_bad_settings_and_builds():
         EngineConfig(kv_budget_tokens=64)
     assert EngineConfig.from_strings({"kv_eviction": "h2o", "kv_budget_fraction": "0.25"}).kv_budget_fraction == 0.25
     with pytest.raises(ConfigError, match="does not return attention scores.*--attention plugin --force"):
-        check_build(scores=False, hybrid=False, windows=(None,), max_model_len=64, build_dir="b", policy="snapkv")
+        check_build(scores=False, windowed_group=False, windows=(None,), max_model_len=64, build_dir="b", policy="snapkv")
     with pytest.raises(ConfigError, match="windowed-layer KV cache group"):
-        check_build(scores=True, hybrid=True, windows=(None, 8), max_model_len=64, build_dir="b", policy="snapkv")
+        check_build(scores=True, windowed_group=True, windows=(None, 8), max_model_len=64, build_dir="b", policy="snapkv")
     b = importance_budget(policy="snapkv", budget_tokens=64, budget_fraction=None, sink_tokens=4, recent_tokens=8,
                           observation_tokens=4, block_size=BS, max_model_len=256)
     with pytest.raises(RequestError, match=r"kv_budget_tokens must be an integer in \[16, 256\]"):
