@@ -148,6 +148,15 @@ class EngineConfig:
             "bytes); the least recently used is dropped for a new one.", group="state", unit="checkpoints",
         range=(0, None), hint="0: no hybrid prefix caching")
 
+    # ---- lora: adapters served beside the base model (runtime/lora.py; builds made with --lora-max-rank)
+    lora_modules: str = option(  # "NAME=PATH[,NAME=PATH..]": PEFT adapter folders, each served under its name
+        "", "LoRA adapters to serve, NAME=PATH[,NAME=PATH...] (PEFT folders; the build needs --lora-max-rank). A "
+            "request picks one by name (its `model` over HTTP); the others run the base model in the same steps.",
+        group="lora", parse=lambda v: parse_lora_modules(v), hint="NAME=PATH pairs, or empty")
+    max_loras: int = option(  # adapters loaded at once (each a slot of every adapted matmul)
+        4, "LoRA: adapters loaded at once, max (each adds its rank to every adapted matmul of every step).",
+        group="lora", unit="adapters", range=(1, 64))
+
     def __post_init__(self) -> None:
         for f in fields(self):
             _check(f, getattr(self, f.name))
@@ -173,6 +182,9 @@ class EngineConfig:
             raise ConfigError(f"draft_model is the draft build of speculative 'draft' and only of it: got "
                               f"speculative {self.speculative!r} with draft_model {self.draft_model!r}; give "
                               f"--speculative draft --draft-model BUILD, or neither")
+        if len(parse_lora_modules(self.lora_modules)) > self.max_loras:
+            raise ConfigError(f"lora_modules names {len(parse_lora_modules(self.lora_modules))} adapters, more than "
+                              f"max_loras {self.max_loras}: raise --max-loras or serve fewer adapters")
         if self.kv_offload_dir and parse_size(self.kv_offload_disk) < 1:
             raise ConfigError(f"kv_offload_disk is 0 bytes but kv_offload_dir is set: give the disk tier a size such "
                               "as 8GiB, or leave kv_offload_dir empty")
@@ -216,6 +228,23 @@ class EngineConfig:
         if kw.get("threads") == 0:  # "0" = all cores, as in Triton's parameters
             kw.pop("threads")
         return cls(**kw)
+
+
+def parse_lora_modules(value: Any) -> dict[str, str]:
+    """lora_modules' "NAME=PATH[,NAME=PATH..]" as {name: path}, in order; ConfigError naming the bad entry."""
+    if not isinstance(value, str):
+        raise ConfigError(f"must be NAME=PATH[,NAME=PATH...], got {value!r}")
+    out: dict[str, str] = {}
+    for entry in (e.strip() for e in value.split(",")):
+        if not entry:
+            continue
+        name, sep, path = (x.strip() for x in entry.partition("="))
+        if not sep or not name or not path:
+            raise ConfigError(f"{entry!r} is not NAME=PATH (a name for the adapter, then its PEFT folder)")
+        if name in out:
+            raise ConfigError(f"the adapter name {name!r} is given twice; give each adapter its own name")
+        out[name] = path
+    return out
 
 
 _HINTS = typing.get_type_hints(EngineConfig)

@@ -40,6 +40,7 @@ from .execution.model_runner import ModelRunner
 from .execution.output_processor import OutputProcessor, RequestOutput
 from .execution.structured import StructuredOutputManager
 from .kv_connector import KVConnector
+from . import lora
 from .frontend import RequestPrep
 from .request_checks import RequestError, check_token_ids, prompt_logprobs_refusal
 from .sampling_params import SamplerState, SamplingParams
@@ -58,6 +59,10 @@ class LLMEngine:
         check_before_load(self.build_dir, self.manifest, config)  # before the sessions load (runtime/policies.py)
         backend, config = self._load(config, backend)
         self.config = config
+        # LoRA adapters served beside the base model (runtime/lora.py), bound once; None: none
+        self.loras = lora.load(self.build_dir, self.manifest, config)
+        if self.loras is not None:
+            backend.set_lora_factors(self.loras.factors)
         kv, model = self.manifest.kv, self.manifest.model
         self.vocab_size: int = model.vocab_size
         eos = model.eos_token_ids
@@ -209,6 +214,11 @@ class LLMEngine:
                                "speculative")
         check_request_budget(params.kv_budget_tokens, self.importance.b if self.importance else None,
                              self.max_model_len)
+        if params.lora is not None:
+            if self.loras is None:
+                raise RequestError(f"lora: this engine serves no adapters (asked for {params.lora!r}); start it with "
+                                   f"--lora-modules NAME=PATH on a build made with --lora-max-rank", "lora")
+            self.loras.slot(params.lora)
 
     def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
                     sample_index: int = 0, share_prompt_with: str | None = None, salt: str | None = None) -> str:
@@ -227,9 +237,13 @@ class LLMEngine:
         if rid in self.outputs:
             raise RequestError(f"request id {rid!r} is already in use; pick a unique id", "request_id")
         grammar = self.structured.matcher(params.structured)  # GrammarError (400) before anything is queued
+        if params.lora is not None:  # its adapter's slot; its identity kept apart in the prefix cache (lora.py)
+            slot, salt = self.loras.slot(params.lora), self.loras.salt(params.lora, salt)
+        else:
+            slot = lora.BASE_SLOT
         req = self.scheduler.new_request(rid, prompt, params, SamplerState.create(params, sample_index, prompt,
                                                                                   grammar),
-                                         salt=salt, share_prompt_with=share_prompt_with)
+                                         salt=salt, share_prompt_with=share_prompt_with, lora_slot=slot)
         self.outputs.add_request(rid, prompt, params)
         if req.status is Status.FINISHED:  # refused at admission (too long, empty)
             self.outputs.finish(rid, req.finish_reason or "error", req.error)

@@ -120,6 +120,9 @@ class SamplingParams:
     kv_budget_tokens: int | None = None
     # constrain the output to a JSON schema, regex, choice or grammar (runtime/execution/structured.py)
     structured: StructuredOutputs | None = None
+    # the LoRA adapter this request runs with, by the name the server loaded it under (--lora-modules
+    # NAME=PATH; over HTTP the request's `model`); None: the base model (runtime/lora.py)
+    lora: str | None = None
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -187,6 +190,8 @@ class SamplingParams:
             bad("stop strings must be non-empty strings")
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
+            bad(f"lora must be an adapter's name (a non-empty string) or unset (the base model), got {self.lora!r}")
         if self.structured is not None and not isinstance(self.structured, StructuredOutputs):
             bad(f"structured must be a StructuredOutputs, got {type(self.structured).__name__}")
 

@@ -85,6 +85,8 @@ class ScheduledRequest:
     # (prompt and outputs, req.token_ids), sent the first time a proposer is to draft for it; the runner
     # then keeps them itself, appending what each step samples (vLLM's new vs cached request data)
     seq_token_ids: tuple[int, ...] | None = None
+    # LoRA (runtime/lora.py): the adapter slot the chunk's tokens run with (io.LORA_INDEX); -1: the base model
+    lora_slot: int = -1
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,6 +34,7 @@ class Request:
     num_preemptions: int = 0
     num_cached_prompt_tokens: int = 0  # prefix-cache hit on first admission
     salt: str | None = None  # prefix-cache salt (core/block_hash.request_salt)
+    lora_slot: int = -1  # the LoRA adapter slot its tokens run with (runtime/lora.py); -1: the base model
     # per-feature state, by policy key (policies.Policy.key); a policy's entry is its own business
     policy_state: dict[str, Any] = field(default_factory=dict)
 

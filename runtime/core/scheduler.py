@@ -106,11 +106,14 @@ class Scheduler:
         return self.prefetch.loading
 
     def new_request(self, request_id: str, prompt: list[int], params: SamplingParams,
-                    sampler: SamplerState, salt: str | None = None, share_prompt_with: str | None = None) -> Request:
-        """share_prompt_with: a parallel sample's leader (admitted once the leader's prompt is cached)."""
+                    sampler: SamplerState, salt: str | None = None, share_prompt_with: str | None = None,
+                    lora_slot: int = -1) -> Request:
+        """share_prompt_with: a parallel sample's leader (admitted once the leader's prompt is cached);
+        lora_slot: the LoRA adapter slot its tokens run with (-1: the base model; its identity is in `salt`)."""
         if request_id in self.requests:
             raise KvExportError(f"request id {request_id!r} is already in use; pick a unique id")
-        req = Request(request_id, list(prompt), len(prompt), params, sampler, next(self._arrivals), salt=salt)
+        req = Request(request_id, list(prompt), len(prompt), params, sampler, next(self._arrivals), salt=salt,
+                      lora_slot=lora_slot)
         self.shared.add(req, share_prompt_with)
         self.prompt_logprobs.add(req)
         self.requests[request_id] = req
@@ -338,7 +341,8 @@ class Scheduler:
             self.kv.extra_groups(req.request_id, start, total),
             targets, first, top_k, kv_gap=gap, num_draft_tokens=len(drafts),
             observation_len=self.eviction.observation_len(req, start, n),
-            state=self.kv.state_step(req.request_id, start, n, req.token_ids, req.num_prompt_tokens))
+            state=self.kv.state_step(req.request_id, start, n, req.token_ids, req.num_prompt_tokens),
+            lora_slot=req.lora_slot)
 
     def _requeue(self, req: Request) -> None:
         """Back to the front of the queue to be computed again (a preemption by recompute, or a

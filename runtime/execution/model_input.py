@@ -37,6 +37,9 @@ class ModelInput:
     # [S] int64: each sequence's last tokens whose attention the step returns (io.OBSERVATION_LENS,
     # importance eviction); None: none (zeros are fed to a graph that takes it)
     observation_lens: np.ndarray | None = None
+    # [T] int64: each token's LoRA adapter slot (io.LORA_INDEX, runtime/lora.py); None: every token the base
+    # model (-1 is fed to a graph that takes it)
+    lora_index: np.ndarray | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -59,6 +62,8 @@ class ModelInput:
             feeds[io.STATE_SLOTS] = self.state_slots
         feeds[io.OBSERVATION_LENS] = (self.observation_lens if self.observation_lens is not None
                                       else np.zeros(len(self.seq_lens), np.int64))  # likewise
+        feeds[io.LORA_INDEX] = (self.lora_index if self.lora_index is not None
+                                else np.full(len(self.token_ids), -1, np.int64))  # likewise
         return feeds
 
     def last_rows(self) -> np.ndarray:

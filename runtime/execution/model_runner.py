@@ -94,9 +94,11 @@ def pack(chunks: Sequence[ScheduledRequest], block_size: int, full_tables: bool,
         extra.append((g, g_tables, a(g_slots)))
     obs = [s.observation_len for s in chunks]  # importance eviction (core/importance.py)
     states = [s.state.slot if s.state is not None else None for s in chunks]  # hybrids (core/state_pool.py)
+    loras = [s.lora_slot for s in chunks]  # LoRA adapters (runtime/lora.py): each token its sequence's slot
     return ModelInput(a(ids), a(pos), a(qsl), a(lens), tables, a(slots), tuple(extra),
                       observation_lens=a(obs) if any(obs) else None,
-                      state_slots=a(states) if None not in states else None)
+                      state_slots=a(states) if None not in states else None,
+                      lora_index=np.repeat(a(loras), np.diff(a(qsl))) if any(x >= 0 for x in loras) else None)
 
 
 def _groups(q_len: list[int], slack: float) -> list[list[int]]:

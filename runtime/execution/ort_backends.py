@@ -347,14 +347,22 @@ class _OrtBackend:
             del feeds[io.LOGITS_INDICES]
         if not self.scores:  # importance eviction: only graphs that declare it take observation_lens
             del feeds[io.OBSERVATION_LENS]
-        if self.manifest.lora:  # a build that takes LoRA adapters (kvexport/io.py LORA_INDEX): the base model
-            feeds[io.LORA_INDEX] = np.full(len(feeds[io.INPUT_IDS]), -1, np.int64)
+        if self.manifest.lora:  # a build that takes LoRA adapters (kvexport/io.py LORA_INDEX)
             feeds.update(self._lora_factors())
+        else:
+            del feeds[io.LORA_INDEX]
         return feeds
 
+    def set_lora_factors(self, factors: dict[str, np.ndarray]) -> None:
+        """The loaded adapters' lora_a / lora_b (kvexport/lora_adapters.py pack), fed with every step from now
+        on (runtime/lora.py); the arrays are held, not copied."""
+        want = {n for i, m, _, _ in self.manifest.lora["layers"] for n in (io.lora_a(i, m), io.lora_b(i, m))}
+        assert set(factors) == want, "one lora_a and lora_b per adapted matmul of the build"
+        self._lora_inputs = {k: np.ascontiguousarray(v) for k, v in factors.items()}
+
     def _lora_factors(self) -> dict[str, np.ndarray]:
-        """The adapters' factors fed each step. NOTE: no slots loaded yet (serving adapters: issue 44 step 2),
-        so every factor has 0 rows: each adapted matmul adds nothing (the base model)."""
+        """The adapters' factors fed each step: those `set_lora_factors` gave, else 0-row factors: each adapted
+        matmul adds nothing (the base model)."""
         if getattr(self, "_lora_inputs", None) is None:
             act = io.DType(self.manifest.dtype).numpy_name
             self._lora_inputs = {}

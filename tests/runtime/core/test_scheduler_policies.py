@@ -45,7 +45,8 @@ def _step(sched):
 def test_request_has_core_fields_and_one_state_slot():
     assert [f.name for f in fields(Request)] == [
         "request_id", "token_ids", "num_prompt_tokens", "params", "sampler", "arrival", "num_computed_tokens",
-        "status", "finish_reason", "error", "num_preemptions", "num_cached_prompt_tokens", "salt", "policy_state"]
+        "status", "finish_reason", "error", "num_preemptions", "num_cached_prompt_tokens", "salt", "lora_slot",
+        "policy_state"]  # lora_slot: which adapter's weights the request's tokens run with (vLLM: lora_request)
     pool = BlockPool(32, BS, enable_prefix_caching=True)
     w = streaming_window(sink_tokens=4, recent_tokens=8, block_size=BS, max_model_len=32, pool_tokens=31 * BS,
                          max_num_batched_tokens=64)

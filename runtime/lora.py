@@ -1,0 +1,101 @@
+"""LoRA adapters at serve time (issue 44 step 3): the adapters `EngineConfig.lora_modules` names, read,
+checked against the build and laid into slots once, at start (kvexport/lora_adapters.py `read`, `pack`), and
+the name each request asks for (SamplingParams.lora) resolved to its slot.
+
+    --lora-modules a=DIR,b=DIR ─▶ read each (PEFT folder) ─▶ pack(plan, [a, b]) ─▶ lora_a / lora_b
+                                   slots 0, 1                                     bound once (backend)
+    request lora "b" ─▶ slot 1 ─▶ Request.lora_slot ─▶ ScheduledRequest.lora_slot ─▶ each token's
+                                                      io.LORA_INDEX (-1: the base model)
+
+Every step carries all loaded adapters side by side (exporter/lora.py `graph_delta`: one GEMM per
+factor whatever the mix), so requests of different adapters and of the base share one batch.
+
+NOTE: an adapter's identity (its name and the sha256 of its weights) is part of each request's
+prefix-cache salt (`salt`): a prompt's KV under one adapter is never served to another adapter or the
+base, whose KV of the same tokens differs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kvexport import io, lora_adapters
+from kvexport.errors import ConfigError, KvExportError
+from kvexport.manifest import Manifest
+
+from .config import EngineConfig, parse_lora_modules
+from .request_checks import RequestError
+
+BASE_SLOT = -1  # io.LORA_INDEX of a token without an adapter
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedAdapter:
+    name: str  # what requests call it (lora_modules)
+    path: Path  # its PEFT folder
+    sha256: str  # of its weights file
+    slot: int  # its slot in the factors (io.LORA_INDEX value)
+
+
+class LoraAdapters:
+    """The adapters an engine serves: names -> slots, and the graph inputs that hold them."""
+
+    def __init__(self, adapters: tuple[LoadedAdapter, ...], factors: dict[str, np.ndarray]):
+        self.adapters, self.factors = adapters, factors
+        self._by_name = {a.name: a for a in adapters}
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(a.name for a in self.adapters)
+
+    def slot(self, name: str | None) -> int:
+        """The request's slot (BASE_SLOT for None); RequestError naming `lora` for a name not served."""
+        if name is None:
+            return BASE_SLOT
+        adapter = self._by_name.get(name)
+        if adapter is None:
+            served = ", ".join(self.names) or "none (start the server with --lora-modules NAME=PATH)"
+            raise RequestError(f"lora: no adapter {name!r} is loaded; the adapters served: {served}", "lora")
+        return adapter.slot
+
+    def salt(self, name: str | None, salt: str | None) -> str | None:
+        """The request's prefix-cache salt with its adapter's identity folded in (module NOTE)."""
+        if name is None:
+            return salt
+        a = self._by_name[name]
+        return hashlib.sha256(f"lora\0{a.name}\0{a.sha256}\0{salt or ''}".encode()).hexdigest()
+
+
+def load(build_dir: Path, manifest: Manifest, config: EngineConfig) -> LoraAdapters | None:
+    """The adapters config.lora_modules names, packed for this build (None: none named). ConfigError
+    naming lora_modules for a build made without --lora-max-rank, an adapter that is not a PEFT LoRA folder,
+    or one the build cannot take (a target it does not adapt, a rank above its max)."""
+    named = parse_lora_modules(config.lora_modules)
+    if not named:
+        return None
+    if not manifest.lora:
+        raise ConfigError(f"lora_modules: {build_dir} takes no adapters (built without --lora-max-rank); rebuild it "
+                          f"with `kvexport build MODEL --lora-max-rank R`, or merge one adapter with --lora")
+    if config.backend != "onnxruntime":
+        raise ConfigError("lora_modules: adapters are served on the onnxruntime backend only (the TensorRT engines' "
+                          "runtime does not bind them yet); give --backend onnxruntime")
+    read, loaded = [], []
+    for slot, (name, path) in enumerate(named.items()):
+        try:
+            adapter = lora_adapters.read(Path(path).expanduser(), what=f"lora_modules ({name})")
+        except KvExportError as e:
+            raise ConfigError(str(e)) from None
+        read.append(adapter)
+        loaded.append(LoadedAdapter(name, adapter.path, adapter.sha256, slot))
+    try:
+        factors = lora_adapters.pack(manifest.lora, read, np.dtype(io.DType(manifest.dtype).numpy_name))
+    except KvExportError as e:
+        raise ConfigError(f"lora_modules: {e}") from None
+    return LoraAdapters(tuple(loaded), factors)
+
+
+__all__ = ["BASE_SLOT", "LoadedAdapter", "LoraAdapters", "load"]

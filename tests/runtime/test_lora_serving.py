@@ -1,0 +1,94 @@
+"""Serving LoRA adapters (runtime/lora.py, issue 44 step 3): a build made with --lora-max-rank, two real PEFT 0.21
+adapters loaded with `lora_modules`, one batch of the base and both adapters: each request's greedy tokens are
+transformers + peft's for its adapter; a prompt's cached KV under one adapter is never reused by another adapter
+or the base; unknown names and builds without adapter inputs are refused, naming the setting or field."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from kvexport import LLM, SamplingParams, io, manifest
+from kvexport.errors import ConfigError, KvExportError
+from kvexport.exporter.build import BuildOptions, build
+
+from testkit import parity
+from testkit.families import TINY
+
+# NOTE: peft imports triton; imported at collection it would set triton up before tests/plugins/conftest.py
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft is not installed (.[test])")
+
+
+def make_adapter(folder, out, seed, **kw):
+    """A real PEFT adapter on the tiny model, lora_B drawn large enough to change greedy tokens."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model = peft.get_peft_model(base, peft.LoraConfig(init_lora_weights=False, **kw))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    model.save_pretrained(out)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def served(hf_folder, tmp_path_factory):
+    d = tmp_path_factory.mktemp("lora_serving")
+    folder = hf_folder("llama")
+    out, _ = build(str(folder), d / "b", BuildOptions(max_seq_len=64, block_size=4, lora_max_rank=8))
+    ref1 = make_adapter(folder, d / "a1", 1, r=4, lora_alpha=8, use_rslora=True,
+                        target_modules=["q_proj", "v_proj", "down_proj"])
+    ref2 = make_adapter(folder, d / "a2", 2, r=8, lora_alpha=16,
+                        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    return out, d, ref1, ref2
+
+
+def test_base_and_two_adapters_in_one_batch_give_peft_greedy_tokens(served):
+    out, d, ref1, ref2 = served
+    llm = LLM(out, lora_modules=f"one={d / 'a1'},two={d / 'a2'}", kv_cache_memory="8MiB")
+    prompts = parity.random_prompts(6, TINY["vocab_size"], 5, 14, seed=11)
+    names = [None, "one", "two", "two", None, "one"]
+    got = llm.generate(prompts, [SamplingParams(max_tokens=6, ignore_eos=True, lora=n) for n in names])
+    with ref1.disable_adapter():
+        base = parity.hf_greedy(ref1, [p for p, n in zip(prompts, names) if n is None], 6)
+    one = parity.hf_greedy(ref1, [p for p, n in zip(prompts, names) if n == "one"], 6)
+    two = parity.hf_greedy(ref2, [p for p, n in zip(prompts, names) if n == "two"], 6)
+    want = {None: iter(base), "one": iter(one), "two": iter(two)}
+    assert [o.token_ids for o in got] == [next(want[n]) for n in names]
+    with ref2.disable_adapter():
+        assert parity.hf_greedy(ref2, prompts[2:4], 6) != two, "the adapter changes no token: a weak test"
+
+
+def test_cached_prompts_are_kept_apart_by_adapter(served):
+    out, d, _, _ = served
+    llm = LLM(out, lora_modules=f"one={d / 'a1'},two={d / 'a2'}", kv_cache_memory="8MiB")
+    prompt = parity.random_prompts(1, TINY["vocab_size"], 24, 25, seed=12)[0]
+
+    def cached(name):
+        return llm.generate([prompt], SamplingParams(max_tokens=2, lora=name))[0].num_cached_prompt_tokens
+
+    assert cached("one") == 0
+    assert cached("one") == 20  # its own blocks (the last, partial one and the last token are computed)
+    assert cached(None) == 0 and cached("two") == 0  # never another adapter's KV, nor the base's
+    assert cached(None) == 20 and cached("two") == 20
+
+
+def test_unknown_adapters_and_builds_without_adapter_inputs_are_refused(served, hf_folder, tmp_path):
+    out, d, _, _ = served
+    llm = LLM(out, lora_modules=f"one={d / 'a1'}", kv_cache_memory="8MiB")
+    with pytest.raises(KvExportError, match=r"lora: no adapter 'three' is loaded; the adapters served: one"):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, lora="three"))
+    with pytest.raises(KvExportError, match="lora: this engine serves no adapters"):
+        LLM(out, kv_cache_memory="8MiB").generate([[5, 6, 7]], SamplingParams(max_tokens=2, lora="one"))
+    with pytest.raises(ConfigError, match=r"lora_modules \(one\) .*no such folder"):
+        LLM(out, lora_modules=f"one={tmp_path / 'missing'}")
+    with pytest.raises(ConfigError, match="more than max_loras 1"):
+        LLM(out, lora_modules=f"one={d / 'a1'},two={d / 'a2'}", max_loras=1)
+    plain, _ = build(str(hf_folder("llama")), tmp_path / "plain", BuildOptions(max_seq_len=64, block_size=4))
+    with pytest.raises(ConfigError, match="takes no adapters .*--lora-max-rank"):
+        LLM(plain, lora_modules=f"one={d / 'a1'}")
+    assert io.LORA_INDEX not in {t.name for t in manifest.load(plain).graphs["prefill"].inputs}
