@@ -88,7 +88,7 @@ class LLMEngine:
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, eos)
         # what front ends may use from their own threads to prepare requests (runtime/frontend.py)
         self.prep = RequestPrep(self.tokenizer, self.vocab_size, self.max_model_len, self.check_params,
-                                self.structured.compile)
+                                self.structured.compile, self.loras.names if self.loras is not None else ())
         self._ids = 0
 
     def _load(self, config: EngineConfig, backend: Backend | None) -> tuple[Backend, EngineConfig]:

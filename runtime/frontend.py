@@ -9,6 +9,7 @@ thread-safe:
     RequestPrep.compile           a structured-output spec compiled and cached (StructuredOutputManager:
                                   thread-safe), so the engine thread's own compile is a cache hit
     vocab_size, max_model_len     numbers
+    lora_names                    the LoRA adapters served (runtime/lora.py): a request's `model` may name one
 
 The OpenAI server, the Triton model and the Dynamo worker prepare requests through it and reach the
 engine otherwise only through the engine thread's inbox.
@@ -29,6 +30,7 @@ class RequestPrep:
     max_model_len: int  # tokens per sequence (prompt + output)
     check_params: Callable[[SamplingParams], None]  # RequestError naming the field the engine refuses
     _compile: Callable[[StructuredOutputs, str | None], Any]
+    lora_names: tuple[str, ...] = ()  # the LoRA adapters served, by name (SamplingParams.lora)
 
     def compile(self, spec: StructuredOutputs, param: str | None = None) -> None:
         """Compile `spec`'s grammar now (cached for the engine thread); GrammarError naming `param`."""

@@ -247,6 +247,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str
     max_model_len: int
+    root: str | None = None  # a LoRA adapter: its own name
+    parent: str | None = None  # a LoRA adapter: the base model it runs on
 
 
 class ModelList(BaseModel):

@@ -24,6 +24,7 @@ SIGTERM/SIGINT lets running requests finish for `shutdown_grace` seconds, then e
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import gc
 import math
@@ -161,10 +162,16 @@ class OpenAIServer:
         async with self.parse_lock:
             return await asyncio.to_thread(bodies.parse, model, raw, request.headers.get("content-type"), self.limits)
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
-                           param="model", code="model_not_found")
+    def check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter `model` names (runtime/lora.py; None: the base model, by its name or unset);
+        404 naming `model` for one this server does not serve."""
+        if model is None or model == self.model_name:
+            return None
+        if model in self.prep.lora_names:
+            return model
+        served = ", ".join(repr(m) for m in (self.model_name, *self.prep.lora_names))
+        raise ApiError(404, f"the model {model!r} does not exist; this server serves {served}",
+                       param="model", code="model_not_found")
 
     async def events(self, request: Request, prompts: list[list[int]], params: SamplingParams,
                      group: str, salt: str | None = None) -> AsyncGenerator[Event, None]:
@@ -288,6 +295,8 @@ class OpenAIServer:
                                     f"response_format / structured_outputs unset", param="tool_choice")
             spec, field_ = plan.structured, "tools"
         params = proto.sampling_params(body, self.parser, max(len(p) for p in prompts), spec)
+        if (adapter := self.check_model(body.model)) is not None:  # a LoRA adapter by name (runtime/lora.py)
+            params = dataclasses.replace(params, lora=adapter)
         proto.check_fanout(body, len(prompts), params.n, self.max_sequences)
         self.prep.check_params(params)  # what the engine's settings refuse (RequestError: a 400 naming the field)
         if spec is not None:
@@ -401,8 +410,11 @@ async def chat_completions(request: Request):
 
 async def models(request: Request):
     s = _server(request)
-    return {"object": "list", "data": [{"id": s.model_name, "object": "model", "created": s.created,
-                                        "owned_by": "kvexport", "max_model_len": s.engine.max_model_len}]}
+    base = {"id": s.model_name, "object": "model", "created": s.created, "owned_by": "kvexport",
+            "max_model_len": s.prep.max_model_len}
+    # LoRA adapters as vLLM lists them: each its own model, `parent` the base it runs on (runtime/lora.py)
+    return {"object": "list", "data": [base, *({**base, "id": name, "root": name, "parent": s.model_name}
+                                               for name in s.prep.lora_names)]}
 
 
 async def health(request: Request):

@@ -92,3 +92,34 @@ def test_unknown_adapters_and_builds_without_adapter_inputs_are_refused(served, 
     with pytest.raises(ConfigError, match="takes no adapters .*--lora-max-rank"):
         LLM(plain, lora_modules=f"one={d / 'a1'}")
     assert io.LORA_INDEX not in {t.name for t in manifest.load(plain).graphs["prefill"].inputs}
+
+
+def test_the_openai_server_serves_adapters_by_model_name(served):
+    """`kvexport serve --lora-modules`: the request's `model` picks the adapter (vLLM's rule), /v1/models lists
+    each adapter with the base as its parent; a model name not served is a 404 naming `model`."""
+    from fastapi.testclient import TestClient
+
+    from kvexport.runtime.config import EngineConfig
+    from kvexport.runtime.serving.server import create_app
+
+    out, d, ref1, _ = served
+    prompt = parity.random_prompts(1, TINY["vocab_size"], 8, 9, seed=13)[0]
+    config = EngineConfig(lora_modules=f"one={d / 'a1'}", kv_cache_memory="8MiB")
+    with TestClient(create_app(out, config, served_model_name="tiny")) as c:
+        models = c.get("/v1/models").json()["data"]
+        assert [(m["id"], m.get("parent")) for m in models] == [("tiny", None), ("one", "tiny")]
+
+        def tokens(model):
+            """The completion's token ids (the tiny build has no tokenizer: logprobs name tokens by id)."""
+            r = c.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 5, "temperature": 0,
+                                                "ignore_eos": True, "logprobs": 0})
+            assert r.status_code == 200, r.text
+            return [int(t) for t in r.json()["choices"][0]["logprobs"]["tokens"]]
+
+        with ref1.disable_adapter():
+            base = parity.hf_greedy(ref1, [prompt], 5)[0]
+        adapted = parity.hf_greedy(ref1, [prompt], 5)[0]
+        assert base != adapted
+        assert tokens("one") == adapted and tokens("tiny") == base and tokens(None) == base
+        r = c.post("/v1/completions", json={"model": "two", "prompt": prompt, "max_tokens": 2})
+        assert r.status_code == 404 and r.json()["error"]["param"] == "model" and "'one'" in r.json()["error"]["message"]
