@@ -102,7 +102,8 @@ def run_bench(build_dir: str | Path, config: EngineConfig, trace_name: str = "mi
     `json_schema` (a JSON schema's text): every request's output is constrained to it (structured
     output, as response_format json_schema), compiled once before the clock starts; a request ends
     where its grammar does or at its output length, whichever is first (for a per-token overhead,
-    give a schema whose documents are longer than the trace's outputs)."""
+    give a schema whose documents are longer than the trace's outputs). With LoRA adapters loaded
+    (config.lora_modules) the requests take the base and each adapter in turn (runtime/lora.py)."""
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise ConfigError(f"limit must be an integer >= 1 (requests), got {limit!r}")
     trace, reqs = load_trace(trace_name)  # bad traces and rates fail before the engine loads
@@ -118,6 +119,7 @@ def run_bench(build_dir: str | Path, config: EngineConfig, trace_name: str = "mi
     timed = _TimedBackend(engine.backend)
     engine.backend = timed
     prompts = trace_prompts(trace, reqs, engine.manifest.model.vocab_size)
+    loras = (None, *engine.loras.names) if engine.loras is not None else (None,)  # request i: loras[i % len]
     total_out = sum(r.output_len for r in reqs)
     max_len = engine.max_model_len
     reserve = {}  # request id -> tokens a contiguous cache would reserve for it
@@ -132,7 +134,8 @@ def run_bench(build_dir: str | Path, config: EngineConfig, trace_name: str = "mi
             i = len(rids)
             # NOTE: with a schema the grammar may end a request (its EOS is the only token left), so EOS counts
             rid = engine.add_request(prompts[i], SamplingParams(max_tokens=reqs[i].output_len,
-                                                                 ignore_eos=structured is None, structured=structured))
+                                                                 ignore_eos=structured is None, structured=structured,
+                                                                 lora=loras[i % len(loras)]))
             reserve[rid] = reqs[i].prompt_len + reqs[i].output_len
             due[rid] = t0 + arrivals[i]
             rids.append(rid)
@@ -198,6 +201,10 @@ def run_bench(build_dir: str | Path, config: EngineConfig, trace_name: str = "mi
         # speculative decoding (--speculative): drafted / accepted tokens, acceptance rate, mean accepted length
         "speculative": ({"mode": config.speculative, "num_speculative_tokens": config.num_speculative_tokens,
                          **stats.spec_decoding.to_json()} if stats.spec_decoding is not None else None),
+        # LoRA adapters (--lora-modules): the requests took the base and each adapter in turn
+        "lora": ({"adapters": list(loras[1:]), "max_rank": engine.manifest.lora["max_rank"],
+                  "factor_bytes": int(sum(a.nbytes for a in engine.loras.factors.values()))}
+                 if engine.loras is not None else None),
         "time_s": {"steps": round(step_s, 2), "model": round(timed.seconds, 2),
                    "outside_model_share_of_step": round(1.0 - timed.seconds / step_s, 4) if step_s else 0.0},
     }

@@ -136,6 +136,9 @@ class OpenAIServer:
         # the tool-call format outputs are read in (--tool-call-parser; ConfigError unless registered);
         # None: the one the chat template tells (tools.py)
         self.tool_call_parser = tool_parser(tool_call_parser).name if tool_call_parser is not None else None
+        if model_name in engine.prep.lora_names:  # NOTE: before the engine thread starts
+            raise ConfigError(f"lora_modules: the adapter name {model_name!r} is the served model's name; give the "
+                              f"adapter another name (a request's model picks the base by that name)")
         self.worker = worker or EngineThread(engine)
         self.parser = RequestParser.for_engine(engine)
         self.model_name = model_name

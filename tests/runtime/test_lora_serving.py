@@ -123,3 +123,5 @@ def test_the_openai_server_serves_adapters_by_model_name(served):
         assert tokens("one") == adapted and tokens("tiny") == base and tokens(None) == base
         r = c.post("/v1/completions", json={"model": "two", "prompt": prompt, "max_tokens": 2})
         assert r.status_code == 404 and r.json()["error"]["param"] == "model" and "'one'" in r.json()["error"]["message"]
+    with pytest.raises(ConfigError, match="the adapter name 'one' is the served model's name"):
+        create_app(out, config, served_model_name="one")
