@@ -77,6 +77,21 @@ def test_cached_prompts_are_kept_apart_by_adapter(served):
     assert cached(None) == 20 and cached("two") == 20
 
 
+def test_tenants_and_adapters_are_both_in_the_key(served):
+    """Two tenants (cache_salt) x two adapters: each of the four shares nothing with the other three."""
+    out, d, _, _ = served
+    llm = LLM(out, lora_modules=f"one={d / 'a1'},two={d / 'a2'}", kv_cache_memory="8MiB")
+    prompt = parity.random_prompts(1, TINY["vocab_size"], 24, 25, seed=14)[0]
+
+    def cached(tenant, name):
+        p = {"prompt_token_ids": prompt, "cache_salt": tenant}
+        return llm.generate([p], SamplingParams(max_tokens=2, lora=name))[0].num_cached_prompt_tokens
+
+    pairs = [(t, a) for t in ("tenant-a", "tenant-b") for a in ("one", "two")]
+    assert [cached(t, a) for t, a in pairs] == [0, 0, 0, 0]
+    assert [cached(t, a) for t, a in pairs] == [20, 20, 20, 20]
+
+
 def test_unknown_adapters_and_builds_without_adapter_inputs_are_refused(served, hf_folder, tmp_path):
     out, d, _, _ = served
     llm = LLM(out, lora_modules=f"one={d / 'a1'}", kv_cache_memory="8MiB")
