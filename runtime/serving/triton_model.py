@@ -92,6 +92,8 @@ INPUTS = (
     ("structured_outputs", "TYPE_STRING", [1], True, 'vLLM structured_outputs as JSON text: {"regex": ...}'),
     ("kv_budget_tokens", "TYPE_INT64", [1], True, "a smaller KV budget for this request, in tokens (the model's "
      "kv_eviction snapkv / h2o; refused without it) [the model's]"),
+    ("lora", "TYPE_STRING", [1], True, "a LoRA adapter the model serves (its lora_modules parameter), by name "
+     "[the base model]"),
 )
 OUTPUTS = (
     ("text_output", "TYPE_STRING", [1], "text added by this response (streaming) or the whole completion"),
@@ -145,6 +147,22 @@ def _scalar(arrays: dict[str, np.ndarray], name: str, default):
         raise RequestError(f"input {name!r} must hold one value, got shape {list(a.shape)}", name)
     v = a.reshape(-1)[0]
     return v.item() if hasattr(v, "item") else v
+
+
+def _lora_name(arrays: dict[str, np.ndarray]) -> str | None:
+    """The `lora` input -> the adapter's name (None: absent, the base); whether it is loaded is the engine's
+    check (a RequestError naming `lora`)."""
+    raw = _scalar(arrays, "lora", None)
+    if raw is None:
+        return None
+    if isinstance(raw, bytes):
+        if len(raw) > 1024:
+            raise RequestError(f"lora: an adapter name of at most 1024 bytes, got {len(raw)}", "lora")
+        try:
+            raw = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise RequestError("lora is not valid UTF-8", "lora") from None
+    return str(raw) or None
 
 
 def _stop_strings(stop: np.ndarray | None) -> list[str]:
@@ -211,6 +229,7 @@ def parse_request(arrays: dict[str, np.ndarray], parser: RequestParser,
     values = {k: _scalar(arrays, k, None) for k in ("max_tokens", "temperature", "top_p", "top_k", "seed",
                                                     "ignore_eos", "speculative", "kv_budget_tokens")}
     values["stop"] = _stop_strings(arrays.get("stop"))
+    values["lora"] = _lora_name(arrays)
     values["structured"] = _structured(arrays)
     stream = bool(_scalar(arrays, "stream", False))
     if "text_input" in arrays:
@@ -318,6 +337,7 @@ class TritonPythonModel:
                     field = "response_format" if "response_format" in arrays else "structured_outputs"
                     self.engine.prep.compile(params.structured, field)  # errors name the input
                 salt = parse_cache_salt(arrays, self.salt_key)
+                self.engine.prep.check_params(params)  # an adapter not loaded, ...: an error naming the input
             except Exception as e:  # noqa: BLE001 - a bad request gets an error, the model keeps serving
                 msg = str(e) if isinstance(e, KvExportError) else f"invalid request: {e}"
                 sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(msg)),

@@ -231,3 +231,52 @@ def test_the_model_carries_speculative_decoding_and_the_request_input_turns_it_o
         assert got[False][1] == 0 < got[True][1], got
     finally:
         m.finalize()
+
+
+def test_the_model_serves_lora_adapters_by_the_request_input(hf_folder, tmp_path, monkeypatch):
+    """config.pbtxt `lora_modules` on a --lora-max-rank build: a request's `lora` input runs its adapter (the same
+    tokens as the Python API's SamplingParams.lora, which tests/runtime/test_lora_serving.py holds to peft's); one
+    naming an adapter not loaded gets an error naming `lora`."""
+    peft = pytest.importorskip("peft")  # NOTE: imported here, not at collection (it sets triton up: plugins' conftest)
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kvexport import LLM, SamplingParams
+
+    folder = hf_folder("llama")
+    out, _ = build(str(folder), tmp_path / "lora", BuildOptions(max_seq_len=64, block_size=4, lora_max_rank=4,
+                                                                validate=False))
+    torch.manual_seed(0)
+    adapted = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32),
+                                  peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    adapted.save_pretrained(tmp_path / "a")
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    llm = LLM(out, lora_modules=f"one={tmp_path / 'a'}", kv_cache_memory="4MiB")
+    want = {name: llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True, lora=name))[0].token_ids
+            for name in (None, "one")}
+    assert want[None] != want["one"], "the adapter changes no token: a weak test"
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", FakePb())
+    m = triton_model.TritonPythonModel()
+    params = {"build_dir": str(out), "kv_cache_memory": "4MiB", "threads": "1", "lora_modules": f"one={tmp_path / 'a'}"}
+    m.initialize({"model_config": json.dumps({"parameters": {k: {"string_value": v} for k, v in params.items()}}),
+                  "model_repository": str(tmp_path), "model_name": "tiny", "model_version": "1",
+                  "model_instance_name": "tiny_0"})
+    try:
+        for name in (None, "one"):
+            extra = {"lora": np.array([name.encode()], dtype=object)} if name else {}
+            r = Request(input_ids=np.array(prompt, np.int64), max_tokens=np.array([8], np.int64),
+                        ignore_eos=np.array([True]), **extra)
+            m.execute([r])
+            assert r.sender.final.wait(30)
+            (resp, _), = r.sender.responses
+            assert resp.error is None and resp.tensors["token_ids"].tolist() == want[name]
+        r = Request(input_ids=np.array(prompt, np.int64), lora=np.array([b"two"], dtype=object))
+        m.execute([r])
+        assert r.sender.final.wait(30)
+        assert "lora: no adapter 'two' is loaded" in _only_final_error(r)
+    finally:
+        m.finalize()
