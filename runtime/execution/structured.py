@@ -49,6 +49,9 @@ __all__ = ["GrammarBusyError", "GrammarError", "MAX_DIGITS", "Matcher", "Structu
 
 COMPILE_TIMEOUT_S = 10.0  # a grammar that takes longer to compile is refused (400)
 CACHE_SIZE = 256  # compiled grammars kept (least recently used dropped)
+# and their bytes kept, at most: each compiled grammar's xgrammar memory_size_bytes plus its spec's text (a
+# 1 MiB schema is part of its key); the least recently used are dropped past it, the newest always kept
+CACHE_BYTES = 256 << 20
 MAX_SPEC_CHARS = 256 * 1024  # characters of a schema / regex / grammar at most
 
 # the packages structured output needs (import name -> what pip installs); NOTE: a Triton execution
@@ -132,6 +135,11 @@ class Matcher:
         return bool(self._m.is_terminated())
 
 
+def _key_bytes(key: tuple) -> int:
+    """Bytes a cache key's text holds (a schema's, a regex's, a grammar's)."""
+    return sum(len(x) if isinstance(x, (str, bytes)) else _key_bytes(x) if isinstance(x, tuple) else 8 for x in key)
+
+
 class StructuredOutputManager:
     """Compiles StructuredOutputs for one tokenizer (xgrammar, loaded on first use) and caches
     the results by spec, refusals too. Thread-safe: front ends compile in worker threads, the engine
@@ -151,6 +159,8 @@ class StructuredOutputManager:
         self._lock = threading.Lock()
         self._compiling = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
+        self._sizes: dict[tuple, int] = {}  # bytes of each cached entry (its key's text, then its grammar's too)
+        self.cache_bytes = 0  # sum of _sizes (CACHE_BYTES bounds it)
 
     def _xgr_compiler(self, param: str = "response_format") -> Any:
         with self._lock:
@@ -187,8 +197,7 @@ class StructuredOutputManager:
                 self._cache.move_to_end(key)
             else:
                 fut = self._cache[key] = Future()
-                while len(self._cache) > CACHE_SIZE:
-                    self._cache.popitem(last=False)
+                self._account(key, _key_bytes(key))
                 threading.Thread(target=self._run, args=(spec, param, key, fut), daemon=True,
                                  name="grammar-trial").start()
         return fut.result()  # NOTE: bounded: the trial's deadline, then a compile the trial showed is as fast
@@ -197,13 +206,27 @@ class StructuredOutputManager:
         try:
             assert self._trials is not None
             self._trials.run(spec, param)
-            fut.set_result(self._compiling.submit(compile_spec, self._compiler, spec, param).result())
+            compiled = self._compiling.submit(compile_spec, self._compiler, spec, param).result()
+            with self._lock:
+                if self._cache.get(key) is fut:  # (still cached: its grammar's bytes count too)
+                    self._account(key, _key_bytes(key) + int(getattr(compiled, "memory_size_bytes", 0)))
+            fut.set_result(compiled)
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits (a 400, or a server error)
             if isinstance(e, GrammarBusyError):  # NOTE: not the spec's fault: not cached
                 with self._lock:
                     if self._cache.get(key) is fut:
                         del self._cache[key]
+                        self.cache_bytes -= self._sizes.pop(key, 0)
             fut.set_exception(e)
+
+    def _account(self, key: tuple, size: int) -> None:
+        """`key`'s entry now holds `size` bytes; the least recently used entries are dropped while the cache
+        holds more than CACHE_SIZE entries or CACHE_BYTES bytes (the newest stays). Called with the lock held."""
+        self.cache_bytes += size - self._sizes.get(key, 0)
+        self._sizes[key] = size
+        while len(self._cache) > 1 and (len(self._cache) > CACHE_SIZE or self.cache_bytes > CACHE_BYTES):
+            old, _ = self._cache.popitem(last=False)
+            self.cache_bytes -= self._sizes.pop(old, 0)
 
     def matcher(self, spec: StructuredOutputs | None) -> Matcher | None:
         """A fresh matcher for one sequence (None without a spec); compiles when not cached."""

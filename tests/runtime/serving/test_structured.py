@@ -325,6 +325,29 @@ def test_a_compile_over_the_time_limit_is_refused(smollm2_build):
     assert e.value.param == "response_format.json_schema.schema" and "took longer than" in str(e.value)
 
 
+def test_the_grammar_cache_is_bounded_by_bytes(smollm2_build, monkeypatch):
+    """Compiled grammars are kept by bytes (their xgrammar size plus their spec's text) as well as by count: past
+    CACHE_BYTES the least recently used go (the newest stays), and a dropped one compiles again on its next use."""
+    from kvexport import manifest as mf
+    from kvexport.runtime.execution import structured
+    from kvexport.runtime.tokenizer import load_build_tokenizer
+
+    tok = load_build_tokenizer(Path(smollm2_build), mf.load(Path(smollm2_build)).tokenizer)
+    m = structured.StructuredOutputManager(tok, 49152, (2,))
+    specs = [StructuredOutputs(regex=f"(ab|c{i}){{1,3}}") for i in range(3)]
+    m.compile(specs[0])
+    one = m.cache_bytes
+    assert one > 1000  # a compiled grammar over smollm2's 49k tokens is kilobytes at least
+    monkeypatch.setattr(structured, "CACHE_BYTES", int(2.5 * one))
+    m.compile(specs[1])
+    m.compile(specs[0])  # a hit: now the most recently used
+    m.compile(specs[2])  # a third does not fit: the least recently used (specs[1]) goes
+    assert [k[1] for k in m._cache] == [specs[0].regex, specs[2].regex] and m.cache_bytes <= 2.5 * one
+    monkeypatch.setattr(structured, "CACHE_BYTES", 1)
+    m.compile(specs[1])  # the newest stays even alone over the cap
+    assert [k[1] for k in m._cache] == [specs[1].regex] and m.cache_bytes == m._sizes[specs[1].key]
+
+
 def test_the_python_api_exports_what_builds_a_constraint(smollm2_build):
     """`from kvexport import LLM, SamplingParams, StructuredOutputs`: a constraint on the Python API."""
     import kvexport
