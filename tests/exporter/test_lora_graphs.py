@@ -18,7 +18,7 @@ from kvexport.exporter import lora
 from kvexport.exporter.build import BuildOptions, build
 from kvexport.exporter.validate import TOLERANCE
 
-from testkit import parity
+from testkit import lora_adapters, parity
 from testkit.families import TINY
 
 # NOTE: peft imports triton: imported while tests are collected, it would set triton up out of interpreter mode
@@ -27,18 +27,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason
 
 
 def make_adapter(folder, out, seed, **kw):
-    import peft
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    model = peft.get_peft_model(base, peft.LoraConfig(init_lora_weights=False, **kw))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.5)
-    model.save_pretrained(out)
-    return model.eval(), lora.read(out)
+    """A real PEFT adapter (testkit) and what exporter/lora.py reads of it."""
+    return lora_adapters.make_adapter(folder, out, seed, **kw), lora.read(out)
 
 
 def run_prefill(build_dir, m, prompts: list[list[int]], slots: list[int], factors: dict) -> np.ndarray:

@@ -6,7 +6,6 @@ or the base; unknown names and builds without adapter inputs are refused, naming
 import importlib.util
 
 import pytest
-import torch
 
 from kvexport import LLM, SamplingParams, io, manifest
 from kvexport.errors import ConfigError, KvExportError
@@ -14,25 +13,10 @@ from kvexport.exporter.build import BuildOptions, build
 
 from testkit import parity
 from testkit.families import TINY
+from testkit.lora_adapters import make_adapter
 
 # NOTE: peft imports triton; imported at collection it would set triton up before tests/plugins/conftest.py
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft is not installed (.[test])")
-
-
-def make_adapter(folder, out, seed, **kw):
-    """A real PEFT adapter on the tiny model, lora_B drawn large enough to change greedy tokens."""
-    import peft
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    model = peft.get_peft_model(base, peft.LoraConfig(init_lora_weights=False, **kw))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.5)
-    model.save_pretrained(out)
-    return model.eval()
 
 
 @pytest.fixture(scope="module")

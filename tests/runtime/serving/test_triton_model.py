@@ -237,23 +237,15 @@ def test_the_model_serves_lora_adapters_by_the_request_input(hf_folder, tmp_path
     """config.pbtxt `lora_modules` on a --lora-max-rank build: a request's `lora` input runs its adapter (the same
     tokens as the Python API's SamplingParams.lora, which tests/runtime/test_lora_serving.py holds to peft's); one
     naming an adapter not loaded gets an error naming `lora`."""
-    peft = pytest.importorskip("peft")  # NOTE: imported here, not at collection (it sets triton up: plugins' conftest)
-    import torch
-    from transformers import AutoModelForCausalLM
-
+    pytest.importorskip("peft")  # NOTE: imported here, not at collection (it sets triton up: plugins' conftest)
     from kvexport import LLM, SamplingParams
+
+    from testkit.lora_adapters import make_adapter
 
     folder = hf_folder("llama")
     out, _ = build(str(folder), tmp_path / "lora", BuildOptions(max_seq_len=64, block_size=4, lora_max_rank=4,
                                                                 validate=False))
-    torch.manual_seed(0)
-    adapted = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32),
-                                  peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
-    with torch.no_grad():
-        for name, p in adapted.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.5)
-    adapted.save_pretrained(tmp_path / "a")
+    make_adapter(folder, tmp_path / "a", 0, r=4, target_modules=["q_proj", "v_proj"])
     prompt = [5, 6, 7, 8, 9, 10, 11]
     llm = LLM(out, lora_modules=f"one={tmp_path / 'a'}", kv_cache_memory="4MiB")
     want = {name: llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True, lora=name))[0].token_ids
