@@ -160,7 +160,7 @@ def test_windowed_layers_hold_only_the_window_while_serving(served, attention, r
     out, m, model = served("gemma3_text", attention)
     prompt = engine_parity.random_prompts(1, 128, 40, 41, seed=7)[0]
     llm = LLM(out, kv_cache_memory="1MiB", max_num_batched_tokens=8, max_num_seqs=4)
-    kv = llm.engine.kv
+    kv = llm.engine.kv.attention  # the attention groups' manager behind the KV cache coordinator
     assert isinstance(kv, WindowedKVCacheManager) and kv.window == 8
     rid = llm.engine.add_request(prompt, SamplingParams(max_tokens=16, ignore_eos=True))
     held_local = []

@@ -197,7 +197,7 @@ def test_the_engine_and_the_plan_allocate_the_same_pools(builds, name):
     settings = EngineConfig(kv_cache_memory=budget, max_num_seqs=seqs, max_num_batched_tokens=step, threads=1)
     engine = LLMEngine(builds[name], settings)
     assert own.num_blocks == engine.pool.num_blocks == engine.backend.num_blocks
-    local = getattr(engine.kv, "local_pool", None)
+    local = getattr(engine.kv.attention, "local_pool", None)  # the attention groups behind the coordinator
     assert own.local_num_blocks == (local.num_blocks if local is not None else None)
     assert (own.local_num_blocks is None) == (name == "mistral")
     assert (p.build_weights.precision, p.build_weights.bytes) == ("fp32", m.weights.bytes)
