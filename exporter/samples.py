@@ -47,8 +47,6 @@ def sample_feeds(manifest, phase: io.Phase, seed: int = 0) -> dict[str, np.ndarr
         del feeds[io.LOGITS_INDICES]  # the decode graph, builds made before it
     if io.OBSERVATION_LENS not in {t.name for t in manifest.graphs[phase.value].inputs}:
         del feeds[io.OBSERVATION_LENS]  # builds without attention scores
-    if io.LORA_INDEX not in {t.name for t in manifest.graphs[phase.value].inputs}:
-        del feeds[io.LORA_INDEX]  # builds that take no LoRA adapters
     # K/V pools (or MLA's latent pools) of the layers holding KV, each its own shape (Gemma 4, hybrids)
     kv_layers, dims = io.kv_layout(manifest.model.spec, kv.num_kv_heads, kv.head_dim)
     for name, i in zip(io.pool_names(kv.num_layers, kv.latent, kv_layers),

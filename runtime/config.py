@@ -182,9 +182,9 @@ class EngineConfig:
             raise ConfigError(f"draft_model is the draft build of speculative 'draft' and only of it: got "
                               f"speculative {self.speculative!r} with draft_model {self.draft_model!r}; give "
                               f"--speculative draft --draft-model BUILD, or neither")
-        if len(parse_lora_modules(self.lora_modules)) > self.max_loras:
-            raise ConfigError(f"lora_modules names {len(parse_lora_modules(self.lora_modules))} adapters, more than "
-                              f"max_loras {self.max_loras}: raise --max-loras or serve fewer adapters")
+        if (n := len(parse_lora_modules(self.lora_modules))) > self.max_loras:
+            raise ConfigError(f"lora_modules names {n} adapters, more than max_loras {self.max_loras}: raise "
+                              f"--max-loras or serve fewer adapters")
         if self.kv_offload_dir and parse_size(self.kv_offload_disk) < 1:
             raise ConfigError(f"kv_offload_disk is 0 bytes but kv_offload_dir is set: give the disk tier a size such "
                               "as 8GiB, or leave kv_offload_dir empty")

@@ -38,7 +38,7 @@ class ModelInput:
     # importance eviction); None: none (zeros are fed to a graph that takes it)
     observation_lens: np.ndarray | None = None
     # [T] int64: each token's LoRA adapter slot (io.LORA_INDEX, runtime/lora.py); None: every token the base
-    # model (-1 is fed to a graph that takes it)
+    # model (a LoRA build's backend feeds -1)
     lora_index: np.ndarray | None = None
 
     @property
@@ -62,8 +62,8 @@ class ModelInput:
             feeds[io.STATE_SLOTS] = self.state_slots
         feeds[io.OBSERVATION_LENS] = (self.observation_lens if self.observation_lens is not None
                                       else np.zeros(len(self.seq_lens), np.int64))  # likewise
-        feeds[io.LORA_INDEX] = (self.lora_index if self.lora_index is not None
-                                else np.full(len(self.token_ids), -1, np.int64))  # likewise
+        if self.lora_index is not None:  # NOTE: a LoRA build's backend feeds -1 (the base) when absent
+            feeds[io.LORA_INDEX] = self.lora_index
         return feeds
 
     def last_rows(self) -> np.ndarray:

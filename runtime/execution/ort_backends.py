@@ -347,10 +347,10 @@ class _OrtBackend:
             del feeds[io.LOGITS_INDICES]
         if not self.scores:  # importance eviction: only graphs that declare it take observation_lens
             del feeds[io.OBSERVATION_LENS]
-        if self.manifest.lora:  # a build that takes LoRA adapters (kvexport/io.py LORA_INDEX)
+        if self.manifest.lora:  # a build that takes LoRA adapters (kvexport/io.py LORA_INDEX); absent: the base
+            if io.LORA_INDEX not in feeds:
+                feeds[io.LORA_INDEX] = np.full(len(feeds[io.INPUT_IDS]), -1, np.int64)
             feeds.update(self._lora_factors())
-        else:
-            del feeds[io.LORA_INDEX]
         return feeds
 
     def set_lora_factors(self, factors: dict[str, np.ndarray]) -> None:

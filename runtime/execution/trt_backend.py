@@ -173,7 +173,7 @@ class _Phase:
         import torch
 
         for name, arr in inp.feeds().items():  # the metadata of every KV cache group (kvexport/io.py)
-            if name in (io.LOGITS_INDICES, io.OBSERVATION_LENS, io.LORA_INDEX) and name not in self.buffers:
+            if name in (io.LOGITS_INDICES, io.OBSERVATION_LENS) and name not in self.buffers:
                 continue  # an engine of a graph without it (the decode graph, builds made before it)
             self.buffers[name][:arr.size].copy_(torch.from_numpy(np.ascontiguousarray(arr).reshape(-1)),
                                                 non_blocking=True)
