@@ -19,7 +19,7 @@ from typing import Sequence
 import numpy as np
 
 from ..sampling_params import SamplerState
-from .structured import mask_logits
+from .structured import CLOSING_WINDOW, mask_logits
 
 
 def mask_grammars(logits: np.ndarray, rows: Sequence[int], states: Sequence[SamplerState | None]) -> list[int]:
@@ -63,6 +63,14 @@ def floor(logprob: float) -> float:
     return logprob if logprob > LOGPROB_FLOOR else LOGPROB_FLOOR
 
 
+def _best(x: np.ndarray, k: int) -> list[int]:
+    """The (at most) k tokens of the largest finite entries of x, best first."""
+    k = min(k, x.size)
+    idx = np.argpartition(-x, k - 1)[:k]
+    idx = idx[np.argsort(-x[idx], kind="stable")]
+    return [int(i) for i in idx if x[i] > -np.inf]
+
+
 def sample(logits: np.ndarray, state: SamplerState, prompt_tokens: set[int], num_generated: int,
            eos_ids: tuple[int, ...]) -> tuple[int, float | None, list[tuple[int, float]] | None]:
     """One token from one logits row [vocab]. Returns (token, its logprob, top logprobs)."""
@@ -87,6 +95,7 @@ def sample(logits: np.ndarray, state: SamplerState, prompt_tokens: set[int], num
         x[ids] -= p.presence_penalty + p.frequency_penalty * cnt
     _finite(x)
     logprobs_src = _log_softmax(x) if p.logprobs is not None else None
+    ranked_src = x  # the logits the token is chosen from (penalties and masks applied): structured output's closing
 
     if p.greedy:
         token = int(np.argmax(x))
@@ -111,6 +120,10 @@ def sample(logits: np.ndarray, state: SamplerState, prompt_tokens: set[int], num
         token = int(min(np.searchsorted(np.cumsum(probs), u, side="right"), probs.size - 1))
         while probs[token] == 0.0:  # guard against float edges landing on a dropped token
             token -= 1
+    if state.grammar is not None and not p.ignore_eos and p.max_tokens - num_generated <= CLOSING_WINDOW:
+        # NOTE: near the end of max_tokens, a token that leaves no way to end the document within it is replaced
+        # by the likeliest one that does (structured.py "Closing within the budget")
+        token = state.grammar.keep_closable(token, p.max_tokens - num_generated, lambda: _best(ranked_src, 8))
     state.counts[token] = state.counts.get(token, 0) + 1
     if state.grammar is not None and not state.grammar.accept(token):
         raise RuntimeError(f"the grammar refused token {token}, which its mask allowed")  # an internal error

@@ -21,6 +21,15 @@ spec again is refused at once. A grammar that admits no output at all is refused
 NOTE: keywords xgrammar 0.2.8 accepts but does not enforce (it compiles them and generates output
 that may break them) are refused by name (UNSUPPORTED_KEYWORDS), never silently ignored.
 
+Closing within the budget (issue 48 §2): in the last CLOSING_WINDOW tokens a request may emit, every sampled
+token is checked (`Matcher.keep_closable`): after it, can the output still end within the tokens left? A short
+way to end it is planned greedily on a fork of the matcher from the tokenizer's one-character tokens (Closer: `"`
+`}` `]` `0` ... first, two orders of preference, the shorter plan kept); a token that would leave no such way
+is replaced by the model's most likely token that does, else by the plan's first. So a small model's loop inside
+a string or a recursion still ends in a document that parses and validates, with finish_reason `stop`; only a
+budget shorter than the shortest way to close from where the window starts cuts it (`length`). Not with
+`ignore_eos` (the request goes on past the end).
+
 Speculative decoding: a matcher keeps its whole history (xgrammar 0.2.8: unlimited rollback). A verifier checks
 drafted tokens with `Matcher.validate(drafts)` (how many leading drafts the grammar allows, state
 unchanged) or fills one mask row per draft position with `Matcher.fill_along(drafts, bitmask, row)`
@@ -33,7 +42,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -43,7 +52,7 @@ from .grammars import (MAX_DIGITS, UNSUPPORTED_KEYWORDS, GrammarError, bitmask_w
                        check_json_schema, compile_spec)
 
 # NOTE: the grammar-making names (grammars.py) are handed on: front ends and tests import them from here
-__all__ = ["GrammarBusyError", "GrammarError", "MAX_DIGITS", "Matcher", "StructuredOutputManager", "StructuredOutputs",
+__all__ = ["CLOSING_WINDOW", "Closer", "GrammarBusyError", "GrammarError", "MAX_DIGITS", "Matcher", "StructuredOutputManager", "StructuredOutputs",
            "UNSUPPORTED_KEYWORDS", "bitmask_words", "bound_numbers", "check_json_schema", "mask_logits",
            "missing_packages"]
 
@@ -53,6 +62,10 @@ CACHE_SIZE = 256  # compiled grammars kept (least recently used dropped)
 # 1 MiB schema is part of its key); the least recently used are dropped past it, the newest always kept
 CACHE_BYTES = 256 << 20
 MAX_SPEC_CHARS = 256 * 1024  # characters of a schema / regex / grammar at most
+# the last tokens of a request's max_tokens in which each sampled token must leave a way to end the output
+# (Matcher.keep_closable); the way found when the window opens must fit in it (a document nested deeper than
+# this needs to close is cut by max_tokens as before)
+CLOSING_WINDOW = 64
 
 # the packages structured output needs (import name -> what pip installs); NOTE: a Triton execution
 # environment may lack them (xgrammar 0.2.8 imports torch; scripts/install_dev.sh puts the CPU build in
@@ -73,14 +86,40 @@ def missing_packages() -> list[str]:
     return out
 
 
+class Closer:
+    """What a matcher plans a way to end its output with, for one tokenizer: its one-character tokens in two
+    orders of preference. A plan takes, at each step, the first token of its order the grammar allows. Order
+    one ends strings first (`"`), order two closes objects and arrays first (`}` `]`: inside a string they
+    are text, so that order finds no end there); both prefer a short value (`0`, `null`) and the symbols a
+    pattern's separators need before letters."""
+
+    FIRST = ('"', "}", "]", "0", "1", ",", ":", "n", "u", "l", "t", "r", "e", "f", "a", "s", "{", "[")
+
+    def __init__(self, decoded_vocab: Sequence[bytes], eos: tuple[int, ...],
+                 encode: Callable[[str], Sequence[int]] | None = None):
+        self.encode = encode  # text -> token ids (no special tokens): what the grammar forces goes in whole tokens
+        one: dict[str, int] = {}
+        for i, b in enumerate(decoded_vocab):
+            if len(b) == 1 and b[0] >= 0x20 and chr(b[0]) not in one:
+                one[chr(b[0])] = i
+        symbols = [c for c in one if not c.isalnum() and c != " " and c not in self.FIRST]
+        rest = [c for c in one if c.isalnum() and c not in self.FIRST] + ([" "] if " " in one else [])
+        first = [c for c in self.FIRST if c in one]
+        strings_first = first + symbols + rest
+        closers_first = [c for c in ("}", "]") if c in one] + [c for c in strings_first if c not in ("}", "]")]
+        self.orders = tuple(np.array([one[c] for c in order], np.intp) for order in (strings_first, closers_first))
+        self.eos = eos[0] if eos else None
+        self.words = bitmask_words(len(decoded_vocab))
+
+
 class Matcher:
     """One sequence's place in its grammar (an xgrammar GrammarMatcher). Not thread-safe: the
     engine thread alone uses it."""
 
-    __slots__ = ("_m", "_eos")
+    __slots__ = ("_m", "_eos", "_closer")
 
-    def __init__(self, matcher: Any, eos: tuple[int, ...]):
-        self._m, self._eos = matcher, eos
+    def __init__(self, matcher: Any, eos: tuple[int, ...], closer: Closer | None = None):
+        self._m, self._eos, self._closer = matcher, eos, closer
 
     def fill(self, bitmask: np.ndarray, row: int) -> None:
         """The tokens allowed next -> bitmask[row] (int32 words, bit t % 32 of word t // 32).
@@ -134,6 +173,68 @@ class Matcher:
     def terminated(self) -> bool:
         return bool(self._m.is_terminated())
 
+    def closing(self, limit: int, after: int | None = None) -> list[int] | None:
+        """A short way to end the output from here (after `after`, when given): at most `limit` tokens, the last
+        an end-of-sequence token (none when the grammar already ended), or None when no plan fits. The state is
+        left as it was."""
+        c = self._closer
+        if c is None or c.eos is None:
+            return None
+        best = None
+        bitmask = np.zeros((1, c.words), np.int32)
+        for order in c.orders:  # NOTE: the second plan only counts when shorter than the first
+            m = self._m.fork()
+            if after is not None and not m.accept_token(int(after)):
+                return None
+            plan: list[int] = []
+            cap = limit if best is None else len(best) - 1
+            while len(plan) < cap:
+                if m.is_terminated():
+                    break
+                if m.is_completed():
+                    plan.append(c.eos)
+                    break
+                forced = m.find_jump_forward_string() if c.encode is not None else ""
+                first = c.encode(forced)[:1] if forced else []  # NOTE: text the grammar forces (a key's name) in
+                if first and m.accept_token(int(first[0])):     # the tokenizer's own tokens, not one per character
+                    plan.append(int(first[0]))
+                    continue
+                m.fill_next_token_bitmask(bitmask, 0)
+                bits = (bitmask[0, order // 32] >> (order % 32)) & 1  # the order's tokens allowed here
+                hit = np.flatnonzero(bits)
+                if hit.size:
+                    tok = int(order[hit[0]])
+                else:  # NOTE: none of the one-character tokens: the lowest token the grammar allows
+                    allowed = np.flatnonzero(np.unpackbits(bitmask.view(np.uint8), bitorder="little"))
+                    if not allowed.size:
+                        break
+                    tok = int(allowed[0])
+                if not m.accept_token(tok):
+                    break
+                plan.append(tok)
+            else:
+                continue  # the cap was reached before the end
+            if m.is_terminated() or (plan and plan[-1] == c.eos):
+                best = plan
+        return best
+
+    def keep_closable(self, token: int, budget: int, ranked: Callable[[], Sequence[int]] = list) -> int:
+        """The token to emit in place of `token` when `budget` tokens may still be emitted (this one included):
+        `token` when after it the output can still end within budget - 1 tokens (or the window is not reached,
+        or no way to end fits from here either), else the first of `ranked()` (the model's likeliest tokens, best
+        first) that leaves a way, else the first token of the way from here."""
+        if self._closer is None or budget > CLOSING_WINDOW or self._m.is_terminated() or token in self._eos:
+            return token
+        if self.closing(budget - 1, after=token) is not None:
+            return token
+        here = self.closing(budget)
+        if here is None:  # NOTE: deeper than the window can close: cut by max_tokens as before
+            return token
+        for t in ranked():
+            if t != token and (t in self._eos and self._m.is_completed() or self.closing(budget - 1, after=t) is not None):
+                return t
+        return here[0]
+
 
 def _key_bytes(key: tuple) -> int:
     """Bytes a cache key's text holds (a schema's, a regex's, a grammar's)."""
@@ -155,6 +256,7 @@ class StructuredOutputManager:
         self.eos = tuple(int(t) for t in eos_token_ids if 0 <= t < vocab_size)
         self.compile_timeout_s = compile_timeout_s
         self._compiler: Any = None
+        self._closer: Closer | None = None
         self._trials: CompileTrials | None = None
         self._lock = threading.Lock()
         self._compiling = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
@@ -181,6 +283,9 @@ class StructuredOutputManager:
                 info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
                                                           stop_token_ids=list(self.eos) or None)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+                tok = self.tokenizer
+                self._closer = Closer(info.decoded_vocab, self.eos,
+                                      lambda text: tok.encode(text, add_special_tokens=False))
                 self._trials = CompileTrials(info.serialize_json(), self.compile_timeout_s)
             return self._compiler
 
@@ -234,7 +339,7 @@ class StructuredOutputManager:
             return None
         import xgrammar as xgr
 
-        return Matcher(xgr.GrammarMatcher(self.compile(spec)), self.eos)
+        return Matcher(xgr.GrammarMatcher(self.compile(spec)), self.eos, self._closer)
 
     def close(self) -> None:
         """Stop the compile trials' child processes (the server is stopping)."""

@@ -242,3 +242,57 @@ def test_a_dropped_manager_takes_its_child_with_it(tokenizer):
     del m, child
     gc.collect()
     assert not _alive(pid)
+
+
+def _run_loop(matcher, tokenizer, text: str, budget: int, ranked=list) -> tuple[str, int]:
+    """A stand-in model that wants `text`'s tokens in turn (a small model's loop), each sampled through
+    Matcher.keep_closable with `budget` tokens in all: the text emitted and the tokens it took. (Once a token
+    is replaced, the stand-in's next ones may break the grammar: keep_closable replaces those too.)"""
+    want = tokenizer.encode(text, add_special_tokens=False)
+    toks: list[int] = []
+    while len(toks) < budget and not matcher.terminated:
+        t = matcher.keep_closable(want[len(toks)], budget - len(toks), ranked)
+        assert matcher.accept(t)
+        toks.append(t)
+    return tokenizer.decode([t for t in toks if t != 2]), len(toks)  # 2: the end of sequence
+
+
+@pytest.mark.parametrize("budget", [20, 40, 100])
+def test_a_loop_inside_a_string_or_a_recursion_still_closes_within_max_tokens(manager, tokenizer, budget):
+    """Issue 48 §2: a model looping inside a string or a recursion ends, within its budget, in a document that
+    parses and validates, the grammar ending it (the end-of-sequence token last); the model's own likelier
+    tokens are taken where they close; far from the end nothing is changed."""
+    import jsonschema
+
+    from kvexport.runtime.execution.structured import CLOSING_WINDOW
+
+    book = {"type": "object", "properties": {"title": {"type": "string"}, "year": {"type": "integer"}},
+            "required": ["title", "year"], "additionalProperties": False}
+    loop = '{"title": "' + " Lady" * 200
+    text, used = _run_loop(manager.matcher(StructuredOutputs(json=book)), tokenizer, loop, budget)
+    jsonschema.validate(json.loads(text), book)
+    assert used <= budget and text.count(" Lady") >= budget - 16, (text, used)  # the loop ran until the end neared
+    tree = {"type": "object", "properties": {"v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#"}}},
+            "required": ["v"], "additionalProperties": False}
+    text, used = _run_loop(manager.matcher(StructuredOutputs(json=tree)), tokenizer, '{"v": 1, "kids": [' * 60, budget)
+    jsonschema.validate(json.loads(text), tree)
+    assert used <= budget and text.count("{") >= budget // 12, (text, used)
+    # the model's second choice closes the string: taken rather than the plan's first token
+    (quote,) = tokenizer.encode('"', add_special_tokens=False)
+    (quote_comma,) = tokenizer.encode('",', add_special_tokens=False)
+    text, used = _run_loop(manager.matcher(StructuredOutputs(json=book)), tokenizer, loop, budget,
+                           ranked=lambda: [quote_comma, quote])
+    assert '",' in text and json.loads(text)["title"].startswith(" Lady"), text
+    (lady,) = tokenizer.encode(" Lady", add_special_tokens=False)
+    assert manager.matcher(StructuredOutputs(json=book)).keep_closable(lady, CLOSING_WINDOW + 1) == lady
+
+
+def test_a_budget_shorter_than_any_close_is_cut_with_length_not_bent(manager, tokenizer):
+    """No way to end fits the tokens left (a required nested object at 5 tokens): the model's tokens are kept
+    (max_tokens cuts the output, finish "length" in the engine: test_a_bounded_number_closes_...)."""
+    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "string"}},
+                                                     "required": ["b"]}}, "required": ["a"]}
+    m = manager.matcher(StructuredOutputs(json=schema))
+    assert m.closing(5) is None and m.closing(40) is not None
+    (brace,) = tokenizer.encode("{", add_special_tokens=False)
+    assert m.keep_closable(brace, 5) == brace

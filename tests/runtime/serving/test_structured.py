@@ -21,13 +21,11 @@ from kvexport.runtime.engine import LLMEngine
 from kvexport.runtime.sampling_params import StructuredOutputs
 
 HELDOUT = json.loads((Path(__file__).parent / "schemas" / "heldout.json").read_text())
-# NOTE: all 53 in one batch (continuous batching; prefill chunks of 1024 tokens): ~46 s of CPU on smollm2-135m
-# (ONNX attention), about a minute on 2 idle cores. The longest output takes 107 tokens (a nullable string
-# the penalty below ends late): 128 leaves room (bench/results/structured_heldout.json has every output)
+# NOTE: all 53 in one batch (continuous batching; prefill chunks of 1024 tokens): ~25 s on 2 idle cores,
+# smollm2-135m (ONNX attention). Greedy and no penalty, as issue 48 asks: smollm2 loops inside strings
+# ("Lady_In_The_Nightingale_Lady_In_The_...") and recursions ({"v": 19, "kids": [{...) until max_tokens;
+# closing within the budget (structured.py) ends each of those documents so that it parses and validates
 MAX_TOKENS = 128
-# NOTE: greedy smollm2-135m loops inside unbounded strings and numbers ("1234567890123...") until max_tokens
-# cuts the document; a frequency penalty ends those loops (the grammar guarantees the rest), as in the bench
-FREQUENCY_PENALTY = 0.5
 
 
 @pytest.fixture(scope="module")
@@ -49,13 +47,14 @@ def _run(engine, rids: list[str]) -> dict:
 
 def test_heldout_schemas_give_valid_json(engine):
     """All 53 held-out schemas (nested objects, bounded arrays, enums, patterns, anyOf, $ref, formats,
-    optional fields, number ranges, ...) as one batch (greedy, <= 128 tokens each): every output valid."""
+    optional fields, number ranges, ...) as one batch (greedy, no penalty, <= 128 tokens each): every output
+    valid, and ended by the grammar (finish "stop"). Before closing within the budget: 50 of 53 (three loops
+    cut by max_tokens)."""
     assert len(HELDOUT) == 53 and len({s["name"] for s in HELDOUT}) == 53
     chosen = HELDOUT
     rids = [engine.add_request(_chat(engine, f"Give a short example of a {s['name'].replace('_', ' ')} as JSON "
                                              f"matching this schema: {json.dumps(s['schema'])}"),
-                               SamplingParams(max_tokens=MAX_TOKENS, frequency_penalty=FREQUENCY_PENALTY,
-                                              structured=StructuredOutputs(json=s["schema"])))
+                               SamplingParams(max_tokens=MAX_TOKENS, structured=StructuredOutputs(json=s["schema"])))
             for s in chosen]
     outs = _run(engine, rids)
     bad = {}
@@ -63,6 +62,7 @@ def test_heldout_schemas_give_valid_json(engine):
         o = outs[r]
         try:
             jsonschema.validate(json.loads(o.text), s["schema"])
+            assert o.finish_reason == "stop"
         except Exception as e:  # noqa: BLE001 - collected, reported together
             bad[s["name"]] = (o.finish_reason, o.text[:200], str(e)[:200])
     assert not bad, bad
