@@ -87,8 +87,9 @@ def load(build_dir: Path, manifest: Manifest, config: EngineConfig) -> LoraAdapt
     for slot, (name, path) in enumerate(named.items()):
         try:
             adapter = lora_adapters.read(Path(path).expanduser(), what=f"lora_modules ({name})")
-        except KvExportError as e:
-            raise ConfigError(str(e)) from None
+        except KvExportError as e:  # NOTE: named by the adapter's name too (its file errors name only the path)
+            what = f"lora_modules ({name})"
+            raise ConfigError(str(e) if what in str(e) else f"{what}: {e}") from None
         read.append(adapter)
         loaded.append(LoadedAdapter(name, adapter.path, adapter.sha256, slot))
     try:

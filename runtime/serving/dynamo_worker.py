@@ -84,6 +84,10 @@ class DynamoWorkerOptions:
         t = self.kv_transfer_timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 3600:
             raise ConfigError(f"kv_transfer_timeout_s must be seconds in (0, 3600], got {t!r}")
+        if self.engine.lora_modules:  # NOTE: the frontend would route only the base model's name: adapters unused
+            raise ConfigError("lora_modules: the Dynamo worker does not serve LoRA adapters yet (it registers the base "
+                              "model only, so no request could reach one); serve adapters with `kvexport serve` or "
+                              "`kvexport triton`, or merge one into a build with `kvexport build --lora`")
         if self.mode != "agg" and not self.engine.enable_prefix_caching:
             raise ConfigError(f"--mode {self.mode}: disaggregated workers hand KV blocks over by their prefix-cache "
                               "keys: turn prefix caching on (enable_prefix_caching)")

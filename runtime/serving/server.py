@@ -275,7 +275,7 @@ class OpenAIServer:
             for c in choices:
                 c["message"], called = tools.response_message(plan, c["message"]["content"])
                 c["finish_reason"] = called if called and c["finish_reason"] == "stop" else c["finish_reason"]
-        return proto.response(chat, rid, now, self.model_name, choices,
+        return proto.response(chat, rid, now, params.lora or self.model_name, choices,  # the adapter asked for, as vLLM
                               proto.usage(prompt_tokens, sum(ntok), proto.cached_tokens(cached, len(prompts), params.n)))
 
     def prepare(self, body: CompletionRequest | ChatCompletionRequest
@@ -322,7 +322,7 @@ class OpenAIServer:
         so_far = [""] * n
 
         def chunk(choices: list[dict], usage: dict | None = None) -> str:
-            return proto.chunk(chat, rid, now, self.model_name, choices, include_usage, usage)
+            return proto.chunk(chat, rid, now, params.lora or self.model_name, choices, include_usage, usage)
 
         if chat:
             yield chunk(proto.role_chunk_choices(n))

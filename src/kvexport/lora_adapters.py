@@ -132,6 +132,9 @@ def read(path: str | Path, what: str = "--lora") -> LoraAdapter:
     return LoraAdapter(d, sha256(weights), int(rank), float(alpha), rslora, fan, modules)
 
 
+MAX_FACTOR = 65504.0  # the largest magnitude a LoRA factor's entry may have (float16's largest value)
+
+
 def _pairs(weights: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     from safetensors import safe_open
 
@@ -155,7 +158,17 @@ def _pairs(weights: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
             raise SourceError(f"{weights} holds a LoRA bias ({key}); adapters with lora_bias are not supported")
         if t.ndim != 2:
             raise SourceError(f"{weights} tensor {key} is {t.ndim}-D; LoRA matrices are 2-D")
-        found.setdefault(m["module"], {})[m["kind"]] = np.asarray(t, np.float32)
+        t = np.asarray(t, np.float32)
+        # NOTE: every step multiplies each token by every loaded adapter's factors and masks the others' results
+        # with zeros (exporter/lora.py graph_delta): a NaN or an overflow in one adapter makes every request's
+        # logits NaN, the base model's too. Bounded by float16's range, a product of the factors stays finite.
+        if not np.isfinite(t).all():
+            raise SourceError(f"{weights} tensor {key} holds NaN or infinity; the adapter is damaged: train or save "
+                              f"it again")
+        if t.size and float(np.abs(t).max()) > MAX_FACTOR:
+            raise SourceError(f"{weights} tensor {key} holds {float(np.abs(t).max()):.3g}, beyond {MAX_FACTOR:g} "
+                              f"(float16's range; no trained LoRA factor is this large): the adapter is damaged")
+        found.setdefault(m["module"], {})[m["kind"]] = t
     missing = sorted(k for k, v in found.items() if len(v) != 2)
     if missing:
         raise SourceError(f"{weights}: module(s) {', '.join(missing[:3])} lack lora_A or lora_B; save it again")

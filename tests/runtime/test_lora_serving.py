@@ -4,7 +4,9 @@ transformers + peft's for its adapter; a prompt's cached KV under one adapter is
 or the base; unknown names and builds without adapter inputs are refused, naming the setting or field."""
 
 import importlib.util
+import json
 
+import numpy as np
 import pytest
 
 from kvexport import LLM, SamplingParams, io, manifest
@@ -113,6 +115,7 @@ def test_the_openai_server_serves_adapters_by_model_name(served):
             r = c.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 5, "temperature": 0,
                                                 "ignore_eos": True, "logprobs": 0})
             assert r.status_code == 200, r.text
+            assert r.json()["model"] == (model or "tiny")  # the adapter asked for, as vLLM answers (before: "tiny")
             return [int(t) for t in r.json()["choices"][0]["logprobs"]["tokens"]]
 
         with ref1.disable_adapter():
@@ -122,5 +125,48 @@ def test_the_openai_server_serves_adapters_by_model_name(served):
         assert tokens("one") == adapted and tokens("tiny") == base and tokens(None) == base
         r = c.post("/v1/completions", json={"model": "two", "prompt": prompt, "max_tokens": 2})
         assert r.status_code == 404 and r.json()["error"]["param"] == "model" and "'one'" in r.json()["error"]["message"]
+        r = c.post("/v1/completions", json={"model": "one", "prompt": prompt, "max_tokens": 2, "stream": True})
+        assert all(json.loads(line[6:])["model"] == "one" for line in r.text.splitlines()
+                   if line.startswith("data: {")), r.text
     with pytest.raises(ConfigError, match="the adapter name 'one' is the served model's name"):
         create_app(out, config, served_model_name="one")
+
+
+@pytest.mark.parametrize("damage", ["nan", "huge"])
+def test_a_damaged_adapter_is_refused_at_start(served, tmp_path, damage):
+    """An adapter whose factors hold NaN / infinity or values past float16's range (hostile trial, issue 48): every
+    step multiplies each token by every loaded adapter's factors and masks the others' with zeros, so before, one
+    such adapter made every request's logits NaN, the base model's too ("check the build"). Now refused at start,
+    naming the adapter and the tensor."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    out, d, _, _ = served
+    bad = tmp_path / "bad"
+    shutil.copytree(d / "a1", bad)
+    w = load_file(str(bad / "adapter_model.safetensors"))
+    key = sorted(k for k in w if "lora_B" in k)[0]
+    w[key] = w[key].copy()
+    w[key].flat[3] = np.nan if damage == "nan" else 1e30
+    save_file(w, str(bad / "adapter_model.safetensors"))
+    with pytest.raises(KvExportError, match=r"lora_modules \(bad\).*" + ("NaN or infinity" if damage == "nan"
+                                                                          else "beyond 65504")) as e:
+        LLM(out, lora_modules=f"one={d / 'a1'},bad={bad}", kv_cache_memory="8MiB")
+    assert key in str(e.value)
+
+
+def test_kvexport_generate_runs_the_prompts_under_the_adapter_named(served):
+    """`kvexport generate --lora-modules ... --lora NAME`: before, generate loaded the adapters and had no way to use
+    them (every prompt ran the base model); an adapter not given is refused by name before the build loads."""
+    from click.testing import CliRunner
+
+    from kvexport.cli import main
+
+    out, d, ref1, _ = served
+    run = CliRunner().invoke
+    mods = f"one={d / 'a1'},two={d / 'a2'}"
+    r = run(main, ["generate", str(out), "5 6 7", "--max-tokens", "3", "--lora-modules", mods, "--lora", "three"])
+    assert r.exit_code == 2 and "--lora" in r.output and "no adapter 'three'" in r.output and "(one, two)" in r.output
+    r = run(main, ["generate", str(out), "5 6 7", "--max-tokens", "3", "--lora", "one"])
+    assert r.exit_code == 2 and "no adapter 'one' is given by --lora-modules" in r.output

@@ -27,8 +27,10 @@ from ..errors import ConfigError, KvExportError
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--chat", is_flag=True, help="Apply the tokenizer's chat template to each prompt.")
 @click.option("--stream", is_flag=True, help="Print tokens as they are generated (the prompts one after another).")
+@click.option("--lora", metavar="NAME", default=None,
+              help="Run the prompts under the LoRA adapter NAME, one of --lora-modules [the base model].")
 @engine_options
-def generate(build_dir, prompts, max_tokens, temperature, top_p, top_k, seed, stop, chat, stream, **settings):
+def generate(build_dir, prompts, max_tokens, temperature, top_p, top_k, seed, stop, chat, stream, lora, **settings):
     """Generate text from a paged build with continuous batching.
 
     stdout carries the answers only: one per prompt, each ending in a newline; with several
@@ -36,6 +38,7 @@ def generate(build_dir, prompts, max_tokens, temperature, top_p, top_k, seed, st
     followed by a blank line on stdout. A failed request is an error on stderr, and the exit
     code is 2 once the others are answered."""
     from kvexport.manifest import model_source_refusal
+    from kvexport.runtime.config import parse_lora_modules
     from kvexport.runtime.llm import LLM
     from kvexport.runtime.sampling_params import SamplingParams
 
@@ -44,10 +47,16 @@ def generate(build_dir, prompts, max_tokens, temperature, top_p, top_k, seed, st
             what = f"prompt {i + 1}" if i < len(prompts) else "--stop"
             raise click.BadParameter(f"{what} is not valid UTF-8 text: {clip(ascii(text))}")
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                            seed=seed, stop=tuple(stop))
+                            seed=seed, stop=tuple(stop), lora=lora)
     if (why := model_source_refusal(build_dir, "`kvexport generate BUILD ...`")) is not None:
         raise KvExportError(why)  # NOTE: before LLM(), whose words are for Python callers
-    llm = LLM(build_dir, engine_config(settings))
+    config = engine_config(settings)
+    served = list(parse_lora_modules(config.lora_modules)) if config.lora_modules else []
+    if lora is not None and lora not in served:  # NOTE: before the build loads; else each prompt would fail alike
+        raise click.BadParameter(f"no adapter {lora!r} is given by --lora-modules"
+                                 f"{' (' + ', '.join(served) + ')' if served else ''}; add it there as {lora}=PATH",
+                                 param_hint="--lora")
+    llm = LLM(build_dir, config)
     out, n, failed = sys.stdout, len(prompts), 0
 
     def header(i: int) -> None:

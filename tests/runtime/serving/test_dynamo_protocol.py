@@ -268,6 +268,8 @@ def test_blocks_loaded_from_a_kv_tier_are_reported_stored_again():
     (["--mode", "encode"], "Invalid value for '--mode'"),
     (["--kv-transfer", "rdma"], "Invalid value for '--kv-transfer'"),
     (["--kv-transfer-timeout", "0"], "Invalid value for '--kv-transfer-timeout'"),
+    # before: the adapters were loaded, the base model alone registered, and no request could reach them
+    (["--lora-modules", "one=/tmp"], "lora_modules: the Dynamo worker does not serve LoRA adapters yet"),
 ])
 def test_bad_worker_options_are_refused_naming_them(tmp_path, args, says):
     from click.testing import CliRunner
