@@ -4,10 +4,12 @@ weight formats fail fast), and loads config, weights and tokenizer with transfor
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.metadata
 import json
 import logging
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -102,7 +104,8 @@ def _read_gguf_metadata(path: str) -> dict[str, object]:
     import gguf
 
     try:
-        reader = gguf.GGUFReader(path)
+        with _gguf_parsed_once():  # NOTE: the conversion that follows (first build) reuses this parse
+            reader = gguf.GGUFReader(path)
         field = reader.fields[GGUF_ARCH]
         arch = bytes(field.parts[field.data[0]]).decode()
         out: dict[str, object] = {GGUF_ARCH: arch}
@@ -336,10 +339,47 @@ def _cached(src: ModelSource, name: str, read: Callable[[Path], object], convert
             return read(cached)
         except Exception:  # noqa: BLE001 - a damaged cache is converted again, never an error
             gguf_cache.drop(path, name)
-    value = convert()
+    with _gguf_parsed_once():
+        value = convert()
     if keep(value):
         gguf_cache.store(path, name, lambda d: save(value, d))
     return value
+
+
+@functools.lru_cache(maxsize=1)
+def _parsed_gguf(path: str, size: int, mtime_ns: int, reader_class: type):
+    return reader_class(path)
+
+
+@functools.lru_cache(maxsize=4)
+def _tensor_name_map(arch, n_blocks: int, make: Callable):
+    return make(arch, n_blocks)
+
+
+@contextlib.contextmanager
+def _gguf_parsed_once():
+    """Within this, gguf's `GGUFReader(path)` of one file gives the same parsed reader every time, and
+    `get_tensor_name_map(arch, n)` the same map. NOTE: transformers' GGUF loader parses the whole file for the
+    config, the tokenizer and the weights each (and gguf_metadata once more): ~5.6 s a parse for SmolLM2's
+    49k-token vocabulary (gguf-py reads every string of the vocabulary and merges), four of them the first time a
+    GGUF is converted; and it builds the tensor-name map once per module of the model (397 for SmolLM2, ~15 ms
+    each). Both are read-only to transformers (fields and tensor views of the memory map; a name lookup)."""
+    import gguf
+
+    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+
+    def reader(path, mode="r"):
+        if mode != "r":
+            return reader_class(path, mode)
+        st = os.stat(path)
+        return _parsed_gguf(str(Path(path).resolve()), st.st_size, st.st_mtime_ns, reader_class)
+
+    gguf.GGUFReader = reader
+    gguf.get_tensor_name_map = lambda arch, n_blocks: _tensor_name_map(arch, n_blocks, name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader_class, name_map
 
 
 def _named(loaded, src: ModelSource):

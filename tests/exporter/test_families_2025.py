@@ -420,5 +420,6 @@ def test_longrope_sequences_crossing_original_max(hf_folder, tmp_path, attention
     if attention == "plugin":
         return  # what transformers' generate does is checked once
     generate = engine_parity.hf_greedy(model, prompts, 16)
-    assert generate == [t[:16] for t in reference(model, prompts, 16)[0]]  # generate = full recompute
+    # the build's validation reference decodes over transformers' cache, as the graphs do (exporter/validate.py)
+    assert [t[:16] for t in reference(model, prompts, 16)[0]] == got
     assert generate != got
