@@ -199,7 +199,7 @@ def reference(model, prompts: list[list[int]], steps: int) -> tuple[list[list[in
             for step in range(steps + 1):
                 o = model(torch.tensor([ids]), **{cache_arg: past}, use_cache=True, **last_only)
                 row = o.logits[0, -1].float().numpy()
-                past = o.past_key_values
+                past = o.get("cache", None) if "cache" in o else o.past_key_values
                 logits[step].append(row)
                 nxt = int(row.argmax())
                 out.append(nxt)
