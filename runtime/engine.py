@@ -21,7 +21,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from kvexport import io, manifest as mf, verify
+from kvexport import io, lora_adapters, manifest as mf, verify
 from kvexport.errors import ConfigError, KvExportError
 
 from .execution.backends import create_backend
@@ -88,7 +88,7 @@ class LLMEngine:
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, eos)
         # what front ends may use from their own threads to prepare requests (runtime/frontend.py)
         self.prep = RequestPrep(self.tokenizer, self.vocab_size, self.max_model_len, self.check_params,
-                                self.structured.compile, self.loras.names if self.loras is not None else ())
+                                self.structured.compile, lambda: self.loras.names if self.loras is not None else ())
         self._ids = 0
 
     def _load(self, config: EngineConfig, backend: Backend | None) -> tuple[Backend, EngineConfig]:
@@ -215,10 +215,35 @@ class LLMEngine:
         check_request_budget(params.kv_budget_tokens, self.importance.b if self.importance else None,
                              self.max_model_len)
         if params.lora is not None:
-            if self.loras is None:
+            if self.loras is None or not self.loras.names:
                 raise RequestError(f"lora: this engine serves no adapters (asked for {params.lora!r}); start it with "
                                    f"--lora-modules NAME=PATH on a build made with --lora-max-rank", "lora")
             self.loras.slot(params.lora)
+
+    def load_lora(self, name: str, adapter: "lora_adapters.LoraAdapter") -> None:
+        """Serve `adapter` (a PEFT folder read and checked: kvexport.lora_adapters.read, in any thread) as `name`
+        from the next step on (vLLM's /v1/load_lora_adapter). Call it where the engine steps (between steps).
+        ConfigError naming lora_name / lora_path (runtime/lora.py LoraAdapters.add)."""
+        if self.loras is None:
+            raise ConfigError(f"lora_name: {self.build_dir} takes no adapters (built without --lora-max-rank); "
+                              f"rebuild it with `kvexport build MODEL --lora-max-rank R`")
+        self.loras.add(name, adapter)
+        self.backend.set_lora_factors(self.loras.factors)
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving adapter `name` (vLLM's /v1/unload_lora_adapter); call it between steps. RequestError
+        naming lora_name for a name not loaded, or while unfinished requests run under it (its slot would turn
+        into the base model under them)."""
+        if self.loras is None or name not in self.loras.names:
+            raise RequestError(f"lora_name: no adapter {name!r} is loaded", "lora_name")
+        slot = self.loras.slot(name)
+        using = sum(1 for r in self.scheduler.requests.values()
+                    if r.lora_slot == slot and r.status is not Status.FINISHED)
+        if using:
+            raise RequestError(f"lora_name: adapter {name!r} is in use by {using} unfinished request(s); unload it "
+                               f"when they finish", "lora_name")
+        self.loras.remove(name)
+        self.backend.set_lora_factors(self.loras.factors)
 
     def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
                     sample_index: int = 0, share_prompt_with: str | None = None, salt: str | None = None) -> str:

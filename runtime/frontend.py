@@ -30,7 +30,12 @@ class RequestPrep:
     max_model_len: int  # tokens per sequence (prompt + output)
     check_params: Callable[[SamplingParams], None]  # RequestError naming the field the engine refuses
     _compile: Callable[[StructuredOutputs, str | None], Any]
-    lora_names: tuple[str, ...] = ()  # the LoRA adapters served, by name (SamplingParams.lora)
+    _lora_names: Callable[[], tuple[str, ...]] = tuple  # the LoRA adapters served now (they may change)
+
+    @property
+    def lora_names(self) -> tuple[str, ...]:
+        """The LoRA adapters served now, by name (SamplingParams.lora; adapters may be loaded while serving)."""
+        return self._lora_names()
 
     def compile(self, spec: StructuredOutputs, param: str | None = None) -> None:
         """Compile `spec`'s grammar now (cached for the engine thread); GrammarError naming `param`."""

@@ -144,6 +144,21 @@ class LLM:
                 self.engine.pop_output(r)
 
     # ---- the API ------------------------------------------------------------------------------
+    def load_lora(self, name: str, path: str | Path) -> None:
+        """Serve the PEFT LoRA folder at `path` as adapter `name` from now on (`SamplingParams(lora=name)`), beside
+        those of `lora_modules`, at most `max_loras` at once; the build needs --lora-max-rank. ConfigError naming
+        lora_name / lora_path."""
+        from kvexport import lora_adapters
+
+        adapter = lora_adapters.read(Path(path).expanduser(), what="lora_path")  # NOTE: outside the lock: file reads
+        with self._lock:
+            self.engine.load_lora(name, adapter)
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving adapter `name`; RequestError naming lora_name while requests run under it."""
+        with self._lock:
+            self.engine.unload_lora(name)
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  chat: bool = False) -> list[RequestOutput]:

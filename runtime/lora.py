@@ -42,15 +42,58 @@ class LoadedAdapter:
 
 
 class LoraAdapters:
-    """The adapters an engine serves: names -> slots, and the graph inputs that hold them."""
+    """The adapters an engine serves: names -> slots, and the graph inputs that hold them. Adapters may be added
+    and removed while serving (`add`, `remove`: the engine thread, between steps; runtime loading, vLLM's
+    /v1/load_lora_adapter): a removed adapter leaves a hole (zero factors) the next one added takes, so the slots
+    of requests in flight never move. `names` may be read from any thread."""
 
-    def __init__(self, adapters: tuple[LoadedAdapter, ...], factors: dict[str, np.ndarray]):
-        self.adapters, self.factors = adapters, factors
+    def __init__(self, adapters: tuple[LoadedAdapter, ...], factors: dict[str, np.ndarray],
+                 read: tuple[lora_adapters.LoraAdapter | None, ...] = (), plan: dict | None = None,
+                 dtype: np.dtype = np.dtype(np.float32), max_loras: int = 64):
+        self.factors = factors
+        self._slots: list[LoadedAdapter | None] = list(adapters)  # by slot; None: a hole
+        self._read: list[lora_adapters.LoraAdapter | None] = list(read) or [None] * len(adapters)
+        self._plan, self._dtype, self.max_loras = plan, dtype, max_loras
         self._by_name = {a.name: a for a in adapters}
 
     @property
+    def adapters(self) -> tuple[LoadedAdapter, ...]:
+        return tuple(a for a in self._slots if a is not None)
+
+    @property
     def names(self) -> tuple[str, ...]:
-        return tuple(a.name for a in self.adapters)
+        return tuple(self._by_name)  # NOTE: a new dict is swapped in whole on add/remove: safe from any thread
+
+    def add(self, name: str, adapter: lora_adapters.LoraAdapter) -> LoadedAdapter:
+        """Serve `adapter` (read and checked: lora_adapters.read) as `name` from the next step on; returns it.
+        ConfigError naming lora_name when the name is taken or max_loras adapters are loaded, lora_path when the
+        build cannot take it. The factors are packed anew (the caller binds self.factors to the backend)."""
+        if name in self._by_name:
+            raise ConfigError(f"lora_name: an adapter named {name!r} is loaded; unload it first or pick another name")
+        slot = next((i for i, a in enumerate(self._slots) if a is None), len(self._slots))
+        if slot >= self.max_loras:
+            raise ConfigError(f"lora_name: {self.max_loras} adapters are loaded (max_loras); unload one first")
+        read = list(self._read) + [None] * (slot + 1 - len(self._read))
+        read[slot] = adapter
+        try:
+            factors = lora_adapters.pack(self._plan, read, self._dtype)
+        except KvExportError as e:
+            raise ConfigError(f"lora_path: {e}") from None
+        loaded = LoadedAdapter(name, adapter.path, adapter.sha256, slot)
+        slots = list(self._slots) + [None] * (slot + 1 - len(self._slots))
+        slots[slot] = loaded
+        self._slots, self._read, self.factors = slots, read, factors
+        self._by_name = {**self._by_name, name: loaded}
+        return loaded
+
+    def remove(self, name: str) -> LoadedAdapter:
+        """Stop serving `name` (its slot becomes a hole of zero factors); the caller checks nothing runs under it
+        and binds self.factors. KeyError for a name not loaded."""
+        gone = self._by_name[name]
+        self._by_name = {k: v for k, v in self._by_name.items() if k != name}
+        self._slots[gone.slot], self._read[gone.slot] = None, None
+        self.factors = lora_adapters.pack(self._plan, self._read, self._dtype)
+        return gone
 
     def slot(self, name: str | None) -> int:
         """The request's slot (BASE_SLOT for None); RequestError naming `lora` for a name not served."""
@@ -71,11 +114,12 @@ class LoraAdapters:
 
 
 def load(build_dir: Path, manifest: Manifest, config: EngineConfig) -> LoraAdapters | None:
-    """The adapters config.lora_modules names, packed for this build (None: none named). ConfigError
-    naming lora_modules for a build made without --lora-max-rank, an adapter that is not a PEFT LoRA folder,
-    or one the build cannot take (a target it does not adapt, a rank above its max)."""
+    """The adapters config.lora_modules names, packed for this build (None: none named and the build takes none;
+    a build made with --lora-max-rank gets an empty set, to which adapters may be added while serving).
+    ConfigError naming lora_modules for a build made without --lora-max-rank, an adapter that is not a PEFT LoRA
+    folder, or one the build cannot take (a target it does not adapt, a rank above its max)."""
     named = parse_lora_modules(config.lora_modules)
-    if not named:
+    if not named and not (manifest.lora and config.backend == "onnxruntime"):
         return None
     if not manifest.lora:
         raise ConfigError(f"lora_modules: {build_dir} takes no adapters (built without --lora-max-rank); rebuild it "
@@ -92,11 +136,12 @@ def load(build_dir: Path, manifest: Manifest, config: EngineConfig) -> LoraAdapt
             raise ConfigError(str(e) if what in str(e) else f"{what}: {e}") from None
         read.append(adapter)
         loaded.append(LoadedAdapter(name, adapter.path, adapter.sha256, slot))
+    dtype = np.dtype(io.DType(manifest.dtype).numpy_name)
     try:
-        factors = lora_adapters.pack(manifest.lora, read, np.dtype(io.DType(manifest.dtype).numpy_name))
+        factors = lora_adapters.pack(manifest.lora, read, dtype)
     except KvExportError as e:
         raise ConfigError(f"lora_modules: {e}") from None
-    return LoraAdapters(tuple(loaded), factors)
+    return LoraAdapters(tuple(loaded), factors, tuple(read), manifest.lora, dtype, config.max_loras)
 
 
 __all__ = ["BASE_SLOT", "LoadedAdapter", "LoraAdapters", "load"]

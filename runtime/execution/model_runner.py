@@ -32,7 +32,7 @@ from .model_input import Backend, ModelInput
 from .state_store import restore_checkpoints, save_checkpoints
 from .prompt_logprobs import score
 from .proposers import Drafter
-from .sampling import mask_grammars, sample
+from .sampling import mask_grammars, plain_greedy, sample, sample_greedy
 from .spec_sampling import verify_drafts
 
 log = logging.getLogger(__name__)
@@ -219,8 +219,12 @@ class ModelRunner:
         sampled: dict[str, SampledToken] = {}
         accepted: dict[str, tuple[SampledToken, ...]] = {}
         self._mask_grammars(logits, rows, spans, failed)
+        greedy = self._greedy_tokens(logits, rows, spans, failed)  # request id -> token (plain greedy, all at once)
         for r, s in enumerate(rows):
             if not s.samples or s.request_id in failed:
+                continue
+            if greedy.get(s.request_id) is not None:
+                sampled[s.request_id] = SampledToken(greedy[s.request_id], None, None)
                 continue
             try:
                 assert s.sampler is not None, "a sampling chunk carries its sampler"
@@ -240,6 +244,20 @@ class ModelRunner:
             sampled[s.request_id] = SampledToken(tok, lp, tuple(top) if top is not None else None)
         return ModelRunnerOutput(sampled, failed, scored, self.offload.poll() if self.offload is not None else None,
                                  accepted=accepted, attention_scores=self._scores)
+
+    @staticmethod
+    def _greedy_tokens(logits: np.ndarray | None, rows: list[ScheduledRequest], spans: list[int],
+                       failed: dict[str, str]) -> dict[str, int | None]:
+        """The tokens of every sampling row that is plain greedy (sampling.plain_greedy: no drafts, penalties,
+        logprobs or grammar), from one argmax over those rows (sampling.sample_greedy); None where sample() must
+        look at the row itself (NaN, nothing finite)."""
+        at = [(spans[r + 1] - 1, s) for r, s in enumerate(rows)
+              if s.samples and s.sampler is not None and not s.num_draft_tokens and s.request_id not in failed
+              and plain_greedy(s.sampler, s.num_output_tokens)]
+        if not at or logits is None:
+            return {}
+        toks = sample_greedy(logits, [r for r, _ in at], [s.sampler for _, s in at])
+        return {s.request_id: t for (_, s), t in zip(at, toks)}
 
     @staticmethod
     def _mask_grammars(logits: np.ndarray | None, rows: list[ScheduledRequest], spans: list[int],

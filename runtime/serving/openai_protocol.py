@@ -148,7 +148,22 @@ def _field_names(*models: type[BaseModel]) -> frozenset[str]:
     return frozenset(names)
 
 
-_FIELDS = _field_names(StreamOptions, TextContentPart, ChatMessage, CompletionRequest, ChatCompletionRequest)
+class LoadLoraAdapterRequest(_Body):
+    """vLLM's POST /v1/load_lora_adapter (kvexport serve --allow-runtime-lora)."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraAdapterRequest(_Body):
+    """vLLM's POST /v1/unload_lora_adapter."""
+
+    lora_name: str
+    lora_int_id: int | None = None  # vLLM's; taken and not used (adapters are named)
+
+
+_FIELDS = _field_names(StreamOptions, TextContentPart, ChatMessage, CompletionRequest, ChatCompletionRequest,
+                       LoadLoraAdapterRequest, UnloadLoraAdapterRequest)
 
 
 # ---- response bodies (for the OpenAPI schema; the routes build plain dicts) ------------------

@@ -420,6 +420,66 @@ async def models(request: Request):
                                                for name in s.prep.lora_names)]}
 
 
+async def _on_engine(s: "OpenAIServer", fn: Callable[[], None], timeout: float = 60.0) -> None:
+    """Run `fn` on the engine thread between two steps and wait for it (its exception raised here)."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future = loop.create_future()
+
+    def job() -> None:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting handler
+            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_exception(e))
+        else:
+            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None))
+
+    s.worker.call(job)
+    try:
+        await asyncio.wait_for(fut, timeout)
+    except asyncio.TimeoutError:
+        raise ApiError(503, "the engine thread did not take the change in time; retry", type="server_error") from None
+
+
+def _lora_error(e: KvExportError) -> ApiError:
+    msg = str(e)
+    return ApiError(400, msg, param="lora_path" if msg.startswith("lora_path") else "lora_name")
+
+
+async def load_lora_adapter(request: Request):
+    """vLLM's runtime adapter loading (`--allow-runtime-lora`): read and check the PEFT folder off the event loop,
+    then swap the factors in on the engine thread between two steps; the adapter is a model from then on."""
+    from kvexport import lora_adapters
+
+    s = _server(request)
+    body = await s.body(request, proto.LoadLoraAdapterRequest)
+    name = body.lora_name
+    if not name.strip() or name == s.model_name:
+        raise ApiError(400, f"lora_name: {name!r} cannot name an adapter (empty, or the served model's name)",
+                       param="lora_name")
+    if name in s.prep.lora_names:
+        raise ApiError(400, f"lora_name: an adapter named {name!r} is loaded; unload it first or pick another name",
+                       param="lora_name")
+    try:
+        adapter = await asyncio.to_thread(lora_adapters.read, Path(body.lora_path).expanduser(), "lora_path")
+        await _on_engine(s, lambda: s.engine.load_lora(name, adapter))
+    except KvExportError as e:
+        raise _lora_error(e) from None
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+
+async def unload_lora_adapter(request: Request):
+    s = _server(request)
+    body = await s.body(request, proto.UnloadLoraAdapterRequest)
+    if body.lora_name not in s.prep.lora_names:
+        raise ApiError(404, f"lora_name: no adapter {body.lora_name!r} is loaded", param="lora_name",
+                       code="model_not_found")
+    try:
+        await _on_engine(s, lambda: s.engine.unload_lora(body.lora_name))
+    except KvExportError as e:  # NOTE: in use by unfinished requests: retry when they finish
+        raise ApiError(409, str(e), param="lora_name") from None
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+
 async def health(request: Request):
     why = _server(request).worker.health()  # None, or: stopped / stalled in a step (engine_thread.py)
     return JSONResponse({"status": why or "ok"}, status_code=503 if why else 200)
@@ -476,17 +536,26 @@ async def _internal_error(request: Request, e: Exception):
 
 def create_app(build_dir: str | Path, config: EngineConfig = EngineConfig(), served_model_name: str | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, api_keys: auth.ApiKeys | None = None,
-               salt_key: SaltKey | None = None, tool_call_parser: str | None = None) -> FastAPI:
+               salt_key: SaltKey | None = None, tool_call_parser: str | None = None,
+               allow_runtime_lora: bool = False) -> FastAPI:
     """The FastAPI app serving `build_dir` (named `served_model_name`, or the build folder's name); with
     `salt_key`, only cache_salts a gateway signed with it are taken (runtime/serving/cache_salts.py); with
-    `tool_call_parser`, tool calls are read in that format (runtime/serving/tool_parsers/), not the template's."""
+    `tool_call_parser`, tool calls are read in that format (runtime/serving/tool_parsers/), not the template's;
+    with `allow_runtime_lora`, vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter (a client names a folder on
+    this machine: off by default, and refused with `api_keys`, which have no admin role yet)."""
+    if allow_runtime_lora and api_keys is not None:
+        raise ConfigError("--allow-runtime-lora with --api-keys: every key holder could load adapters from this "
+                          "machine's disk, and keys have no admin role yet; serve adapters with --lora-modules")
     engine = LLMEngine(build_dir, config)
+    if allow_runtime_lora and engine.loras is None:
+        raise ConfigError(f"--allow-runtime-lora: {build_dir} takes no adapters (built without --lora-max-rank); "
+                          f"rebuild it with `kvexport build MODEL --lora-max-rank R`")
     return build_app(OpenAIServer(engine, served_model_name or Path(build_dir).resolve().name, salt_key=salt_key,
-                                  tool_call_parser=tool_call_parser), max_body_bytes, api_keys)
+                                  tool_call_parser=tool_call_parser), max_body_bytes, api_keys, allow_runtime_lora)
 
 
 def build_app(server: OpenAIServer, max_body_bytes: int = MAX_BODY_BYTES,
-              api_keys: auth.ApiKeys | None = None) -> FastAPI:
+              api_keys: auth.ApiKeys | None = None, allow_runtime_lora: bool = False) -> FastAPI:
     """The app's routes and error handlers over `server`; its engine thread runs while the
     app's lifespan does. With `api_keys`, every route but /health and /metrics needs a key
     (runtime/serving/auth.py), and each tenant's prefix cache is its own."""
@@ -522,6 +591,11 @@ def build_app(server: OpenAIServer, max_body_bytes: int = MAX_BODY_BYTES,
                       openapi_extra=oas.request_body(ChatCompletionRequest),
                       responses=oas.generation_responses(proto.ChatCompletionResponse))
     app.add_api_route("/v1/models", models, methods=["GET"], responses={200: {"model": proto.ModelList}})
+    if allow_runtime_lora:  # vLLM's runtime adapter routes (VLLM_ALLOW_RUNTIME_LORA_UPDATING)
+        for path, route, model in (("/v1/load_lora_adapter", load_lora_adapter, proto.LoadLoraAdapterRequest),
+                                   ("/v1/unload_lora_adapter", unload_lora_adapter, proto.UnloadLoraAdapterRequest)):
+            app.add_api_route(path, route, methods=["POST"], response_class=PlainTextResponse,
+                              openapi_extra=oas.request_body(model))
     app.add_api_route("/health", health, methods=["GET"],
                       responses={200: {"model": proto.Health}, 503: {"model": proto.Health,
                                                                       "description": "the engine thread stopped or stalled"}})
@@ -576,7 +650,7 @@ def serve(build_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, conf
           served_model_name: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
           shutdown_grace: float = SHUTDOWN_GRACE_S, on_ready: Callable[[str], None] | None = None,
           api_keys: auth.ApiKeys | None = None, salt_key: SaltKey | None = None,
-          tool_call_parser: str | None = None) -> None:
+          tool_call_parser: str | None = None, allow_runtime_lora: bool = False) -> None:
     """Serve `build_dir` on host:port until SIGTERM/SIGINT (with `api_keys`: to their holders
     only; with `salt_key`: only cache_salts a gateway signed; with `tool_call_parser`: tool calls
     read in that registered format, not the chat template's). The port is bound first, then the
@@ -588,7 +662,8 @@ def serve(build_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, conf
         raise ConfigError(f"shutdown_grace must be a number of seconds >= 0, got {shutdown_grace!r}")
     sock = listen(host, port)
     try:
-        app = create_app(build_dir, config, served_model_name, max_body_bytes, api_keys, salt_key, tool_call_parser)
+        app = create_app(build_dir, config, served_model_name, max_body_bytes, api_keys, salt_key, tool_call_parser,
+                         allow_runtime_lora)
         # NOTE: what loading left (torch, transformers, the graphs: ~10^6 objects) is never garbage; frozen, the
         # collector no longer walks it, which took the GIL for 0.5 s whenever a big request triggered a full collection
         gc.freeze()

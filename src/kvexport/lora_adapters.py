@@ -183,9 +183,9 @@ def module_rank(plan: dict, module: str) -> int:
 _MODULE = re.compile(r"^model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)$")
 
 
-def pack(plan: dict, adapters: list[LoraAdapter], dtype=np.float32) -> dict[str, np.ndarray]:
+def pack(plan: dict, adapters: list[LoraAdapter | None], dtype=np.float32) -> dict[str, np.ndarray]:
     """The graph inputs lora_a / lora_b of every adapted matmul with `adapters` in slots 0.. (kvexport/io.py
-    LORA_INDEX), each adapter's scale folded into B; SourceError naming the adapter and module it cannot take
+    LORA_INDEX; None: an empty slot, zeros), each adapter's scale folded into B; SourceError naming the adapter and module it cannot take
     (a target the build does not adapt, a rank above its max_rank)."""
     r, slots = plan["max_rank"], len(adapters)
     where = {(m, part[0]): (k, part[1], part[2]) for m, parts in plan["parts"].items() for k, part in enumerate(parts)}
@@ -196,6 +196,8 @@ def pack(plan: dict, adapters: list[LoraAdapter], dtype=np.float32) -> dict[str,
         out[io.lora_a(i, m)] = np.zeros((fan_in, slots * rank), dtype)
         out[io.lora_b(i, m)] = np.zeros((slots * rank, fan_out), dtype)
     for s, adapter in enumerate(adapters):
+        if adapter is None:  # an empty slot (an adapter unloaded while serving): zero factors
+            continue
         for name, ml in adapter.modules.items():
             found = _MODULE.match(name)
             part = found[2] if found else None

@@ -170,3 +170,72 @@ def test_kvexport_generate_runs_the_prompts_under_the_adapter_named(served):
     assert r.exit_code == 2 and "--lora" in r.output and "no adapter 'three'" in r.output and "(one, two)" in r.output
     r = run(main, ["generate", str(out), "5 6 7", "--max-tokens", "3", "--lora", "one"])
     assert r.exit_code == 2 and "no adapter 'one' is given by --lora-modules" in r.output
+
+
+def test_adapters_loaded_and_unloaded_while_serving(served):
+    """Runtime loading (vLLM's load/unload, issue 44 §3) on the Python API and the engine: an adapter loaded into a
+    running engine gives peft's tokens; it cannot be unloaded while a request runs under it; a name reloaded with
+    other weights never hits the KV cached under the old ones (the weights' hash is in the key); max_loras holds."""
+    out, d, ref1, _ = served
+    llm = LLM(out, kv_cache_memory="8MiB", max_loras=1)  # no --lora-modules: the set starts empty
+    prompt = parity.random_prompts(1, TINY["vocab_size"], 24, 25, seed=21)[0]
+    with pytest.raises(KvExportError, match="this engine serves no adapters"):
+        llm.generate([prompt], SamplingParams(max_tokens=2, lora="one"))
+    llm.load_lora("one", d / "a1")
+    got = llm.generate([prompt], SamplingParams(max_tokens=5, ignore_eos=True, lora="one"))[0]
+    assert got.token_ids == parity.hf_greedy(ref1, [prompt], 5)[0] and got.num_cached_prompt_tokens == 0
+    with pytest.raises(ConfigError, match=r"lora_name: 1 adapters are loaded \(max_loras\)"):
+        llm.load_lora("two", d / "a2")
+    with pytest.raises(ConfigError, match="an adapter named 'one' is loaded"):
+        llm.load_lora("one", d / "a2")
+    engine = llm.engine
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=3, lora="one"))
+    with pytest.raises(KvExportError, match="in use by 1 unfinished request"):
+        llm.unload_lora("one")
+    while engine.has_unfinished():
+        engine.step()
+    engine.pop_output(rid)
+    llm.unload_lora("one")
+    with pytest.raises(KvExportError, match="lora: this engine serves no adapters"):
+        llm.generate([prompt], SamplingParams(max_tokens=2, lora="one"))
+    llm.load_lora("one", d / "a2")  # the same name, other weights: a new key
+    again = llm.generate([prompt], SamplingParams(max_tokens=2, lora="one"))[0]
+    assert again.num_cached_prompt_tokens == 0
+    assert llm.generate([prompt], SamplingParams(max_tokens=2, lora="one"))[0].num_cached_prompt_tokens == 20
+
+
+def test_the_openai_server_loads_adapters_when_allowed(served, tmp_path):
+    """`kvexport serve --allow-runtime-lora`: vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter; without
+    the flag the routes do not exist; with --api-keys the flag is refused (no admin keys yet)."""
+    from fastapi.testclient import TestClient
+
+    from kvexport.runtime.config import EngineConfig
+    from kvexport.runtime.serving.auth import ApiKeys
+    from kvexport.runtime.serving.server import create_app
+
+    out, d, ref1, _ = served
+    prompt = parity.random_prompts(1, TINY["vocab_size"], 8, 9, seed=22)[0]
+    config = EngineConfig(kv_cache_memory="8MiB")
+    with TestClient(create_app(out, config, served_model_name="tiny")) as c:
+        assert c.post("/v1/load_lora_adapter", json={"lora_name": "one", "lora_path": str(d / "a1")}).status_code == 404
+    with TestClient(create_app(out, config, served_model_name="tiny", allow_runtime_lora=True)) as c:
+        r = c.post("/v1/load_lora_adapter", json={"lora_name": "one", "lora_path": str(d / "a1")})
+        assert r.status_code == 200 and "added" in r.text, r.text
+        assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["tiny", "one"]
+        r = c.post("/v1/completions", json={"model": "one", "prompt": prompt, "max_tokens": 5, "temperature": 0,
+                                            "ignore_eos": True, "logprobs": 0})
+        assert r.status_code == 200 and r.json()["model"] == "one"
+        assert [int(t) for t in r.json()["choices"][0]["logprobs"]["tokens"]] == parity.hf_greedy(ref1, [prompt], 5)[0]
+        for body, status, param in (({"lora_name": "one", "lora_path": str(d / "a2")}, 400, "lora_name"),
+                                    ({"lora_name": "tiny", "lora_path": str(d / "a2")}, 400, "lora_name"),
+                                    ({"lora_name": "x", "lora_path": str(tmp_path / "missing")}, 400, "lora_path"),
+                                    ({"lora_name": "x"}, 400, "lora_path")):
+            r = c.post("/v1/load_lora_adapter", json=body)
+            assert r.status_code == status and r.json()["error"]["param"] == param, (body, r.text)
+        assert c.post("/v1/unload_lora_adapter", json={"lora_name": "one"}).status_code == 200
+        assert c.post("/v1/completions", json={"model": "one", "prompt": prompt, "max_tokens": 2}).status_code == 404
+        r = c.post("/v1/unload_lora_adapter", json={"lora_name": "one"})
+        assert r.status_code == 404 and r.json()["error"]["param"] == "lora_name"
+    keys = ApiKeys.parse("0123456789abcdef0123 tenant-a")
+    with pytest.raises(ConfigError, match="--allow-runtime-lora with --api-keys"):
+        create_app(out, config, api_keys=keys, allow_runtime_lora=True)

@@ -208,9 +208,12 @@ def _chat_bench(build_dir, chat: str, pool_conversations: int, json_out, cfg, tu
 @click.option("--tool-call-parser", metavar="NAME",
               help=f"Read tool calls in this format: {', '.join(sorted(TOOL_PARSERS))} [the one the chat template "
                    f"tells].")
+@click.option("--allow-runtime-lora", is_flag=True,
+              help="Take vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (a client names a PEFT folder on "
+                   "this machine; not with --api-keys); the build needs --lora-max-rank.")
 @engine_options
 def serve(build_dir, host, port, served_model_name, shutdown_grace, api_keys, cache_salt_key, tool_call_parser,
-          **settings):
+          allow_runtime_lora, **settings):
     """Serve a paged build over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
     from kvexport.runtime.serving.auth import ApiKeys
     from kvexport.runtime.serving.cache_salts import SaltKey
@@ -221,10 +224,14 @@ def serve(build_dir, host, port, served_model_name, shutdown_grace, api_keys, ca
     salt_key = SaltKey.load(cache_salt_key) if cache_salt_key else None  # likewise
     if tool_call_parser is not None:
         tool_parser(tool_call_parser)  # likewise: an unknown name fails naming the registered ones
+    if allow_runtime_lora and keys is not None:
+        raise click.BadParameter("not with --api-keys: every key holder could load adapters from this machine's disk "
+                                 "(keys have no admin role yet); serve adapters with --lora-modules",
+                                 param_hint="--allow-runtime-lora")
     guard = f" ({len(keys.tenants)} tenant(s) with API keys)" if keys else ""
     guard += " (cache_salts: gateway-signed only)" if salt_key else ""
     run_server(build_dir, host, port, cfg, served_model_name, shutdown_grace=shutdown_grace, api_keys=keys,
-               salt_key=salt_key, tool_call_parser=tool_call_parser,
+               salt_key=salt_key, tool_call_parser=tool_call_parser, allow_runtime_lora=allow_runtime_lora,
                on_ready=lambda url: console.print(f"serving {escape(str(build_dir))} on {escape(url)}/v1{guard}",
                                                   highlight=False))
 

@@ -123,3 +123,35 @@ def test_a_small_temperature_above_the_greedy_rule_still_samples_without_overflo
     tie = np.array([4.0, 4.0, 4.0 - 1e-3, 0.0])  # 1e-3 / 2e-5 = 50 nats: token 2 never
     counts = draws(SamplingParams(temperature=t, seed=0), n=400, logits=tie)
     assert counts[2] == counts[3] == 0 and 120 < counts[0] < 280
+
+
+def test_greedy_rows_at_once_give_what_sample_gives_row_by_row():
+    """sample_greedy (one argmax over a step's plain-greedy rows, issue 47) == sample() per row: ties to the first,
+    +inf, rows given out of order; a NaN row and a row with nothing finite are left to sample() (None), which
+    takes NaN as -inf or fails the request; each state draws one number and counts its token, as sample() does."""
+    from kvexport.runtime.execution.sampling import NonFiniteLogitsError, plain_greedy, sample_greedy
+
+    rng = np.random.default_rng(3)
+    logits = rng.standard_normal((7, 300)).astype(np.float32)
+    logits[1, [5, 9]] = 10.0  # a tie: the first
+    logits[2, [7, 8]] = np.inf
+    logits[3, 4] = np.nan
+    logits[3, 11] = 50.0
+    logits[4] = -np.inf
+    rows = [6, 0, 1, 2, 3, 4]
+    make = lambda: [SamplerState.create(SamplingParams(max_tokens=8, seed=1)) for _ in rows]  # noqa: E731
+    batched, single = make(), make()
+    got = sample_greedy(logits, rows, batched)
+    assert got[:4] == [sample(logits[r], st, set(), 0, (2,))[0] for r, st in zip(rows[:4], single[:4])]
+    assert got[2] == 5 and got[3] == 7 and got[4] is None and got[5] is None
+    assert sample(logits[3], single[4], set(), 0, (2,))[0] == 11  # NaN counts as -inf there
+    with pytest.raises(NonFiniteLogitsError):
+        sample(logits[4], single[5], set(), 0, (2,))
+    for a, b in zip(batched[:4], single[:4]):
+        assert a.counts == b.counts and a.rng.random() == b.rng.random()
+    assert sample_greedy(logits, [0, 1, 2], make()[:3]) == [int(np.argmax(logits[r])) for r in (0, 1)] + [7]  # a view
+    assert plain_greedy(make()[0], 0)
+    assert not plain_greedy(SamplerState.create(SamplingParams(max_tokens=8, logprobs=0)), 0)
+    assert not plain_greedy(SamplerState.create(SamplingParams(max_tokens=8, min_tokens=3)), 2)
+    assert not plain_greedy(SamplerState.create(SamplingParams(max_tokens=8, frequency_penalty=0.5)), 0)
+    assert not plain_greedy(SamplerState.create(SamplingParams(max_tokens=8, temperature=0.7)), 0)
