@@ -160,7 +160,7 @@ class LLMEngine:
             raise ConfigError(f"kv_offload_memory {config.kv_offload_memory!r} ({host / 2**30:.4g} GiB) is more than "
                               f"this machine's memory ({physical_memory() / 2**30:.1f} GiB): give a smaller size")
         disk = parse_size(config.kv_offload_disk) if folder else 0
-        offload = KVOffload(backend, self.manifest)
+        offload = KVOffload(backend, self.manifest, config.kv_offload_dtype)
         need = max(offload.block_bytes.values())  # NOTE: a hybrid's state checkpoint is one "block" too
         what = "KV block or state checkpoint" if io.STATE_GROUP in offload.block_bytes else "KV block"
         if host and host < need:

@@ -34,7 +34,9 @@ class KVConnectorWorker:
     def __init__(self, backend, manifest: Manifest, offload: KVOffload | None = None) -> None:
         self.offload = offload
         self._backend, self._manifest = backend, manifest
-        self._copies = offload  # the copier, layout and identity: the tiers' or, without them, made on first use
+        # the copier, layout and identity: the tiers', or made on first use without them or when the tiers hold blocks
+        # encoded (--kv-offload-dtype int8): a hand-off between engines is at the pool's precision, never rounded
+        self._copies = offload if offload is not None and offload.codec is None else None
 
     def _blocks(self) -> KVOffload:
         if self._copies is None:

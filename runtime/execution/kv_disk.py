@@ -148,6 +148,10 @@ class DiskTier:
             if not ok:
                 raise ConfigError(f"{_OPTION} {root}: {MARKER} is not a kvexport KV offload marker of version "
                                   f"{VERSION}; give another folder (nothing in it was touched)")
+            theirs, ours = data.get("tier_dtype", "auto"), describe.get("tier_dtype", "auto")
+            if data.get("identity") != self.identity.hex() and theirs != ours:
+                raise ConfigError(f"{_OPTION} {root} holds KV blocks stored at --kv-offload-dtype {theirs}, and this "
+                                  f"engine stores them at {ours}; give --kv-offload-dtype {theirs}, or another folder")
             if data.get("identity") != self.identity.hex():
                 raise ConfigError(f"{_OPTION} {root} holds the KV blocks of another build ({data.get('build', '?')}); "
                                   f"give this build its own folder, or empty that one yourself")

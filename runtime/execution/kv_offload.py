@@ -52,6 +52,7 @@ from kvexport.manifest import Manifest
 from ..core.kv_tiers import HOST, STAGED, DropBlock, LoadBlock, MoveToDisk, Prefetch, SaveBlock, TierEvents, \
     TierKey, TierOp
 from .kv_disk import CorruptBlock, DiskFull, DiskTier
+from .kv_tier_codec import tier_codec
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ def block_bytes(lay: dict[str, list[tuple[str, tuple[int, ...]]]]) -> dict[str, 
     return {g: sum(_itemsize(d) * int(np.prod(s)) for d, s in ts) for g, ts in lay.items()}
 
 
-def build_identity(manifest: Manifest, lay: dict) -> bytes:
+def build_identity(manifest: Manifest, lay: dict, codec: str = "auto") -> bytes:
     """32 bytes naming what a block's bytes mean: the build's weights (the source's checksums and
     the weights file's size and form), model spec, KV spec (layout, dtype, block size, int8 scales)
     and the payload layout. Two builds share it only if their KV blocks are interchangeable."""
@@ -109,6 +110,8 @@ def build_identity(manifest: Manifest, lay: dict) -> bytes:
                          "quantization": repr(manifest.weights.quantization), "sha256": manifest.weights.sha256},
              "graphs": {p: g.bytes for p, g in sorted(manifest.graphs.items())},
              "layout": {g: [[d, list(s)] for d, s in ts] for g, ts in sorted(lay.items())}}
+    if codec != "auto":  # NOTE: only then: folders written at the pool's precision keep their identity
+        ident["tier_dtype"] = codec
     return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).digest()
 
 
@@ -221,23 +224,45 @@ class OffloadStats:
     # files a killed process left (counted at start), reads too slow
 
 
+class _CodecCopier:
+    """Another copier (`inner`) whose blocks a tier holds encoded (kv_tier_codec.py: `--kv-offload-dtype int8`)."""
+
+    def __init__(self, inner, codec):
+        self.inner, self.codec = inner, codec
+
+    def read(self, group: str, block_id: int) -> np.ndarray:
+        return self.codec.encode(group, self.inner.read(group, block_id))
+
+    def write(self, group: str, block_id: int, payload: np.ndarray) -> None:
+        self.inner.write(group, block_id, self.codec.decode(group, payload))
+
+    def synchronize(self) -> None:
+        self.inner.synchronize()
+
+
 class KVOffload:
     """The bytes of the host tier and staging area, the disk tier, and the copies (module doc).
 
-    The host tier's budget is TierIndex's to enforce; `open_disk` adds the disk tier."""
+    The host tier's budget is TierIndex's to enforce; `open_disk` adds the disk tier. `offload_dtype`: the
+    precision the tiers hold blocks at (kv_tier_codec.py; "auto": the pool's)."""
 
-    def __init__(self, backend, manifest: Manifest):
+    def __init__(self, backend, manifest: Manifest, offload_dtype: str = "auto"):
         tensors = block_tensors(backend, manifest)
         self.layout = layout(tensors)
         state = getattr(backend, "state", None)  # a hybrid's recurrent state pools: checkpoints move too
         if state is not None:
             self.layout[io.STATE_GROUP] = state.layout()
-        self.block_bytes = block_bytes(self.layout)  # group -> payload bytes
-        self.identity = build_identity(manifest, self.layout)
+        self.offload_dtype = offload_dtype
+        self.codec = codec = tier_codec(offload_dtype, self.layout)
+        # group -> bytes of one block in a tier (encoded: kv_tier_codec.py)
+        self.block_bytes = {g: codec.encoded_bytes(g, n) if codec else n for g, n in block_bytes(self.layout).items()}
+        self.identity = build_identity(manifest, self.layout, offload_dtype)
         torch_pools = bool(tensors) and _is_torch(tensors[0][1])
         self.copier = _TorchCopier(backend, manifest) if torch_pools else _NumpyCopier(backend, manifest)
         if state is not None:
             self.copier = _StateCopier(self.copier, state)
+        if codec is not None:
+            self.copier = _CodecCopier(self.copier, codec)
         self.host: dict[TierKey, np.ndarray] = {}
         self.staged: dict[TierKey, np.ndarray] = {}
         self.stats = OffloadStats()
@@ -256,7 +281,8 @@ class KVOffload:
         """Use `folder` as the disk tier (kv_disk.DiskTier checks and locks it: ConfigError naming
         --kv-offload-dir) and start the I/O thread."""
         m = self._manifest
-        describe = {"build": str(m.model.family), "kv_dtype": m.kv.dtype, "block_size": m.kv.block_size}
+        describe = {"build": str(m.model.family), "kv_dtype": m.kv.dtype, "block_size": m.kv.block_size,
+                    "tier_dtype": self.offload_dtype}
         self.disk = DiskTier(folder, self.identity, describe)
         self._thread = threading.Thread(target=self._io_loop, name="kvexport-kv-disk", daemon=True)
         self._thread.start()

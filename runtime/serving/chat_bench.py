@@ -162,6 +162,8 @@ def run_chat(build_dir: str | Path, config: EngineConfig, shape: ChatShape, prog
         for mode in (HYBRID_MODES if hybrid else MODES):
             runs[mode], answers[mode] = _run(build_dir, configs[mode], shape, mode, progress)
             runs[mode]["answers_equal_off"] = answers[mode] == answers["off"]
+            same = [a == b for ca, cb in zip(answers[mode], answers["off"]) for a, b in zip(ca, cb)]
+            runs[mode]["answers_same_as_off"] = f"{sum(same)}/{len(same)}"  # turns whose answer is off's, token for token
     finally:
         if own_dir:
             shutil.rmtree(folder.parent, ignore_errors=True)
@@ -172,7 +174,7 @@ def run_chat(build_dir: str | Path, config: EngineConfig, shape: ChatShape, prog
             "state_checkpoint_blocks": config.state_checkpoint_blocks if hybrid else None,
             "state_checkpoints": base.state_checkpoints if hybrid else None,
             "shape": {f.name: getattr(shape, f.name) for f in fields(ChatShape)},
-            "kv_cache_memory_bytes": int(pool), "host_tier_bytes": {"host": host_all, "host+disk": int(conv_bytes)},
+            "kv_offload_dtype": config.kv_offload_dtype, "kv_cache_memory_bytes": int(pool), "host_tier_bytes": {"host": host_all, "host+disk": int(conv_bytes)},
             "disk_tier_bytes": parse_size(config.kv_offload_disk), "threads": config.threads, "runs": runs}
 
 
@@ -247,7 +249,7 @@ def markdown(result: dict) -> str:
         rows.append(f"| {mode} | {r['ttft_s']['p50']} | {r['ttft_s']['p99']} | {r['turn2_ttft_s']['p50']} | "
                     f"{r['output_tokens_per_s']} | {r['total_tokens_per_s']} | {r['cached_prompt_tokens']} / "
                     f"{r['prompt_tokens']} ({r['hit_rate']:.1%}) | {r['tier_hits']['host']} / "
-                    f"{r['tier_hits']['disk']} | {r['answers_equal_off']} |")
+                    f"{r['tier_hits']['disk']} | {r.get('answers_same_as_off', r['answers_equal_off'])} |")
     return "\n".join(rows) + "\n"
 
 

@@ -215,6 +215,10 @@ def test_settings_are_checked_where_they_are_made():
         EngineConfig(kv_offload_memory="1GiB", enable_prefix_caching=False)
     with pytest.raises(ConfigError, match="kv_offload_disk is 0 bytes"):
         EngineConfig(kv_offload_dir="/tmp/x", kv_offload_disk="0")
+    with pytest.raises(ConfigError, match="kv_offload_dtype int8 sets the precision of the KV tiers, and none is on"):
+        EngineConfig(kv_offload_dtype="int8")
+    with pytest.raises(ConfigError, match="kv_offload_dtype"):
+        EngineConfig(kv_offload_memory="1GiB", kv_offload_dtype="int4")
     cfg = EngineConfig(kv_offload_memory="2GiB", kv_offload_dir="/tmp/kv")
     assert EngineConfig.from_strings(cfg.to_strings()) == cfg
 
@@ -277,3 +281,69 @@ def test_the_chat_bench_runs_its_four_modes(tiny):
     assert runs["restart"]["tier_hits"]["disk"] > 0
     assert runs["restart"]["cached_prompt_tokens"] > runs["host+disk"]["cached_prompt_tokens"]
     assert markdown(result).count("\n") == 6
+
+
+def test_the_int8_tier_codec_rounds_each_vector_on_its_own_scale():
+    """--kv-offload-dtype int8 (issue 46 §4; runtime/execution/kv_tier_codec.py): each head_dim vector of a float
+    tensor is int8 codes x its absmax / 127, so an entry is off by at most half a step of its own vector; an
+    all-zero vector stays zero; int8 pool codes and a hybrid's state checkpoints pass unchanged."""
+    import numpy as np
+
+    from kvexport.runtime.execution.kv_tier_codec import Int8TierCodec
+
+    rng = np.random.default_rng(5)
+    lay = {"full": [("float32", (2, 4, 16)), ("float16", (2, 4, 16)), ("int8", (2, 4, 16))],
+           io.STATE_GROUP: [("float32", (3, 8))]}
+    codec = Int8TierCodec(lay)
+    k = rng.standard_normal((2, 4, 16)).astype(np.float32) * np.float32(3.0)
+    k[1, 2] = 0.0
+    v = rng.standard_normal((2, 4, 16)).astype(np.float16)
+    codes = rng.integers(-128, 128, (2, 4, 16), dtype=np.int8)
+    payload = np.concatenate([a.reshape(-1).view(np.uint8) for a in (k, v, codes)])
+    enc = codec.encode("full", payload)
+    # 8 vectors of 16 per float tensor: 16 codes + a float32 scale each (fp32 512 -> 160 bytes: 3.2x; fp16 256 ->
+    # 160: 1.6x; 64-wide heads: 3.76x / 1.88x), the int8 codes as they are
+    assert enc.size == codec.encoded_bytes("full", payload.size) == 8 * (16 + 4) * 2 + 128
+    back = codec.decode("full", enc)
+    k2 = back[:512].view(np.float32).reshape(k.shape)
+    v2 = back[512:768].view(np.float16).reshape(v.shape)
+    step = np.abs(k).max(axis=-1, keepdims=True) / 127
+    assert np.all(np.abs(k2 - k) <= step / 2 + 1e-6) and np.all(k2[1, 2] == 0)
+    assert np.abs(v2.astype(np.float32) - v.astype(np.float32)).max() < 0.03
+    assert np.array_equal(back[768:].view(np.int8).reshape(codes.shape), codes)
+    state = rng.standard_normal((3, 8)).astype(np.float32).reshape(-1).view(np.uint8)
+    assert np.array_equal(codec.encode(io.STATE_GROUP, state), state)
+
+
+def test_an_int8_host_tier_holds_more_blocks_and_serves_the_evicted_turn(tiny, tmp_path):
+    """The host tier at int8: the same budget holds 3.2x the blocks of this fp32 pool (16-wide heads) and turn 2 is
+    served from it; its next token's top log-probabilities are within 0.01 of an engine without offload (0.003 measured) (the tiny
+    random model's close logits can swap its greedy tokens, so the figures are compared, not the tokens); a disk
+    folder written at the pool's precision is refused by an int8 engine, naming the option."""
+    first_params = SamplingParams(max_tokens=4, ignore_eos=True)
+    probe = SamplingParams(max_tokens=1, logprobs=5)
+
+    def turn2(engine):
+        first = _run(engine, SYSTEM)
+        for k in range(3):  # more than the pool holds: turn 1's blocks leave it
+            _run(engine, [100 + k] + list(range(50, 89)))
+        rid = engine.add_request(SYSTEM + list(first.token_ids) + [7, 8, 9, 10, 11], probe)
+        while engine.has_unfinished():
+            engine.step()
+        out = engine.pop_output(rid)
+        return out.num_cached_prompt_tokens, dict(out.top_logprobs[0])
+
+    assert first_params.max_tokens == PARAMS.max_tokens  # turn 1 as _conversation runs it
+    cached0, want = turn2(LLMEngine(tiny, _cfg()))
+    eng = LLMEngine(tiny, _cfg(kv_offload_memory="1MiB", kv_offload_dtype="int8"))
+    cached, got = turn2(eng)
+    assert cached0 == 0 and cached == 40
+    common = set(want) & set(got)
+    assert len(common) >= 4 and max(abs(want[t] - got[t]) for t in common) < 0.01, (want, got)
+    st = eng.stats().tiers
+    per_block = eng.runner.offload.block_bytes[io.FULL_GROUP]
+    assert st.host_hits == 10 and st.host_read_bytes == 10 * per_block and 2048 / per_block > 3.0
+    folder = tmp_path / "kv"
+    _warm_folder(tiny, folder)
+    with pytest.raises(ConfigError, match=r"stored at --kv-offload-dtype auto, and this engine stores them at int8"):
+        LLMEngine(tiny, _cfg(kv_offload_dir=str(folder), kv_offload_dtype="int8"))
