@@ -235,7 +235,7 @@ def op_breakdown(build: str, threads: int, context: int, reps: dict[str, int], t
 
 # ---------------------------------------------------------------- B: outside onnxruntime
 
-def engine_overhead(build: str, threads: int, context: int, batch: int, measure_steps: int) -> dict:
+def engine_overhead(build: str, threads: int, context: int, batch: int, measure_steps: int, rows: bool = False) -> dict:
     cfg = EngineConfig(threads=threads, enable_prefix_caching=False, max_num_seqs=64, max_num_batched_tokens=512)
     engine = LLMEngine(build, cfg)
     timer = Timer()
@@ -248,9 +248,12 @@ def engine_overhead(build: str, threads: int, context: int, batch: int, measure_
                                                      engine.scheduler.update_from_output)
     engine.outputs.process = timer.wrap("outputs.process", engine.outputs.process)
     engine.runner.execute = timer.wrap("runner.execute", engine.runner.execute)
-    orig_pack, orig_sample = mr.pack, mr.sample
+    orig_pack, orig_sample, orig_greedy, orig_plain = mr.pack, mr.sample, mr.sample_greedy, mr.plain_greedy
     mr.pack = timer.wrap("runner pack", orig_pack)
     mr.sample = timer.wrap("runner sample", orig_sample)
+    mr.sample_greedy = timer.wrap("runner sample", orig_greedy)  # the step's greedy rows at once (issue 47)
+    if rows:  # the sampler as before issue 47's batched argmax: every row through sample()
+        mr.plain_greedy = lambda state, num_generated: False
     rng = np.random.default_rng(47)
     vocab = engine.manifest.model.vocab_size
     try:
@@ -271,7 +274,7 @@ def engine_overhead(build: str, threads: int, context: int, batch: int, measure_
             engine.step()
             steps.append(time.perf_counter() - t)
     finally:
-        mr.pack, mr.sample = orig_pack, orig_sample
+        mr.pack, mr.sample, mr.sample_greedy, mr.plain_greedy = orig_pack, orig_sample, orig_greedy, orig_plain
     total = sum(steps)
     s = dict(timer.s)
     ort = s.get("ort run_with_iobinding", 0.0)
@@ -306,6 +309,9 @@ def main() -> None:
     p.add_argument("--max-load", type=float, default=2.5, help="wait for the 1-min load average to drop to this")
     p.add_argument("--skip-ops", action="store_true")
     p.add_argument("--skip-engine", action="store_true")
+    p.add_argument("--sampling", choices=("batched", "rows", "both"), default="batched",
+                   help="B: greedy rows sampled at once (sampling.sample_greedy), row by row (as before issue 47), or "
+                        "both in turns")
     p.add_argument("--json")
     args = p.parse_args()
     reps = {"decode b=1": 20, "decode b=16": 10, "decode b=64": 8, "prefill 512": 5}
@@ -324,12 +330,14 @@ def main() -> None:
             r["loadavg_ops_end"] = [round(x, 2) for x in os.getloadavg()]
         if not args.skip_engine:
             r["engine"] = []
+            modes = ("batched", "rows") if args.sampling == "both" else (args.sampling,)
             for b in (int(x) for x in args.engine_batches.split(",")):
-                la = wait_for_quiet(args.max_load, 120)
-                e = engine_overhead(build, args.threads, args.engine_context, b, args.engine_steps)
-                e["loadavg_start"] = la
-                r["engine"].append(e)
-                print(build, json.dumps(e), flush=True)
+                for mode in modes:
+                    la = wait_for_quiet(args.max_load, 120)
+                    e = engine_overhead(build, args.threads, args.engine_context, b, args.engine_steps, mode == "rows")
+                    e["loadavg_start"], e["sampling"] = la, mode
+                    r["engine"].append(e)
+                    print(build, json.dumps(e), flush=True)
         if "ops" in r:
             for label, v in r["ops"].items():
                 print(build, label, json.dumps(v), flush=True)
