@@ -1,7 +1,7 @@
 """Compressed KV tiers (issue 46 §4, `--kv-offload-dtype int8`): the blocks a tier holds (host memory and disk)
 stored at int8 and decoded when they come back into the pool, so the same tier budget holds ~3.8x the blocks of an
-fp32 pool (~1.9x of an fp16 one; head_dim 64). TensorRT-LLM keeps cold pages at NVFP4 and LMCache's CacheGen compresses them the
-same way: the pool keeps its own precision; only what leaves it is rounded.
+fp32 pool (~1.9x of an fp16 one; head_dim 64). TensorRT-LLM keeps cold pages at NVFP4 and LMCache's CacheGen
+compresses them the same way: the pool keeps its own precision; only what leaves it is rounded.
 
 A block's payload (execution/kv_offload.py: each of the group's tensors sliced at the block, concatenated) is
 encoded tensor by tensor:

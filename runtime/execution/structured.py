@@ -52,9 +52,9 @@ from .grammars import (MAX_DIGITS, UNSUPPORTED_KEYWORDS, GrammarError, bitmask_w
                        check_json_schema, compile_spec)
 
 # NOTE: the grammar-making names (grammars.py) are handed on: front ends and tests import them from here
-__all__ = ["CLOSING_WINDOW", "Closer", "GrammarBusyError", "GrammarError", "MAX_DIGITS", "Matcher", "StructuredOutputManager", "StructuredOutputs",
-           "UNSUPPORTED_KEYWORDS", "bitmask_words", "bound_numbers", "check_json_schema", "mask_logits",
-           "missing_packages"]
+__all__ = ["CLOSING_WINDOW", "Closer", "GrammarBusyError", "GrammarError", "MAX_DIGITS", "Matcher",
+           "StructuredOutputManager", "StructuredOutputs", "UNSUPPORTED_KEYWORDS", "bitmask_words", "bound_numbers",
+           "check_json_schema", "mask_logits", "missing_packages"]
 
 COMPILE_TIMEOUT_S = 10.0  # a grammar that takes longer to compile is refused (400)
 CACHE_SIZE = 256  # compiled grammars kept (least recently used dropped)
@@ -231,7 +231,8 @@ class Matcher:
         if here is None:  # NOTE: deeper than the window can close: cut by max_tokens as before
             return token
         for t in ranked():
-            if t != token and (t in self._eos and self._m.is_completed() or self.closing(budget - 1, after=t) is not None):
+            ends = t in self._eos and self._m.is_completed()
+            if t != token and (ends or self.closing(budget - 1, after=t) is not None):
                 return t
         return here[0]
 
