@@ -28,7 +28,7 @@ from .core.memory import parse_budget, parse_size
 # core/streaming.py: attention sinks + a recent window; core/importance.py: attention-scored (snapkv at the
 # prompt, h2o also while decoding) within a per-sequence budget
 KV_EVICTIONS = ("none", "streaming", "snapkv", "h2o")
-KV_OFFLOAD_DTYPES = ("auto", "int8")  # the tiers' precision (runtime/execution/kv_tier_codec.py); auto: the pool's
+KV_OFFLOAD_DTYPES = ("auto", "int8", "int4")  # the tiers' precision (runtime/execution/kv_tier_codec.py); auto: the pool's
 SPECULATIVE = ("none", "ngram", "draft")  # speculative decoding's proposer (execution/proposers.py)
 
 
@@ -85,10 +85,11 @@ class EngineConfig:
     kv_offload_disk: str | int = option(  # disk tier budget, a size; used with kv_offload_dir
         "8GiB", "Disk tier budget, a size (used with --kv-offload-dir); a full disk turns the tier off.",
         group="tiers", unit="bytes", parse=parse_size)
-    kv_offload_dtype: str = option(  # the tiers' precision: auto (the pool's) or int8 (kv_tier_codec.py)
-        "auto", "Precision of the blocks the host and disk tiers hold: auto (the pool's) or int8 (each token's key "
-                "and value of each head rounded to int8 on its own scale, decoded on the way back: ~3.8x the blocks "
-                "of an fp32 pool in the same budget).", group="tiers", choices=KV_OFFLOAD_DTYPES)
+    kv_offload_dtype: str = option(  # the tiers' precision: auto (the pool's), int8 or int4 (kv_tier_codec.py)
+        "auto", "Precision of the blocks the host and disk tiers hold: auto (the pool's), int8 or int4 (each "
+                "token's key and value of each head rounded on its own scale, int4 after a Hadamard rotation; "
+                "decoded on the way back): ~3.8x / ~7.1x the blocks of an fp32 pool in the same budget.",
+        group="tiers", choices=KV_OFFLOAD_DTYPES)
     # ---- eviction: "streaming": a sequence keeps its first kv_sink_tokens and its last kv_recent_tokens
     # tokens' KV, the blocks between are freed, and it may run past max_model_len (runtime/core/streaming.py);
     # snapkv / h2o (runtime/core/importance.py): attention-scored within a per-sequence budget

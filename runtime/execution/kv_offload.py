@@ -11,6 +11,9 @@ tensors a backend adds such as scales), each C-contiguous:
     payload(group, b) = concat(t[:, b] for t in the group's block tensors)   # block axis 1
     payload(io.STATE_GROUP, s) = concat(p[s] for p in the state pools)     # a hybrid's checkpoint slot s
 
+With `--kv-offload-dtype int8|int4` the tiers hold each payload encoded (kv_tier_codec.py; `_CodecCopier`
+around the copier below), and `block_bytes` is the encoded size, so a budget holds more blocks.
+
 `block_tensors()` reads that list from the backend: `backend.kv_block_tensors()` where a backend
 defines it (the hook for pools beyond K/V, e.g. per-block scales), else its `pools` split by the
 manifest's layer groups. `build_identity()` hashes the build (weights checksum, model spec, KV

@@ -1,20 +1,24 @@
-"""Compressed KV tiers (issue 46 §4, `--kv-offload-dtype int8`): the blocks a tier holds (host memory and disk)
-stored at int8 and decoded when they come back into the pool, so the same tier budget holds ~3.8x the blocks of an
-fp32 pool (~1.9x of an fp16 one; head_dim 64). TensorRT-LLM keeps cold pages at NVFP4 and LMCache's CacheGen
-compresses them the same way: the pool keeps its own precision; only what leaves it is rounded.
+"""Compressed KV tiers (issue 46 §4, `--kv-offload-dtype int8|int4`): the blocks a tier holds (host memory and
+disk) stored at int8 or int4 and decoded when they come back into the pool, so the same tier budget holds ~3.8x
+(int8) or ~7.1x (int4) the blocks of an fp32 pool (head_dim 64; half that of an fp16 pool). TensorRT-LLM keeps cold
+pages at NVFP4 and LMCache's CacheGen compresses them the same way: the pool keeps its own precision; only what
+leaves it is rounded.
 
 A block's payload (execution/kv_offload.py: each of the group's tensors sliced at the block, concatenated) is
 encoded tensor by tensor:
 
-    float32 / float16 tensor [heads, block_size, head_dim]   ->  int8 codes of each head_dim vector (one token of
-                                                                 one head) x its own scale absmax / 127 (float32)
+    float32 / float16 tensor [heads, block_size, head_dim]   ->  each head_dim vector (one token of one head):
+        int8: codes x its own scale absmax / 127 (float32)
+        int4: rotated by the normalized Walsh-Hadamard transform (head_dim a power of two), then codes in
+              [-7, 7] x absmax / 7 of the rotated vector, two codes a byte
     anything else (an int8 / int4 pool's codes, its scales, bfloat16)  ->  kept as it is (raw bytes)
 
-so every token's key and value of every head is rounded on its own scale: the error of an entry is at most half a
-step, |x|max / 254 of its vector (the int8 KV pool rounds per head and block to a calibrated scale; this needs no
-calibration). The hybrids' recurrent-state checkpoints (io.STATE_GROUP) are never rounded (a state carries the whole
-prefix: its error would compound). The codec is part of the disk tier's identity, so a folder written at one dtype
-is never read at another.
+so every token's key and value of every head is rounded on its own scale: an entry (of the rotated vector, for int4)
+is off by at most half a step. The rotation spreads an outlier channel over the whole vector (QuaRot's argument,
+as the int4 KV pool's key transform does), so one large entry no longer sets a coarse step for the others; it is
+orthonormal, so the error's L2 norm is the same after the inverse. The hybrids' recurrent-state checkpoints
+(io.STATE_GROUP) are never rounded (a state carries the whole prefix: its error would compound). The codec is part
+of the disk tier's identity, so a folder written at one dtype is never read at another.
 """
 
 from __future__ import annotations
@@ -25,22 +29,41 @@ import numpy as np
 
 from kvexport import io
 
-from ..config import KV_OFFLOAD_DTYPES
 _ROUNDED = ("float32", "float16")
 
 
-class Int8TierCodec:
-    """Encode / decode the payloads of each KV cache group's blocks (module docstring). `layout`: group ->
-    (dtype, shape of one block's slice) of each tensor, in payload order (kv_offload.layout)."""
+def _itemsize(dtype: str) -> int:
+    return 2 if dtype == "bfloat16" else np.dtype(dtype).itemsize
 
-    name = "int8"
 
-    def __init__(self, layout: dict[str, list[tuple[str, tuple[int, ...]]]]):
-        self.layout = {g: list(ts) for g, ts in layout.items()}
+def hadamard(x: np.ndarray) -> np.ndarray:
+    """x [n, d] (d a power of two) times the normalized Walsh-Hadamard matrix (orthonormal and symmetric: its own
+    inverse), by the fast transform's butterflies."""
+    n, d = x.shape
+    y, h = x, 1
+    while h < d:
+        y = y.reshape(n, d // (2 * h), 2, h)
+        y = np.stack([y[:, :, 0] + y[:, :, 1], y[:, :, 0] - y[:, :, 1]], axis=2)
+        h *= 2
+    return y.reshape(n, d) / np.float32(np.sqrt(d))
 
-    @staticmethod
-    def _rounded(group: str, dtype: str, shape: Sequence[int]) -> bool:
-        return group != io.STATE_GROUP and dtype in _ROUNDED and len(shape) >= 1 and int(shape[-1]) > 0
+
+class TierCodec:
+    """Encode / decode the payloads of each KV cache group's blocks at `bits` (8 or 4; module docstring).
+    `layout`: group -> (dtype, shape of one block's slice) of each tensor, in payload order (kv_offload.layout)."""
+
+    def __init__(self, layout: dict[str, list[tuple[str, tuple[int, ...]]]], bits: int = 8):
+        assert bits in (8, 4), "int8 or int4"
+        self.layout, self.bits = {g: list(ts) for g, ts in layout.items()}, bits
+        self.name = f"int{bits}"
+        self._qmax = 127 if bits == 8 else 7
+
+    def _rounded(self, group: str, dtype: str, shape: Sequence[int]) -> bool:
+        d = int(shape[-1]) if len(shape) else 0
+        return group != io.STATE_GROUP and dtype in _ROUNDED and d > 0 and (self.bits == 8 or d % 2 == 0)
+
+    def _code_bytes(self, n: int) -> int:
+        return n if self.bits == 8 else n // 2
 
     def encoded_bytes(self, group: str, raw_bytes: int) -> int:
         """Bytes one block of `group` takes in a tier (`raw_bytes`: its payload's at the pool's precision)."""
@@ -50,9 +73,9 @@ class Int8TierCodec:
         for dtype, shape in self.layout[group]:
             n = int(np.prod(shape))
             if self._rounded(group, dtype, shape):
-                total += n + 4 * (n // int(shape[-1]))  # the codes, one float32 scale per vector
+                total += self._code_bytes(n) + 4 * (n // int(shape[-1]))  # the codes, one float32 scale per vector
             else:
-                total += n * (2 if dtype == "bfloat16" else np.dtype(dtype).itemsize)
+                total += n * _itemsize(dtype)
         return total
 
     def encode(self, group: str, payload: np.ndarray) -> np.ndarray:
@@ -62,18 +85,23 @@ class Int8TierCodec:
         out, at = [], 0
         for dtype, shape in self.layout[group]:
             n = int(np.prod(shape))
-            size = n * (2 if dtype == "bfloat16" else np.dtype(dtype).itemsize)
-            part = payload[at:at + size]
-            at += size
+            part = payload[at:at + n * _itemsize(dtype)]
+            at += n * _itemsize(dtype)
             if not self._rounded(group, dtype, shape):
                 out.append(part)
                 continue
-            x = part.view(dtype).astype(np.float32).reshape(-1, int(shape[-1]))  # [vectors, head_dim]
-            amax = np.abs(x).max(axis=1, keepdims=True)
-            scale = (amax / 127.0).astype(np.float32)
-            q = np.rint(x / np.where(scale > 0, scale, 1.0))  # NOTE: an all-zero vector: codes 0, scale 0
-            codes = np.clip(q, -127, 127).astype(np.int8)
-            out += [codes.reshape(-1).view(np.uint8), scale.reshape(-1).view(np.uint8)]
+            d = int(shape[-1])
+            x = part.view(dtype).astype(np.float32).reshape(-1, d)  # [vectors, head_dim]
+            if self.bits == 4 and d & (d - 1) == 0:
+                x = hadamard(x)
+            scale = (np.abs(x).max(axis=1, keepdims=True) / np.float32(self._qmax)).astype(np.float32)
+            q = np.clip(np.rint(x / np.where(scale > 0, scale, 1.0)), -self._qmax, self._qmax)  # zeros: codes 0
+            if self.bits == 8:
+                codes = q.astype(np.int8).reshape(-1).view(np.uint8)
+            else:
+                u = (q.astype(np.int16) + 8).astype(np.uint8).reshape(-1, 2)  # [1, 15], two a byte: low, high
+                codes = (u[:, 0] | (u[:, 1] << 4)).astype(np.uint8)
+            out += [codes, scale.reshape(-1).view(np.uint8)]
         assert at == payload.size, "a payload holds exactly one block of the group's tensors"
         return np.concatenate(out) if len(out) > 1 else np.array(out[0], copy=True)
 
@@ -85,23 +113,29 @@ class Int8TierCodec:
         for dtype, shape in self.layout[group]:
             n = int(np.prod(shape))
             if not self._rounded(group, dtype, shape):
-                size = n * (2 if dtype == "bfloat16" else np.dtype(dtype).itemsize)
-                out.append(data[at:at + size])
-                at += size
+                out.append(data[at:at + n * _itemsize(dtype)])
+                at += n * _itemsize(dtype)
                 continue
-            d = int(shape[-1])
-            codes = data[at:at + n].view(np.int8).reshape(-1, d)
-            at += n
+            d, nb = int(shape[-1]), self._code_bytes(n)
+            raw = data[at:at + nb]
+            at += nb
+            if self.bits == 8:
+                q = raw.view(np.int8).astype(np.float32)
+            else:
+                q = np.stack([(raw & 0xF).astype(np.float32) - 8, (raw >> 4).astype(np.float32) - 8], axis=1)
             scale = data[at:at + 4 * (n // d)].view(np.float32).reshape(-1, 1)
             at += 4 * (n // d)
-            out.append((codes.astype(np.float32) * scale).astype(dtype).reshape(-1).view(np.uint8))
+            x = q.reshape(-1, d) * scale
+            if self.bits == 4 and d & (d - 1) == 0:
+                x = hadamard(x)  # its own inverse
+            out.append(x.astype(dtype).reshape(-1).view(np.uint8))
         assert at == data.size, "tier bytes hold exactly one encoded block"
         return np.concatenate(out) if len(out) > 1 else np.array(out[0], copy=True)
 
 
-def tier_codec(dtype: str, layout: dict) -> Int8TierCodec | None:
-    """The codec of `--kv-offload-dtype` (None: the pool's precision)."""
-    return Int8TierCodec(layout) if dtype == "int8" else None
+def tier_codec(dtype: str, layout: dict) -> TierCodec | None:
+    """The codec of `--kv-offload-dtype` (None for auto: the pool's precision)."""
+    return {"int8": TierCodec(layout, 8), "int4": TierCodec(layout, 4)}.get(dtype)
 
 
-__all__ = ["Int8TierCodec", "KV_OFFLOAD_DTYPES", "tier_codec"]
+__all__ = ["TierCodec", "hadamard", "tier_codec"]

@@ -142,7 +142,8 @@ def run_chat(build_dir: str | Path, config: EngineConfig, shape: ChatShape, prog
     # next token's), the pad block: so the other conversations' turns evict a conversation's history
     pool = (shape.system_tokens + shape.pool_conversations * (shape.private_tokens + 2 * block) + block) * per_token
     base = replace(config, kv_cache_memory=int(pool), max_num_seqs=shape.pool_conversations,
-                   kv_offload_memory="0", kv_offload_dir="")
+                   kv_offload_memory="0", kv_offload_dir="", kv_offload_dtype="auto")
+    tier = config.kv_offload_dtype  # the tiers' precision (--kv-offload-dtype) in the modes that have tiers
     if hybrid:
         base = replace(base, state_checkpoints=hybrid_checkpoints(manifest, config, shape))
     conv_bytes += checkpoint_bytes(manifest, config, shape)  # a hybrid's checkpoints go to the tiers too
@@ -153,9 +154,9 @@ def run_chat(build_dir: str | Path, config: EngineConfig, shape: ChatShape, prog
         raise ConfigError(f"chat bench: {folder} exists; give a --kv-offload-dir whose 'kv' subfolder is new")
     runs = {}
     try:
-        configs = {"off": base, "host": replace(base, kv_offload_memory=host_all),
+        configs = {"off": base, "host": replace(base, kv_offload_memory=host_all, kv_offload_dtype=tier),
                    "host+disk": replace(base, kv_offload_memory=int(conv_bytes), kv_offload_dir=str(folder),
-                                        kv_offload_disk=config.kv_offload_disk),
+                                        kv_offload_disk=config.kv_offload_disk, kv_offload_dtype=tier),
                    "recompute": replace(base, enable_prefix_caching=False)}
         configs["restart"] = configs["host+disk"]
         answers = {}
@@ -163,7 +164,8 @@ def run_chat(build_dir: str | Path, config: EngineConfig, shape: ChatShape, prog
             runs[mode], answers[mode] = _run(build_dir, configs[mode], shape, mode, progress)
             runs[mode]["answers_equal_off"] = answers[mode] == answers["off"]
             same = [a == b for ca, cb in zip(answers[mode], answers["off"]) for a, b in zip(ca, cb)]
-            runs[mode]["answers_same_as_off"] = f"{sum(same)}/{len(same)}"  # turns whose answer is off's, token for token
+            # turns whose answer is off's, token for token
+            runs[mode]["answers_same_as_off"] = f"{sum(same)}/{len(same)}"
     finally:
         if own_dir:
             shutil.rmtree(folder.parent, ignore_errors=True)
@@ -174,7 +176,8 @@ def run_chat(build_dir: str | Path, config: EngineConfig, shape: ChatShape, prog
             "state_checkpoint_blocks": config.state_checkpoint_blocks if hybrid else None,
             "state_checkpoints": base.state_checkpoints if hybrid else None,
             "shape": {f.name: getattr(shape, f.name) for f in fields(ChatShape)},
-            "kv_offload_dtype": config.kv_offload_dtype, "kv_cache_memory_bytes": int(pool), "host_tier_bytes": {"host": host_all, "host+disk": int(conv_bytes)},
+            "kv_offload_dtype": config.kv_offload_dtype, "kv_cache_memory_bytes": int(pool),
+            "host_tier_bytes": {"host": host_all, "host+disk": int(conv_bytes)},
             "disk_tier_bytes": parse_size(config.kv_offload_disk), "threads": config.threads, "runs": runs}
 
 
@@ -260,11 +263,12 @@ def turn2_ttft(build_dir: str | Path, config: EngineConfig, shape: ChatShape, re
     manifest = mf.load(Path(build_dir))
     per_token, block = kv_bytes_per_token(manifest), manifest.kv.block_size
     pool = (shape.system_tokens + 2 * (shape.private_tokens + 2 * block) + block) * per_token
-    base = replace(config, kv_cache_memory=int(pool), kv_offload_memory="0", kv_offload_dir="")
+    base = replace(config, kv_cache_memory=int(pool), kv_offload_memory="0", kv_offload_dir="", kv_offload_dtype="auto")
     folder = Path(tempfile.mkdtemp(prefix="kvexport-turn2-")) / "kv"
-    disk = replace(base, kv_offload_dir=str(folder), kv_offload_disk=config.kv_offload_disk)
+    tier = config.kv_offload_dtype
+    disk = replace(base, kv_offload_dir=str(folder), kv_offload_disk=config.kv_offload_disk, kv_offload_dtype=tier)
     host = int(4 * shape.conversations * (pool + checkpoint_bytes(manifest, config, shape)))
-    configs = {"off": base, "host": replace(base, kv_offload_memory=host),
+    configs = {"off": base, "host": replace(base, kv_offload_memory=host, kv_offload_dtype=tier),
                "disk": disk, "restart": disk}
     if is_hybrid(manifest):  # checkpoint slots for what the pool holds; the tiers hold the rest (module doc)
         slots = hybrid_checkpoints(manifest, config, replace(shape, pool_conversations=2))
