@@ -92,6 +92,9 @@ class LoraAdapters:
         gone = self._by_name[name]
         self._by_name = {k: v for k, v in self._by_name.items() if k != name}
         self._slots[gone.slot], self._read[gone.slot] = None, None
+        while self._slots and self._slots[-1] is None:  # NOTE: trailing holes dropped: every step computes each slot
+            self._slots.pop()
+            self._read.pop()
         self.factors = lora_adapters.pack(self._plan, self._read, self._dtype)
         return gone
 

@@ -204,6 +204,27 @@ def test_adapters_loaded_and_unloaded_while_serving(served):
     assert llm.generate([prompt], SamplingParams(max_tokens=2, lora="one"))[0].num_cached_prompt_tokens == 20
 
 
+def test_an_unloaded_adapter_leaves_a_hole_the_next_one_takes(served):
+    """Slots never move: unloading the first of two adapters leaves its slot empty (the second keeps its slot and
+    its tokens), the next adapter loaded takes the hole; a trailing hole is dropped (fewer slots per step)."""
+    out, d, ref1, ref2 = served
+    llm = LLM(out, kv_cache_memory="8MiB", max_loras=2)
+    prompt = parity.random_prompts(1, TINY["vocab_size"], 10, 11, seed=23)[0]
+    llm.load_lora("one", d / "a1")
+    llm.load_lora("two", d / "a2")
+    two = parity.hf_greedy(ref2, [prompt], 5)[0]
+    tokens = lambda name: llm.generate([prompt], SamplingParams(max_tokens=5, ignore_eos=True, lora=name))[0].token_ids  # noqa: E731
+    assert tokens("two") == two
+    llm.unload_lora("one")
+    assert [a.slot for a in llm.engine.loras.adapters] == [1] and tokens("two") == two
+    llm.load_lora("three", d / "a1")
+    assert {a.name: a.slot for a in llm.engine.loras.adapters} == {"three": 0, "two": 1}
+    assert tokens("three") == parity.hf_greedy(ref1, [prompt], 5)[0] and tokens("two") == two
+    width = next(iter(llm.engine.loras.factors.values())).shape[1]  # two slots, side by side
+    llm.unload_lora("two")
+    assert next(iter(llm.engine.loras.factors.values())).shape[1] == width // 2  # the trailing slot dropped
+
+
 def test_the_openai_server_loads_adapters_when_allowed(served, tmp_path):
     """`kvexport serve --allow-runtime-lora`: vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter; without
     the flag the routes do not exist; with --api-keys the flag is refused (no admin keys yet)."""
