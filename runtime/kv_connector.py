@@ -117,7 +117,17 @@ class KVConnector:
         """Write blocks from outside into fresh pool blocks and publish them under their keys,
         each held (one reference) until `release`. Blocks whose key the pool got meanwhile are
         skipped; a group whose pool has too few free blocks is skipped whole (its prefix is then
-        recomputed). Returns the holds, one per group written."""
+        recomputed). Returns the holds, one per group written. ValueError, before anything is allocated, when a
+        block's bytes lie outside `payload` (a short or damaged hand-off: the caller recomputes the prompt).
+        NOTE: checked first: a block found short while writing would leave its group's fresh blocks allocated and
+        never published nor freed, one leak per bad hand-off (hostile trial, issue 48)."""
+        sizes = self.worker.block_bytes
+        for b in blocks:
+            n = sizes.get(b.group)
+            if n is None or isinstance(b.offset, bool) or not isinstance(b.offset, int) \
+                    or not 0 <= b.offset <= payload.size - n:
+                raise ValueError(f"KV import: the {b.group!r} block at offset {b.offset!r} lies outside the "
+                                 f"{payload.size}-byte payload (a block is {n} bytes); nothing was written")
         holds = []
         for group in self.groups:
             todo = [b for b in blocks if b.group == group and self.scheduler.cached(group, b.block_hash) is None]

@@ -429,8 +429,12 @@ def to_load(missing, want, prompt: Sequence[int], block_size: int, block_bytes: 
 
 
 def _inline_ranges(inline: str, ranges: Sequence[tuple[int, int]]) -> np.ndarray:
-    """The byte ranges wanted out of a request-plane offer's base64 payload, concatenated in order."""
+    """The byte ranges wanted out of a request-plane offer's base64 payload, concatenated in order; ValueError
+    for a range the payload does not hold (NOTE: a negative offset would slice from the end: other bytes)."""
     raw = np.frombuffer(base64.b64decode(inline), np.uint8)
+    for o, n in ranges:
+        if not 0 <= o <= raw.size - n:
+            raise ValueError(f"the offer's block at offset {o} ({n} bytes) lies outside its {raw.size}-byte payload")
     return np.concatenate([raw[o:o + n] for o, n in ranges]) if ranges else np.empty(0, np.uint8)
 
 

@@ -187,6 +187,35 @@ def test_a_prompts_blocks_move_between_engines_byte_for_byte_in_every_group(buil
     assert dst_engine.pop_output(rid).num_cached_prompt_tokens == 20
 
 
+def test_a_short_or_misplaced_hand_off_writes_nothing_and_leaks_no_block(builds):
+    """Hostile trial on the KV seam (issue 48): a payload shorter than its blocks, or a block placed outside it
+    (negative offset), is refused before anything is allocated. Before: the write failed on the short block after
+    the group's fresh blocks were allocated, and they were never published nor freed (one leak per bad hand-off)."""
+    from kvexport.runtime.serving.dynamo_disagg import _inline_ranges
+
+    out = builds("fp32")
+    src = _prefilled(out).kv_connector
+    refs = src.prompt_blocks(PROMPT)
+    _, payload = src.export_blocks(refs)
+    h = hash_full_blocks(PROMPT[:20], BS)
+    n = src.block_bytes[FULL]
+    blocks = [BlockImport(FULL, r.block_hash, h[r.block_index - 1] if r.block_index else None, i * n,
+                          PROMPT[r.block_index * BS:(r.block_index + 1) * BS]) for i, r in enumerate(refs)]
+    dst = LLMEngine(out, EngineConfig(**CFG)).kv_connector
+    for bad_payload, bad_blocks in ((payload[:-1], blocks), (payload, blocks[:-1] + [blocks[-1]._replace(offset=-n)])):
+        with pytest.raises(ValueError, match="lies outside"):
+            dst.import_blocks(bad_blocks, bad_payload)
+        assert dst.usage().used_blocks == 0 and all(dst.scheduler.cached(FULL, r.block_hash) is None for r in refs)
+    holds = dst.import_blocks(blocks, payload)  # the whole payload still goes in
+    assert dst.usage().used_blocks == 5
+    dst.release(holds)
+    inline = __import__("base64").b64encode(bytes(range(16))).decode()
+    assert _inline_ranges(inline, [(4, 4)]).tolist() == [4, 5, 6, 7]
+    for bad in ([(-4, 4)], [(14, 4)]):
+        with pytest.raises(ValueError, match="lies outside"):
+            _inline_ranges(inline, bad)
+
+
 def test_a_full_group_prefix_stops_at_its_first_missing_block(builds):
     src = _prefilled(builds("fp32")).kv_connector
     refs = src.prompt_blocks(PROMPT)
