@@ -28,7 +28,8 @@ from .core.memory import parse_budget, parse_size
 # core/streaming.py: attention sinks + a recent window; core/importance.py: attention-scored (snapkv at the
 # prompt, h2o also while decoding) within a per-sequence budget
 KV_EVICTIONS = ("none", "streaming", "snapkv", "h2o")
-KV_OFFLOAD_DTYPES = ("auto", "int8", "int4")  # the tiers' precision (runtime/execution/kv_tier_codec.py); auto: the pool's
+# the tiers' precision (runtime/execution/kv_tier_codec.py); auto: the pool's
+KV_OFFLOAD_DTYPES = ("auto", "int8", "int4")
 SPECULATIVE = ("none", "ngram", "draft")  # speculative decoding's proposer (execution/proposers.py)
 
 

@@ -124,8 +124,7 @@ class KVConnector:
         sizes = self.worker.block_bytes
         for b in blocks:
             n = sizes.get(b.group)
-            if n is None or isinstance(b.offset, bool) or not isinstance(b.offset, int) \
-                    or not 0 <= b.offset <= payload.size - n:
+            if n is None or not 0 <= b.offset <= payload.size - n:
                 raise ValueError(f"KV import: the {b.group!r} block at offset {b.offset!r} lies outside the "
                                  f"{payload.size}-byte payload (a block is {n} bytes); nothing was written")
         holds = []

@@ -48,11 +48,10 @@ class LoraAdapters:
     of requests in flight never move. `names` may be read from any thread."""
 
     def __init__(self, adapters: tuple[LoadedAdapter, ...], factors: dict[str, np.ndarray],
-                 read: tuple[lora_adapters.LoraAdapter | None, ...] = (), plan: dict | None = None,
-                 dtype: np.dtype = np.dtype(np.float32), max_loras: int = 64):
+                 read: tuple[lora_adapters.LoraAdapter, ...], plan: dict, dtype: np.dtype, max_loras: int):
         self.factors = factors
         self._slots: list[LoadedAdapter | None] = list(adapters)  # by slot; None: a hole
-        self._read: list[lora_adapters.LoraAdapter | None] = list(read) or [None] * len(adapters)
+        self._read: list[lora_adapters.LoraAdapter | None] = list(read)  # each slot's adapter as read (packing)
         self._plan, self._dtype, self.max_loras = plan, dtype, max_loras
         self._by_name = {a.name: a for a in adapters}
 
@@ -73,15 +72,16 @@ class LoraAdapters:
         slot = next((i for i, a in enumerate(self._slots) if a is None), len(self._slots))
         if slot >= self.max_loras:
             raise ConfigError(f"lora_name: {self.max_loras} adapters are loaded (max_loras); unload one first")
-        read = list(self._read) + [None] * (slot + 1 - len(self._read))
+        slots, read = list(self._slots), list(self._read)
+        if slot == len(slots):
+            slots.append(None)
+            read.append(None)
         read[slot] = adapter
         try:
             factors = lora_adapters.pack(self._plan, read, self._dtype)
         except KvExportError as e:
             raise ConfigError(f"lora_path: {e}") from None
-        loaded = LoadedAdapter(name, adapter.path, adapter.sha256, slot)
-        slots = list(self._slots) + [None] * (slot + 1 - len(self._slots))
-        slots[slot] = loaded
+        loaded = slots[slot] = LoadedAdapter(name, adapter.path, adapter.sha256, slot)
         self._slots, self._read, self.factors = slots, read, factors
         self._by_name = {**self._by_name, name: loaded}
         return loaded

@@ -55,7 +55,7 @@ from kvexport.manifest import Manifest
 from ..core.kv_tiers import HOST, STAGED, DropBlock, LoadBlock, MoveToDisk, Prefetch, SaveBlock, TierEvents, \
     TierKey, TierOp
 from .kv_disk import CorruptBlock, DiskFull, DiskTier
-from .kv_tier_codec import tier_codec
+from .kv_tier_codec import itemsize, tier_codec
 
 log = logging.getLogger(__name__)
 
@@ -87,13 +87,9 @@ def layout(tensors: Sequence[tuple[str, Any]]) -> dict[str, list[tuple[str, tupl
     return out
 
 
-def _itemsize(dtype: str) -> int:
-    return {"bfloat16": 2}.get(dtype) or np.dtype(dtype).itemsize
-
-
 def block_bytes(lay: dict[str, list[tuple[str, tuple[int, ...]]]]) -> dict[str, int]:
     """group -> bytes of one block's payload."""
-    return {g: sum(_itemsize(d) * int(np.prod(s)) for d, s in ts) for g, ts in lay.items()}
+    return {g: sum(itemsize(d) * int(np.prod(s)) for d, s in ts) for g, ts in lay.items()}
 
 
 def build_identity(manifest: Manifest, lay: dict, codec: str = "auto") -> bytes:

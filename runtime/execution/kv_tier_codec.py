@@ -23,8 +23,6 @@ of the disk tier's identity, so a folder written at one dtype is never read at a
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import numpy as np
 
 from kvexport import io
@@ -32,7 +30,8 @@ from kvexport import io
 _ROUNDED = ("float32", "float16")
 
 
-def _itemsize(dtype: str) -> int:
+def itemsize(dtype: str) -> int:
+    """Bytes of one element of a pool tensor's dtype (bfloat16: torch pools; numpy has none)."""
     return 2 if dtype == "bfloat16" else np.dtype(dtype).itemsize
 
 
@@ -58,41 +57,38 @@ class TierCodec:
         self.name = f"int{bits}"
         self._qmax = 127 if bits == 8 else 7
 
-    def _rounded(self, group: str, dtype: str, shape: Sequence[int]) -> bool:
-        d = int(shape[-1]) if len(shape) else 0
-        return group != io.STATE_GROUP and dtype in _ROUNDED and d > 0 and (self.bits == 8 or d % 2 == 0)
+    def _parts(self, group: str):
+        """(dtype, vector width d or 0 when kept as it is, elements, bytes at the pool's precision, bytes in the
+        tier) of each tensor of `group`'s payload, in order."""
+        for dtype, shape in self.layout[group]:
+            n, d = int(np.prod(shape)), int(shape[-1]) if len(shape) else 0
+            if not (group != io.STATE_GROUP and dtype in _ROUNDED and d > 0 and (self.bits == 8 or d % 2 == 0)):
+                d = 0
+            codes = n if self.bits == 8 else n // 2
+            yield dtype, d, n, n * itemsize(dtype), (codes + 4 * (n // d) if d else n * itemsize(dtype))
 
-    def _code_bytes(self, n: int) -> int:
-        return n if self.bits == 8 else n // 2
+    def _rotated(self, d: int) -> bool:
+        return self.bits == 4 and d & (d - 1) == 0
 
     def encoded_bytes(self, group: str, raw_bytes: int) -> int:
         """Bytes one block of `group` takes in a tier (`raw_bytes`: its payload's at the pool's precision)."""
         if group not in self.layout:
             return raw_bytes
-        total = 0
-        for dtype, shape in self.layout[group]:
-            n = int(np.prod(shape))
-            if self._rounded(group, dtype, shape):
-                total += self._code_bytes(n) + 4 * (n // int(shape[-1]))  # the codes, one float32 scale per vector
-            else:
-                total += n * _itemsize(dtype)
-        return total
+        return sum(tier for *_, tier in self._parts(group))
 
     def encode(self, group: str, payload: np.ndarray) -> np.ndarray:
         """A block's payload (uint8, the pool's precision) -> its tier bytes (uint8)."""
         if group not in self.layout:
             return payload
         out, at = [], 0
-        for dtype, shape in self.layout[group]:
-            n = int(np.prod(shape))
-            part = payload[at:at + n * _itemsize(dtype)]
-            at += n * _itemsize(dtype)
-            if not self._rounded(group, dtype, shape):
+        for dtype, d, _, raw, _ in self._parts(group):
+            part = payload[at:at + raw]
+            at += raw
+            if not d:
                 out.append(part)
                 continue
-            d = int(shape[-1])
             x = part.view(dtype).astype(np.float32).reshape(-1, d)  # [vectors, head_dim]
-            if self.bits == 4 and d & (d - 1) == 0:
+            if self._rotated(d):
                 x = hadamard(x)
             scale = (np.abs(x).max(axis=1, keepdims=True) / np.float32(self._qmax)).astype(np.float32)
             q = np.clip(np.rint(x / np.where(scale > 0, scale, 1.0)), -self._qmax, self._qmax)  # zeros: codes 0
@@ -110,23 +106,19 @@ class TierCodec:
         if group not in self.layout:
             return data
         out, at = [], 0
-        for dtype, shape in self.layout[group]:
-            n = int(np.prod(shape))
-            if not self._rounded(group, dtype, shape):
-                out.append(data[at:at + n * _itemsize(dtype)])
-                at += n * _itemsize(dtype)
+        for dtype, d, n, _, tier in self._parts(group):
+            part = data[at:at + tier]
+            at += tier
+            if not d:
+                out.append(part)
                 continue
-            d, nb = int(shape[-1]), self._code_bytes(n)
-            raw = data[at:at + nb]
-            at += nb
+            raw, scale = part[:tier - 4 * (n // d)], part[tier - 4 * (n // d):].view(np.float32).reshape(-1, 1)
             if self.bits == 8:
                 q = raw.view(np.int8).astype(np.float32)
             else:
                 q = np.stack([(raw & 0xF).astype(np.float32) - 8, (raw >> 4).astype(np.float32) - 8], axis=1)
-            scale = data[at:at + 4 * (n // d)].view(np.float32).reshape(-1, 1)
-            at += 4 * (n // d)
             x = q.reshape(-1, d) * scale
-            if self.bits == 4 and d & (d - 1) == 0:
+            if self._rotated(d):
                 x = hadamard(x)  # its own inverse
             out.append(x.astype(dtype).reshape(-1).view(np.uint8))
         assert at == data.size, "tier bytes hold exactly one encoded block"
@@ -138,4 +130,4 @@ def tier_codec(dtype: str, layout: dict) -> TierCodec | None:
     return {"int8": TierCodec(layout, 8), "int4": TierCodec(layout, 4)}.get(dtype)
 
 
-__all__ = ["TierCodec", "hadamard", "tier_codec"]
+__all__ = ["TierCodec", "hadamard", "itemsize", "tier_codec"]

@@ -88,8 +88,8 @@ def sample_greedy(logits: np.ndarray, rows: Sequence[int], states: Sequence[Samp
     if not rows:
         return []
     idx = np.asarray(rows, np.intp)
-    contiguous = idx[-1] - idx[0] == len(idx) - 1 and bool(np.all(np.diff(idx) == 1))
-    sub = logits[idx[0]:idx[-1] + 1] if contiguous else logits[idx]  # [B, vocab]; a decode step's rows: a view
+    # [B, vocab]; a decode step's rows are contiguous: a view
+    sub = logits[idx[0]:idx[-1] + 1] if bool(np.all(np.diff(idx) == 1)) else logits[idx]
     tokens = sub.argmax(axis=1)  # NOTE: a row's first NaN where it holds one (numpy's argmax takes NaN as the max)
     best = sub[np.arange(len(tokens)), tokens]
     out: list[int | None] = []

@@ -86,23 +86,7 @@ def offer_blocks(kv: KVConnector, keys: Sequence[BlockRef]) -> tuple[list[list],
 
 async def on_engine(worker: DynamoWorker, fn):
     """fn() run on the engine thread (between steps); its result here."""
-    loop = asyncio.get_running_loop()
-    fut = loop.create_future()
-
-    def settle(result, error) -> None:
-        if not fut.done():
-            fut.set_exception(error) if error is not None else fut.set_result(result)
-
-    def run() -> None:
-        try:
-            r = fn()
-        except BaseException as e:  # noqa: BLE001 - handed to the awaiting handler
-            loop.call_soon_threadsafe(settle, None, e)
-        else:
-            loop.call_soon_threadsafe(settle, r, None)
-
-    worker.thread.call(run)
-    return await asyncio.wait_for(fut, ENGINE_CALL_TIMEOUT_S)
+    return await worker.thread.run(fn, ENGINE_CALL_TIMEOUT_S)
 
 
 @dataclass

@@ -31,6 +31,7 @@ after every step while busy), else why not (stopped, or one step running that lo
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import threading
@@ -38,7 +39,7 @@ import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from kvexport.errors import KvExportError
 
@@ -212,6 +213,27 @@ class EngineThread:
         quick; an exception it raises is logged. (Disaggregated serving copies KV blocks into
         the pool this way: runtime/serving/dynamo_disagg.py.)"""
         self._inbox.put(("call", fn))
+
+    async def run(self, fn: Callable[[], Any], timeout_s: float) -> Any:
+        """fn() run on the engine thread between two steps (`call`), awaited on the caller's event loop: its
+        result, or the exception it raised; asyncio.TimeoutError after `timeout_s`."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def settle(result, error) -> None:
+            if not fut.done():
+                fut.set_exception(error) if error is not None else fut.set_result(result)
+
+        def job() -> None:
+            try:
+                r = fn()
+            except BaseException as e:  # noqa: BLE001 - handed to the awaiting caller
+                loop.call_soon_threadsafe(settle, None, e)
+            else:
+                loop.call_soon_threadsafe(settle, r, None)
+
+        self.call(job)
+        return await asyncio.wait_for(fut, timeout_s)
 
     # ---- engine thread ----------------------------------------------------------------
     def _update_counters(self) -> None:

@@ -422,20 +422,8 @@ async def models(request: Request):
 
 async def _on_engine(s: "OpenAIServer", fn: Callable[[], None], timeout: float = 60.0) -> None:
     """Run `fn` on the engine thread between two steps and wait for it (its exception raised here)."""
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future = loop.create_future()
-
-    def job() -> None:
-        try:
-            fn()
-        except BaseException as e:  # noqa: BLE001 - handed to the waiting handler
-            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_exception(e))
-        else:
-            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None))
-
-    s.worker.call(job)
     try:
-        await asyncio.wait_for(fut, timeout)
+        await s.worker.run(fn, timeout)
     except asyncio.TimeoutError:
         raise ApiError(503, "the engine thread did not take the change in time; retry", type="server_error") from None
 

@@ -185,8 +185,8 @@ _MODULE = re.compile(r"^model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)$")
 
 def pack(plan: dict, adapters: list[LoraAdapter | None], dtype=np.float32) -> dict[str, np.ndarray]:
     """The graph inputs lora_a / lora_b of every adapted matmul with `adapters` in slots 0.. (kvexport/io.py
-    LORA_INDEX; None: an empty slot, zeros), each adapter's scale folded into B; SourceError naming the adapter and module it cannot take
-    (a target the build does not adapt, a rank above its max_rank)."""
+    LORA_INDEX; None: an empty slot, zeros), each adapter's scale folded into B; SourceError naming the adapter
+    and module it cannot take (a target the build does not adapt, a rank above its max_rank)."""
     r, slots = plan["max_rank"], len(adapters)
     where = {(m, part[0]): (k, part[1], part[2]) for m, parts in plan["parts"].items() for k, part in enumerate(parts)}
     module_of = {n: m for m, names in io.LORA_MODULES.items() for n in names}

@@ -209,8 +209,8 @@ def _chat_bench(build_dir, chat: str, pool_conversations: int, json_out, cfg, tu
               help=f"Read tool calls in this format: {', '.join(sorted(TOOL_PARSERS))} [the one the chat template "
                    f"tells].")
 @click.option("--allow-runtime-lora", is_flag=True,
-              help="Take vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (a client names a PEFT folder on "
-                   "this machine; not with --api-keys); the build needs --lora-max-rank.")
+              help="Take vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (a client names a PEFT folder "
+                   "on this machine; not with --api-keys); the build needs --lora-max-rank.")
 @engine_options
 def serve(build_dir, host, port, served_model_name, shutdown_grace, api_keys, cache_salt_key, tool_call_parser,
           allow_runtime_lora, **settings):
